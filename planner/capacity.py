@@ -1,0 +1,59 @@
+"""Capacities: the largest step and batch shapes the planned buffers can hold.
+
+Every capacity is an i32 quantity because kernels index with i32; each is
+derived once here and carried in the plan (invariant 2).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner import checked
+from planner.checked import I32
+
+
+class Capacity(BaseModel):
+    """Planned limits of one step (tokens, pages, tiles) and of the KV pool."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_batch: int = Field(description="B: requests in one step")
+    max_context: int = Field(description="C: tokens of one request, prompt plus output")
+    page_size: int = Field(description="S: tokens per KV page")
+    max_prefill_tokens: int = Field(description="prefill tokens per step (the chunk)")
+    max_tokens_per_step: int = Field(description="T = max(max_prefill_tokens + B - 1, B): rows of a step")
+    pages_per_request: int = Field(description="ceil(C / S): logical pages one request can list")
+    logical_pages: int = Field(description="P = B x ceil(C / S): page-table entries of a step (shared pages count per request)")
+    tiles: int = Field(description="N = T x gqa_group: attention work tiles of a step")
+    recurrent_slots: int = Field(0, description="recurrent-state slots: B x states_per_slot (Qwen3.5)")
+    kv_pages: int = Field(0, description="KV pages allocated, page 0 (padding) included")
+    kv_tokens: int = Field(0, description="tokens the usable KV pages hold: (kv_pages - 1) x S")
+
+
+def build_capacity(
+    *, max_batch: int, max_context: int, page_size: int, max_prefill_tokens: int, gqa_group: int,
+    recurrent_slots_per_request: int,
+) -> Capacity:
+    """Capacities before the KV pool is sized (kv_pages and kv_tokens stay 0)."""
+    tokens = max(checked.add("max_tokens_per_step", max_prefill_tokens, max_batch - 1, width=I32), max_batch)
+    pages_per_request = checked.ceil_div("pages_per_request", max_context, page_size, width=I32)
+    return Capacity(
+        max_batch=max_batch,
+        max_context=max_context,
+        page_size=page_size,
+        max_prefill_tokens=max_prefill_tokens,
+        max_tokens_per_step=tokens,
+        pages_per_request=pages_per_request,
+        logical_pages=checked.mul("logical_pages", max_batch, pages_per_request, width=I32),
+        tiles=checked.mul("tiles", tokens, gqa_group, width=I32),
+        recurrent_slots=checked.mul("recurrent_slots", max_batch, recurrent_slots_per_request, width=I32),
+    )
+
+
+def with_kv_pages(capacity: Capacity, kv_pages: int) -> Capacity:
+    """The capacity with the KV pool sized: ``kv_pages`` pages, page 0 reserved for padding."""
+    checked.fit("kv_pages", kv_pages, I32)
+    usable = max(kv_pages - 1, 0)
+    return capacity.model_copy(
+        update={"kv_pages": kv_pages, "kv_tokens": checked.mul("kv_tokens", usable, capacity.page_size, width=checked.I64)}
+    )

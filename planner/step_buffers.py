@@ -1,0 +1,84 @@
+"""Transient buffers of a forward step, with live ranges over the stages of a layer.
+
+One set of roles serves every layer of its kind: a step walks the layers and
+reuses the same ``qkv``, ``gate_up``, ... buffers each time. ``hidden`` (the
+residual stream, accumulated in place), ``normed`` and ``proj_out`` carry
+values across stages and layers, so they live the whole step. The other roles
+live only between the stage that writes them and the last stage that reads
+them, so roles of full-attention layers, of linear-attention layers and of the
+MLP share bytes (invariant 6). The decode pool is this layout at B rows, the
+prefill pool at T rows.
+"""
+
+from __future__ import annotations
+
+from planner.config import ModelConfig
+from planner.geometry import Geometry
+from planner.layout import BufferRequest, Pool, pack_by_lifetime
+
+#: Stages of one step in execution order. A layer runs input_norm, then either
+#: the attn.* or the linear.* stages, then post_norm and mlp.*; the last layer
+#: is followed by final_norm and lm_head.
+STAGES = (
+    "embed",  # token_ids -> hidden
+    "input_norm",  # hidden += proj_out (previous layer); normed = norm(hidden)
+    "attn.qkv_proj",  # normed -> qkv
+    "attn.rope_kv_write",  # q/k norm + RoPE in place in qkv; K, V -> KV pool
+    "attn.attention",  # qkv (q) + KV pool -> attn_out
+    "attn.output_gate",  # attn_out *= sigmoid(gate part of qkv) (Qwen3.5)
+    "attn.o_proj",  # attn_out -> proj_out
+    "linear.in_proj",  # normed -> in_proj [qkv | z | b | a]
+    "linear.conv",  # in_proj qkv part + conv state -> conv_out
+    "linear.gates",  # in_proj b, a -> gate_g, gate_beta
+    "linear.delta_rule",  # conv_out, gates + ssm state -> delta_out
+    "linear.gated_norm",  # delta_out, in_proj z -> gated_out
+    "linear.out_proj",  # gated_out -> proj_out
+    "post_norm",  # hidden += proj_out; normed = norm(hidden)
+    "mlp.gate_up_proj",  # normed -> gate_up
+    "mlp.act",  # gate_up -> act
+    "mlp.down_proj",  # act -> proj_out
+    "final_norm",  # hidden += proj_out; normed = norm(hidden)
+    "lm_head",  # normed rows -> sampling pool
+)
+
+_STAGE = {name: index for index, name in enumerate(STAGES)}
+_WHOLE_STEP = (0, len(STAGES) - 1)
+
+
+def _live(first: str, last: str) -> tuple[int, int]:
+    return (_STAGE[first], _STAGE[last])
+
+
+def step_requests(geometry: Geometry, model: ModelConfig, rows: int, dtype: str) -> list[BufferRequest]:
+    """Role buffers of a step of ``rows`` token rows (B for decode, T for prefill)."""
+    g = geometry
+    requests = [
+        BufferRequest("token_ids", "int32", (rows,), _live("embed", "embed")),
+        BufferRequest("hidden", dtype, (rows, g.hidden_size), _WHOLE_STEP),
+        BufferRequest("normed", dtype, (rows, g.hidden_size), _WHOLE_STEP),
+        BufferRequest("proj_out", dtype, (rows, g.hidden_size), _WHOLE_STEP),
+        BufferRequest("gate_up", dtype, (rows, 2 * g.intermediate_size), _live("mlp.gate_up_proj", "mlp.act")),
+        BufferRequest("act", dtype, (rows, g.intermediate_size), _live("mlp.act", "mlp.down_proj")),
+    ]
+    if g.num_full_layers:
+        requests += [
+            BufferRequest("qkv", dtype, (rows, g.qkv_rows), _live("attn.qkv_proj", "attn.output_gate")),
+            BufferRequest("attn_out", dtype, (rows, g.num_q_heads * g.head_dim), _live("attn.attention", "attn.o_proj")),
+        ]
+    if g.num_linear_layers:
+        value_width = g.linear_num_value_heads * g.linear_value_head_dim
+        heads = g.linear_num_value_heads
+        requests += [
+            BufferRequest("in_proj", dtype, (rows, g.linear_in_proj_rows), _live("linear.in_proj", "linear.gated_norm")),
+            BufferRequest("conv_out", dtype, (rows, g.conv_dim), _live("linear.conv", "linear.delta_rule")),
+            BufferRequest("gate_g", "float32", (rows, heads), _live("linear.gates", "linear.delta_rule")),
+            BufferRequest("gate_beta", "float32", (rows, heads), _live("linear.gates", "linear.delta_rule")),
+            BufferRequest("delta_out", dtype, (rows, value_width), _live("linear.delta_rule", "linear.gated_norm")),
+            BufferRequest("gated_out", dtype, (rows, value_width), _live("linear.gated_norm", "linear.out_proj")),
+        ]
+    return requests
+
+
+def build_step_pool(name: str, geometry: Geometry, model: ModelConfig, rows: int, dtype: str) -> Pool:
+    """A transient pool (``decode`` or ``prefill``) packed by live range."""
+    return pack_by_lifetime(name, step_requests(geometry, model, rows, dtype))
