@@ -104,8 +104,8 @@ class ModelConfig(_Frozen):
             raise ValueError("architecture qwen3 has only full_attention layers")
         if self.architecture == "qwen3_5" and self.layer_types is None:
             raise ValueError("architecture qwen3_5 needs layer_types")
-        if "full_attention" not in self.kinds and self.architecture == "qwen3":
-            raise ValueError("qwen3 needs at least one full_attention layer")
+        if "full_attention" not in self.kinds:
+            raise ValueError("layer_types needs at least one full_attention layer (the KV pool is sized by them)")
         return self
 
     @property

@@ -53,16 +53,16 @@ def _advice(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig
 
 
 def _fits(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig, **change: object) -> bool:
-    from planner.plan import build_plan
+    from planner.checked import CheckedOverflowError
+    from planner.plan import plan_fits
 
     data = {**serving.model_dump(), **change}
     buckets = data["decode_graph_batch_sizes"]
     data["decode_graph_batch_sizes"] = tuple(b for b in buckets if b <= data["max_batch"]) or (1,)
     try:
-        build_plan(model, hardware, ServingConfig.model_validate(data, strict=False))
-    except (PlanDoesNotFit, ConfigError, ValueError):
+        return plan_fits(model, hardware, ServingConfig.model_validate(data, strict=False))
+    except (ConfigError, CheckedOverflowError, ValueError):
         return False
-    return True
 
 
 def _largest_fitting(fits: Callable[[int], bool], low: int, high: int) -> int | None:

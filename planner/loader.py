@@ -50,8 +50,13 @@ def load_serving(spec: str | None, overrides: dict[str, Any] | None = None) -> S
         path = _resolve(spec, "serving")
         source = str(path)
         data = _read_yaml(path)
-    if overrides:
-        data = {**data, **{k: v for k, v in overrides.items() if v is not None}}
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if given:
+        if "max_batch" in given and "decode_graph_batch_sizes" not in given:
+            # Like vLLM's capture sizes: buckets above a lowered batch limit are dropped.
+            buckets = data.get("decode_graph_batch_sizes", ServingConfig().decode_graph_batch_sizes)
+            given["decode_graph_batch_sizes"] = [b for b in buckets if b <= given["max_batch"]] or [1]
+        data = {**data, **given}
         source = f"{source} + flags"
     return validate(ServingConfig, data, source)
 

@@ -97,8 +97,8 @@ def build_plan(model: ModelConfig, hardware: HardwareConfig, serving: ServingCon
     """
     draft = _draft(model, hardware, serving)
     page_bytes = kv_page_bytes(draft.geometry, serving.page_size, draft.dtypes.kv_cache)
-    if draft.available_bytes < 0 or draft.available_bytes // page_bytes < serving.min_kv_pages:
-        from planner.fit import explain_does_not_fit  # local: fit re-enters build_plan
+    if not _leaves_min_kv_pages(draft, page_bytes, serving):
+        from planner.fit import explain_does_not_fit  # local: fit calls plan_fits
 
         raise explain_does_not_fit(model, hardware, serving, draft.non_kv_bytes, draft.usable_bytes, page_bytes,
                                    draft.pools)
@@ -118,6 +118,16 @@ def build_plan(model: ModelConfig, hardware: HardwareConfig, serving: ServingCon
         model=model, hardware=hardware, serving=serving, dtypes=draft.dtypes, geometry=draft.geometry,
         capacity=with_kv_pages(draft.capacity, kv_pages), stages=STAGES, pools=pools, budget=budget,
     )
+
+
+def plan_fits(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig) -> bool:
+    """Whether ``build_plan`` would succeed (it raises ConfigError for invalid configs)."""
+    draft = _draft(model, hardware, serving)
+    return _leaves_min_kv_pages(draft, kv_page_bytes(draft.geometry, serving.page_size, draft.dtypes.kv_cache), serving)
+
+
+def _leaves_min_kv_pages(draft: _Draft, page_bytes: int, serving: ServingConfig) -> bool:
+    return draft.available_bytes >= 0 and _kv_pages(draft.available_bytes, page_bytes) >= serving.min_kv_pages
 
 
 class _Draft(BaseModel):
