@@ -25,11 +25,12 @@ def build_kv_cache(geometry: Geometry, page_size: int, kv_dtype: str, kv_pages: 
     return pack_sequential("kv_cache", [BufferRequest("kv_cache", kv_dtype, shape)])
 
 
-def build_recurrent_state(geometry: Geometry, num_slots: int, conv_dtype: str) -> Pool:
+def build_recurrent_state(geometry: Geometry, num_slots: int, conv_dtype: str, max_batch: int) -> Pool:
     """Per-slot Gated DeltaNet state of every linear layer, layer-major so a layer's view is contiguous.
 
     ssm_state  [linear layers, slots, Hv, dk, dv] float32
     conv_state [linear layers, slots, conv_dim, K - 1] in the activation dtype
+    slot_ids   [max_batch] int32: each request's slot in the current step
     """
     g = geometry
     return pack_sequential(
@@ -40,14 +41,16 @@ def build_recurrent_state(geometry: Geometry, num_slots: int, conv_dtype: str) -
                 (g.num_linear_layers, num_slots, g.linear_num_value_heads, g.linear_key_head_dim, g.linear_value_head_dim),
             ),
             BufferRequest("conv_state", conv_dtype, (g.num_linear_layers, num_slots, g.conv_dim, g.conv_kernel_size - 1)),
+            BufferRequest("slot_ids", "int32", (max_batch,)),
         ],
     )
 
 
 def recurrent_bytes_per_slot(geometry: Geometry, conv_dtype: str) -> int:
     """Bytes one slot holds over all linear layers (a figure for reports and tests)."""
-    one = build_recurrent_state(geometry, 1, conv_dtype)
-    return checked.add("recurrent bytes per slot", *(b.bytes for b in one.buffers), width=U64)
+    one = build_recurrent_state(geometry, 1, conv_dtype, max_batch=1)
+    states = (one.buffer("ssm_state").bytes, one.buffer("conv_state").bytes)
+    return checked.add("recurrent bytes per slot", *states, width=U64)
 
 
 def kv_bytes_per_token(geometry: Geometry, kv_dtype: str) -> int:

@@ -159,7 +159,7 @@ def _draft(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig)
     act = dtypes.activations
     pools = [build_weights(geometry, dtypes.weights, model.tie_word_embeddings)]
     if geometry.num_linear_layers:
-        pools.append(build_recurrent_state(geometry, capacity.recurrent_slots, act))
+        pools.append(build_recurrent_state(geometry, capacity.recurrent_slots, act, capacity.max_batch))
     pools += [
         build_attention_plan(capacity),
         build_step_pool("decode", geometry, model, capacity.max_batch, act),

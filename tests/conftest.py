@@ -23,6 +23,9 @@ def _cuda_available() -> bool:
 HAS_GPU = _cuda_available()
 if not HAS_GPU:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    from executor.device import speed_up_simulator
+
+    speed_up_simulator()
 os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from executor.numba_cuda import load_cuda
+from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
 
@@ -49,5 +49,10 @@ def block_max(scratch, value):
 
 
 def threads_for(num_elements: int, max_threads: int = 256) -> int:
-    """A power-of-two block size covering ``num_elements`` (at least 32, at most max_threads)."""
-    return max(32, min(max_threads, 1 << math.ceil(math.log2(max(1, num_elements)))))
+    """A power-of-two block size covering ``num_elements``, at most ``max_threads``.
+
+    At least a warp (32) on the GPU; at least 4 in the simulator, where every
+    thread is a Python thread and idle ones cost as much as busy ones.
+    """
+    minimum = 4 if simulator_enabled() else 32
+    return max(minimum, min(max_threads, 1 << math.ceil(math.log2(max(1, num_elements)))))

@@ -1,0 +1,100 @@
+"""Where kernels run: a CUDA GPU, or the Numba CUDA simulator over host memory.
+
+The executor is written once against torch tensors. A ``Device`` says which
+torch device holds the arena, how a tensor is handed to a Numba kernel, and
+which stream kernels launch on, so the simulator runs the same code path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from executor.numba_cuda import load_cuda, simulator_enabled
+
+TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "int32": torch.int32,
+    "uint32": torch.uint32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+}
+
+
+class DeviceError(RuntimeError):
+    """The requested device is not available."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """A place to run: ``kind`` is "cuda" or "sim"."""
+
+    kind: str
+    torch_device: torch.device
+    stream: Any  # numba stream kernels launch on (0 in the simulator)
+
+    @property
+    def is_sim(self) -> bool:
+        return self.kind == "sim"
+
+    def array(self, tensor: torch.Tensor) -> Any:
+        """The kernel-argument form of ``tensor``: bf16 as int16 bits; numpy in the simulator.
+
+        Made once per planned buffer at materialize; slicing it later allocates nothing.
+        """
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.view(torch.int16)
+        if self.is_sim:
+            # Wrap, don't copy: the simulator would copy a plain numpy argument
+            # in and out, which breaks strided views and in-place kernels.
+            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+            return FakeCUDAArray(tensor.numpy())
+        return load_cuda().as_cuda_array(tensor, sync=False)
+
+    def synchronize(self) -> None:
+        if not self.is_sim:
+            torch.cuda.synchronize(self.torch_device)
+
+
+def speed_up_simulator() -> None:
+    """Let simulated threads hand over the GIL at once.
+
+    The simulator runs a block's threads as Python threads, and each barrier
+    waits for every one of them; at Python's default 5 ms switch interval a
+    barrier costs milliseconds. A 1 us interval makes the kernels 5-6x faster.
+    """
+    sys.setswitchinterval(1e-6)
+
+
+def open_device(kind: str = "auto") -> Device:
+    """A CUDA device when one is present (or asked for), else the simulator.
+
+    The simulator must be chosen before numba.cuda is first imported: set
+    NUMBA_ENABLE_CUDASIM=1 in the environment (``memplan run --device sim`` does).
+    """
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() and not simulator_enabled() else "sim"
+    if kind == "sim":
+        if not simulator_enabled():
+            if "numba.cuda" in sys.modules:
+                raise DeviceError("the Numba CUDA simulator must be enabled before numba.cuda loads: "
+                                  "set NUMBA_ENABLE_CUDASIM=1")
+            os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+        speed_up_simulator()
+        return Device("sim", torch.device("cpu"), 0)
+    if kind != "cuda":
+        raise DeviceError(f"unknown device {kind!r}; use cuda, sim or auto")
+    if not torch.cuda.is_available():
+        raise DeviceError("no CUDA device: use --device sim with a tiny config")
+    if simulator_enabled():
+        raise DeviceError("NUMBA_ENABLE_CUDASIM=1 is set: unset it to run on the GPU")
+    cuda = load_cuda()
+    stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+    return Device("cuda", torch.device("cuda", torch.cuda.current_device()), stream)

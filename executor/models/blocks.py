@@ -1,0 +1,135 @@
+"""The blocks of a decoder layer, each reading ``normed`` and writing ``proj_out``.
+
+Blocks hold their layer's weight views and the shared launchers; a forward
+call only slices planned buffers and launches. GEMMs run through torch into
+planned views (``out=``); everything else is a Numba kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from executor.arena import Arena
+from executor.kernels.kv_cache import write_kv
+from executor.models.context import StepViews
+from executor.models.kernels import Kernels, NormStyle
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    """out[n, m] = x[n, k] @ weight[m, k]^T, into a planned view."""
+    torch.matmul(x, weight.t(), out=out)
+
+
+class FullAttention:
+    """GQA attention over the paged KV cache: fused QKV GEMM, q/k norm + RoPE,
+    KV write, paged attention, optional sigmoid output gate (Qwen3.5), o_proj."""
+
+    def __init__(self, arena: Arena, kernels: Kernels, layer: int, norm: NormStyle, output_gate: bool):
+        plan, g = arena.plan, arena.plan.geometry
+        prefix = f"model.layers.{layer}.self_attn"
+        self.qkv_weight = arena.tensor("weights", f"{prefix}.qkv_proj.weight")
+        self.o_weight = arena.tensor("weights", f"{prefix}.o_proj.weight")
+        self.q_norm = arena.tensor("weights", f"{prefix}.q_norm.weight")
+        self.k_norm = arena.tensor("weights", f"{prefix}.k_norm.weight")
+        kv = arena.tensor("kv_cache", "kv_cache")  # [pages, full layers, 2, S, Hkv, D]
+        slot = g.layer_slots[layer]
+        self.k_cache, self.v_cache = kv[:, slot, 0], kv[:, slot, 1]
+        self.kernels, self.device = kernels, arena.device
+        self.norm, self.output_gate = norm, output_gate
+        self.q_heads, self.kv_heads, self.head_dim = g.num_q_heads, g.num_kv_heads, g.head_dim
+        self.q_rows, self.kv_rows = g.q_proj_rows, g.num_kv_heads * g.head_dim
+        self.rotary_dim, self.theta = g.rotary_dim, plan.model.rope_theta
+        self.eps = plan.model.rms_norm_eps
+        self.scale = np.float32(1.0 / math.sqrt(g.head_dim))
+
+    def __call__(self, step: StepViews) -> None:
+        k_, a = self.kernels, self.device.array
+        n, d = step.num_rows, self.head_dim
+        qkv = step.role("qkv")
+        _gemm(step.role("normed"), self.qkv_weight, qkv)
+        q_part = qkv[:, : self.q_rows]
+        if self.output_gate:  # per head [q | gate]
+            q_and_gate = q_part.view(n, self.q_heads, 2 * d)
+            q, gate = q_and_gate[..., :d], q_and_gate[..., d:]
+        else:
+            q = q_part.view(n, self.q_heads, d)
+        k = qkv[:, self.q_rows : self.q_rows + self.kv_rows].view(n, self.kv_heads, d)
+        v = qkv[:, self.q_rows + self.kv_rows :].view(n, self.kv_heads, d)
+        positions = a(step.meta("positions"))
+        for x, weight in ((q, self.q_norm), (k, self.k_norm)):
+            k_.qk_norm_rope(a(x), a(weight), positions, self.eps, self.norm.weight_offset, self.rotary_dim,
+                            self.theta, stream=self.device.stream)
+        write_kv(a(k), a(v), a(self.k_cache), a(self.v_cache), a(step.meta("batch_indices")), positions,
+                 a(step.meta("page_indices")), a(step.meta("page_indptr")), stream=self.device.stream)
+        attn_out = step.role("attn_out").view(n, self.q_heads, d)
+        k_.attention(
+            a(q), a(self.k_cache), a(self.v_cache), *(a(step.meta(name)) for name in (
+                "page_indices", "page_indptr", "last_page_len", "q_indptr", "batch_indices", "positions",
+                "request_indices", "qo_tile_indices", "kv_tile_indices", "kv_chunk_size", "total_num_rows")),
+            a(attn_out), self.scale, stream=self.device.stream,
+        )
+        if self.output_gate:
+            k_.output_gate(a(attn_out), a(gate), stream=self.device.stream)
+        _gemm(step.role("attn_out"), self.o_weight, step.role("proj_out"))
+
+
+class LinearAttention:
+    """Gated DeltaNet (Qwen3.5): fused in_proj GEMM, causal conv1d with state,
+    gates, the delta rule with state, gated RMSNorm, out_proj."""
+
+    def __init__(self, arena: Arena, kernels: Kernels, layer: int):
+        plan, g = arena.plan, arena.plan.geometry
+        prefix = f"model.layers.{layer}.linear_attn"
+        slot = g.layer_slots[layer]
+        self.in_weight = arena.tensor("weights", f"{prefix}.in_proj.weight")
+        self.out_weight = arena.tensor("weights", f"{prefix}.out_proj.weight")
+        conv = arena.tensor("weights", f"{prefix}.conv1d.weight")
+        self.conv_weight = conv.view(conv.shape[0], conv.shape[2])
+        self.a_log = arena.tensor("weights", f"{prefix}.A_log")
+        self.dt_bias = arena.tensor("weights", f"{prefix}.dt_bias")
+        self.norm_weight = arena.tensor("weights", f"{prefix}.norm.weight")
+        self.conv_state = arena.tensor("recurrent_state", "conv_state")[slot]
+        self.ssm_state = arena.tensor("recurrent_state", "ssm_state")[slot]
+        self.kernels, self.device = kernels, arena.device
+        self.conv_dim = g.conv_dim
+        self.value_width = g.linear_num_value_heads * g.linear_value_head_dim
+        self.heads, self.dv = g.linear_num_value_heads, g.linear_value_head_dim
+        self.eps = plan.model.rms_norm_eps
+
+    def __call__(self, step: StepViews) -> None:
+        k_, a, stream = self.kernels, self.device.array, self.device.stream
+        n = step.num_rows
+        in_proj = step.role("in_proj")
+        _gemm(step.role("normed"), self.in_weight, in_proj)
+        c, w, h = self.conv_dim, self.value_width, self.heads
+        mixed, z = in_proj[:, :c], in_proj[:, c : c + w]
+        b, gate_a = in_proj[:, c + w : c + w + h], in_proj[:, c + w + h :]
+        q_indptr, slot_ids = a(step.meta("q_indptr")), a(step.slot_ids())
+        conv_out = step.role("conv_out")
+        k_.conv1d(a(mixed), a(self.conv_weight), a(self.conv_state), q_indptr, slot_ids, a(conv_out), stream=stream)
+        g, beta = step.role("gate_g"), step.role("gate_beta")
+        k_.gdn_gates(a(gate_a), a(b), a(self.a_log), a(self.dt_bias), a(g), a(beta), stream=stream)
+        delta_out = step.role("delta_out").view(n, h, self.dv)
+        k_.delta_rule(a(conv_out), a(g), a(beta), a(self.ssm_state), q_indptr, slot_ids, a(delta_out), stream=stream)
+        gated = step.role("gated_out")
+        k_.gated_norm(a(delta_out), a(z), a(self.norm_weight), a(gated), self.eps, stream=stream)
+        _gemm(gated, self.out_weight, step.role("proj_out"))
+
+
+class Mlp:
+    """SwiGLU: fused gate|up GEMM, silu(gate) * up, down_proj."""
+
+    def __init__(self, arena: Arena, kernels: Kernels, layer: int):
+        prefix = f"model.layers.{layer}.mlp"
+        self.gate_up_weight = arena.tensor("weights", f"{prefix}.gate_up_proj.weight")
+        self.down_weight = arena.tensor("weights", f"{prefix}.down_proj.weight")
+        self.kernels, self.device = kernels, arena.device
+
+    def __call__(self, step: StepViews) -> None:
+        gate_up, act = step.role("gate_up"), step.role("act")
+        _gemm(step.role("normed"), self.gate_up_weight, gate_up)
+        self.kernels.silu_mul(self.device.array(gate_up), self.device.array(act), stream=self.device.stream)
+        _gemm(act, self.down_weight, step.role("proj_out"))

@@ -1,0 +1,82 @@
+"""The decoder forward shared by Qwen3 and Qwen3.5: embed, layers, final norm,
+lm_head and greedy sampling, over the planned buffers.
+
+The residual stream ``hidden`` is accumulated in place by the fused
+add + RMSNorm kernel; ``normed`` is each block's input and ``proj_out`` each
+block's output (see planner.step_buffers for the stages and live ranges).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from executor.arena import Arena
+from executor.models.context import StepViews, step_views
+from executor.models.kernels import Kernels, NormStyle
+from executor.step import StepMetadata, write_step
+
+Block = Callable[[StepViews], None]
+
+
+@dataclass(frozen=True)
+class Layer:
+    mixer: Block  # attention or linear attention: normed -> proj_out
+    mlp: Block  # normed -> proj_out
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+
+
+class DecoderModel:
+    """A decoder over an arena. ``step(meta)`` runs one forward and greedy-samples each request."""
+
+    def __init__(self, arena: Arena, kernels: Kernels, norm: NormStyle, layers: Sequence[Layer]):
+        self.arena, self.kernels, self.norm, self.layers = arena, kernels, norm, tuple(layers)
+        self.device = arena.device
+        self.eps = arena.plan.model.rms_norm_eps
+        self.embed = arena.tensor("weights", "model.embed_tokens.weight")
+        self.final_norm = arena.tensor("weights", "model.norm.weight")
+        tied = arena.plan.model.tie_word_embeddings
+        self.lm_head = self.embed if tied else arena.tensor("weights", "lm_head.weight")
+
+    def step(self, meta: StepMetadata) -> torch.Tensor:
+        """Copy the step's metadata in place, run the forward, and return the sampled ids view [B] int32.
+
+        The returned view is the planned ``sampled_ids`` buffer: read it before the next step.
+        """
+        write_step(self.arena, meta)
+        step = step_views(self.arena, meta)
+        self._forward(step)
+        return self.arena.tensor("sampling", "sampled_ids")[: step.num_requests]
+
+    def logits(self, num_requests: int) -> torch.Tensor:
+        """The last step's float32 logits [B, V] (a view of the planned buffer)."""
+        return self.arena.tensor("sampling", "logits")[:num_requests]
+
+    def _forward(self, step: StepViews) -> None:
+        a, stream, k_ = self.device.array, self.device.stream, self.kernels
+        hidden, normed, proj_out = step.role("hidden"), step.role("normed"), step.role("proj_out")
+        k_.embedding(a(step.role("token_ids")), a(self.embed), a(hidden), stream=stream)
+        offset = self.norm.weight_offset
+        for index, layer in enumerate(self.layers):
+            if index == 0:
+                k_.rms_norm(a(hidden), a(layer.input_norm), a(normed), self.eps, offset, stream=stream)
+            else:  # hidden += previous layer's MLP output; normed = norm(hidden)
+                k_.add_rms_norm(a(proj_out), a(hidden), a(layer.input_norm), a(normed), self.eps, offset, stream=stream)
+            layer.mixer(step)
+            k_.add_rms_norm(a(proj_out), a(hidden), a(layer.post_norm), a(normed), self.eps, offset, stream=stream)
+            layer.mlp(step)
+        k_.add_rms_norm(a(proj_out), a(hidden), a(self.final_norm), a(normed), self.eps, offset, stream=stream)
+        self._sample(step, normed)
+
+    def _sample(self, step: StepViews, normed: torch.Tensor) -> None:
+        b = step.num_requests
+        sampling = lambda name: self.arena.tensor("sampling", name)[:b]  # noqa: E731
+        last_hidden, logits_raw, logits = sampling("last_hidden"), sampling("logits_raw"), sampling("logits")
+        torch.index_select(normed, 0, sampling("logits_indices"), out=last_hidden)
+        torch.matmul(last_hidden, self.lm_head.t(), out=logits_raw)
+        logits.copy_(logits_raw)
+        self.kernels.argmax(self.device.array(logits), self.device.array(sampling("sampled_ids")),
+                            stream=self.device.stream)

@@ -1,0 +1,72 @@
+"""The kernel launchers a model uses, built once per model (one compile per
+kernel and argument types, shared by every layer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from executor.kernels.activation import SigmoidMulInplace, SiluMul
+from executor.kernels.attention import PagedAttention
+from executor.kernels.codec import build_codec
+from executor.kernels.conv1d import CausalConv1d
+from executor.kernels.delta_rule import GatedDeltaRule, GdnGates
+from executor.kernels.embedding import Embedding
+from executor.kernels.gated_norm import GatedRmsNorm
+from executor.kernels.norm import AddRmsNormInplace, RmsNorm
+from executor.kernels.rope import QkNormRopeInplace
+from executor.kernels.sampling import Argmax
+from executor.numba_cuda import simulator_enabled
+from planner.geometry import Geometry
+
+
+@dataclass(frozen=True)
+class NormStyle:
+    """How a model's RMSNorms scale: ``w * norm(x)`` (Qwen3) or ``norm(x) * (1 + w)`` (Qwen3.5)."""
+
+    weight_offset: float
+    round_before_weight: bool  # Qwen3 rounds norm(x) to the activation dtype before the weight
+
+
+QWEN3_NORM = NormStyle(weight_offset=0.0, round_before_weight=True)
+ZERO_CENTRED_NORM = NormStyle(weight_offset=1.0, round_before_weight=False)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    embedding: Embedding
+    rms_norm: RmsNorm
+    add_rms_norm: AddRmsNormInplace
+    qk_norm_rope: QkNormRopeInplace
+    attention: PagedAttention
+    output_gate: SigmoidMulInplace
+    silu_mul: SiluMul
+    argmax: Argmax
+    conv1d: CausalConv1d | None = None
+    gdn_gates: GdnGates | None = None
+    delta_rule: GatedDeltaRule | None = None
+    gated_norm: GatedRmsNorm | None = None
+
+
+def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle) -> Kernels:
+    """Launchers for a model of ``geometry`` in ``activation_dtype`` storage."""
+    codec = build_codec(activation_dtype)
+    linear = {}
+    if geometry.num_linear_layers:
+        linear = dict(
+            conv1d=CausalConv1d(codec, geometry.conv_kernel_size),
+            gdn_gates=GdnGates(codec, build_codec("float32")),
+            delta_rule=GatedDeltaRule(codec, geometry.linear_key_head_dim),
+            gated_norm=GatedRmsNorm(codec),
+        )
+    return Kernels(
+        embedding=Embedding(codec),
+        rms_norm=RmsNorm(codec, norm.round_before_weight),
+        add_rms_norm=AddRmsNormInplace(codec, norm.round_before_weight),
+        qk_norm_rope=QkNormRopeInplace(codec, norm.round_before_weight),
+        # A simulator thread is a Python thread: one warp per attention block there.
+        attention=PagedAttention(codec, geometry.head_dim, geometry.gqa_group, threads=32 if simulator_enabled() else 128),
+        output_gate=SigmoidMulInplace(codec),
+        silu_mul=SiluMul(codec),
+        argmax=Argmax(),
+        **linear,
+    )

@@ -1,0 +1,181 @@
+"""One step's batch on the host, checked against the plan's capacities and
+copied in place into the planned metadata buffers.
+
+A step is a list of ``RequestChunk``: each request contributes the tokens it
+feeds this step (a prefill chunk, or one decode token) and its page table.
+``plan_step`` builds the host arrays and checks every capacity before anything
+is written, so a step that does not fit raises ``CapacityError`` and leaves the
+arena untouched (invariant 4). ``write_step`` copies the arrays into the
+planned buffers' leading rows: no allocation on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from executor.arena import Arena
+from executor.kernels.attention import plan_tiles
+from planner.plan import MemoryPlan
+
+
+class CapacityError(RuntimeError):
+    """A step needs more than a planned capacity. Names the dimension, required and planned value."""
+
+    def __init__(self, dimension: str, required: int, capacity: int, detail: str = ""):
+        self.dimension = dimension
+        self.required = required
+        self.capacity = capacity
+        suffix = f" ({detail})" if detail else ""
+        super().__init__(f"{dimension}: step needs {required:,}, plan has {capacity:,}{suffix}")
+
+
+@dataclass(frozen=True)
+class RequestChunk:
+    """What one request feeds a step.
+
+    token_ids   the new tokens (a prefill chunk, or one decode token), >= 1
+    num_cached  tokens of the request already in the KV cache / recurrent state
+    page_ids    physical KV pages of its logical pages, covering num_cached + len(token_ids)
+    slot        recurrent-state slot (Qwen3.5), -1 for none
+    """
+
+    token_ids: Sequence[int]
+    num_cached: int
+    page_ids: Sequence[int]
+    slot: int = -1
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """Host arrays of one step (active lengths only) and its counts."""
+
+    num_rows: int
+    num_requests: int
+    pool: str  # "decode" (every request feeds one token) or "prefill"
+    token_ids: np.ndarray  # [rows] int32
+    positions: np.ndarray  # [rows] int32
+    batch_indices: np.ndarray  # [rows] int32
+    q_indptr: np.ndarray  # [requests + 1] int32
+    page_indptr: np.ndarray  # [requests + 1] int32
+    page_indices: np.ndarray  # [pages] int32
+    last_page_len: np.ndarray  # [requests] int32
+    request_indices: np.ndarray  # [tiles] int32
+    qo_tile_indices: np.ndarray  # [tiles] int32
+    kv_tile_indices: np.ndarray  # [tiles] int32
+    kv_chunk_size: np.ndarray  # [requests] int32
+    logits_indices: np.ndarray  # [requests] int32: each request's last row
+    slot_ids: np.ndarray  # [requests] int32
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.request_indices.shape[0])
+
+
+def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk]) -> StepMetadata:
+    """Host metadata of a step; raises CapacityError naming the first exceeded dimension."""
+    cap = plan.capacity
+    page_size = cap.page_size
+    _check("batch", len(chunks), cap.max_batch)
+    new_tokens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+    if (new_tokens < 1).any():
+        raise ValueError("every request of a step feeds at least one token")
+    kv_lens = np.array([c.num_cached for c in chunks], dtype=np.int64) + new_tokens
+    num_rows = int(new_tokens.sum())
+    pool = "decode" if (new_tokens == 1).all() else "prefill"
+    _check("total_tokens", num_rows, cap.max_tokens_per_step)
+    if len(chunks):
+        longest = int(kv_lens.argmax())
+        _check("context", int(kv_lens[longest]), cap.max_context, f"request {longest}")
+    pages_needed = -(-kv_lens // page_size)
+    for index, chunk in enumerate(chunks):
+        if len(chunk.page_ids) < pages_needed[index]:
+            raise ValueError(
+                f"request {index}: {int(kv_lens[index])} tokens need {int(pages_needed[index])} pages, "
+                f"its page table lists {len(chunk.page_ids)}"
+            )
+    page_lists = [np.asarray(c.page_ids[: pages_needed[i]], dtype=np.int64) for i, c in enumerate(chunks)]
+    page_indices = np.concatenate(page_lists) if page_lists else np.zeros(0, np.int64)
+    _check("page_indices", int(page_indices.shape[0]), cap.logical_pages)
+    if page_indices.size and (page_indices.min() < 1 or page_indices.max() >= cap.kv_pages):
+        bad = int(page_indices.max() if page_indices.max() >= cap.kv_pages else page_indices.min())
+        raise CapacityError("kv_pages", bad + 1, cap.kv_pages, "page ids must lie in 1..kv_pages-1; 0 is padding")
+    slots = np.array([c.slot for c in chunks], dtype=np.int64)
+    if plan.geometry.num_linear_layers and len(chunks):
+        _check("recurrent_slots", int(slots.max()) + 1, cap.recurrent_slots)
+        if slots.min() < 0 or len(set(slots.tolist())) != len(slots):
+            raise ValueError(f"recurrent slots of a step must be distinct and >= 0, got {slots.tolist()}")
+    q_indptr = _indptr(new_tokens)
+    tiles = plan_tiles(q_indptr, kv_lens)
+    _check("tiles", int(tiles[0].shape[0]), cap.tiles)
+    rows_request = np.repeat(np.arange(len(chunks)), new_tokens)
+    first_position = kv_lens - new_tokens
+    positions = first_position[rows_request] + (np.arange(num_rows) - q_indptr[:-1][rows_request])
+    return StepMetadata(
+        num_rows=num_rows,
+        num_requests=len(chunks),
+        pool=pool,
+        token_ids=_i32(np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks]) if chunks else []),
+        positions=_i32(positions),
+        batch_indices=_i32(rows_request),
+        q_indptr=_i32(q_indptr),
+        page_indptr=_i32(_indptr(pages_needed)),
+        page_indices=_i32(page_indices),
+        last_page_len=_i32(kv_lens - (pages_needed - 1) * page_size),
+        request_indices=tiles[0],
+        qo_tile_indices=tiles[1],
+        kv_tile_indices=tiles[2],
+        kv_chunk_size=tiles[3],
+        logits_indices=_i32(q_indptr[1:] - 1),
+        slot_ids=_i32(slots),
+    )
+
+
+#: metadata field -> (pool, buffer) it is copied into.
+_DESTINATIONS = {
+    "page_indices": ("attention_plan", "page_indices"),
+    "page_indptr": ("attention_plan", "page_indptr"),
+    "last_page_len": ("attention_plan", "last_page_len"),
+    "batch_indices": ("attention_plan", "batch_indices"),
+    "positions": ("attention_plan", "positions"),
+    "q_indptr": ("attention_plan", "q_indptr"),
+    "request_indices": ("attention_plan", "request_indices"),
+    "qo_tile_indices": ("attention_plan", "qo_tile_indices"),
+    "kv_tile_indices": ("attention_plan", "kv_tile_indices"),
+    "kv_chunk_size": ("attention_plan", "kv_chunk_size"),
+    "logits_indices": ("sampling", "logits_indices"),
+}
+
+
+def write_step(arena: Arena, meta: StepMetadata) -> None:
+    """Copy a step's host arrays into the leading elements of the planned buffers (in place)."""
+    for field, (pool, name) in _DESTINATIONS.items():
+        _copy_into(arena.tensor(pool, name), getattr(meta, field))
+    _copy_into(arena.tensor(meta.pool, "token_ids"), meta.token_ids)
+    total = arena.tensor("attention_plan", "total_num_rows")
+    total.copy_(torch.tensor([meta.num_rows], dtype=torch.uint32))
+    if arena.plan.geometry.num_linear_layers:
+        _copy_into(arena.tensor("recurrent_state", "slot_ids"), meta.slot_ids)
+
+
+def _copy_into(destination: torch.Tensor, values: np.ndarray) -> None:
+    count = values.shape[0]
+    assert count <= destination.shape[0], "plan_step checked every capacity"
+    if count:
+        destination[:count].copy_(torch.from_numpy(values), non_blocking=False)
+
+
+def _check(dimension: str, required: int, capacity: int, detail: str = "") -> None:
+    if required > capacity:
+        raise CapacityError(dimension, required, capacity, detail)
+
+
+def _indptr(counts: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+def _i32(values) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(values, dtype=np.int64).astype(np.int32))

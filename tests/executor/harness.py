@@ -1,0 +1,72 @@
+"""Shared test harness: tiny models planned for the simulator, loaded from HF."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor.arena import Arena, materialize
+from executor.device import open_device
+from executor.models import build_model
+from executor.models.decoder import DecoderModel
+from executor.step import RequestChunk, plan_step
+from executor.weights import load_state_dict
+from planner.loader import load_hardware, load_model, load_serving
+from planner.plan import MemoryPlan, build_plan
+from tests.hf_reference import hf_model
+
+
+@dataclass
+class Loaded:
+    plan: MemoryPlan
+    arena: Arena
+    model: DecoderModel
+    hf: torch.nn.Module
+
+
+def load_tiny(name: str, seed: int = 0, **serving) -> Loaded:
+    """Plan ``name`` for the simulator, materialize it and load a random HF model's weights."""
+    config = load_model(name)
+    plan = build_plan(config, load_hardware("cpu-sim"), load_serving("sim", serving))
+    arena = materialize(plan, open_device("auto"))
+    hf = hf_model(config, seed=seed)
+    load_state_dict(arena, hf.state_dict())
+    return Loaded(plan, arena, build_model(arena), hf)
+
+
+def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """HF's float32 logits at every position of ``ids`` [len(ids), V]."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def run_teacher_forced(loaded: Loaded, sequences: list[list[int]], prompt_lens: list[int], chunk: int | None = None,
+                       first_page: int = 1) -> list[list[torch.Tensor]]:
+    """Prefill each sequence's prompt (in chunks of ``chunk`` tokens), then feed its remaining
+    tokens one decode step at a time, all requests batched. Returns per request the logits
+    after its prompt and after each fed token."""
+    page_size = loaded.plan.capacity.page_size
+    pages_each = loaded.plan.capacity.pages_per_request
+    pages = [list(range(first_page + i * pages_each, first_page + (i + 1) * pages_each)) for i in range(len(sequences))]
+    cached = [0] * len(sequences)
+    logits: list[list[torch.Tensor]] = [[] for _ in sequences]
+    assert page_size > 0
+    while any(c < len(s) for c, s in zip(cached, sequences)):
+        chunks, owners = [], []
+        for r, seq in enumerate(sequences):
+            if cached[r] >= len(seq):
+                continue
+            if cached[r] < prompt_lens[r]:
+                end = prompt_lens[r] if chunk is None else min(prompt_lens[r], cached[r] + chunk)
+            else:
+                end = cached[r] + 1
+            chunks.append(RequestChunk(seq[cached[r]:end], cached[r], pages[r], slot=r))
+            owners.append((r, end))
+        loaded.model.step(plan_step(loaded.plan, chunks))
+        step_logits = loaded.model.logits(len(chunks)).clone()
+        for i, (r, end) in enumerate(owners):
+            if end >= prompt_lens[r]:
+                logits[r].append(step_logits[i])
+            cached[r] = end
+    return logits
