@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from executor.numba_cuda import load_cuda, simulator_enabled
@@ -64,12 +67,38 @@ class Device:
 
 
 def speed_up_simulator() -> None:
-    """Let simulated threads hand over the GIL at once.
+    """Make the simulator fast and its shared arrays race-free.
 
     The simulator runs a block's threads as Python threads, and each barrier
     waits for every one of them; at Python's default 5 ms switch interval a
-    barrier costs milliseconds. A 1 us interval makes the kernels 5-6x faster.
+    barrier costs milliseconds, and a 1 us interval makes kernels 5-6x faster.
+    Fast switching exposes a race in numba-cuda 0.30.4's simulator: a block's
+    shared array is created on first use by a check-then-insert without a lock,
+    so two threads can each create their own copy and stop sharing. The
+    replacement below does the same lookup (by the calling source line) under
+    a lock.
     """
+    from numba.cuda.simulator import kernelapi
+
+    shared = kernelapi.FakeCUDAShared
+    if not getattr(shared.array, "memplan_locked", False):
+        lock = threading.Lock()
+        unlocked = shared.array
+
+        def array(self, shape, dtype, alignment=None):
+            if shape == 0 or alignment is not None:
+                return unlocked(self, shape, dtype, alignment)
+            if isinstance(dtype, kernelapi.types.Type):
+                dtype = kernelapi.numpy_support.as_dtype(dtype)
+            caller = traceback.extract_stack(sys._getframe(1), limit=1)[0][0:2]
+            with lock:
+                allocation = self._allocations.get(caller)
+                if allocation is None:
+                    allocation = self._allocations[caller] = np.empty(shape, dtype)
+            return allocation
+
+        array.memplan_locked = True
+        shared.array = array
     sys.setswitchinterval(1e-6)
 
 

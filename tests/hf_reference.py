@@ -26,8 +26,11 @@ def hf_config_dict(model: ModelConfig) -> dict[str, Any]:
     if model.architecture == "qwen3":
         return {**common, "model_type": "qwen3",
                 "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta}}
-    lin = model.linear_attention
-    assert lin is not None
+    from planner.config import LinearAttentionConfig
+
+    # HF wants linear-attention fields even when no layer uses them.
+    lin = model.linear_attention or LinearAttentionConfig(num_key_heads=1, num_value_heads=1, key_head_dim=8,
+                                                          value_head_dim=8)
     half = model.rotary_dim // 2  # mrope sections must sum to rotary_dim / 2
     return {
         **common,

@@ -51,6 +51,12 @@ class DecoderModel:
         self._forward(step)
         return self.arena.tensor("sampling", "sampled_ids")[: step.num_requests]
 
+    def reset_slot(self, slot: int) -> None:
+        """Zero a recurrent-state slot (conv and delta-rule state of every linear layer) for a new request."""
+        if self.arena.plan.geometry.num_linear_layers:
+            self.arena.tensor("recurrent_state", "ssm_state")[:, slot].zero_()
+            self.arena.tensor("recurrent_state", "conv_state")[:, slot].zero_()
+
     def logits(self, num_requests: int) -> torch.Tensor:
         """The last step's float32 logits [B, V] (a view of the planned buffer)."""
         return self.arena.tensor("sampling", "logits")[:num_requests]

@@ -50,6 +50,8 @@ def run_teacher_forced(loaded: Loaded, sequences: list[list[int]], prompt_lens: 
     pages_each = loaded.plan.capacity.pages_per_request
     pages = [list(range(first_page + i * pages_each, first_page + (i + 1) * pages_each)) for i in range(len(sequences))]
     cached = [0] * len(sequences)
+    for slot in range(len(sequences)):
+        loaded.model.reset_slot(slot)
     logits: list[list[torch.Tensor]] = [[] for _ in sequences]
     assert page_size > 0
     while any(c < len(s) for c, s in zip(cached, sequences)):

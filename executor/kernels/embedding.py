@@ -1,0 +1,85 @@
+"""Token embedding gather: ``out[t, :] = table[ids[t], :]``.
+
+A pure copy of storage elements (no conversion, so bf16 bits travel
+bit-exact). The codec is used for one thing: an id outside ``[0, V)`` cannot
+raise on the device, so its row is filled with NaN (``codec.store(nan)``)
+instead of reading out of bounds; the NaN then reaches the logits, where it
+is visible (argmax picks NaN), rather than a plausible wrong token.
+
+Grid x over token rows (grid-stride), y over column tiles; threads stride over
+the hidden dimension so each warp copies a contiguous run, UNROLL loads in
+flight per thread (residual.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from executor.kernels.codec import Codec
+from executor.kernels.residual import UNROLL, elementwise_grid
+from executor.numba_cuda import load_cuda
+
+cuda = load_cuda()
+from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
+
+MAX_THREADS = 256
+
+
+def build_embedding_kernel(codec: Codec) -> Callable[..., Any]:
+    """Kernel ``(ids int32 [T], table [V, H], out [T, H])``; table and out in the codec's storage dtype."""
+    store = codec.store
+
+    @cuda.jit
+    def embedding(ids, table, out):
+        hidden = out.shape[1]
+        vocab = table.shape[0]
+        step = cuda.blockDim.x
+        tile = step * UNROLL
+        first = cuda.blockIdx.y * tile + cuda.threadIdx.x
+        for t in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
+            token = ids[t]
+            if 0 <= token < vocab:
+                for i in range(first, hidden, cuda.gridDim.y * tile):
+                    if i + 3 * step < hidden:  # a full tile: all loads, then all stores
+                        v0, v1 = table[token, i], table[token, i + step]
+                        v2, v3 = table[token, i + 2 * step], table[token, i + 3 * step]
+                        out[t, i] = v0
+                        out[t, i + step] = v1
+                        out[t, i + 2 * step] = v2
+                        out[t, i + 3 * step] = v3
+                    else:  # the row's ragged end
+                        for j in range(i, hidden, step):
+                            out[t, j] = table[token, j]
+            else:
+                poison = store(float32(math.nan))
+                for i in range(cuda.blockIdx.y * step + cuda.threadIdx.x, hidden, cuda.gridDim.y * step):
+                    out[t, i] = poison
+
+    return embedding
+
+
+class Embedding:
+    """Launcher for ``out[t, :] = table[ids[t], :]`` (not in place).
+
+    Arrays: ids int32 [T]; table [V, H] and out [T, H] in the codec's storage
+    dtype (float32, or bf16 viewed as int16); row-sliced views allowed. Ids
+    outside [0, V) give a NaN row.
+    """
+
+    def __init__(self, codec: Codec, max_threads: int = MAX_THREADS) -> None:
+        if max_threads < 32 or max_threads > 1024 or max_threads & (max_threads - 1):
+            raise ValueError(f"max_threads must be a power of two in [32, 1024], got {max_threads}")
+        self.kernel = build_embedding_kernel(codec)
+        self.max_threads = max_threads
+
+    def __call__(self, ids: Any, table: Any, out: Any, stream: Any = 0) -> None:
+        rows, hidden = out.shape
+        if tuple(ids.shape) != (rows,):
+            raise ValueError(f"ids has shape {tuple(ids.shape)}, expected ({rows},)")
+        if table.shape[1] != hidden:
+            raise ValueError(f"table has shape {tuple(table.shape)}, expected (V, {hidden})")
+        if rows == 0 or hidden == 0:
+            return
+        grid, threads = elementwise_grid(rows, hidden, self.max_threads)
+        self.kernel[grid, threads, stream](ids, table, out)

@@ -1,0 +1,221 @@
+"""qk_norm_rope_inplace against torch references (simulator at tiny shapes; bf16 GPU tests at real sizes)."""
+
+from __future__ import annotations
+
+import types as pytypes
+
+import numpy as np
+import pytest
+import torch
+
+from executor.kernels.codec import build_codec
+from executor.kernels.rope import QkNormRopeInplace, build_qk_norm_rope_kernel
+from executor.numba_cuda import load_cuda, simulator_enabled
+
+EPS = 1e-6
+SIM_THREADS = 32
+POSITIONS = [0, 1, 40959, 262143]  # up to Qwen3.5's max_position_embeddings - 1
+
+
+def to_storage(t: torch.Tensor, dtype_name: str) -> np.ndarray:
+    """A CPU tensor as the kernel's storage array (float32, or bf16 bits as int16)."""
+    if dtype_name == "float32":
+        return t.to(torch.float32).numpy().copy()
+    return t.to(torch.bfloat16).view(torch.int16).numpy().copy()
+
+
+def from_storage(a: np.ndarray, dtype_name: str) -> torch.Tensor:
+    """The kernel's storage array back as a float64 tensor of its logical values."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if dtype_name == "bfloat16":
+        t = t.view(torch.bfloat16)
+    return t.to(torch.float64)
+
+
+def hf_angles(positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
+    """HF's float32 RoPE angles [T, rotary_dim / 2] (inv_freq built on the CPU, as at model init)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    return positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+
+
+def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, offset: float, round_before_weight: bool) -> torch.Tensor:
+    """HF's Qwen3RMSNorm (round before weight) / Qwen3_5RMSNorm, in x's dtype."""
+    xf = x.float()
+    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
+    if round_before_weight:
+        return (w + offset) * n.to(x.dtype)
+    return (n * (offset + w.float())).to(x.dtype)
+
+
+def rotate(n: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """HF's apply_rotary_pos_emb on the first rotary_dim dims of n [T, heads, D]; cos/sin [T, rotary_dim/2]."""
+    cos = torch.cat((cos, cos), -1)[:, None, :]
+    sin = torch.cat((sin, sin), -1)[:, None, :]
+    rot, passed = n[..., :rotary_dim], n[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), -1)
+    return torch.cat((rot * cos + rotated * sin, passed), -1)
+
+
+def hf_reference(x, w, positions, offset, round_before_weight, rotary_dim, theta):
+    """HF's q_norm + rotary in x's dtype: cos/sin cast to that dtype, every op rounded."""
+    angles = hf_angles(positions, rotary_dim, theta)
+    n = hf_rms_norm(x, w, offset, round_before_weight)
+    return rotate(n, angles.cos().to(x.dtype), angles.sin().to(x.dtype), rotary_dim)
+
+
+def ref64(x, w, positions, offset, rotary_dim, theta):
+    """float64 math on HF's float32 angles (float32 angles at position 262143 are what HF computes)."""
+    x = x.double()
+    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * (offset + w.double())
+    angles = hf_angles(positions, rotary_dim, theta).double()
+    return rotate(n, angles.cos(), angles.sin(), rotary_dim)
+
+
+def assert_close_rel(got: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
+    assert torch.isfinite(got).all(), "an output element was not written (poison left)"
+    err = (got - ref).abs().max().item() / ref.abs().max().item()
+    assert err <= rel, f"max abs err / max abs ref = {err:.3g} > {rel}"
+
+
+def term_scale(n: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """|n| + |rotate_half(n)| on the rotary dims, |n| elsewhere: the size of the terms an output sums."""
+    half = rotary_dim // 2
+    partner = torch.zeros_like(n)
+    partner[..., :half] = n[..., half:rotary_dim]
+    partner[..., half:rotary_dim] = n[..., :half]
+    return n.abs() + partner.abs()
+
+
+def assert_bf16_close_to_hf(got: torch.Tensor, hf: torch.Tensor, scale: torch.Tensor, exact: float) -> None:
+    """Within about one bf16 ulp of the summed terms (a flipped cos/sin rounding moves a
+    cancelling sum by an ulp of its terms, not of the result); exact on a fraction >= exact."""
+    assert torch.isfinite(got).all(), "an output element was not written (poison left)"
+    hf = hf.double()
+    assert ((got - hf).abs() <= scale.double() * 2.0**-7).all()
+    assert (got == hf).double().mean().item() >= exact
+
+
+# (dtype, round_before_weight, weight_offset, head_dim, rotary_dim, theta): Qwen3-like and Qwen3.5-like.
+CASES = [
+    ("float32", True, 0.0, 16, 16, 1e6),
+    ("float32", False, 1.0, 32, 8, 1e7),
+    ("bfloat16", True, 0.0, 16, 16, 1e6),
+    ("bfloat16", False, 1.0, 32, 8, 1e7),
+]
+
+
+@pytest.mark.parametrize("dtype_name,round_before_weight,offset,head_dim,rotary_dim,theta", CASES)
+def test_qk_norm_rope_inplace(dtype_name, round_before_weight, offset, head_dim, rotary_dim, theta):
+    gen = torch.Generator().manual_seed(41)
+    dt = getattr(torch, dtype_name)
+    rows, heads = len(POSITIONS), 2
+    # x is q of a per-head [q | gate] buffer: a strided view, as for Qwen3.5.
+    q_gate = (torch.randn(rows, heads, 2 * head_dim, generator=gen) * 3).to(dt)
+    x = q_gate[..., :head_dim]
+    w = (torch.randn(head_dim, generator=gen) * 0.3 + (0.0 if offset else 1.0)).to(dt)
+    positions = torch.tensor(POSITIONS, dtype=torch.int32)
+    # Device arrays: the simulator transfers only contiguous host arrays.
+    buf = load_cuda().to_device(to_storage(q_gate, dtype_name))
+    QkNormRopeInplace(build_codec(dtype_name), round_before_weight, SIM_THREADS)(
+        buf[:, :, :head_dim], to_storage(w, dtype_name), positions.numpy(), EPS, offset, rotary_dim, theta
+    )
+    after = buf.copy_to_host()
+    np.testing.assert_array_equal(after[..., head_dim:], to_storage(q_gate[..., head_dim:], dtype_name))
+    got = from_storage(after[..., :head_dim], dtype_name)
+    if dtype_name == "float32":
+        assert_close_rel(got, ref64(x, w, positions, offset, rotary_dim, theta), 1e-5)
+    else:
+        scale = term_scale(hf_rms_norm(x, w, offset, round_before_weight).double(), rotary_dim)
+        hf = hf_reference(x, w, positions, offset, round_before_weight, rotary_dim, theta)
+        assert_bf16_close_to_hf(got, hf, scale, exact=0.95)
+        assert_close_rel(got, ref64(x, w, positions, offset, rotary_dim, theta), 2e-2)
+
+
+def test_qk_norm_rope_contiguous_host_array():
+    """A contiguous host array (Qwen3's k): every element, pass-through ones included, ends normed."""
+    gen = torch.Generator().manual_seed(42)
+    x = torch.randn(2, 3, 12, generator=gen)
+    buf = to_storage(x, "float32")
+    positions = np.array([3, 7], dtype=np.int32)
+    QkNormRopeInplace(build_codec("float32"), True, SIM_THREADS)(
+        buf, np.ones(12, np.float32), positions, EPS, 0.0, 8, 1e6
+    )
+    ref = ref64(x, torch.ones(12), torch.from_numpy(positions), 0.0, 8, 1e6)
+    assert_close_rel(from_storage(buf, "float32"), ref, 1e-5)
+
+
+def test_shape_errors():
+    rope = QkNormRopeInplace(build_codec("float32"), True, SIM_THREADS)
+    x = np.zeros((2, 3, 8), np.float32)
+    pos = np.zeros(2, np.int32)
+    with pytest.raises(ValueError, match="norm_weight"):
+        rope(x, np.zeros(7, np.float32), pos, EPS, 0.0, 8, 1e6)
+    with pytest.raises(ValueError, match="positions"):
+        rope(x, np.zeros(8, np.float32), np.zeros(3, np.int32), EPS, 0.0, 8, 1e6)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        rope(x, np.zeros(8, np.float32), pos, EPS, 0.0, 10, 1e6)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        rope(x, np.zeros(8, np.float32), pos, EPS, 0.0, 5, 1e6)
+
+
+@pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
+def test_compiles_for_sm90(monkeypatch):
+    cuda = load_cuda()
+    from numba import types
+    import numba.cuda.dispatcher as dispatcher
+
+    if not cuda.is_available():  # device functions ask the current device for its compute capability
+        hopper = pytypes.SimpleNamespace(compute_capability=(9, 0))
+        monkeypatch.setattr(dispatcher, "get_current_device", lambda: hopper)
+    for dtype_name, element in (("float32", types.float32), ("bfloat16", types.int16)):
+        for round_before_weight in (True, False):
+            kernel = build_qk_norm_rope_kernel(build_codec(dtype_name), round_before_weight)
+            argtypes = (
+                types.Array(element, 3, "A"),
+                types.Array(element, 1, "A"),
+                types.Array(types.int32, 1, "A"),
+                types.float32,
+                types.float32,
+                types.int32,
+                types.float32,
+            )
+            try:
+                cuda.compile_ptx(kernel.py_func, argtypes, cc=(9, 0))
+            except Exception as exc:  # noqa: BLE001  (NVVM missing is the only expected failure)
+                if "NVVM" in str(exc) or "nvvm" in str(exc):
+                    pytest.skip(f"cuda.compile_ptx cannot find NVVM: {exc}")
+                raise
+
+
+# (heads, head_dim, rotary_dim, theta, round_before_weight, offset, strided): Qwen3 q/k, Qwen3.5 q (strided)/k.
+GPU_CASES = [
+    (32, 128, 128, 1e6, True, 0.0, False),
+    (8, 128, 128, 5e6, True, 0.0, False),
+    (16, 256, 64, 1e7, False, 1.0, True),
+    (4, 256, 64, 1e7, False, 1.0, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,head_dim,rotary_dim,theta,round_before_weight,offset,strided", GPU_CASES)
+def test_gpu_qk_norm_rope_bf16(heads, head_dim, rotary_dim, theta, round_before_weight, offset, strided):
+    gen = torch.Generator(device="cuda").manual_seed(43)
+    rows = 1031
+    width = 2 * head_dim if strided else head_dim
+    buf = (torch.randn(rows, heads, width, device="cuda", generator=gen) * 3).bfloat16()
+    x = buf[..., :head_dim]
+    w = (torch.randn(head_dim, device="cuda", generator=gen) * 0.3 + (0.0 if offset else 1.0)).bfloat16()
+    positions = torch.randint(0, 262144, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+    positions[:4] = torch.tensor([0, 1, 40959, 262143], dtype=torch.int32)
+    expected = hf_reference(x, w, positions, offset, round_before_weight, rotary_dim, theta)
+    scale = term_scale(hf_rms_norm(x, w, offset, round_before_weight).double(), rotary_dim)
+    before_gate = buf[..., head_dim:].clone()
+    QkNormRopeInplace(build_codec("bfloat16"), round_before_weight)(
+        x.view(torch.int16), w.view(torch.int16), positions, EPS, offset, rotary_dim, theta
+    )
+    torch.cuda.synchronize()
+    assert torch.equal(buf[..., head_dim:], before_gate)
+    # HF's CPU powf is one ulp off for a few inv_freq entries (rope.py's docstring); at large
+    # positions that flips some bf16 cos/sin roundings of those frequencies: >= 99% exact.
+    assert_bf16_close_to_hf(x.double().cpu(), expected.cpu(), scale.cpu(), exact=0.99)
