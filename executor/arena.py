@@ -65,8 +65,7 @@ def materialize(plan: MemoryPlan, device: Device) -> Arena:
         if not pool.materialized:
             continue
         raw = torch.empty(pool.bytes, dtype=torch.uint8, device=device.torch_device)
-        if pool.name != "weights":
-            raw.fill_(POISON_BYTE)
+        raw.fill_(0 if pool.name == "weights" else POISON_BYTE)  # weights: alignment padding stays defined
         arena.pools[pool.name] = raw
         for buffer in (*pool.buffers, *pool.fused):
             arena._views[(pool.name, buffer.name)] = _view(raw, buffer.offset, buffer.bytes, buffer.dtype, buffer.shape)

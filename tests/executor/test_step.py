@@ -1,0 +1,78 @@
+"""Step metadata: filled in place, and every capacity error named before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor.arena import materialize
+from executor.device import open_device
+from executor.step import CapacityError, RequestChunk, plan_step, write_step
+from planner.loader import load_hardware, load_model, load_serving
+from planner.plan import build_plan
+
+
+@pytest.fixture(scope="module")
+def arena():
+    plan = build_plan(load_model("tiny-qwen3.5-g6"), load_hardware("cpu-sim"), load_serving("sim"))
+    return materialize(plan, open_device("auto"))
+
+
+def _snapshot(arena):
+    return {name: raw.clone() for name, raw in arena.pools.items() if name != "kv_cache"}
+
+
+def test_metadata_of_a_mixed_step(arena):
+    """A 5-token prefill chunk after 3 cached tokens beside a decode row; pages shared by both."""
+    page = arena.plan.capacity.page_size  # 4
+    chunks = [RequestChunk([7], 6, [3, 9], slot=0), RequestChunk([1, 2, 3, 4, 5], 3, [3, 4], slot=1)]
+    meta = plan_step(arena.plan, chunks)
+    write_step(arena, meta)
+    view = lambda name: arena.tensor("attention_plan", name)  # noqa: E731
+    assert meta.pool == "prefill" and meta.num_rows == 6
+    assert view("q_indptr")[:3].tolist() == [0, 1, 6]
+    assert view("positions")[:6].tolist() == [6, 3, 4, 5, 6, 7]
+    assert view("batch_indices")[:6].tolist() == [0, 1, 1, 1, 1, 1]
+    assert view("page_indptr")[:3].tolist() == [0, 2, 4]
+    assert view("page_indices")[:4].tolist() == [3, 9, 3, 4]  # page 3 listed by both requests
+    assert view("last_page_len")[:2].tolist() == [7 - page, 8 - page]
+    assert int(view("total_num_rows")[0]) == 6
+    assert arena.tensor("sampling", "logits_indices")[:2].tolist() == [0, 5]
+    assert arena.tensor("recurrent_state", "slot_ids")[:2].tolist() == [0, 1]
+
+
+def test_a_full_batch_at_full_context_uses_every_logical_page(arena):
+    cap = arena.plan.capacity
+    shared = list(range(1, cap.pages_per_request))  # a shared prefix of every request
+    chunks = [RequestChunk([5], cap.max_context - 1, shared + [100 + r], slot=r) for r in range(cap.max_batch)]
+    meta = plan_step(arena.plan, chunks)
+    assert meta.page_indices.shape[0] == cap.logical_pages
+    assert len(set(meta.page_indices.tolist())) < cap.logical_pages
+
+
+def _over(arena, dimension):
+    cap = arena.plan.capacity
+    if dimension == "batch":
+        return [RequestChunk([1], 0, [1], slot=r) for r in range(cap.max_batch + 1)]
+    if dimension == "total_tokens":
+        return [RequestChunk(list(range(cap.max_tokens_per_step + 1)), 0, list(range(1, 40)), slot=0)]
+    if dimension == "context":
+        return [RequestChunk([1], cap.max_context, list(range(1, cap.pages_per_request + 2)), slot=0)]
+    if dimension == "kv_pages":
+        return [RequestChunk([1], 0, [cap.kv_pages], slot=0)]
+    if dimension == "recurrent_slots":
+        return [RequestChunk([1], 0, [1], slot=cap.recurrent_slots)]
+    raise AssertionError(dimension)
+
+
+@pytest.mark.parametrize("dimension", ["batch", "total_tokens", "context", "kv_pages", "recurrent_slots"])
+def test_capacity_errors_name_the_dimension_and_leave_the_arena_untouched(arena, dimension):
+    before = _snapshot(arena)
+    with pytest.raises(CapacityError) as error:
+        meta = plan_step(arena.plan, _over(arena, dimension))
+        write_step(arena, meta)
+    assert error.value.dimension == dimension
+    assert error.value.required > error.value.capacity
+    assert f"{dimension}: step needs" in str(error.value)
+    after = _snapshot(arena)
+    assert all(torch.equal(before[name], after[name]) for name in before)
