@@ -27,18 +27,30 @@ class Loaded:
 
 def load_tiny(name: str, seed: int = 0, **serving) -> Loaded:
     """Plan ``name`` for the simulator, materialize it and load a random HF model's weights."""
+    return load_with_hf(name, "cpu-sim", "sim", seed=seed, **serving)
+
+
+def load_with_hf(name: str, hardware: str, serving_name: str, *, seed: int = 0, dtype: str | None = None,
+                 **serving) -> Loaded:
+    """Plan ``name`` on ``hardware``, materialize it on the available device, and load the
+    weights of a randomly initialised HF model of the same shape (built on that device)."""
     config = load_model(name)
-    plan = build_plan(config, load_hardware("cpu-sim"), load_serving("sim", serving))
-    arena = materialize(plan, open_device("auto"))
-    hf = hf_model(config, seed=seed)
+    if dtype is not None:
+        serving["dtype"] = dtype
+    plan = build_plan(config, load_hardware(hardware), load_serving(serving_name, serving))
+    device = open_device("auto")
+    arena = materialize(plan, device)
+    torch_dtype = getattr(torch, plan.dtypes.weights)
+    hf = hf_model(config, seed=seed, device=str(device.torch_device), dtype=torch_dtype)
     load_state_dict(arena, hf.state_dict())
     return Loaded(plan, arena, build_model(arena), hf)
 
 
 def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     """HF's float32 logits at every position of ``ids`` [len(ids), V]."""
+    device = next(hf.parameters()).device
     with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
+        return hf(torch.tensor([ids], device=device)).logits[0].float()
 
 
 def run_teacher_forced(loaded: Loaded, sequences: list[list[int]], prompt_lens: list[int], chunk: int | None = None,
