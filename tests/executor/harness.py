@@ -68,13 +68,16 @@ def run_teacher_forced(loaded: Loaded, sequences: list[list[int]], prompt_lens: 
     assert page_size > 0
     while any(c < len(s) for c, s in zip(cached, sequences)):
         chunks, owners = [], []
+        budget = loaded.plan.capacity.max_tokens_per_step
         for r, seq in enumerate(sequences):
-            if cached[r] >= len(seq):
+            if cached[r] >= len(seq) or budget <= 0:
                 continue
             if cached[r] < prompt_lens[r]:
                 end = prompt_lens[r] if chunk is None else min(prompt_lens[r], cached[r] + chunk)
+                end = min(end, cached[r] + budget)
             else:
                 end = cached[r] + 1
+            budget -= end - cached[r]
             chunks.append(RequestChunk(seq[cached[r]:end], cached[r], pages[r], slot=r))
             owners.append((r, end))
         loaded.model.step(plan_step(loaded.plan, chunks))

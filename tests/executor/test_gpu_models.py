@@ -40,7 +40,7 @@ def _gate(deltas: np.ndarray, mean: float, p99: float, label: str) -> None:
 
 def test_pointers_stay_and_nothing_allocates_after_warm_up():
     loaded = load_with_hf("qwen3-0.6b", "h200", "default", max_batch=8, max_context=1024, max_prefill_tokens=512,
-                          gpu_memory_utilization=0.5)
+                          gpu_memory_utilization=0.25)
     arena, plan = loaded.arena, loaded.plan
     materialized = sum(p.bytes for p in plan.pools if p.materialized)
     pointers = {key: view.data_ptr() for key, view in arena._views.items()}
@@ -74,14 +74,14 @@ def test_pointers_stay_and_nothing_allocates_after_warm_up():
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "tiny-qwen3-g5"])
 def test_qwen3_hf_golden_bf16(name):
     loaded = load_with_hf(name, "h200", "default", max_batch=64, max_context=512, max_prefill_tokens=16384,
-                          gpu_memory_utilization=0.5)
+                          gpu_memory_utilization=0.25)
     sequences, lengths = _prompts(loaded.plan.model.vocab_size, 64, 256, 16, seed=0)
     _gate(_logprob_deltas(loaded, sequences, lengths), 0.06, 0.2, f"{name} bf16")
 
 
 def test_qwen3_hf_golden_float32():
     loaded = load_with_hf("qwen3-0.6b", "h200", "default", dtype="float32", max_batch=16, max_context=512,
-                          max_prefill_tokens=4096, gpu_memory_utilization=0.5)
+                          max_prefill_tokens=4096, gpu_memory_utilization=0.25)
     torch.backends.cuda.matmul.allow_tf32 = False
     sequences, lengths = _prompts(loaded.plan.model.vocab_size, 16, 256, 16, seed=1)
     _gate(_logprob_deltas(loaded, sequences, lengths), 1e-3, 1e-3, "qwen3-0.6b float32")
@@ -89,7 +89,8 @@ def test_qwen3_hf_golden_float32():
 
 @pytest.mark.parametrize("name", ["qwen3.5-0.8b", "tiny-qwen3.5-g6"])
 def test_qwen3_5_hf_golden_bf16(name):
-    loaded = load_with_hf(name, "h200", "default", max_batch=34, max_context=4200, max_prefill_tokens=2048,
-                          gpu_memory_utilization=0.5)
-    sequences, lengths = _prompts(loaded.plan.model.vocab_size, 32, 256, 8, seed=2, long_prompts=2)
+    long_prompts = 0 if name.startswith("tiny") else 2  # tiny models stop at 512 positions
+    loaded = load_with_hf(name, "h200", "default", max_batch=34, max_context=4200 if long_prompts else 512,
+                          max_prefill_tokens=2048, gpu_memory_utilization=0.25)
+    sequences, lengths = _prompts(loaded.plan.model.vocab_size, 32, 256, 8, seed=2, long_prompts=long_prompts)
     _gate(_logprob_deltas(loaded, sequences, lengths, chunk=2048), 0.06, 0.2, f"{name} bf16")
