@@ -101,3 +101,37 @@ def test_checkpoint_missing_a_tensor_is_one_line_naming_it(checkpoint, tmp_path,
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1, err
     assert "missing" in err and MISSING in err
+
+
+def test_plan_file_that_differs_from_the_planner_is_refused(tmp_path, capsys):
+    assert main(["plan", "--model", "tiny-qwen3", "--hardware", "cpu-sim", "--serving", "sim",
+                 "--out", str(tmp_path / "plan.json")]) == 0
+    capsys.readouterr()
+    data = json.loads((tmp_path / "plan.json").read_text())
+    data["capacity"]["kv_pages"] -= 1
+    (tmp_path / "edited.json").write_text(json.dumps(data))
+    code = main(["run", "--plan", str(tmp_path / "edited.json"), "--device", "sim", "--random-weights"])
+    err = capsys.readouterr().err
+    assert code == 2 and "capacity.kv_pages" in err and "re-plan" in err
+
+
+def test_waves_respect_max_batch_and_the_kv_pool_and_prefill_respects_the_chunk():
+    from executor.generate import Request, _prefill_chunks, plan_waves
+    from planner.loader import load_hardware, load_serving
+    from planner.plan import build_plan
+
+    plan = build_plan(load_model("tiny-qwen3"), load_hardware("cpu-sim"), load_serving("sim"))
+    cap = plan.capacity
+    waves = plan_waves(plan, [[1] * 5] * (cap.max_batch + 1), max_new_tokens=3)  # 8 tokens: 2 pages each
+    assert [len(w) for w in waves] == [cap.max_batch, 1]
+    assert [list(r.page_ids) for r in waves[0][:2]] == [[1, 2], [3, 4]] and list(waves[1][0].page_ids) == [1, 2]
+    assert [r.slot for r in waves[0]] == list(range(cap.max_batch))
+    small = plan.model_copy(update={"capacity": cap.model_copy(update={"kv_pages": 5})})  # 4 usable pages
+    assert [len(w) for w in plan_waves(small, [[1] * 5] * 3, max_new_tokens=3)] == [2, 1]
+    wave = [Request(0, [7] * 20, range(1, 7), 0), Request(1, [8] * 3, range(7, 8), 1)]
+    cached = {0: 0, 1: 0}
+    steps = []
+    while any(cached[r.index] < len(r.prompt) for r in wave):
+        chunks, finishing = _prefill_chunks(wave, cached, cap.max_prefill_tokens)
+        steps.append(([(c.num_cached, len(c.token_ids)) for c in chunks], [r.index for _, r in finishing]))
+    assert steps == [([(0, 16)], []), ([(16, 4), (0, 3)], [0, 1])]
