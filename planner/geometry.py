@@ -33,8 +33,11 @@ class Geometry(BaseModel):
     rotary_dim: int = Field(description="Dimensions of a head that RoPE rotates")
     gqa_group: int = Field(description="Hq / Hkv")
     q_proj_rows: int = Field(description="Rows of q_proj on this rank: Hq x D, doubled with an output gate")
+    kv_proj_rows: int = Field(description="Rows of k_proj (and of v_proj) on this rank: Hkv x D")
     qkv_rows: int = Field(description="q_proj + k_proj + v_proj rows: width of the fused QKV output")
+    attn_out_width: int = Field(description="Attention output width on this rank: Hq x D (o_proj's input)")
     intermediate_size: int = Field(description="I on this rank")
+    gate_up_rows: int = Field(description="gate_proj + up_proj rows: 2 I, width of the fused MLP input GEMM")
     vocab_size: int = Field(description="V on this rank (vocab-parallel embedding and lm_head)")
     linear_num_key_heads: int = Field(0, description="Hk on this rank")
     linear_num_value_heads: int = Field(0, description="Hv on this rank")
@@ -42,6 +45,7 @@ class Geometry(BaseModel):
     linear_value_head_dim: int = Field(0, description="dv")
     conv_kernel_size: int = Field(0, description="K")
     conv_dim: int = Field(0, description="2 Hk dk + Hv dv: channels of the depthwise conv")
+    linear_value_width: int = Field(0, description="Hv x dv: width of z, the delta-rule output and out_proj's input")
     linear_in_proj_rows: int = Field(0, description="in_proj_qkv + z + b + a rows: width of the fused projection")
 
 
@@ -72,6 +76,7 @@ def build_geometry(model: ModelConfig, serving: ServingConfig) -> Geometry:
             "linear_value_head_dim": lin.value_head_dim,
             "conv_kernel_size": lin.conv_kernel_size,
             "conv_dim": conv_dim,
+            "linear_value_width": value_width,
             "linear_in_proj_rows": checked.add("linear in_proj rows", conv_dim, value_width, hv, hv, width=I32),
         }
     return Geometry(
@@ -87,8 +92,11 @@ def build_geometry(model: ModelConfig, serving: ServingConfig) -> Geometry:
         rotary_dim=model.rotary_dim,
         gqa_group=q_heads // kv_heads,
         q_proj_rows=q_rows,
+        kv_proj_rows=kv_rows,
         qkv_rows=checked.add("qkv rows", q_rows, kv_rows, kv_rows, width=I32),
+        attn_out_width=checked.mul("attention output width", q_heads, head_dim, width=I32),
         intermediate_size=model.intermediate_size // tp,
+        gate_up_rows=checked.mul("gate_up rows", 2, model.intermediate_size // tp, width=I32),
         vocab_size=model.vocab_size // tp,
         **fields,
     )

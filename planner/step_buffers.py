@@ -12,7 +12,6 @@ prefill pool at T rows.
 
 from __future__ import annotations
 
-from planner.config import ModelConfig
 from planner.geometry import Geometry
 from planner.layout import BufferRequest, Pool, pack_by_lifetime
 
@@ -49,7 +48,7 @@ def _live(first: str, last: str) -> tuple[int, int]:
     return (_STAGE[first], _STAGE[last])
 
 
-def step_requests(geometry: Geometry, model: ModelConfig, rows: int, dtype: str) -> list[BufferRequest]:
+def step_requests(geometry: Geometry, rows: int, dtype: str) -> list[BufferRequest]:
     """Role buffers of a step of ``rows`` token rows (B for decode, T for prefill)."""
     g = geometry
     requests = [
@@ -57,17 +56,16 @@ def step_requests(geometry: Geometry, model: ModelConfig, rows: int, dtype: str)
         BufferRequest("hidden", dtype, (rows, g.hidden_size), _WHOLE_STEP),
         BufferRequest("normed", dtype, (rows, g.hidden_size), _WHOLE_STEP),
         BufferRequest("proj_out", dtype, (rows, g.hidden_size), _WHOLE_STEP),
-        BufferRequest("gate_up", dtype, (rows, 2 * g.intermediate_size), _live("mlp.gate_up_proj", "mlp.act")),
+        BufferRequest("gate_up", dtype, (rows, g.gate_up_rows), _live("mlp.gate_up_proj", "mlp.act")),
         BufferRequest("act", dtype, (rows, g.intermediate_size), _live("mlp.act", "mlp.down_proj")),
     ]
     if g.num_full_layers:
         requests += [
             BufferRequest("qkv", dtype, (rows, g.qkv_rows), _live("attn.qkv_proj", "attn.output_gate")),
-            BufferRequest("attn_out", dtype, (rows, g.num_q_heads * g.head_dim), _live("attn.attention", "attn.o_proj")),
+            BufferRequest("attn_out", dtype, (rows, g.attn_out_width), _live("attn.attention", "attn.o_proj")),
         ]
     if g.num_linear_layers:
-        value_width = g.linear_num_value_heads * g.linear_value_head_dim
-        heads = g.linear_num_value_heads
+        value_width, heads = g.linear_value_width, g.linear_num_value_heads
         requests += [
             BufferRequest("in_proj", dtype, (rows, g.linear_in_proj_rows), _live("linear.in_proj", "linear.gated_norm")),
             BufferRequest("conv_out", dtype, (rows, g.conv_dim), _live("linear.conv", "linear.delta_rule")),
@@ -79,6 +77,6 @@ def step_requests(geometry: Geometry, model: ModelConfig, rows: int, dtype: str)
     return requests
 
 
-def build_step_pool(name: str, geometry: Geometry, model: ModelConfig, rows: int, dtype: str) -> Pool:
+def build_step_pool(name: str, geometry: Geometry, rows: int, dtype: str) -> Pool:
     """A transient pool (``decode`` or ``prefill``) packed by live range."""
-    return pack_by_lifetime(name, step_requests(geometry, model, rows, dtype))
+    return pack_by_lifetime(name, step_requests(geometry, rows, dtype))

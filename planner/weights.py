@@ -33,7 +33,7 @@ def build_weights(geometry: Geometry, dtype: str, tie_word_embeddings: bool) -> 
             fused[f"{prefix}.self_attn.qkv_proj.weight"] = (g.qkv_rows, g.hidden_size)
         else:
             fused[f"{prefix}.linear_attn.in_proj.weight"] = (g.linear_in_proj_rows, g.hidden_size)
-        fused[f"{prefix}.mlp.gate_up_proj.weight"] = (2 * g.intermediate_size, g.hidden_size)
+        fused[f"{prefix}.mlp.gate_up_proj.weight"] = (g.gate_up_rows, g.hidden_size)
     requests.append(BufferRequest("model.norm.weight", dtype, (g.hidden_size,)))
     if not tie_word_embeddings:
         requests.append(BufferRequest("lm_head.weight", dtype, (g.vocab_size, g.hidden_size)))
@@ -42,12 +42,11 @@ def build_weights(geometry: Geometry, dtype: str, tie_word_embeddings: bool) -> 
 
 def _full_attention(g: Geometry, prefix: str, dtype: str) -> list[BufferRequest]:
     attn, group = f"{prefix}.self_attn", f"{prefix}.self_attn.qkv_proj.weight"
-    kv_rows = g.num_kv_heads * g.head_dim
     return [
         BufferRequest(f"{attn}.q_proj.weight", dtype, (g.q_proj_rows, g.hidden_size), group=group),
-        BufferRequest(f"{attn}.k_proj.weight", dtype, (kv_rows, g.hidden_size), group=group),
-        BufferRequest(f"{attn}.v_proj.weight", dtype, (kv_rows, g.hidden_size), group=group),
-        BufferRequest(f"{attn}.o_proj.weight", dtype, (g.hidden_size, g.num_q_heads * g.head_dim)),
+        BufferRequest(f"{attn}.k_proj.weight", dtype, (g.kv_proj_rows, g.hidden_size), group=group),
+        BufferRequest(f"{attn}.v_proj.weight", dtype, (g.kv_proj_rows, g.hidden_size), group=group),
+        BufferRequest(f"{attn}.o_proj.weight", dtype, (g.hidden_size, g.attn_out_width)),
         BufferRequest(f"{attn}.q_norm.weight", dtype, (g.head_dim,)),
         BufferRequest(f"{attn}.k_norm.weight", dtype, (g.head_dim,)),
     ]
@@ -55,8 +54,7 @@ def _full_attention(g: Geometry, prefix: str, dtype: str) -> list[BufferRequest]
 
 def _linear_attention(g: Geometry, prefix: str, dtype: str) -> list[BufferRequest]:
     attn, group = f"{prefix}.linear_attn", f"{prefix}.linear_attn.in_proj.weight"
-    value_width = g.linear_num_value_heads * g.linear_value_head_dim
-    heads = g.linear_num_value_heads
+    value_width, heads = g.linear_value_width, g.linear_num_value_heads
     return [
         BufferRequest(f"{attn}.in_proj_qkv.weight", dtype, (g.conv_dim, g.hidden_size), group=group),
         BufferRequest(f"{attn}.in_proj_z.weight", dtype, (value_width, g.hidden_size), group=group),

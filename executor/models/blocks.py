@@ -40,7 +40,7 @@ class FullAttention:
         self.kernels, self.device = kernels, arena.device
         self.norm, self.output_gate = norm, output_gate
         self.q_heads, self.kv_heads, self.head_dim = g.num_q_heads, g.num_kv_heads, g.head_dim
-        self.q_rows, self.kv_rows = g.q_proj_rows, g.num_kv_heads * g.head_dim
+        self.q_rows, self.kv_rows = g.q_proj_rows, g.kv_proj_rows
         self.rotary_dim, self.theta = g.rotary_dim, plan.model.rope_theta
         self.eps = plan.model.rms_norm_eps
         self.scale = np.float32(1.0 / math.sqrt(g.head_dim))
@@ -95,7 +95,7 @@ class LinearAttention:
         self.ssm_state = arena.tensor("recurrent_state", "ssm_state")[slot]
         self.kernels, self.device = kernels, arena.device
         self.conv_dim = g.conv_dim
-        self.value_width = g.linear_num_value_heads * g.linear_value_head_dim
+        self.value_width = g.linear_value_width
         self.heads, self.dv = g.linear_num_value_heads, g.linear_value_head_dim
         self.eps = plan.model.rms_norm_eps
 
