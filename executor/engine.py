@@ -1,0 +1,126 @@
+"""The engine: a workload of requests lives inside the plan's capacities.
+
+Each iteration asks the scheduler for a step (decode rows, prefill chunks,
+admissions within the planned batch, tokens, KV pages and recurrent slots),
+zeroes the recurrent slots it hands out, refills the step metadata in place,
+runs the model, reads back the sampled ids (the one host sync) and gives them
+to the scheduler. Capacity limits surface as scheduler decisions (deferral,
+preemption, rejection at arrival); the arena never grows.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from executor.models.decoder import DecoderModel
+from executor.scheduler import Request, Scheduler, SchedulerStats
+from executor.step import plan_step
+
+
+@dataclass
+class RequestResult:
+    """What a request produced and when (seconds since the engine started)."""
+
+    request_id: object
+    prompt_len: int
+    output_ids: list[int]
+    finish_reason: str | None
+    error: str | None
+    arrival_s: float
+    token_times_s: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times_s[0] - self.arrival_s if self.token_times_s else None
+
+    @property
+    def token_latencies_s(self) -> list[float]:
+        times = [self.arrival_s, *self.token_times_s]
+        return [later - earlier for earlier, later in zip(times, times[1:])]
+
+
+@dataclass
+class EngineReport:
+    results: list[RequestResult]
+    stats: SchedulerStats
+    prefix_caching: bool
+    steps: int
+    wall_s: float
+    allocations_after_warmup: int | None  # CUDA only: allocations from the second step to the end
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(r.output_ids) for r in self.results)
+
+    def percentile_ms(self, values: Sequence[float], q: float) -> float:
+        return 1e3 * statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else (
+            1e3 * values[0] if values else float("nan"))
+
+    @property
+    def ttfts(self) -> list[float]:
+        return [r.ttft_s for r in self.results if r.ttft_s is not None]
+
+    @property
+    def tpots(self) -> list[float]:
+        return [latency for r in self.results for latency in r.token_latencies_s[1:]]
+
+
+class Engine:
+    """Continuous batching of requests over one materialized model."""
+
+    def __init__(self, model: DecoderModel, *, prefix_caching: bool = True):
+        plan = model.arena.plan
+        recurrent = plan.geometry.num_linear_layers > 0
+        # Qwen3.5's recurrent state is not paged, so a cached KV prefix cannot resume it.
+        self.prefix_caching = prefix_caching and not recurrent
+        self.model, self.plan = model, plan
+        self.scheduler = Scheduler(plan.capacity, prefix_caching=self.prefix_caching, has_recurrent_state=recurrent)
+
+    def run(self, requests: Sequence[Request], arrival_steps: Sequence[int] | None = None) -> EngineReport:
+        """Run ``requests`` to completion. ``arrival_steps[i]``: the step before which request i arrives
+        (all at step 0 by default). Returns one result per request, in input order."""
+        arrivals = list(arrival_steps) if arrival_steps is not None else [0] * len(requests)
+        pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
+        results = {id(r): RequestResult(r.request_id, len(r.prompt_ids), [], None, None, 0.0) for r in requests}
+        by_id = {r.request_id: r for r in requests}
+        start, steps, allocations_start = time.perf_counter(), 0, None
+        while pending or self.scheduler.has_unfinished:
+            while pending and arrivals[pending[0]] <= steps:
+                request = requests[pending.pop(0)]
+                results[id(request)].arrival_s = time.perf_counter() - start
+                self.scheduler.add(request)
+            step = self.scheduler.schedule()
+            if step is None:  # idle until the next arrival
+                steps = max(steps, arrivals[pending[0]]) if pending else steps
+                continue
+            for slot in step.fresh_slots:
+                self.model.reset_slot(slot)
+            sampled = self.model.step(plan_step(self.plan, step.request_chunks())).tolist()
+            now = time.perf_counter() - start
+            for chunk, token in zip(step.chunks, sampled):
+                if chunk.sample:
+                    results[id(by_id[chunk.request_id])].token_times_s.append(now)
+            self.scheduler.update(step, sampled)
+            steps += 1
+            if steps == 1:
+                allocations_start = _allocation_count(self.model)
+        for request in requests:
+            result = results[id(request)]
+            result.output_ids = list(request.output_ids)
+            result.finish_reason, result.error = request.finish_reason, request.error
+            result.token_times_s = result.token_times_s[: len(result.output_ids)]
+        end_count = _allocation_count(self.model)
+        grown = None if allocations_start is None or end_count is None else end_count - allocations_start
+        return EngineReport([results[id(r)] for r in requests], self.scheduler.stats(), self.prefix_caching,
+                            steps, time.perf_counter() - start, grown)
+
+
+def _allocation_count(model: DecoderModel) -> int | None:
+    if model.device.is_sim:
+        return None
+    return torch.cuda.memory_stats(model.device.torch_device)["allocation.all.allocated"]
