@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from executor.models.decoder import DecoderModel
-from executor.scheduler import Request, Scheduler, SchedulerStats
-from executor.step import plan_step
+from executor.scheduler import Request, Scheduler, SchedulerStats, StepChunk
+from executor.step import RequestChunk, plan_step
 
 
 @dataclass
@@ -100,7 +100,8 @@ class Engine:
                 continue
             for slot in step.fresh_slots:
                 self.model.reset_slot(slot)
-            sampled = self.model.step(plan_step(self.plan, step.request_chunks())).tolist()
+            chunks = [_request_chunk(chunk, by_id[chunk.request_id]) for chunk in step.chunks]
+            sampled = self.model.step(plan_step(self.plan, chunks)).tolist()
             now = time.perf_counter() - start
             for chunk, token in zip(step.chunks, sampled):
                 if chunk.sample:
@@ -118,6 +119,13 @@ class Engine:
         grown = None if allocations_start is None or end_count is None else end_count - allocations_start
         return EngineReport([results[id(r)] for r in requests], self.scheduler.stats(), self.prefix_caching,
                             steps, time.perf_counter() - start, grown)
+
+
+def _request_chunk(chunk: StepChunk, request: Request) -> RequestChunk:
+    """The scheduler's chunk with the request's sampling parameters; the RNG counter is the
+    index of the token being sampled, so a request's tokens do not depend on its batch."""
+    return RequestChunk(chunk.token_ids, chunk.num_cached, chunk.page_ids, chunk.slot, request.temperature,
+                        request.top_k, request.seed, len(request.output_ids))
 
 
 def _allocation_count(model: DecoderModel) -> int | None:

@@ -102,6 +102,9 @@ class Request:
     prompt_ids: Sequence[int]
     max_new_tokens: int
     stop_ids: Collection[int] = ()
+    temperature: float = 0.0  # <= 0: greedy
+    top_k: int = 0  # <= 0: no restriction
+    seed: int = 0  # the request's RNG key: its tokens depend on it, not on its batch
 
     state: RequestState = field(default=RequestState.WAITING, init=False)
     output_ids: list[int] = field(default_factory=list, init=False)

@@ -41,12 +41,18 @@ class RequestChunk:
     num_cached  tokens of the request already in the KV cache / recurrent state
     page_ids    physical KV pages of its logical pages, covering num_cached + len(token_ids)
     slot        recurrent-state slot (Qwen3.5), -1 for none
+    temperature, top_k, seed   sampling parameters (temperature <= 0: greedy)
+    sample_step index of the token this step samples for the request (the RNG counter)
     """
 
     token_ids: Sequence[int]
     num_cached: int
     page_ids: Sequence[int]
     slot: int = -1
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int = 0
+    sample_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,10 @@ class StepMetadata:
     kv_chunk_size: np.ndarray  # [requests] int32
     logits_indices: np.ndarray  # [requests] int32: each request's last row
     slot_ids: np.ndarray  # [requests] int32
+    temperature: np.ndarray  # [requests] float32
+    top_k: np.ndarray  # [requests] int32
+    seeds: np.ndarray  # [requests] int64
+    sample_steps: np.ndarray  # [requests] int32
 
     @property
     def num_tiles(self) -> int:
@@ -131,6 +141,10 @@ def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk]) -> StepMetadata:
         kv_chunk_size=tiles[3],
         logits_indices=_i32(q_indptr[1:] - 1),
         slot_ids=_i32(slots),
+        temperature=np.array([c.temperature for c in chunks], dtype=np.float32),
+        top_k=_i32([c.top_k for c in chunks]),
+        seeds=np.array([c.seed for c in chunks], dtype=np.int64),
+        sample_steps=_i32([c.sample_step for c in chunks]),
     )
 
 
@@ -147,6 +161,10 @@ _DESTINATIONS = {
     "kv_tile_indices": ("attention_plan", "kv_tile_indices"),
     "kv_chunk_size": ("attention_plan", "kv_chunk_size"),
     "logits_indices": ("sampling", "logits_indices"),
+    "temperature": ("sampling", "temperature"),
+    "top_k": ("sampling", "top_k"),
+    "seeds": ("sampling", "seeds"),
+    "sample_steps": ("sampling", "sample_steps"),
 }
 
 

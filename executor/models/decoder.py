@@ -1,5 +1,5 @@
 """The decoder forward shared by Qwen3 and Qwen3.5: embed, layers, final norm,
-lm_head and greedy sampling, over the planned buffers.
+lm_head and sampling (greedy, temperature, top-k), over the planned buffers.
 
 The residual stream ``hidden`` is accumulated in place by the fused
 add + RMSNorm kernel; ``normed`` is each block's input and ``proj_out`` each
@@ -30,7 +30,7 @@ class Layer:
 
 
 class DecoderModel:
-    """A decoder over an arena. ``step(meta)`` runs one forward and greedy-samples each request."""
+    """A decoder over an arena. ``step(meta)`` runs one forward and samples a token for each request."""
 
     def __init__(self, arena: Arena, kernels: Kernels, norm: NormStyle, layers: Sequence[Layer]):
         self.arena, self.kernels, self.norm, self.layers = arena, kernels, norm, tuple(layers)
@@ -84,5 +84,6 @@ class DecoderModel:
         torch.index_select(normed, 0, sampling("logits_indices"), out=last_hidden)
         torch.matmul(last_hidden, self.lm_head.t(), out=logits_raw)
         logits.copy_(logits_raw)
-        self.kernels.argmax(self.device.array(logits), self.device.array(sampling("sampled_ids")),
-                            stream=self.device.stream)
+        a = self.device.array
+        self.kernels.sample(a(logits), a(sampling("temperature")), a(sampling("top_k")), a(sampling("seeds")),
+                            a(sampling("sample_steps")), a(sampling("sampled_ids")), stream=self.device.stream)

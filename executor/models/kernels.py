@@ -14,7 +14,7 @@ from executor.kernels.embedding import Embedding
 from executor.kernels.gated_norm import GatedRmsNorm
 from executor.kernels.norm import AddRmsNormInplace, RmsNorm
 from executor.kernels.rope import QkNormRopeInplace
-from executor.kernels.sampling import Argmax
+from executor.kernels.sampler import Sample
 from executor.numba_cuda import simulator_enabled
 from planner.geometry import Geometry
 
@@ -40,7 +40,7 @@ class Kernels:
     attention: PagedAttention
     output_gate: SigmoidMulInplace
     silu_mul: SiluMul
-    argmax: Argmax
+    sample: Sample
     conv1d: CausalConv1d | None = None
     gdn_gates: GdnGates | None = None
     delta_rule: GatedDeltaRule | None = None
@@ -67,6 +67,6 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle) ->
         attention=PagedAttention(codec, geometry.head_dim, geometry.gqa_group, threads=32 if simulator_enabled() else 128),
         output_gate=SigmoidMulInplace(codec),
         silu_mul=SiluMul(codec),
-        argmax=Argmax(),
+        sample=Sample(),
         **linear,
     )

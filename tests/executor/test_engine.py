@@ -1,5 +1,5 @@
 """The engine on tiny models in the simulator: continuous batching gives every request the
-output it gets alone, with prefix caching on or off."""
+output it gets alone (greedy or seeded sampling), with prefix caching on or off."""
 
 from __future__ import annotations
 
@@ -20,8 +20,11 @@ def _workload(vocab: int) -> tuple[list[list[int]], list[int], list[int]]:
     return prompts, [3, 2, 3, 2], [0, 0, 1, 3]
 
 
-def _requests(prompts, new_tokens):
-    return [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, new_tokens))]
+SAMPLED = {2: dict(temperature=0.8, top_k=20, seed=7)}  # request 2 samples; the rest are greedy
+
+
+def _requests(prompts, new_tokens, first_id=0):
+    return [Request(i, p, n, **SAMPLED.get(i, {})) for i, (p, n) in enumerate(zip(prompts, new_tokens), first_id)]
 
 
 def _outputs(report) -> list[list[int]]:
@@ -33,8 +36,8 @@ def test_continuous_batching_equals_each_request_alone(name):
     loaded = load_tiny(name)
     prompts, new_tokens, arrivals = _workload(loaded.plan.model.vocab_size)
     batched = Engine(loaded.model, prefix_caching=True).run(_requests(prompts, new_tokens), arrivals)
-    alone = [_outputs(Engine(loaded.model, prefix_caching=False).run(_requests([p], [n])))[0]
-             for p, n in zip(prompts, new_tokens)]
+    alone = [_outputs(Engine(loaded.model, prefix_caching=False).run(_requests([p], [n], first_id=i)))[0]
+             for i, (p, n) in enumerate(zip(prompts, new_tokens))]
     assert _outputs(batched) == alone
     assert all(r.finish_reason == "length" for r in batched.results)
     stats = batched.stats
