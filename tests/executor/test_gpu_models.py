@@ -38,8 +38,9 @@ def _gate(deltas: np.ndarray, mean: float, p99: float, label: str) -> None:
     assert deltas.mean() <= mean and np.percentile(deltas, 99) <= p99, summary
 
 
-def test_pointers_stay_and_nothing_allocates_after_warm_up():
-    loaded = load_with_hf("qwen3-0.6b", "h200", "default", max_batch=8, max_context=1024, max_prefill_tokens=512,
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3.5-0.8b"])
+def test_pointers_stay_and_nothing_allocates_after_warm_up(name):
+    loaded = load_with_hf(name, "h200", "default", max_batch=8, max_context=1024, max_prefill_tokens=512,
                           gpu_memory_utilization=0.25)
     arena, plan = loaded.arena, loaded.plan
     materialized = sum(p.bytes for p in plan.pools if p.materialized)
@@ -50,6 +51,8 @@ def test_pointers_stay_and_nothing_allocates_after_warm_up():
         pages = plan.capacity.pages_per_request
         chunks = [RequestChunk([1], context - 1, list(range(1 + r * pages, 1 + (r + 1) * pages)), slot=r)
                   for r in range(batch)]
+        for r in range(batch):
+            loaded.model.reset_slot(r)
         loaded.model.step(plan_step(plan, chunks)).tolist()
 
     run(*shapes[0])
