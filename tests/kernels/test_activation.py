@@ -2,59 +2,18 @@
 
 from __future__ import annotations
 
-import types as pytypes
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from executor.kernels.activation import (
-    SigmoidMulInplace,
-    SiluMul,
-    build_sigmoid_mul_inplace_kernel,
-    build_silu_mul_kernel,
-)
+from executor.kernels.activation import SigmoidMulInplace, SiluMul
 from executor.kernels.codec import build_codec
 from executor.numba_cuda import load_cuda, simulator_enabled
+from tests.kernels.compile_check import compile_for_sm90
+from tests.kernels.storage import DTYPES, assert_bf16_close, assert_close_rel, from_storage, poisoned, to_storage
 
-BF16_NAN_BITS = 0x7FC0
 SIM_THREADS = 32  # rows wider than the block exercise the stride loops
-
-
-def to_storage(t: torch.Tensor, dtype_name: str) -> np.ndarray:
-    """A CPU tensor as the kernel's storage array (float32, or bf16 bits as int16)."""
-    if dtype_name == "float32":
-        return t.to(torch.float32).numpy().copy()
-    return t.to(torch.bfloat16).view(torch.int16).numpy().copy()
-
-
-def from_storage(a: np.ndarray, dtype_name: str) -> torch.Tensor:
-    """The kernel's storage array back as a float64 tensor of its logical values."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if dtype_name == "bfloat16":
-        t = t.view(torch.bfloat16)
-    return t.to(torch.float64)
-
-
-def poisoned(shape: tuple[int, ...], dtype_name: str) -> np.ndarray:
-    if dtype_name == "float32":
-        return np.full(shape, np.nan, dtype=np.float32)
-    return np.full(shape, BF16_NAN_BITS, dtype=np.int16)
-
-
-def assert_close_rel(got: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
-    assert torch.isfinite(got).all(), "an output element was not written (poison left)"
-    err = (got - ref).abs().max().item() / ref.abs().max().item()
-    assert err <= rel, f"max abs err / max abs ref = {err:.3g} > {rel}"
-
-
-def assert_bf16_close_to_torch(got: torch.Tensor, ref: torch.Tensor) -> None:
-    """Within one bf16 ulp everywhere, exact on almost all elements (exp implementations differ)."""
-    assert torch.isfinite(got).all(), "an output element was not written (poison left)"
-    ref = ref.double()
-    assert ((got - ref).abs() <= ref.abs() * 2.0**-7).all()
-    assert (got == ref).double().mean().item() >= 0.97
 
 
 # The simulator's float32 cast of exp(100) (inf on the GPU too) warns about the overflow.
@@ -62,7 +21,7 @@ OVERFLOW_WARNING = "ignore:overflow encountered in cast:RuntimeWarning"
 
 
 @pytest.mark.filterwarnings(OVERFLOW_WARNING)
-@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype_name", DTYPES)
 def test_silu_mul(dtype_name):
     gen = torch.Generator().manual_seed(31)
     rows, inter = 3, 168  # a full tile of 4 x 32 columns per thread, then a ragged end
@@ -77,12 +36,12 @@ def test_silu_mul(dtype_name):
     if dtype_name == "float32":
         assert_close_rel(got, F.silu(gate.double()) * up.double(), 1e-5)
     else:  # HF: act_fn(gate_proj(x)) * up_proj(x), both ops in bf16
-        assert_bf16_close_to_torch(got, F.silu(gate) * up)
+        assert_bf16_close(got, F.silu(gate) * up)
         assert_close_rel(got, F.silu(gate.double()) * up.double(), 1e-2)
 
 
 @pytest.mark.filterwarnings(OVERFLOW_WARNING)
-@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype_name", DTYPES)
 def test_sigmoid_mul_inplace_strided(dtype_name):
     gen = torch.Generator().manual_seed(32)
     rows, heads, head_dim = 2, 3, 136  # a full tile of 4 x 32, then a ragged end
@@ -103,11 +62,11 @@ def test_sigmoid_mul_inplace_strided(dtype_name):
     if dtype_name == "float32":
         assert_close_rel(got, x.double() * torch.sigmoid(gate.double()), 1e-5)
     else:  # HF: attn_output * torch.sigmoid(gate) in bf16
-        assert_bf16_close_to_torch(got, x * torch.sigmoid(gate))
+        assert_bf16_close(got, x * torch.sigmoid(gate))
         assert_close_rel(got, x.double() * torch.sigmoid(gate.double()), 1e-2)
 
 
-@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype_name", DTYPES)
 def test_sigmoid_mul_inplace_gate_is_x(dtype_name):
     gen = torch.Generator().manual_seed(33)
     dt = getattr(torch, dtype_name)
@@ -119,7 +78,7 @@ def test_sigmoid_mul_inplace_gate_is_x(dtype_name):
     if dtype_name == "float32":
         assert_close_rel(got, a.double() * torch.sigmoid(a.double()), 1e-5)
     else:
-        assert_bf16_close_to_torch(got, a * torch.sigmoid(a))
+        assert_bf16_close(got, a * torch.sigmoid(a))
 
 
 def test_shape_errors():
@@ -133,25 +92,16 @@ def test_shape_errors():
 
 
 @pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
-def test_compiles_for_sm90(monkeypatch):
-    cuda = load_cuda()
-    from numba import types
-    import numba.cuda.dispatcher as dispatcher
-
-    if not cuda.is_available():  # device functions ask the current device for its compute capability
-        hopper = pytypes.SimpleNamespace(compute_capability=(9, 0))
-        monkeypatch.setattr(dispatcher, "get_current_device", lambda: hopper)
-    for dtype_name, element in (("float32", types.float32), ("bfloat16", types.int16)):
-        codec = build_codec(dtype_name)
-        for build, ndim in ((build_silu_mul_kernel, 2), (build_sigmoid_mul_inplace_kernel, 3)):
-            arr = types.Array(element, ndim, "A")
-            try:
-                ptx, _ = cuda.compile_ptx(build(codec).py_func, (arr, arr), cc=(9, 0))
-            except Exception as exc:  # noqa: BLE001  (NVVM missing is the only expected failure)
-                if "NVVM" in str(exc) or "nvvm" in str(exc):
-                    pytest.skip(f"cuda.compile_ptx cannot find NVVM: {exc}")
-                raise
-            assert ".f64" not in ptx  # float64 arithmetic would be a typing slip
+def test_compiles_for_sm90():
+    compile_for_sm90(
+        """
+        from executor.kernels.activation import build_sigmoid_mul_inplace_kernel, build_silu_mul_kernel
+        for name in DTYPES:
+            codec = build_codec(name)
+            ptx(build_silu_mul_kernel(codec), arr(name, 2), arr(name, 2))
+            ptx(build_sigmoid_mul_inplace_kernel(codec), arr(name, 3), arr(name, 3))
+        """
+    )
 
 
 @pytest.mark.gpu
@@ -163,7 +113,7 @@ def test_gpu_silu_mul_bf16(rows, inter):
     SiluMul(build_codec("bfloat16"))(gate_up.view(torch.int16), out.view(torch.int16))
     torch.cuda.synchronize()
     expected = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    assert_bf16_close_to_torch(out.double().cpu(), expected.cpu())
+    assert_bf16_close(out.double().cpu(), expected.cpu())
 
 
 @pytest.mark.gpu
@@ -177,4 +127,4 @@ def test_gpu_sigmoid_mul_inplace_bf16(rows, heads):
     expected = x * torch.sigmoid(gate)
     SigmoidMulInplace(build_codec("bfloat16"))(x.view(torch.int16), gate.view(torch.int16))
     torch.cuda.synchronize()
-    assert_bf16_close_to_torch(x.double().cpu(), expected.cpu())
+    assert_bf16_close(x.double().cpu(), expected.cpu())

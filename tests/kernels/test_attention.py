@@ -9,12 +9,6 @@ pages are shuffled and one is listed by two requests (prefix sharing).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -22,10 +16,10 @@ import torch
 from executor.kernels.attention import PagedAttention, plan_tiles
 from executor.kernels.codec import build_codec
 from executor.numba_cuda import load_cuda
+from tests.kernels.compile_check import compile_for_sm90
+from tests.kernels.storage import TOL, assert_close_rel, from_storage, poisoned, to_storage
 
 cuda = load_cuda()
-
-BF16_POISON = np.int16(0x7FC0)
 
 # (rows in this step, kv_len after it) per request.
 BATCH = [(1, 7), (5, 8), (1, 1), (1, 8)]
@@ -61,21 +55,6 @@ def make_batch(batch, page_size, num_pages, rng, shared_first_page=True):
     }
 
 
-def to_storage(x: torch.Tensor, codec_name: str) -> np.ndarray:
-    """float tensor -> the codec's storage numpy array (float32, or int16 bits of bf16)."""
-    if codec_name == "f32":
-        return x.float().numpy().copy()
-    return x.to(torch.bfloat16).view(torch.int16).numpy().copy()
-
-
-def from_storage(a, codec_name: str) -> torch.Tensor:
-    """Storage array (numpy or torch) -> float64 torch tensor."""
-    t = torch.as_tensor(a)
-    if codec_name == "bf16":
-        t = t.view(torch.bfloat16)
-    return t.double()
-
-
 def reference(q, k_cache, v_cache, meta, scale):
     """float64 masked softmax attention per row, K/V gathered by each request's page list."""
     num_rows, num_q_heads, _ = q.shape
@@ -91,7 +70,7 @@ def reference(q, k_cache, v_cache, meta, scale):
     return out
 
 
-def run_case(codec_name, group, rows_per_tile=1, kv_chunk=None, strided=False, seed=0):
+def run_case(dtype_name, group, rows_per_tile=1, kv_chunk=None, strided=False, seed=0):
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     meta = make_batch(BATCH, PAGE_SIZE, 10, rng)
@@ -99,17 +78,16 @@ def run_case(codec_name, group, rows_per_tile=1, kv_chunk=None, strided=False, s
     num_q_heads = NUM_KV_HEADS * group
     # A 2-layer page-first pool; the kernel sees layer 1's strided K and V views.
     # Strided views are taken on device arrays (the simulator only transfers contiguous numpy arrays).
-    pool = to_storage(torch.randn(10, 2, 2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen), codec_name)
+    pool = to_storage(torch.randn(10, 2, 2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen), dtype_name)
     pool_device = cuda.to_device(pool)
     k_cache, v_cache = pool_device[:, 1, 0], pool_device[:, 1, 1]
-    qproj = to_storage(torch.randn(num_rows, num_q_heads, 2 * HEAD_DIM, generator=gen), codec_name)
+    qproj = to_storage(torch.randn(num_rows, num_q_heads, 2 * HEAD_DIM, generator=gen), dtype_name)
     q_host = qproj[..., :HEAD_DIM] if strided else np.ascontiguousarray(qproj[..., HEAD_DIM:])
     q = cuda.to_device(qproj)[..., :HEAD_DIM] if strided else cuda.to_device(q_host)
-    poison = np.nan if codec_name == "f32" else BF16_POISON
-    out = cuda.to_device(np.full((num_rows, num_q_heads, HEAD_DIM), poison, dtype=pool.dtype))
+    out = cuda.to_device(poisoned((num_rows, num_q_heads, HEAD_DIM), dtype_name))
     scale = HEAD_DIM**-0.5
 
-    attention = PagedAttention(build_codec("float32" if codec_name == "f32" else "bfloat16"), HEAD_DIM, group,
+    attention = PagedAttention(build_codec(dtype_name), HEAD_DIM, group,
                                rows_per_tile=rows_per_tile, threads=32, block_keys=4)
     # Capacity-sized tile buffers: the padded tail (request -1) must be skipped.
     capacity = len(plan_tiles(meta["q_indptr"], meta["kv_lens"], rows_per_tile=rows_per_tile, kv_chunk=kv_chunk,
@@ -128,29 +106,27 @@ def run_case(codec_name, group, rows_per_tile=1, kv_chunk=None, strided=False, s
               kv_tile_indices, kv_chunk_size[: len(BATCH)], meta["total_num_rows"], out, scale,
               partial_out=partial_out, partial_lse=partial_lse)
 
-    expected = reference(from_storage(q_host, codec_name), from_storage(pool[:, 1, 0], codec_name),
-                         from_storage(pool[:, 1, 1], codec_name), meta, scale)
-    got = from_storage(out.copy_to_host(), codec_name)
-    assert torch.isfinite(got).all(), "some output element was not written"
-    error = (got - expected).abs().max().item() / expected.abs().max().item()
-    assert error <= (1e-5 if codec_name == "f32" else 1e-2), error
+    expected = reference(from_storage(q_host, dtype_name), from_storage(pool[:, 1, 0], dtype_name),
+                         from_storage(pool[:, 1, 1], dtype_name), meta, scale)
+    assert_close_rel(from_storage(out.copy_to_host(), dtype_name), expected, TOL[dtype_name])
 
 
 @pytest.mark.parametrize(
-    "codec_name,group", [("f32", 1), ("f32", 2), ("f32", 5), ("f32", 6), ("bf16", 1), ("bf16", 6)]
+    "dtype_name,group",
+    [("float32", 1), ("float32", 2), ("float32", 5), ("float32", 6), ("bfloat16", 1), ("bfloat16", 6)],
 )
-def test_paged_attention_one_row_tiles(codec_name, group):
-    run_case(codec_name, group, strided=group in (2, 6), seed=group)
+def test_paged_attention_one_row_tiles(dtype_name, group):
+    run_case(dtype_name, group, strided=group in (2, 6), seed=group)
 
 
-@pytest.mark.parametrize("codec_name,group,rows_per_tile", [("f32", 2, 3), ("bf16", 5, 2)])
-def test_paged_attention_multi_row_tiles(codec_name, group, rows_per_tile):
-    run_case(codec_name, group, rows_per_tile=rows_per_tile, strided=True, seed=11)
+@pytest.mark.parametrize("dtype_name,group,rows_per_tile", [("float32", 2, 3), ("bfloat16", 5, 2)])
+def test_paged_attention_multi_row_tiles(dtype_name, group, rows_per_tile):
+    run_case(dtype_name, group, rows_per_tile=rows_per_tile, strided=True, seed=11)
 
 
-@pytest.mark.parametrize("codec_name,rows_per_tile", [("f32", 1), ("bf16", 2)])
-def test_paged_attention_split_kv(codec_name, rows_per_tile):
-    run_case(codec_name, group=2, rows_per_tile=rows_per_tile, kv_chunk=3, seed=21)
+@pytest.mark.parametrize("dtype_name,rows_per_tile", [("float32", 1), ("bfloat16", 2)])
+def test_paged_attention_split_kv(dtype_name, rows_per_tile):
+    run_case(dtype_name, group=2, rows_per_tile=rows_per_tile, kv_chunk=3, seed=21)
 
 
 def test_plan_tiles_one_chunk():
@@ -186,44 +162,29 @@ def test_plan_tiles_writes_capacity_buffers_and_checks_them():
         plan_tiles([0, 3], [2])  # more rows than kv tokens
 
 
-COMPILE_CHECK = textwrap.dedent(
-    """
-    import numba
-    from numba import types
-    from executor.numba_cuda import load_cuda
-    cuda = load_cuda()
-    from executor.kernels.attention import build_paged_attention
-    from executor.kernels.codec import build_codec
-    i32, u32 = types.Array(numba.int32, 1, "A"), types.Array(numba.uint32, 1, "A")
-    meta = (i32,) * 9 + (u32,)
-    part = (types.Array(numba.float32, 4, "A"), types.Array(numba.float32, 3, "A"))
-    # (codec, element, D, group, rows per tile, kernels): each kernel of each codec at least
-    # once, at Qwen3 / Qwen3.5 tile shapes (~3 s per attention kernel compile).
-    cases = (("bfloat16", numba.int16, 128, 4, 1, "direct merge"), ("bfloat16", numba.int16, 256, 6, 1, "split"),
-             ("float32", numba.float32, 256, 2, 4, "direct"))
-    for dtype_name, element, head_dim, group, rows, which in cases:
-        direct, split, merge = build_paged_attention(build_codec(dtype_name), head_dim, group, rows)
-        arr3, arr4 = types.Array(element, 3, "A"), types.Array(element, 4, "A")
-        if "direct" in which:
-            cuda.compile_ptx(direct.py_func, (arr3, arr4, arr4) + meta + (arr3, numba.float32), cc=(9, 0))
-        if "split" in which:
-            cuda.compile_ptx(split.py_func, (arr3, arr4, arr4) + meta + (arr3,) + part + (numba.float32,), cc=(9, 0))
-        if "merge" in which:
-            cuda.compile_ptx(merge.py_func, part + (i32, i32, i32, u32, arr3), cc=(9, 0))
-    print("compiled")
-    """
-)
-
-
 def test_compiles_for_sm90():
-    """PTX for sm_90, both codecs, real tile shapes. Runs in a subprocess without the
-    simulator (so it also checks real-GPU compilation on CPU machines)."""
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    result = subprocess.run([sys.executable, "-c", COMPILE_CHECK], capture_output=True, text=True, env=env,
-                            cwd=str(Path(__file__).resolve().parents[2]))
-    if "NVVM" in result.stderr and "compiled" not in result.stdout:
-        pytest.skip("cuda.compile_ptx cannot find NVVM here")
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+    """PTX for sm_90, both codecs, real tile shapes (also checks real-GPU compilation on CPU machines)."""
+    compile_for_sm90(
+        """
+        from executor.kernels.attention import build_paged_attention
+        i32, u32 = arr("int32", 1), arr("uint32", 1)
+        meta = (i32,) * 9 + (u32,)
+        part = (arr("float32", 4), arr("float32", 3))
+        # (dtype, D, group, rows per tile, kernels): each kernel of each codec at least
+        # once, at Qwen3 / Qwen3.5 tile shapes (~3 s per attention kernel compile).
+        cases = (("bfloat16", 128, 4, 1, "direct merge"), ("bfloat16", 256, 6, 1, "split"),
+                 ("float32", 256, 2, 4, "direct"))
+        for name, head_dim, group, rows, which in cases:
+            direct, split, merge = build_paged_attention(build_codec(name), head_dim, group, rows)
+            arr3, arr4 = arr(name, 3), arr(name, 4)
+            if "direct" in which:
+                ptx(direct, arr3, arr4, arr4, *meta, arr3, types.float32)
+            if "split" in which:
+                ptx(split, arr3, arr4, arr4, *meta, arr3, *part, types.float32)
+            if "merge" in which:
+                ptx(merge, *part, i32, i32, i32, u32, arr3)
+        """
+    )
 
 
 @pytest.mark.gpu

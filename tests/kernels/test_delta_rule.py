@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 import torch
@@ -14,46 +9,13 @@ import torch.nn.functional as F
 
 from executor.kernels.codec import build_codec
 from executor.kernels.delta_rule import GatedDeltaRule, GdnGates
+from tests.kernels.compile_check import compile_for_sm90
+from tests.kernels.storage import DTYPES, TOL, assert_close_rel, from_storage, poisoned, rounded, to_storage
 
-BF16_NAN_BITS = 0x7FC0
-DTYPES = ["float32", "bfloat16"]
-TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 HK, HV, DK, DV = 2, 4, 8, 8  # simulator shapes
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def to_storage(t: torch.Tensor, dtype_name: str) -> np.ndarray:
-    """A CPU tensor as the kernel's storage array (float32, or bf16 bits as int16)."""
-    if dtype_name == "float32":
-        return t.to(torch.float32).numpy().copy()
-    return t.to(torch.bfloat16).view(torch.int16).numpy().copy()
-
-
-def from_storage(a: np.ndarray, dtype_name: str) -> torch.Tensor:
-    """The kernel's storage array back as a float64 tensor of its logical values."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if dtype_name == "bfloat16":
-        t = t.view(torch.bfloat16)
-    return t.to(torch.float64)
-
-
-def poisoned(shape: tuple[int, ...], dtype_name: str) -> np.ndarray:
-    if dtype_name == "float32":
-        return np.full(shape, np.nan, dtype=np.float32)
-    return np.full(shape, BF16_NAN_BITS, dtype=np.int16)
-
-
-def assert_close_rel(got: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
-    assert torch.isfinite(got).all(), "an output element was not written (poison left)"
-    err = (got - ref).abs().max().item() / ref.abs().max().item()
-    assert err <= rel, f"max abs err / max abs ref = {err:.3g} > {rel}"
-
-
-def rounded(t: torch.Tensor, dtype_name: str) -> torch.Tensor:
-    """t's values as the storage dtype holds them, in float64."""
-    return t.to(getattr(torch, dtype_name)).double()
 
 
 def ref_gates(a, b, A_log, dt_bias):
@@ -246,53 +208,21 @@ def test_shape_errors():
 
 # ---------------------------------------------------------------- real-GPU compilation (no GPU needed)
 
-PTX_PRELUDE = """
-import sys, types as pytypes
-from executor.numba_cuda import load_cuda
-cuda = load_cuda()
-import numba.cuda.dispatcher as dispatcher
-from numba import types
-# Without a driver, device functions ask the (absent) current device for its
-# compute capability; pretend an H200 so NVVM compiles the whole kernel.
-dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))
-from executor.kernels.codec import build_codec
-def ptx(kernel, *argtypes):
-    try:
-        return cuda.compile_ptx(kernel.py_func, argtypes, cc=(9, 0))[0]
-    except Exception as exc:
-        if "NVVM" in str(exc) or "libnvvm" in str(exc):
-            print("NO-NVVM", exc)
-            sys.exit(3)
-        raise
-def arr(codec, ndim):
-    return types.Array(types.float32 if codec.name == "f32" else types.int16, ndim, "A")
-i32 = types.Array(types.int32, 1, "A")
-f32 = lambda ndim: types.Array(types.float32, ndim, "A")
-"""
-
-
-def compile_for_gpu(body: str) -> None:
-    """Compile kernels to sm_90 PTX in a fresh process without the simulator."""
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    script = PTX_PRELUDE + textwrap.dedent(body)
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode == 3:
-        pytest.skip("cuda.compile_ptx cannot find NVVM: " + proc.stdout.strip())
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
 
 def test_compiles_for_sm90():
-    compile_for_gpu(
+    compile_for_sm90(
         """
         from executor.kernels.delta_rule import build_gdn_gates, build_gated_delta_rule
-        f32c = build_codec("float32")
-        for name in ("float32", "bfloat16"):
+        i32 = arr("int32", 1)
+        f32 = lambda ndim: arr("float32", ndim)
+        for name in DTYPES:
             c = build_codec(name)
-            for pc in (c, f32c):
-                ptx(build_gdn_gates(c, pc), arr(c, 2), arr(c, 2), arr(pc, 1), arr(pc, 1), f32(2), f32(2))
+            for param in (name, "float32"):
+                pc = build_codec(param)
+                ptx(build_gdn_gates(c, pc), arr(name, 2), arr(name, 2), arr(param, 1), arr(param, 1), f32(2), f32(2))
             for split in ((4, 8) if name == "bfloat16" else (4,)):
-                text = ptx(build_gated_delta_rule(c, 128, dk_split=split), arr(c, 2), f32(2), f32(2), f32(4),
-                           i32, i32, arr(c, 3))
+                text = ptx(build_gated_delta_rule(c, 128, dk_split=split), arr(name, 2), f32(2), f32(2), f32(4),
+                           i32, i32, arr(name, 3))
                 # Each thread's part of the state column must live in registers, not local memory.
                 assert ".local" not in text, f"dk_split={split} spills its state to local memory"
         """

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 import torch
@@ -14,50 +9,14 @@ import torch.nn.functional as F
 
 from executor.kernels.codec import build_codec
 from executor.kernels.gated_norm import GatedRmsNorm
+from tests.kernels.compile_check import compile_for_sm90
+from tests.kernels.storage import DTYPES, assert_bf16_close, assert_close_rel, from_storage, poisoned, to_storage
 
 EPS = 1e-6
-BF16_NAN_BITS = 0x7FC0
-DTYPES = ["float32", "bfloat16"]
 HV, DV = 3, 40  # dv not a power of two: a ragged last stride
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def to_storage(t: torch.Tensor, dtype_name: str) -> np.ndarray:
-    """A CPU tensor as the kernel's storage array (float32, or bf16 bits as int16)."""
-    if dtype_name == "float32":
-        return t.to(torch.float32).numpy().copy()
-    return t.to(torch.bfloat16).view(torch.int16).numpy().copy()
-
-
-def from_storage(a: np.ndarray, dtype_name: str) -> torch.Tensor:
-    """The kernel's storage array back as a float64 tensor of its logical values."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if dtype_name == "bfloat16":
-        t = t.view(torch.bfloat16)
-    return t.to(torch.float64)
-
-
-def poisoned(shape: tuple[int, ...], dtype_name: str) -> np.ndarray:
-    if dtype_name == "float32":
-        return np.full(shape, np.nan, dtype=np.float32)
-    return np.full(shape, BF16_NAN_BITS, dtype=np.int16)
-
-
-def assert_close_rel(got: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
-    assert torch.isfinite(got).all(), "an output element was not written (poison left)"
-    err = (got - ref).abs().max().item() / ref.abs().max().item()
-    assert err <= rel, f"max abs err / max abs ref = {err:.3g} > {rel}"
-
-
-def assert_bf16_close_to_hf(got: torch.Tensor, hf: torch.Tensor) -> None:
-    """Within one bf16 ulp everywhere, exact on almost all elements (reduction order differs)."""
-    assert torch.isfinite(got).all()
-    hf = hf.double()
-    ulp = hf.abs().clamp_min(1e-30) * 2.0**-7
-    assert ((got - hf).abs() <= ulp).all()
-    assert (got == hf).double().mean().item() >= 0.97
 
 
 def ref64(x, z, w):
@@ -104,7 +63,7 @@ def test_matches_reference_and_hf(dtype_name):
         assert_close_rel(got, hf_gated_norm(x, z, w).double(), 1e-5)
     else:
         assert_close_rel(got, ref64(x, z, w), 1e-2)
-        assert_bf16_close_to_hf(got, hf_gated_norm(x, z, w))
+        assert_bf16_close(got, hf_gated_norm(x, z, w))
 
 
 @pytest.mark.parametrize("dtype_name", DTYPES)
@@ -138,46 +97,14 @@ def test_shape_errors():
 
 # ---------------------------------------------------------------- real-GPU compilation (no GPU needed)
 
-PTX_PRELUDE = """
-import sys, types as pytypes
-from executor.numba_cuda import load_cuda
-cuda = load_cuda()
-import numba.cuda.dispatcher as dispatcher
-from numba import types
-# Without a driver, device functions ask the (absent) current device for its
-# compute capability; pretend an H200 so NVVM compiles the whole kernel.
-dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))
-from executor.kernels.codec import build_codec
-def ptx(kernel, *argtypes):
-    try:
-        return cuda.compile_ptx(kernel.py_func, argtypes, cc=(9, 0))[0]
-    except Exception as exc:
-        if "NVVM" in str(exc) or "libnvvm" in str(exc):
-            print("NO-NVVM", exc)
-            sys.exit(3)
-        raise
-def arr(codec, ndim):
-    return types.Array(types.float32 if codec.name == "f32" else types.int16, ndim, "A")
-"""
-
-
-def compile_for_gpu(body: str) -> None:
-    """Compile kernels to sm_90 PTX in a fresh process without the simulator."""
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    script = PTX_PRELUDE + textwrap.dedent(body)
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode == 3:
-        pytest.skip("cuda.compile_ptx cannot find NVVM: " + proc.stdout.strip())
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
 
 def test_compiles_for_sm90():
-    compile_for_gpu(
+    compile_for_sm90(
         """
         from executor.kernels.gated_norm import build_gated_rms_norm
-        for name in ("float32", "bfloat16"):
-            c = build_codec(name)
-            ptx(build_gated_rms_norm(c), arr(c, 3), arr(c, 2), arr(c, 1), arr(c, 2), types.float32)
+        for name in DTYPES:
+            ptx(build_gated_rms_norm(build_codec(name)), arr(name, 3), arr(name, 2), arr(name, 1), arr(name, 2),
+                types.float32)
         """
     )
 
@@ -196,4 +123,4 @@ def test_gpu_gated_norm_bf16(rows):
     GatedRmsNorm(build_codec("bfloat16"))(i16(x), i16(z), i16(w), i16(out), EPS)
     torch.cuda.synchronize()
     assert_close_rel(out.double().cpu(), ref64(x, z, w).cpu(), 1e-2)
-    assert_bf16_close_to_hf(out.double().cpu(), hf_gated_norm(x, z, w).cpu())
+    assert_bf16_close(out.double().cpu(), hf_gated_norm(x, z, w).cpu())

@@ -8,23 +8,18 @@ slot (other pages, other layer, slots past the step) must keep its poison.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from executor.kernels.kv_cache import write_kv
 from executor.numba_cuda import load_cuda
+from tests.kernels.compile_check import compile_for_sm90
+from tests.kernels.storage import DTYPES, poisoned, to_storage
 
 cuda = load_cuda()
 
 PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, NUM_Q_HEADS = 4, 2, 16, 4
-POISON = {"f32": np.float32(np.nan), "bf16": np.int16(0x7FC0)}
 
 
 def make_step(batch, page_size, num_pages, rng):
@@ -41,14 +36,8 @@ def make_step(batch, page_size, num_pages, rng):
     }
 
 
-def storage(x: torch.Tensor, codec_name: str) -> np.ndarray:
-    if codec_name == "f32":
-        return x.float().numpy().copy()
-    return x.to(torch.bfloat16).view(torch.int16).numpy().copy()
-
-
-@pytest.mark.parametrize("codec_name", ["f32", "bf16"])
-def test_write_kv_scatters_rows_into_pages(codec_name):
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_write_kv_scatters_rows_into_pages(dtype_name):
     rng = np.random.default_rng(3)
     gen = torch.Generator().manual_seed(3)
     # Decode at position 6, a 5-row chunk after 3 earlier tokens (crosses a page), the
@@ -56,8 +45,8 @@ def test_write_kv_scatters_rows_into_pages(codec_name):
     batch = [(1, 7), (5, 8), (1, 1), (1, 8)]
     step = make_step(batch, PAGE_SIZE, 9, rng)
     num_rows = len(step["positions"])
-    fused = storage(torch.randn(num_rows, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, generator=gen), codec_name)
-    pool = np.full((9, 2, 2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM), POISON[codec_name], dtype=fused.dtype)
+    fused = to_storage(torch.randn(num_rows, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, generator=gen), dtype_name)
+    pool = poisoned((9, 2, 2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM), dtype_name)
 
     # Strided views on device arrays (the simulator transfers only contiguous numpy arrays).
     fused_device, pool_device = cuda.to_device(fused), cuda.to_device(pool)
@@ -75,8 +64,8 @@ def test_write_kv_scatters_rows_into_pages(codec_name):
         page = step["page_lists"][b][p // PAGE_SIZE]
         expected[page, 1, 0, p % PAGE_SIZE] = rows[t, NUM_Q_HEADS : NUM_Q_HEADS + NUM_KV_HEADS]
         expected[page, 1, 1, p % PAGE_SIZE] = rows[t, NUM_Q_HEADS + NUM_KV_HEADS :]
-    np.testing.assert_array_equal(got.view(np.int32 if codec_name == "f32" else np.int16),
-                                  expected.view(np.int32 if codec_name == "f32" else np.int16))
+    bits = np.int32 if dtype_name == "float32" else np.int16
+    np.testing.assert_array_equal(got.view(bits), expected.view(bits))
 
 
 def test_write_kv_rejects_mismatched_shapes():
@@ -87,30 +76,17 @@ def test_write_kv_rejects_mismatched_shapes():
         write_kv(k, k, cache, cache, ids, ids, ids, ids)
 
 
-COMPILE_CHECK = textwrap.dedent(
-    """
-    import numba
-    from numba import types
-    from executor.numba_cuda import load_cuda
-    cuda = load_cuda()
-    from executor.kernels.kv_cache import write_kv_kernel
-    i32 = types.Array(numba.int32, 1, "A")
-    for element in (numba.float32, numba.int16):
-        rows, cache = types.Array(element, 3, "A"), types.Array(element, 4, "A")
-        cuda.compile_ptx(write_kv_kernel.py_func, (rows, rows, cache, cache, i32, i32, i32, i32), cc=(9, 0))
-    print("compiled")
-    """
-)
-
-
 def test_compiles_for_sm90():
-    """PTX for sm_90 with both storage dtypes, in a subprocess without the simulator."""
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    result = subprocess.run([sys.executable, "-c", COMPILE_CHECK], capture_output=True, text=True, env=env,
-                            cwd=str(Path(__file__).resolve().parents[2]))
-    if "NVVM" in result.stderr and "compiled" not in result.stdout:
-        pytest.skip("cuda.compile_ptx cannot find NVVM here")
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+    """PTX for sm_90 with both storage dtypes."""
+    compile_for_sm90(
+        """
+        from executor.kernels.kv_cache import write_kv_kernel
+        i32 = arr("int32", 1)
+        for name in DTYPES:
+            rows, cache = arr(name, 3), arr(name, 4)
+            ptx(write_kv_kernel, rows, rows, cache, cache, i32, i32, i32, i32)
+        """
+    )
 
 
 @pytest.mark.gpu

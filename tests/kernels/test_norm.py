@@ -2,49 +2,21 @@
 
 from __future__ import annotations
 
-import types as pytypes
-
 import numpy as np
 import pytest
 import torch
 
 from executor.kernels.codec import build_codec
-from executor.kernels.norm import (
-    AddRmsNormInplace,
-    RmsNorm,
-    build_add_rms_norm_kernel,
-    build_rms_norm_kernel,
-    row_threads,
-)
+from executor.kernels.norm import AddRmsNormInplace, RmsNorm, row_threads
 from executor.numba_cuda import load_cuda, simulator_enabled
+from tests.kernels.compile_check import compile_for_sm90
+from tests.kernels.storage import DTYPES, assert_bf16_close, assert_close_rel, from_storage, poisoned, to_storage
 
 EPS = 1e-6
-BF16_NAN_BITS = 0x7FC0
 SIM_THREADS = 32  # simulator blocks: few threads, and rows wider than the block exercise the stride loop
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def to_storage(t: torch.Tensor, dtype_name: str) -> np.ndarray:
-    """A CPU tensor as the kernel's storage array (float32, or bf16 bits as int16)."""
-    if dtype_name == "float32":
-        return t.to(torch.float32).numpy().copy()
-    return t.to(torch.bfloat16).view(torch.int16).numpy().copy()
-
-
-def from_storage(a: np.ndarray, dtype_name: str) -> torch.Tensor:
-    """The kernel's storage array back as a float64 tensor of its logical values."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if dtype_name == "bfloat16":
-        t = t.view(torch.bfloat16)
-    return t.to(torch.float64)
-
-
-def poisoned(shape: tuple[int, ...], dtype_name: str) -> np.ndarray:
-    if dtype_name == "float32":
-        return np.full(shape, np.nan, dtype=np.float32)
-    return np.full(shape, BF16_NAN_BITS, dtype=np.int16)
 
 
 def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, offset: float, round_before_weight: bool) -> torch.Tensor:
@@ -59,21 +31,6 @@ def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, offset: float, round_before_we
 def ref64(x: torch.Tensor, w: torch.Tensor, offset: float) -> torch.Tensor:
     x = x.double()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * (offset + w.double())
-
-
-def assert_close_rel(got: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
-    assert torch.isfinite(got).all(), "an output element was not written (poison left)"
-    err = (got - ref).abs().max().item() / ref.abs().max().item()
-    assert err <= rel, f"max abs err / max abs ref = {err:.3g} > {rel}"
-
-
-def assert_bf16_close_to_hf(got: torch.Tensor, hf: torch.Tensor) -> None:
-    """Within one bf16 ulp everywhere, exact on almost all elements (reduction order differs)."""
-    assert torch.isfinite(got).all()
-    hf = hf.double()
-    ulp = hf.abs().clamp_min(1e-30) * 2.0**-7
-    assert ((got - hf).abs() <= ulp).all()
-    assert (got == hf).double().mean().item() >= 0.97
 
 
 CASES = [("float32", False, 0.0), ("float32", True, 0.0), ("bfloat16", True, 0.0), ("bfloat16", False, 1.0)]
@@ -98,7 +55,7 @@ def test_rms_norm(dtype_name, round_before_weight, offset):
     if dtype_name == "float32":
         assert_close_rel(got, ref64(x, w, offset), 1e-5)
     else:
-        assert_bf16_close_to_hf(got, hf_rms_norm(x, w.to(dt), offset, round_before_weight))
+        assert_bf16_close(got, hf_rms_norm(x, w.to(dt), offset, round_before_weight))
         assert_close_rel(got, ref64(x, w.to(dt), offset), 1e-2)
 
 
@@ -137,11 +94,11 @@ def test_add_rms_norm_inplace(dtype_name, round_before_weight, offset):
     if dtype_name == "float32":
         assert_close_rel(got, ref64(x.double() + res.double(), w, offset), 1e-5)
     else:
-        assert_bf16_close_to_hf(got, hf_rms_norm(summed, w, offset, round_before_weight))
+        assert_bf16_close(got, hf_rms_norm(summed, w, offset, round_before_weight))
         assert_close_rel(got, ref64(summed, w, offset), 1e-2)
 
 
-@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype_name", DTYPES)
 def test_add_rms_norm_out_aliases_x(dtype_name):
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(2, 168, generator=gen)
@@ -179,34 +136,18 @@ def test_shape_errors():
 
 
 @pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
-def test_compiles_for_sm90(monkeypatch):
-    """Both kernels, both codecs and both rounding modes compile to sm_90 PTX with float32 math only.
-
-    Runs on the GPU machine, or here with NUMBA_ENABLE_CUDASIM=0 (no driver needed).
-    """
-    cuda = load_cuda()
-    from numba import types
-    import numba.cuda.dispatcher as dispatcher
-
-    if not cuda.is_available():  # device functions ask the current device for its compute capability
-        hopper = pytypes.SimpleNamespace(compute_capability=(9, 0))
-        monkeypatch.setattr(dispatcher, "get_current_device", lambda: hopper)
-    for name, round_before_weight in (("float32", False), ("bfloat16", True), ("bfloat16", False)):
-        codec = build_codec(name)
-        element = types.float32 if name == "float32" else types.int16
-        rows, vec, f32 = types.Array(element, 2, "A"), types.Array(element, 1, "A"), types.float32
-        for kernel, argtypes in (
-            (build_rms_norm_kernel(codec, round_before_weight), (rows, vec, rows, f32, f32)),
-            (build_add_rms_norm_kernel(codec, round_before_weight), (rows, rows, vec, rows, f32, f32)),
-        ):
-            try:
-                ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=(9, 0))
-            except Exception as exc:  # noqa: BLE001  (NVVM missing is the only expected failure)
-                if "NVVM" in str(exc) or "nvvm" in str(exc):
-                    pytest.skip(f"cuda.compile_ptx cannot find NVVM: {exc}")
-                raise
-            # A stray float64 literal silently turns float32 math into slow double math.
-            assert ".f64" not in ptx, f"{kernel.py_func.__name__}: float64 arithmetic in PTX"
+def test_compiles_for_sm90():
+    """Both kernels, both codecs and both rounding modes compile to sm_90 PTX with float32 math only."""
+    compile_for_sm90(
+        """
+        from executor.kernels.norm import build_add_rms_norm_kernel, build_rms_norm_kernel
+        for name, round_before_weight in (("float32", False), ("bfloat16", True), ("bfloat16", False)):
+            codec = build_codec(name)
+            rows, vec, f32 = arr(name, 2), arr(name, 1), types.float32
+            ptx(build_rms_norm_kernel(codec, round_before_weight), rows, vec, rows, f32, f32)
+            ptx(build_add_rms_norm_kernel(codec, round_before_weight), rows, rows, vec, rows, f32, f32)
+        """
+    )
 
 
 # ---------------------------------------------------------------- GPU tests at real sizes (bf16)
@@ -232,7 +173,7 @@ def test_gpu_rms_norm_bf16(rows, width, round_before_weight, offset):
         x.view(torch.int16), w.view(torch.int16), out.view(torch.int16), EPS, offset
     )
     torch.cuda.synchronize()
-    assert_bf16_close_to_hf(out.double().cpu(), hf_rms_norm(x, w, offset, round_before_weight).cpu())
+    assert_bf16_close(out.double().cpu(), hf_rms_norm(x, w, offset, round_before_weight).cpu())
 
 
 @pytest.mark.gpu
@@ -251,4 +192,4 @@ def test_gpu_add_rms_norm_bf16(rows, width, round_before_weight, offset):
     )
     torch.cuda.synchronize()
     assert torch.equal(res, summed)
-    assert_bf16_close_to_hf(x.double().cpu(), hf.cpu())
+    assert_bf16_close(x.double().cpu(), hf.cpu())

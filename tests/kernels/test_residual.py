@@ -2,35 +2,20 @@
 
 from __future__ import annotations
 
-import types as pytypes
-
 import numpy as np
 import pytest
 import torch
 
 from executor.kernels.codec import build_codec
-from executor.kernels.residual import AddInplace, build_add_inplace_kernel
+from executor.kernels.residual import AddInplace
 from executor.numba_cuda import load_cuda, simulator_enabled
+from tests.kernels.compile_check import compile_for_sm90
+from tests.kernels.storage import DTYPES, from_storage, to_storage
 
 SIM_THREADS = 32  # rows wider than the block exercise the column stride loop
 
 
-def to_storage(t: torch.Tensor, dtype_name: str) -> np.ndarray:
-    """A CPU tensor as the kernel's storage array (float32, or bf16 bits as int16)."""
-    if dtype_name == "float32":
-        return t.to(torch.float32).numpy().copy()
-    return t.to(torch.bfloat16).view(torch.int16).numpy().copy()
-
-
-def from_storage(a: np.ndarray, dtype_name: str) -> torch.Tensor:
-    """The kernel's storage array back as a float64 tensor of its logical values."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if dtype_name == "bfloat16":
-        t = t.view(torch.bfloat16)
-    return t.to(torch.float64)
-
-
-@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype_name", DTYPES)
 def test_add_inplace(dtype_name):
     gen = torch.Generator().manual_seed(21)
     dt = getattr(torch, dtype_name)
@@ -50,7 +35,7 @@ def test_add_inplace(dtype_name):
         np.testing.assert_array_equal(buf[1:4], to_storage(acc_full[1:4] + x, dtype_name))
 
 
-@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype_name", DTYPES)
 def test_add_inplace_acc_is_x(dtype_name):
     gen = torch.Generator().manual_seed(22)
     dt = getattr(torch, dtype_name)
@@ -71,23 +56,14 @@ def test_add_inplace_shape_errors():
 
 
 @pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
-def test_compiles_for_sm90(monkeypatch):
-    cuda = load_cuda()
-    from numba import types
-    import numba.cuda.dispatcher as dispatcher
-
-    if not cuda.is_available():  # device functions ask the current device for its compute capability
-        hopper = pytypes.SimpleNamespace(compute_capability=(9, 0))
-        monkeypatch.setattr(dispatcher, "get_current_device", lambda: hopper)
-    for dtype_name, element in (("float32", types.float32), ("bfloat16", types.int16)):
-        arr = types.Array(element, 2, "A")
-        try:
-            ptx, _ = cuda.compile_ptx(build_add_inplace_kernel(build_codec(dtype_name)).py_func, (arr, arr), cc=(9, 0))
-        except Exception as exc:  # noqa: BLE001  (NVVM missing is the only expected failure)
-            if "NVVM" in str(exc) or "nvvm" in str(exc):
-                pytest.skip(f"cuda.compile_ptx cannot find NVVM: {exc}")
-            raise
-        assert ".f64" not in ptx  # float64 arithmetic would be a typing slip
+def test_compiles_for_sm90():
+    compile_for_sm90(
+        """
+        from executor.kernels.residual import build_add_inplace_kernel
+        for name in DTYPES:
+            ptx(build_add_inplace_kernel(build_codec(name)), arr(name, 2), arr(name, 2))
+        """
+    )
 
 
 @pytest.mark.gpu

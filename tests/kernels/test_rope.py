@@ -2,34 +2,19 @@
 
 from __future__ import annotations
 
-import types as pytypes
-
 import numpy as np
 import pytest
 import torch
 
 from executor.kernels.codec import build_codec
-from executor.kernels.rope import QkNormRopeInplace, build_qk_norm_rope_kernel
+from executor.kernels.rope import QkNormRopeInplace
 from executor.numba_cuda import load_cuda, simulator_enabled
+from tests.kernels.compile_check import compile_for_sm90
+from tests.kernels.storage import assert_bf16_close, assert_close_rel, from_storage, to_storage
 
 EPS = 1e-6
 SIM_THREADS = 32
 POSITIONS = [0, 1, 40959, 262143]  # up to Qwen3.5's max_position_embeddings - 1
-
-
-def to_storage(t: torch.Tensor, dtype_name: str) -> np.ndarray:
-    """A CPU tensor as the kernel's storage array (float32, or bf16 bits as int16)."""
-    if dtype_name == "float32":
-        return t.to(torch.float32).numpy().copy()
-    return t.to(torch.bfloat16).view(torch.int16).numpy().copy()
-
-
-def from_storage(a: np.ndarray, dtype_name: str) -> torch.Tensor:
-    """The kernel's storage array back as a float64 tensor of its logical values."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if dtype_name == "bfloat16":
-        t = t.view(torch.bfloat16)
-    return t.to(torch.float64)
 
 
 def hf_angles(positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
@@ -72,12 +57,6 @@ def ref64(x, w, positions, offset, rotary_dim, theta):
     return rotate(n, angles.cos(), angles.sin(), rotary_dim)
 
 
-def assert_close_rel(got: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
-    assert torch.isfinite(got).all(), "an output element was not written (poison left)"
-    err = (got - ref).abs().max().item() / ref.abs().max().item()
-    assert err <= rel, f"max abs err / max abs ref = {err:.3g} > {rel}"
-
-
 def term_scale(n: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     """|n| + |rotate_half(n)| on the rotary dims, |n| elsewhere: the size of the terms an output sums."""
     half = rotary_dim // 2
@@ -85,15 +64,6 @@ def term_scale(n: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     partner[..., :half] = n[..., half:rotary_dim]
     partner[..., half:rotary_dim] = n[..., :half]
     return n.abs() + partner.abs()
-
-
-def assert_bf16_close_to_hf(got: torch.Tensor, hf: torch.Tensor, scale: torch.Tensor, exact: float) -> None:
-    """Within about one bf16 ulp of the summed terms (a flipped cos/sin rounding moves a
-    cancelling sum by an ulp of its terms, not of the result); exact on a fraction >= exact."""
-    assert torch.isfinite(got).all(), "an output element was not written (poison left)"
-    hf = hf.double()
-    assert ((got - hf).abs() <= scale.double() * 2.0**-7).all()
-    assert (got == hf).double().mean().item() >= exact
 
 
 # (dtype, round_before_weight, weight_offset, head_dim, rotary_dim, theta): Qwen3-like and Qwen3.5-like.
@@ -128,7 +98,7 @@ def test_qk_norm_rope_inplace(dtype_name, round_before_weight, offset, head_dim,
     else:
         scale = term_scale(hf_rms_norm(x, w, offset, round_before_weight).double(), rotary_dim)
         hf = hf_reference(x, w, positions, offset, round_before_weight, rotary_dim, theta)
-        assert_bf16_close_to_hf(got, hf, scale, exact=0.95)
+        assert_bf16_close(got, hf, scale, exact=0.95)
         assert_close_rel(got, ref64(x, w, positions, offset, rotary_dim, theta), 2e-2)
 
 
@@ -160,32 +130,18 @@ def test_shape_errors():
 
 
 @pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
-def test_compiles_for_sm90(monkeypatch):
-    cuda = load_cuda()
-    from numba import types
-    import numba.cuda.dispatcher as dispatcher
-
-    if not cuda.is_available():  # device functions ask the current device for its compute capability
-        hopper = pytypes.SimpleNamespace(compute_capability=(9, 0))
-        monkeypatch.setattr(dispatcher, "get_current_device", lambda: hopper)
-    for dtype_name, element in (("float32", types.float32), ("bfloat16", types.int16)):
-        for round_before_weight in (True, False):
-            kernel = build_qk_norm_rope_kernel(build_codec(dtype_name), round_before_weight)
-            argtypes = (
-                types.Array(element, 3, "A"),
-                types.Array(element, 1, "A"),
-                types.Array(types.int32, 1, "A"),
-                types.float32,
-                types.float32,
-                types.int32,
-                types.float32,
-            )
-            try:
-                cuda.compile_ptx(kernel.py_func, argtypes, cc=(9, 0))
-            except Exception as exc:  # noqa: BLE001  (NVVM missing is the only expected failure)
-                if "NVVM" in str(exc) or "nvvm" in str(exc):
-                    pytest.skip(f"cuda.compile_ptx cannot find NVVM: {exc}")
-                raise
+def test_compiles_for_sm90():
+    compile_for_sm90(
+        """
+        from executor.kernels.rope import build_qk_norm_rope_kernel
+        for name in DTYPES:
+            for round_before_weight in (True, False):
+                kernel = build_qk_norm_rope_kernel(build_codec(name), round_before_weight)
+                f32 = types.float32
+                ptx(kernel, arr(name, 3), arr(name, 1), arr("int32", 1), f32, f32, types.int32, f32)
+        """,
+        allow_f64=True,  # inv_freq's power is taken in float64 on purpose (rope.py's docstring)
+    )
 
 
 # (heads, head_dim, rotary_dim, theta, round_before_weight, offset, strided): Qwen3 q/k, Qwen3.5 q (strided)/k.
@@ -218,4 +174,4 @@ def test_gpu_qk_norm_rope_bf16(heads, head_dim, rotary_dim, theta, round_before_
     assert torch.equal(buf[..., head_dim:], before_gate)
     # HF's CPU powf is one ulp off for a few inv_freq entries (rope.py's docstring); at large
     # positions that flips some bf16 cos/sin roundings of those frequencies: >= 99% exact.
-    assert_bf16_close_to_hf(x.double().cpu(), expected.cpu(), scale.cpu(), exact=0.99)
+    assert_bf16_close(x.double().cpu(), expected.cpu(), scale.cpu(), exact=0.99)

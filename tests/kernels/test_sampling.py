@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import types as pytypes
-
 import numpy as np
 import pytest
 import torch
 
-from executor.kernels.sampling import Argmax, build_argmax_kernel
-from executor.numba_cuda import load_cuda, simulator_enabled
+from executor.kernels.sampling import Argmax
+from executor.numba_cuda import simulator_enabled
+from tests.kernels.compile_check import compile_for_sm90
 
 SIM_THREADS = 32  # rows wider than the block exercise the stride loop and the tree
 
@@ -65,25 +64,13 @@ def test_argmax_shape_errors():
 
 
 @pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
-def test_compiles_for_sm90(monkeypatch):
-    cuda = load_cuda()
-    from numba import types
-    import numba.cuda.dispatcher as dispatcher
-
-    if not cuda.is_available():  # device functions ask the current device for its compute capability
-        hopper = pytypes.SimpleNamespace(compute_capability=(9, 0))
-        monkeypatch.setattr(dispatcher, "get_current_device", lambda: hopper)
-    try:
-        ptx, _ = cuda.compile_ptx(
-            build_argmax_kernel().py_func,
-            (types.Array(types.float32, 2, "A"), types.Array(types.int32, 1, "A")),
-            cc=(9, 0),
-        )
-    except Exception as exc:  # noqa: BLE001  (NVVM missing is the only expected failure)
-        if "NVVM" in str(exc) or "nvvm" in str(exc):
-            pytest.skip(f"cuda.compile_ptx cannot find NVVM: {exc}")
-        raise
-    assert ".f64" not in ptx  # float64 arithmetic would be a typing slip
+def test_compiles_for_sm90():
+    compile_for_sm90(
+        """
+        from executor.kernels.sampling import build_argmax_kernel
+        ptx(build_argmax_kernel(), arr("float32", 2), arr("int32", 1))
+        """
+    )
 
 
 @pytest.mark.gpu
