@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -81,9 +81,11 @@ class Engine:
         self.model, self.plan = model, plan
         self.scheduler = Scheduler(plan.capacity, prefix_caching=self.prefix_caching, has_recurrent_state=recurrent)
 
-    def run(self, requests: Sequence[Request], arrival_steps: Sequence[int] | None = None) -> EngineReport:
+    def run(self, requests: Sequence[Request], arrival_steps: Sequence[int] | None = None,
+            on_step: Callable[[int], None] | None = None) -> EngineReport:
         """Run ``requests`` to completion. ``arrival_steps[i]``: the step before which request i arrives
-        (all at step 0 by default). Returns one result per request, in input order."""
+        (all at step 0 by default). ``on_step(steps_done)`` runs after every step (progress reports).
+        Returns one result per request, in input order."""
         arrivals = list(arrival_steps) if arrival_steps is not None else [0] * len(requests)
         pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
         results = {id(r): RequestResult(r.request_id, len(r.prompt_ids), [], None, None, 0.0) for r in requests}
@@ -108,6 +110,8 @@ class Engine:
                     results[id(by_id[chunk.request_id])].token_times_s.append(now)
             self.scheduler.update(step, sampled)
             steps += 1
+            if on_step is not None:
+                on_step(steps)
             if steps == 1:
                 allocations_start = _allocation_count(self.model)
         for request in requests:

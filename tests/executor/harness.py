@@ -87,3 +87,22 @@ def run_teacher_forced(loaded: Loaded, sequences: list[list[int]], prompt_lens: 
                 logits[r].append(step_logits[i])
             cached[r] = end
     return logits
+
+
+def random_sequences(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def assert_teacher_forced_matches_hf(loaded: Loaded, prompts: list[int], decode_steps: int, tolerance: float,
+                                     seed: int) -> None:
+    """Prefill each prompt, feed ``decode_steps`` more tokens; every step's logits within
+    ``tolerance`` of HF's (max abs difference over max abs HF logit)."""
+    sequences = random_sequences(loaded.plan.model.vocab_size, [p + decode_steps for p in prompts], seed)
+    ours = run_teacher_forced(loaded, sequences, prompts)
+    for seq, prompt, logits in zip(sequences, prompts, ours):
+        reference = hf_logits(loaded.hf, seq)[prompt - 1 :]
+        assert len(logits) == reference.shape[0] == decode_steps + 1
+        for step, (mine, theirs) in enumerate(zip(logits, reference)):
+            error = float((mine - theirs).abs().max() / theirs.abs().max())
+            assert error <= tolerance, f"{loaded.plan.model.name} step {step}: relative error {error:.2e}"

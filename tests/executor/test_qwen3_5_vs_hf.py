@@ -5,14 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.executor.harness import hf_logits, load_tiny, run_teacher_forced
+from tests.executor.harness import assert_teacher_forced_matches_hf, load_tiny, random_sequences, run_teacher_forced
 
 TOLERANCE = 1e-3
-
-
-def _sequences(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
 def _perturb_norms(loaded) -> None:
@@ -32,20 +27,12 @@ def _perturb_norms(loaded) -> None:
 def test_prefill_and_8_decode_steps_match_hf(name):
     loaded = load_tiny(name)
     _perturb_norms(loaded)
-    prompts = [6, 2]
-    sequences = _sequences(loaded.plan.model.vocab_size, [p + 8 for p in prompts], seed=4)
-    ours = run_teacher_forced(loaded, sequences, prompts)
-    for seq, prompt, logits in zip(sequences, prompts, ours):
-        reference = hf_logits(loaded.hf, seq)[prompt - 1 :]
-        assert len(logits) == reference.shape[0] == 9
-        for step, (mine, theirs) in enumerate(zip(logits, reference)):
-            error = float((mine - theirs).abs().max() / theirs.abs().max())
-            assert error <= TOLERANCE, f"{name} step {step}: relative error {error:.2e}"
+    assert_teacher_forced_matches_hf(loaded, [6, 2], decode_steps=8, tolerance=TOLERANCE, seed=4)
 
 
 def test_prefill_in_chunks_of_3_hands_state_across_chunks():
     loaded = load_tiny("tiny-qwen3.5")
-    sequence = _sequences(loaded.plan.model.vocab_size, [10], seed=5)
+    sequence = random_sequences(loaded.plan.model.vocab_size, [10], seed=5)
     whole = run_teacher_forced(loaded, sequence, [10])[0][0]
     chunked = run_teacher_forced(loaded, sequence, [10], chunk=3, first_page=30)[0][0]
     assert float((whole - chunked).abs().max() / whole.abs().max()) <= 1e-5

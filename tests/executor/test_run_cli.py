@@ -1,6 +1,8 @@
-"""``memplan run`` end to end in the simulator: random weights, an HF checkpoint
-(greedy ids equal HF's), and the one-line errors (a prompt over max_context, a
-checkpoint missing a tensor)."""
+"""``memplan run`` end to end in the simulator (through the engine): random weights,
+an HF checkpoint (greedy ids equal HF's), per-request rejection (a prompt over
+max_context, an id outside the vocabulary) while the rest runs, a synthetic
+shared-prefix workload hitting the prefix cache, and the one-line errors (a
+malformed request line, a checkpoint missing a tensor, an edited plan file)."""
 
 from __future__ import annotations
 
@@ -48,18 +50,24 @@ def _hf_greedy(hf: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[
 
 def test_random_weights_prints_one_line_per_request_and_the_report(capsys):
     code = main(["run", "--model", "tiny-qwen3", *SIM, "--serving", "sim", "--random-weights",
-                 "--batch", "2", "--prompt-len", "5", "--max-new-tokens", "3"])
+                 "--batch", "2", "--prompt-len", "3", "--max-new-tokens", "2"])
     out, err = capsys.readouterr()
     assert code == 0, err
     lines = _outputs(out)
     assert [line["request"] for line in lines] == [0, 1]
-    assert all(line["prompt_len"] == 5 and len(line["output_ids"]) == 3 for line in lines)
+    assert all(set(line) == {"request", "prompt_len", "output_ids", "finish_reason", "ttft_ms", "token_latencies_ms"}
+               for line in lines)
+    assert all(line["prompt_len"] == 3 and len(line["output_ids"]) == 2 for line in lines)
+    assert all(line["finish_reason"] == "length" and len(line["token_latencies_ms"]) == 2 for line in lines)
+    assert all(line["ttft_ms"] == line["token_latencies_ms"][0] > 0 for line in lines)
     assert all(0 <= t < 256 for line in lines for t in line["output_ids"])
     for pool in ("weights", "kv_cache", "decode", "prefill", "sampling"):
         planned, allocated = next(row.split()[1:3] for row in err.splitlines() if row.split()[:1] == [pool])
         assert planned == allocated
     assert "allocations after warm-up: n/a (simulator)" in err
-    assert "prefill: 10 tokens" in err and "decode TPOT:" in err
+    assert "requests: 2 (2 run, 0 rejected); 4 tokens generated" in err
+    assert "TTFT: p50" in err and "TPOT: p50" in err and "preemptions: 0" in err
+    assert "memplan run: done: 2 step(s), 2/2 requests finished, 4 tokens generated" in err
 
 
 def test_checkpoint_generates_hf_greedy_ids(checkpoint, tmp_path, capsys):
@@ -67,23 +75,48 @@ def test_checkpoint_generates_hf_greedy_ids(checkpoint, tmp_path, capsys):
     prompts = _prompt_file(tmp_path / "prompts.jsonl", PROMPTS)
     out_file = tmp_path / "out.jsonl"
     code = main(["run", "--checkpoint", str(directory), *SIM, "--prompt-ids", str(prompts),
-                 "--max-new-tokens", "3", "--out", str(out_file)])
+                 "--max-new-tokens", "2", "--out", str(out_file)])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert out == ""  # ids went to --out
     lines = _outputs(out_file.read_text())
     assert [line["prompt_len"] for line in lines] == [len(p) for p in PROMPTS]
-    assert [line["output_ids"] for line in lines] == [_hf_greedy(hf, p, 3) for p in PROMPTS]
+    assert [line["output_ids"] for line in lines] == [_hf_greedy(hf, p, 2) for p in PROMPTS]
 
 
-def test_prompt_over_max_context_names_the_request_and_the_limit(tmp_path, capsys):
-    prompts = _prompt_file(tmp_path / "prompts.jsonl", [[1, 2], list(range(62))])
+def test_requests_the_plan_cannot_hold_are_rejected_in_their_line_and_the_rest_runs(tmp_path, capsys):
+    prompts = _prompt_file(tmp_path / "prompts.jsonl", [[1, 2], list(range(63)), [5, 300]])
     code = main(["run", "--model", "tiny-qwen3", *SIM, "--random-weights", "--prompt-ids", str(prompts),
-                 "--max-new-tokens", "3"])
+                 "--max-new-tokens", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    ok, over, outside = _outputs(out)
+    assert ok["finish_reason"] == "length" and len(ok["output_ids"]) == 2 and "error" not in ok
+    assert over["finish_reason"] == "rejected" and over["output_ids"] == [] and over["prompt_len"] == 63
+    assert "max_context" in over["error"] and "65" in over["error"] and "64" in over["error"]
+    assert outside["finish_reason"] == "rejected" and "300" in outside["error"] and "vocabulary" in outside["error"]
+    assert "requests: 3 (1 run, 2 rejected); 2 tokens generated" in err
+
+
+def test_malformed_request_line_is_one_line_naming_the_file_and_line(tmp_path, capsys):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text('{"prompt_len": 4}\n\n{"prompt_ids": [1, "x"]}\n')
+    code = main(["run", "--model", "tiny-qwen3", *SIM, "--random-weights", "--requests", str(requests)])
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1, err
-    assert "request 1" in err and "max_context" in err and "65" in err and "64" in err
+    assert f"{requests} line 3" in err and "prompt_ids" in err
+
+
+def test_synthetic_shared_prefix_workload_hits_the_prefix_cache(capsys):
+    code = main(["run", "--model", "tiny-qwen3", *SIM, "--random-weights", "--num-requests", "3",
+                 "--input-len", "6", "--output-len", "2", "--shared-prefix", "4"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    lines = _outputs(out)
+    assert len(lines) == 3 and all(line["prompt_len"] == 6 and len(line["output_ids"]) == 2 for line in lines)
+    rate = float(err.split("prefix cache: hit rate ")[1].split("%")[0])
+    assert rate > 0
 
 
 def test_checkpoint_missing_a_tensor_is_one_line_naming_it(checkpoint, tmp_path, capsys):
@@ -113,25 +146,3 @@ def test_plan_file_that_differs_from_the_planner_is_refused(tmp_path, capsys):
     code = main(["run", "--plan", str(tmp_path / "edited.json"), "--device", "sim", "--random-weights"])
     err = capsys.readouterr().err
     assert code == 2 and "capacity.kv_pages" in err and "re-plan" in err
-
-
-def test_waves_respect_max_batch_and_the_kv_pool_and_prefill_respects_the_chunk():
-    from executor.generate import Request, _prefill_chunks, plan_waves
-    from planner.loader import load_hardware, load_serving
-    from planner.plan import build_plan
-
-    plan = build_plan(load_model("tiny-qwen3"), load_hardware("cpu-sim"), load_serving("sim"))
-    cap = plan.capacity
-    waves = plan_waves(plan, [[1] * 5] * (cap.max_batch + 1), max_new_tokens=3)  # 8 tokens: 2 pages each
-    assert [len(w) for w in waves] == [cap.max_batch, 1]
-    assert [list(r.page_ids) for r in waves[0][:2]] == [[1, 2], [3, 4]] and list(waves[1][0].page_ids) == [1, 2]
-    assert [r.slot for r in waves[0]] == list(range(cap.max_batch))
-    small = plan.model_copy(update={"capacity": cap.model_copy(update={"kv_pages": 5})})  # 4 usable pages
-    assert [len(w) for w in plan_waves(small, [[1] * 5] * 3, max_new_tokens=3)] == [2, 1]
-    wave = [Request(0, [7] * 20, range(1, 7), 0), Request(1, [8] * 3, range(7, 8), 1)]
-    cached = {0: 0, 1: 0}
-    steps = []
-    while any(cached[r.index] < len(r.prompt) for r in wave):
-        chunks, finishing = _prefill_chunks(wave, cached, cap.max_prefill_tokens)
-        steps.append(([(c.num_cached, len(c.token_ids)) for c in chunks], [r.index for _, r in finishing]))
-    assert steps == [([(0, 16)], []), ([(16, 4), (0, 3)], [0, 1])]
