@@ -50,12 +50,15 @@ class Kernels:
 def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle) -> Kernels:
     """Launchers for a model of ``geometry`` in ``activation_dtype`` storage."""
     codec = build_codec(activation_dtype)
+    # A simulator thread is a Python thread: smaller blocks there (the kernels loop over what a
+    # block does not cover), full-size blocks on the GPU.
+    simulated = simulator_enabled()
     linear = {}
     if geometry.num_linear_layers:
         linear = dict(
             conv1d=CausalConv1d(codec, geometry.conv_kernel_size),
             gdn_gates=GdnGates(codec, build_codec("float32")),
-            delta_rule=GatedDeltaRule(codec, geometry.linear_key_head_dim),
+            delta_rule=GatedDeltaRule(codec, geometry.linear_key_head_dim, **({"dk_split": 1} if simulated else {})),
             gated_norm=GatedRmsNorm(codec),
         )
     return Kernels(
@@ -63,10 +66,9 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle) ->
         rms_norm=RmsNorm(codec, norm.round_before_weight),
         add_rms_norm=AddRmsNormInplace(codec, norm.round_before_weight),
         qk_norm_rope=QkNormRopeInplace(codec, norm.round_before_weight),
-        # A simulator thread is a Python thread: one warp per attention block there.
-        attention=PagedAttention(codec, geometry.head_dim, geometry.gqa_group, threads=32 if simulator_enabled() else 128),
+        attention=PagedAttention(codec, geometry.head_dim, geometry.gqa_group, threads=32 if simulated else 128),
         output_gate=SigmoidMulInplace(codec),
         silu_mul=SiluMul(codec),
-        sample=Sample(),
+        sample=Sample(max_threads=32) if simulated else Sample(),
         **linear,
     )
