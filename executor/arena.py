@@ -9,8 +9,6 @@ only (``materialized: false``, e.g. the CUDA context) are not allocated.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
 from executor.device import TORCH_DTYPES, Device
@@ -29,7 +27,6 @@ class Arena:
     device: Device
     pools: dict[str, torch.Tensor] = field(default_factory=dict)
     _views: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
-    _arrays: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     def tensor(self, pool: str, name: str) -> torch.Tensor:
         """The torch view of a planned buffer (or fused view)."""
@@ -37,13 +34,6 @@ class Arena:
             return self._views[(pool, name)]
         except KeyError:
             raise KeyError(f"the plan has no buffer {pool}/{name}") from None
-
-    def array(self, pool: str, name: str) -> Any:
-        """The kernel-argument form of a planned buffer (see ``Device.array``)."""
-        key = (pool, name)
-        if key not in self._arrays:
-            self._arrays[key] = self.device.array(self.tensor(pool, name))
-        return self._arrays[key]
 
     def names(self, pool: str) -> list[str]:
         return [name for (p, name) in self._views if p == pool]

@@ -181,7 +181,8 @@ def read_plan_file(path: Path) -> MemoryPlan:
     """A plan JSON file, validated and equal to what this planner builds from its own configs."""
     from pydantic import ValidationError
 
-    from planner.plan import MemoryPlan, build_plan
+    from planner.plan import MemoryPlan
+    from planner.validate import plan_difference
 
     try:
         plan = MemoryPlan.model_validate_json(path.read_text())
@@ -191,25 +192,12 @@ def read_plan_file(path: Path) -> MemoryPlan:
         first = error.errors()[0]
         field = ".".join(str(part) for part in first["loc"])
         raise ConfigError(str(path), field, first.get("input"), first["msg"]) from None
-    rebuilt = build_plan(plan.model, plan.hardware, plan.serving)
-    if plan != rebuilt:
-        where, value, expected = _first_difference(plan.model_dump(), rebuilt.model_dump())
-        raise ConfigError(str(path), where, value,
+    difference = plan_difference(plan)
+    if difference is not None:
+        where, value, expected = difference
+        raise ConfigError(str(path), where.lstrip("."), value,
                           f"differs from the plan this planner builds from the file's configs ({expected!r}); re-plan")
     return plan
-
-
-def _first_difference(ours: Any, theirs: Any, path: str = "") -> tuple[str, Any, Any]:
-    """The dotted path of the first leaf where two dumped plans differ, with both values."""
-    if isinstance(ours, dict) and isinstance(theirs, dict) and ours.keys() == theirs.keys():
-        for key in ours:
-            if ours[key] != theirs[key]:
-                return _first_difference(ours[key], theirs[key], f"{path}.{key}" if path else str(key))
-    if isinstance(ours, (list, tuple)) and isinstance(theirs, (list, tuple)) and len(ours) == len(theirs):
-        for index, (a, b) in enumerate(zip(ours, theirs)):
-            if a != b:
-                return _first_difference(a, b, f"{path}[{index}]")
-    return path, ours, theirs
 
 
 def _hardware_name(spec: str) -> str:

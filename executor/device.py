@@ -47,10 +47,8 @@ class Device:
         return self.kind == "sim"
 
     def array(self, tensor: torch.Tensor) -> Any:
-        """The kernel-argument form of ``tensor``: bf16 as int16 bits; numpy in the simulator.
-
-        Made once per planned buffer at materialize; slicing it later allocates nothing.
-        """
+        """The kernel-argument form of ``tensor``: bf16 as int16 bits; a wrapped numpy view in the
+        simulator. A view of the same memory (host objects only; no device allocation)."""
         if tensor.dtype == torch.bfloat16:
             tensor = tensor.view(torch.int16)
         if self.is_sim:

@@ -95,34 +95,45 @@ def _semantic(path: Path, kind: str, data: Any) -> list[str]:
 
 def _plan_matches_planner(path: Path, data: dict[str, Any]) -> list[str]:
     from planner.errors import PlanDoesNotFit
-    from planner.plan import MemoryPlan, build_plan
+    from planner.plan import MemoryPlan
 
     try:
-        plan = MemoryPlan.model_validate_json(json.dumps(data))
-        rebuilt = build_plan(plan.model, plan.hardware, plan.serving)
+        difference = plan_difference(MemoryPlan.model_validate_json(json.dumps(data)))
     except (ValueError, PlanDoesNotFit) as error:
         return [f"{path}: {str(error).splitlines()[0]}"]
-    if rebuilt == plan:
+    if difference is None:
         return []
-    return [f"{path}: differs from the plan the planner builds for its configs: {_first_difference(rebuilt.model_dump(), data)}"]
+    where, found, expected = difference
+    return [f"{path}: differs from the plan the planner builds for its configs: {where} = {found!r}, "
+            f"planner has {expected!r}"]
 
 
-def _first_difference(expected: Any, actual: Any, where: str = "") -> str:
+def plan_difference(plan: Any) -> tuple[str, Any, Any] | None:
+    """None when ``plan`` equals what the planner builds from its own configs, else the first
+    differing field as (dotted path, the plan's value, the planner's value)."""
+    from planner.plan import build_plan
+
+    rebuilt = build_plan(plan.model, plan.hardware, plan.serving)
+    if rebuilt == plan:
+        return None
+    return _first_difference(rebuilt.model_dump(), plan.model_dump())
+
+
+def _first_difference(expected: Any, actual: Any, where: str = "") -> tuple[str, Any, Any] | None:
     if isinstance(expected, dict) and isinstance(actual, dict):
         for key in expected:
             if key not in actual:
-                return f"{where}.{key} missing"
+                return f"{where}.{key}", "<missing>", expected[key]
             found = _first_difference(expected[key], actual[key], f"{where}.{key}")
             if found:
                 return found
-        return ""
+        return None
     if isinstance(expected, (list, tuple)) and isinstance(actual, (list, tuple)):
         if len(expected) != len(actual):
-            return f"{where}: {len(actual)} entries, planner has {len(expected)}"
+            return where, f"{len(actual)} entries", f"{len(expected)} entries"
         for index, (e, a) in enumerate(zip(expected, actual)):
             found = _first_difference(e, a, f"{where}[{index}]")
             if found:
                 return found
-        return ""
-    return "" if expected == actual else f"{where} = {actual!r}, planner has {expected!r}"
-
+        return None
+    return None if expected == actual else (where, actual, expected)
