@@ -116,6 +116,7 @@ def _run(args: argparse.Namespace) -> int:
         raise RunError(str(error)) from None
     _load_weights(arena, args)
     model = build_model(arena)
+    graphs = None if args.eager or device.is_sim else capture_graphs(model)
     engine = Engine(model, prefix_caching=not args.no_prefix_caching)
     runnable = [index for index, spec in enumerate(specs) if spec.error is None]
     requests = [_engine_request(index, specs[index]) for index in runnable]
@@ -123,8 +124,28 @@ def _run(args: argparse.Namespace) -> int:
     report = engine.run(requests, [specs[index].arrival_step for index in runnable], on_step=progress.after_step)
     progress.print_line(report.steps, final=True)
     _write_outputs(specs, dict(zip(runnable, report.results)), args.out)
-    print(summary(plan, arena, report, specs, args.no_prefix_caching), file=sys.stderr)
+    print(summary(plan, arena, report, specs, args.no_prefix_caching, graphs), file=sys.stderr)
     return EXIT_OK
+
+
+@dataclass(frozen=True)
+class GraphCapture:
+    """What capturing the decode graphs cost: wall time and the allocator bytes their pool reserved."""
+
+    buckets: tuple[int, ...]
+    seconds: float
+    reserved_bytes: int
+
+
+def capture_graphs(model) -> GraphCapture:
+    import torch
+
+    device = model.device.torch_device
+    torch.cuda.synchronize(device)
+    reserved, start = torch.cuda.memory_reserved(device), time.perf_counter()
+    model.capture_decode_graphs()
+    return GraphCapture(model.graphs.buckets, time.perf_counter() - start,
+                        torch.cuda.memory_reserved(device) - reserved)
 
 
 def _engine_request(index: int, spec: RequestSpec):
@@ -407,7 +428,7 @@ def write_jsonl(specs: list[RequestSpec], results: dict, stream: TextIO) -> None
 
 
 def summary(plan: MemoryPlan, arena: Arena, report: EngineReport, specs: list[RequestSpec],
-            no_prefix_caching: bool) -> str:
+            no_prefix_caching: bool, graphs: GraphCapture | None = None) -> str:
     """The stderr report: planned vs allocated bytes, the allocator's view, throughput, latency, capacities."""
     device, stats, cap = arena.device, report.stats, plan.capacity
     rejected = stats.rejected + sum(1 for spec in specs if spec.error is not None)
@@ -419,6 +440,8 @@ def summary(plan: MemoryPlan, arena: Arena, report: EngineReport, specs: list[Re
             lines.append(f"  {pool.name:<16} {pool.bytes:>16,} {arena.pools[pool.name].numel():>16,}")
     lines.append(f"  {'total':<16} {materialized_bytes(plan):>16,} {arena.allocated_bytes:>16,}")
     lines.append(f"device allocator: {_allocator_line(plan, arena)}")
+    lines.append(f"device memory in use: {_process_line(plan, arena)}")
+    lines.append(f"decode graphs: {_graphs_line(plan, arena, graphs)}")
     tokens_per_s = report.generated_tokens / report.wall_s if report.wall_s > 0 else float("nan")
     lines.append(f"requests: {len(specs)} ({len(specs) - rejected} run, {rejected} rejected); "
                  f"{report.generated_tokens} tokens generated in {report.wall_s:.3f} s = {tokens_per_s:,.1f} tokens/s")
@@ -460,6 +483,28 @@ def _allocator_line(plan: MemoryPlan, arena: Arena) -> str:
     planned = materialized_bytes(plan)
     return (f"torch.cuda.memory_allocated {allocated:,} bytes vs plan materialized {planned:,} bytes "
             f"({allocated - planned:+,})")
+
+
+def _process_line(plan: MemoryPlan, arena: Arena) -> str:
+    if arena.device.is_sim:
+        return "n/a (simulator)"
+    import torch
+
+    free, total = torch.cuda.mem_get_info(arena.device.torch_device)
+    used = total - free
+    return (f"{used:,} bytes (cudaMemGetInfo total - free; every process on the device) vs plan usable "
+            f"{plan.budget.usable_bytes:,} bytes ({used / plan.budget.usable_bytes:.1%})")
+
+
+def _graphs_line(plan: MemoryPlan, arena: Arena, graphs: GraphCapture | None) -> str:
+    if arena.device.is_sim:
+        return "off (the simulator has no CUDA graphs)"
+    if graphs is None:
+        return "off (--eager)"
+    planned = next(b.bytes for pool in plan.pools if pool.name == "runtime" for b in pool.buffers
+                   if b.name == "cuda_graphs")
+    return (f"buckets {list(graphs.buckets)} captured in {graphs.seconds:.2f} s; their pool reserved "
+            f"{graphs.reserved_bytes:,} bytes vs {planned:,} planned (cuda_graphs)")
 
 
 def _allocations_line(report: EngineReport, simulator: bool) -> str:

@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,11 +40,24 @@ class Device:
 
     kind: str
     torch_device: torch.device
-    stream: Any  # numba stream kernels launch on (0 in the simulator)
+    # Numba handles of torch streams, made once per stream (not per launch).
+    _numba_streams: dict[int, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def is_sim(self) -> bool:
         return self.kind == "sim"
+
+    def current_stream(self) -> Any:
+        """The Numba stream of torch's current stream, where kernels must launch so that they order
+        with the torch GEMMs around them and are recorded while a CUDA graph is captured (0 in the
+        simulator)."""
+        if self.is_sim:
+            return 0
+        handle = torch.cuda.current_stream(self.torch_device).cuda_stream
+        stream = self._numba_streams.get(handle)
+        if stream is None:
+            stream = self._numba_streams[handle] = load_cuda().external_stream(handle)
+        return stream
 
     def array(self, tensor: torch.Tensor) -> Any:
         """The kernel-argument form of ``tensor``: bf16 as int16 bits; a wrapped numpy view in the
@@ -115,13 +128,12 @@ def open_device(kind: str = "auto") -> Device:
                                   "set NUMBA_ENABLE_CUDASIM=1")
             os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
         speed_up_simulator()
-        return Device("sim", torch.device("cpu"), 0)
+        return Device("sim", torch.device("cpu"))
     if kind != "cuda":
         raise DeviceError(f"unknown device {kind!r}; use cuda, sim or auto")
     if not torch.cuda.is_available():
         raise DeviceError("no CUDA device: use --device sim with a tiny config")
     if simulator_enabled():
         raise DeviceError("NUMBA_ENABLE_CUDASIM=1 is set: unset it to run on the GPU")
-    cuda = load_cuda()
-    stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
-    return Device("cuda", torch.device("cuda", torch.cuda.current_device()), stream)
+    load_cuda()
+    return Device("cuda", torch.device("cuda", torch.cuda.current_device()))

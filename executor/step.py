@@ -18,8 +18,12 @@ import numpy as np
 import torch
 
 from executor.arena import Arena
-from executor.kernels.attention import plan_tiles
+from executor.kernels.attention import NO_SPLIT_CHUNK, plan_tiles
+from planner.capacity import MIN_KV_CHUNK_TOKENS
 from planner.plan import MemoryPlan
+
+KEY_BLOCK_TOKENS = 64  # split chunks are whole key blocks of the attention kernel (its largest)
+assert MIN_KV_CHUNK_TOKENS % KEY_BLOCK_TOKENS == 0
 
 
 class CapacityError(RuntimeError):
@@ -119,7 +123,11 @@ def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk]) -> StepMetadata:
         if slots.min() < 0 or len(set(slots.tolist())) != len(slots):
             raise ValueError(f"recurrent slots of a step must be distinct and >= 0, got {slots.tolist()}")
     q_indptr = _indptr(new_tokens)
-    tiles = plan_tiles(q_indptr, kv_lens)
+    if pool == "decode" and len(chunks):
+        tiles = plan_tiles(q_indptr, kv_lens, kv_chunk=decode_kv_chunk(plan, kv_lens),
+                           max_splits=cap.decode_kv_splits)
+    else:
+        tiles = plan_tiles(q_indptr, kv_lens)
     _check("tiles", int(tiles[0].shape[0]), cap.tiles)
     rows_request = np.repeat(np.arange(len(chunks)), new_tokens)
     first_position = kv_lens - new_tokens
@@ -146,6 +154,66 @@ def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk]) -> StepMetadata:
         seeds=np.array([c.seed for c in chunks], dtype=np.int64),
         sample_steps=_i32([c.sample_step for c in chunks]),
     )
+
+
+def pad_decode(plan: MemoryPlan, meta: StepMetadata, bucket: int) -> StepMetadata:
+    """``meta`` (a decode step) padded to ``bucket`` requests, the fixed shape of a decode CUDA graph.
+
+    A padding request feeds token 0 at position 0 on page 0 (the padding page, never handed to a
+    request, so its KV write lands nowhere that is read), has recurrent slot -1 (the recurrent
+    kernels skip it), samples greedily, and owns no attention tile: its rows are computed and
+    thrown away, and no real row reads them. The tile list is padded with -1 to
+    ``decode_tiles(bucket)`` entries, the graph's fixed attention grid.
+    """
+    assert meta.pool == "decode" and meta.num_requests <= bucket <= plan.capacity.max_batch
+    pad = bucket - meta.num_requests
+    num_tiles = decode_tiles(plan, bucket)
+    assert meta.num_tiles <= num_tiles and meta.page_indices.shape[0] + pad <= plan.capacity.logical_pages
+    zeros, ones = np.zeros(pad, np.int32), np.ones(pad, np.int32)
+    ramp = np.arange(meta.num_requests + 1, bucket + 1, dtype=np.int32)  # indptr tails: one row or page each
+    tile_pad = np.full(num_tiles - meta.num_tiles, -1, np.int32)
+    return StepMetadata(
+        num_rows=bucket,
+        num_requests=bucket,
+        pool="decode",
+        token_ids=np.concatenate([meta.token_ids, zeros]),
+        positions=np.concatenate([meta.positions, zeros]),
+        batch_indices=np.arange(bucket, dtype=np.int32),
+        q_indptr=np.arange(bucket + 1, dtype=np.int32),
+        page_indptr=np.concatenate([meta.page_indptr, ramp - meta.num_requests + meta.page_indptr[-1]]),
+        page_indices=np.concatenate([meta.page_indices, zeros]),
+        last_page_len=np.concatenate([meta.last_page_len, ones]),
+        request_indices=np.concatenate([meta.request_indices, tile_pad]),
+        qo_tile_indices=np.concatenate([meta.qo_tile_indices, tile_pad * 0]),
+        kv_tile_indices=np.concatenate([meta.kv_tile_indices, tile_pad * 0]),
+        kv_chunk_size=np.concatenate([meta.kv_chunk_size, np.full(pad, NO_SPLIT_CHUNK, np.int32)]),
+        logits_indices=np.arange(bucket, dtype=np.int32),
+        slot_ids=np.concatenate([meta.slot_ids, -ones]),
+        temperature=np.concatenate([meta.temperature, np.zeros(pad, np.float32)]),
+        top_k=np.concatenate([meta.top_k, zeros]),
+        seeds=np.concatenate([meta.seeds, np.zeros(pad, np.int64)]),
+        sample_steps=np.concatenate([meta.sample_steps, zeros]),
+    )
+
+
+def decode_tiles(plan: MemoryPlan, bucket: int) -> int:
+    """Attention tiles of a decode graph of ``bucket`` requests: each may split into the plan's
+    decode_kv_splits kv chunks."""
+    return bucket * plan.capacity.decode_kv_splits
+
+
+def decode_kv_chunk(plan: MemoryPlan, kv_lens: np.ndarray) -> int:
+    """KV tokens per attention tile of a decode step.
+
+    A decode row is one query, so without splitting the step has only B x Hkv blocks (8 at
+    batch 1 on Qwen3-8B, for 132 SMs). Aim for about two blocks per SM: split each request's
+    kv into chunks of at least MIN_KV_CHUNK_TOKENS (a multiple of the 64-key block), never more
+    chunks than the plan's decode_kv_splits (the split scratch depth).
+    """
+    blocks = len(kv_lens) * plan.geometry.num_kv_heads
+    wanted = max(1, min(plan.capacity.decode_kv_splits, -(-2 * plan.hardware.num_sms // blocks)))
+    chunk = max(MIN_KV_CHUNK_TOKENS, -(-int(kv_lens.max()) // wanted))
+    return -(-chunk // KEY_BLOCK_TOKENS) * KEY_BLOCK_TOKENS
 
 
 #: metadata field -> (pool, buffer) it is copied into.

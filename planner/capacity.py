@@ -11,6 +11,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from planner import checked
 from planner.checked import I32
 
+#: Split-KV decode: a decode row's attention may be cut into kv chunks of at least
+#: this many tokens, computed by separate blocks and merged (long contexts at small
+#: batch otherwise leave most SMs idle: B x Hkv blocks)...
+MIN_KV_CHUNK_TOKENS = 64
+#: ... and into at most this many chunks (the depth of the decode pool's split scratch).
+MAX_DECODE_KV_SPLITS = 32
+
 
 class Capacity(BaseModel):
     """Planned limits of one step (tokens, pages, tiles) and of the KV pool."""
@@ -24,7 +31,9 @@ class Capacity(BaseModel):
     max_tokens_per_step: int = Field(description="T = max(max_prefill_tokens + B - 1, B): rows of a step")
     pages_per_request: int = Field(description="ceil(C / S): logical pages one request can list")
     logical_pages: int = Field(description="P = B x ceil(C / S): page-table entries of a step (shared pages count per request)")
-    tiles: int = Field(description="N = T x gqa_group: attention work tiles of a step")
+    tiles: int = Field(description="N = max(T x gqa_group, B x decode_kv_splits): attention work tiles of a step")
+    decode_kv_splits: int = Field(1, description="most kv chunks a decode row's attention is split into: "
+                                  "min(32, ceil(C / 64)), the depth of the decode pool's split scratch")
     recurrent_slots: int = Field(0, description="recurrent-state slots: B x states_per_slot (Qwen3.5)")
     kv_pages: int = Field(0, description="KV pages allocated, page 0 (padding) included")
     kv_tokens: int = Field(0, description="tokens the usable KV pages hold: (kv_pages - 1) x S")
@@ -37,6 +46,7 @@ def build_capacity(
     """Capacities before the KV pool is sized (kv_pages and kv_tokens stay 0)."""
     tokens = max(checked.add("max_tokens_per_step", max_prefill_tokens, max_batch - 1, width=I32), max_batch)
     pages_per_request = checked.ceil_div("pages_per_request", max_context, page_size, width=I32)
+    kv_splits = min(MAX_DECODE_KV_SPLITS, checked.ceil_div("decode_kv_splits", max_context, MIN_KV_CHUNK_TOKENS))
     return Capacity(
         max_batch=max_batch,
         max_context=max_context,
@@ -45,7 +55,9 @@ def build_capacity(
         max_tokens_per_step=tokens,
         pages_per_request=pages_per_request,
         logical_pages=checked.mul("logical_pages", max_batch, pages_per_request, width=I32),
-        tiles=checked.mul("tiles", tokens, gqa_group, width=I32),
+        tiles=max(checked.mul("tiles", tokens, gqa_group, width=I32),
+                  checked.mul("decode tiles", max_batch, kv_splits, width=I32)),
+        decode_kv_splits=kv_splits,
         recurrent_slots=checked.mul("recurrent_slots", max_batch, recurrent_slots_per_request, width=I32),
     )
 

@@ -162,7 +162,7 @@ def _draft(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig)
         pools.append(build_recurrent_state(geometry, capacity.recurrent_slots, act, capacity.max_batch))
     pools += [
         build_attention_plan(capacity),
-        build_step_pool("decode", geometry, capacity.max_batch, act),
+        build_step_pool("decode", geometry, capacity.max_batch, act, capacity.decode_kv_splits),
         build_step_pool("prefill", geometry, capacity.max_tokens_per_step, act),
         build_sampling(geometry, capacity.max_batch, act),
         budget_pool("runtime", _runtime_lines(hardware, serving)),

@@ -71,4 +71,6 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16,
                         help="tokens generated per request (unless a request sets max_new_tokens)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn the engine's prefix cache off")
+    parser.add_argument("--eager", action="store_true",
+                        help="run decode steps eagerly instead of replaying the captured CUDA graphs")
     parser.add_argument("--out", help="write the per-request JSONL here instead of stdout")

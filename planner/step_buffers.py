@@ -48,8 +48,10 @@ def _live(first: str, last: str) -> tuple[int, int]:
     return (_STAGE[first], _STAGE[last])
 
 
-def step_requests(geometry: Geometry, rows: int, dtype: str) -> list[BufferRequest]:
-    """Role buffers of a step of ``rows`` token rows (B for decode, T for prefill)."""
+def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0) -> list[BufferRequest]:
+    """Role buffers of a step of ``rows`` token rows (B for decode, T for prefill). ``kv_splits`` > 1
+    adds the split-KV attention scratch (decode): float32 partial outputs and log-sum-exps of
+    up to ``kv_splits`` kv chunks per row, merged into attn_out."""
     g = geometry
     requests = [
         BufferRequest("token_ids", "int32", (rows,), _live("embed", "embed")),
@@ -64,6 +66,12 @@ def step_requests(geometry: Geometry, rows: int, dtype: str) -> list[BufferReque
             BufferRequest("qkv", dtype, (rows, g.qkv_rows), _live("attn.qkv_proj", "attn.output_gate")),
             BufferRequest("attn_out", dtype, (rows, g.attn_out_width), _live("attn.attention", "attn.o_proj")),
         ]
+        if kv_splits > 1:
+            attention = _live("attn.attention", "attn.attention")
+            requests += [
+                BufferRequest("attn_partial_out", "float32", (rows, kv_splits, g.num_q_heads, g.head_dim), attention),
+                BufferRequest("attn_partial_lse", "float32", (rows, kv_splits, g.num_q_heads), attention),
+            ]
     if g.num_linear_layers:
         value_width, heads = g.linear_value_width, g.linear_num_value_heads
         requests += [
@@ -77,6 +85,6 @@ def step_requests(geometry: Geometry, rows: int, dtype: str) -> list[BufferReque
     return requests
 
 
-def build_step_pool(name: str, geometry: Geometry, rows: int, dtype: str) -> Pool:
+def build_step_pool(name: str, geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0) -> Pool:
     """A transient pool (``decode`` or ``prefill``) packed by live range."""
-    return pack_by_lifetime(name, step_requests(geometry, rows, dtype))
+    return pack_by_lifetime(name, step_requests(geometry, rows, dtype, kv_splits))

@@ -94,6 +94,8 @@ def build_causal_conv1d(codec: Codec, kernel_size: int = 4) -> Any:
             start = q_indptr[b]
             end = q_indptr[b + 1]
             slot = slot_ids[b]
+            if slot < 0:  # a graph's padding request: no state, output unused
+                end = start
             owns_start = start >= t0
             if owns_start:
                 lo = start
@@ -141,7 +143,7 @@ class CausalConv1d:
     - x [T, C]: ``in_proj_qkv`` output, C = conv_dim = 2*Hk*dk + Hv*dv, storage dtype.
     - weight [C, K]: ``conv1d.weight`` squeezed from [C, 1, K], storage dtype.
     - conv_state [num_slots, C, K-1]: storage dtype, oldest input first; in place.
-    - q_indptr [B+1] int32, slot_ids [B] int32: the batch (distinct slots).
+    - q_indptr [B+1] int32, slot_ids [B] int32: the batch (distinct slots; -1: a padding request, skipped).
     - out [T, C]: storage dtype; must not alias x or conv_state.
 
     Rows ``>= q_indptr[B]`` are left untouched. No scratch.

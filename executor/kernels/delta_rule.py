@@ -85,7 +85,7 @@ def build_gated_delta_rule(
     qkv [T, 2*Hk*dk + Hv*dv] (post-conv, post-SiLU; columns [q | k | v]) and
     out [T, Hv, dv]: ``codec``'s storage. g, beta [T, Hv] float32;
     ssm_state [slots, Hv, dk, dv] float32, in place; q_indptr [B+1], slot_ids
-    [B] int32. Grid (ceil(dv / cols), Hv, B); block (cols, dk_split), cols a
+    [B] int32 (-1: a padding request, skipped). Grid (ceil(dv / cols), Hv, B); block (cols, dk_split), cols a
     power of two <= MAX_DV_THREADS.
 
     Thread (x, y) owns rows ``y*dk/dk_split ...`` of state column j (registers).
@@ -176,9 +176,11 @@ def build_gated_delta_rule(
         row0 = ty * part_len
         start = q_indptr[req]
         end = q_indptr[req + 1]
-        if end == start:  # uniform over the block: nobody reaches a barrier
-            return
         slot = slot_ids[req]
+        # Uniform over the block, so nobody is left waiting at a barrier: an empty request, or a
+        # graph's padding request (slot -1: no state, output unused).
+        if end == start or slot < 0:
+            return
         active = j < dv  # idle columns still help load and pass the barriers
 
         s = cuda.local.array(part_len, float32)

@@ -44,6 +44,9 @@ class FullAttention:
         self.rotary_dim, self.theta = g.rotary_dim, plan.model.rope_theta
         self.eps = plan.model.rms_norm_eps
         self.scale = np.float32(1.0 / math.sqrt(g.head_dim))
+        # Decode splits long kv ranges over several blocks (step.decode_kv_chunk) when the plan
+        # has split scratch; one fixed choice per plan, so eager decode and its graphs agree.
+        self.split_decode = plan.capacity.decode_kv_splits > 1
 
     def __call__(self, step: StepViews) -> None:
         k_, a = self.kernels, self.device.array
@@ -61,18 +64,20 @@ class FullAttention:
         positions = a(step.meta("positions"))
         for x, weight in ((q, self.q_norm), (k, self.k_norm)):
             k_.qk_norm_rope(a(x), a(weight), positions, self.eps, self.norm.weight_offset, self.rotary_dim,
-                            self.theta, stream=self.device.stream)
+                            self.theta, stream=step.stream)
         write_kv(a(k), a(v), a(self.k_cache), a(self.v_cache), a(step.meta("batch_indices")), positions,
-                 a(step.meta("page_indices")), a(step.meta("page_indptr")), stream=self.device.stream)
+                 a(step.meta("page_indices")), a(step.meta("page_indptr")), stream=step.stream)
         attn_out = step.role("attn_out").view(n, self.q_heads, d)
+        split = (a(step.role("attn_partial_out")), a(step.role("attn_partial_lse"))) if (
+            self.split_decode and step.pool == "decode") else (None, None)
         k_.attention(
             a(q), a(self.k_cache), a(self.v_cache), *(a(step.meta(name)) for name in (
                 "page_indices", "page_indptr", "last_page_len", "q_indptr", "batch_indices", "positions",
                 "request_indices", "qo_tile_indices", "kv_tile_indices", "kv_chunk_size", "total_num_rows")),
-            a(attn_out), self.scale, stream=self.device.stream,
+            a(attn_out), self.scale, *split, stream=step.stream,
         )
         if self.output_gate:
-            k_.output_gate(a(attn_out), a(gate), stream=self.device.stream)
+            k_.output_gate(a(attn_out), a(gate), stream=step.stream)
         _gemm(step.role("attn_out"), self.o_weight, step.role("proj_out"))
 
 
@@ -100,7 +105,7 @@ class LinearAttention:
         self.eps = plan.model.rms_norm_eps
 
     def __call__(self, step: StepViews) -> None:
-        k_, a, stream = self.kernels, self.device.array, self.device.stream
+        k_, a, stream = self.kernels, self.device.array, step.stream
         n = step.num_rows
         in_proj = step.role("in_proj")
         _gemm(step.role("normed"), self.in_weight, in_proj)
@@ -131,5 +136,5 @@ class Mlp:
     def __call__(self, step: StepViews) -> None:
         gate_up, act = step.role("gate_up"), step.role("act")
         _gemm(step.role("normed"), self.gate_up_weight, gate_up)
-        self.kernels.silu_mul(self.device.array(gate_up), self.device.array(act), stream=self.device.stream)
+        self.kernels.silu_mul(self.device.array(gate_up), self.device.array(act), stream=step.stream)
         _gemm(act, self.down_weight, step.role("proj_out"))

@@ -1,12 +1,15 @@
 """``StepViews``: the planned buffers of one step, sliced to its active sizes.
 
 Built per step from the arena's fixed views (slicing allocates nothing); every
-block of the forward reads and writes only these.
+block of the forward reads and writes only these. A CUDA-graph bucket's views
+(``bucket_views``) have the bucket's fixed sizes instead, since a graph bakes
+in every shape and address.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,6 +25,7 @@ class StepViews:
     num_tiles: int
     pool: str
     arena: Arena
+    stream: Any  # the Numba stream kernels launch on: torch's current stream (device.current_stream())
 
     def role(self, name: str) -> torch.Tensor:
         """A role buffer of the step's pool (decode or prefill), first ``num_rows`` rows."""
@@ -49,6 +53,7 @@ class StepViews:
 
 
 def step_views(arena: Arena, meta: StepMetadata) -> StepViews:
+    """The views of ``meta``'s active sizes, on the current stream."""
     return StepViews(
         num_rows=meta.num_rows,
         num_requests=meta.num_requests,
@@ -56,4 +61,20 @@ def step_views(arena: Arena, meta: StepMetadata) -> StepViews:
         num_tiles=meta.num_tiles,
         pool=meta.pool,
         arena=arena,
+        stream=arena.device.current_stream(),
+    )
+
+
+def bucket_views(arena: Arena, bucket: int, num_tiles: int) -> StepViews:
+    """The views of a decode step padded to ``bucket`` requests (see step.pad_decode): one row per
+    request, the whole page table (its used length varies from step to step) and ``num_tiles``
+    attention tiles (the padded tail is -1)."""
+    return StepViews(
+        num_rows=bucket,
+        num_requests=bucket,
+        num_pages=arena.plan.capacity.logical_pages,
+        num_tiles=num_tiles,
+        pool="decode",
+        arena=arena,
+        stream=arena.device.current_stream(),
     )

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from executor.arena import Arena
-from executor.models.context import StepViews, step_views
+from executor.models.context import StepViews, bucket_views, step_views
+from executor.models.graphs import DecodeGraphs
 from executor.models.kernels import Kernels, NormStyle
-from executor.step import StepMetadata, write_step
+from executor.step import StepMetadata, decode_tiles, pad_decode, write_step
 
 Block = Callable[[StepViews], None]
 
@@ -40,16 +41,35 @@ class DecoderModel:
         self.final_norm = arena.tensor("weights", "model.norm.weight")
         tied = arena.plan.model.tie_word_embeddings
         self.lm_head = self.embed if tied else arena.tensor("weights", "lm_head.weight")
+        self.graphs: DecodeGraphs | None = None
 
-    def step(self, meta: StepMetadata) -> torch.Tensor:
+    def capture_decode_graphs(self) -> None:
+        """Capture one decode CUDA graph per bucket of the serving config (CUDA only; once, after
+        the weights are loaded). Later decode steps of at most the largest bucket replay them."""
+        if self.device.is_sim:
+            raise RuntimeError("the Numba CUDA simulator has no CUDA graphs; run decode eagerly")
+        graphs = DecodeGraphs(self.arena, self._forward, self.arena.plan.serving.decode_graph_batch_sizes)
+        graphs.capture()
+        self.graphs = graphs
+
+    def step(self, meta: StepMetadata, pad_to: int | None = None) -> torch.Tensor:
         """Copy the step's metadata in place, run the forward, and return the sampled ids view [B] int32.
 
-        The returned view is the planned ``sampled_ids`` buffer: read it before the next step.
+        A decode step replays the captured graph of the smallest bucket that holds it, if any;
+        otherwise it runs eagerly, padded to ``pad_to`` requests when given (exactly what a
+        graph of that bucket records: tests compare the two). The returned view is the planned
+        ``sampled_ids`` buffer: read it before the next step.
         """
-        write_step(self.arena, meta)
-        step = step_views(self.arena, meta)
-        self._forward(step)
-        return self.arena.tensor("sampling", "sampled_ids")[: step.num_requests]
+        bucket = self.graphs.bucket_for(meta.num_requests) if self.graphs and meta.pool == "decode" else None
+        if bucket is not None:
+            self.graphs.replay(meta, bucket)
+        elif pad_to is not None:
+            write_step(self.arena, pad_decode(self.arena.plan, meta, pad_to))
+            self._forward(bucket_views(self.arena, pad_to, decode_tiles(self.arena.plan, pad_to)))
+        else:
+            write_step(self.arena, meta)
+            self._forward(step_views(self.arena, meta))
+        return self.arena.tensor("sampling", "sampled_ids")[: meta.num_requests]
 
     def reset_slot(self, slot: int) -> None:
         """Zero a recurrent-state slot (conv and delta-rule state of every linear layer) for a new request."""
@@ -62,7 +82,7 @@ class DecoderModel:
         return self.arena.tensor("sampling", "logits")[:num_requests]
 
     def _forward(self, step: StepViews) -> None:
-        a, stream, k_ = self.device.array, self.device.stream, self.kernels
+        a, stream, k_ = self.device.array, step.stream, self.kernels
         hidden, normed, proj_out = step.role("hidden"), step.role("normed"), step.role("proj_out")
         k_.embedding(a(step.role("token_ids")), a(self.embed), a(hidden), stream=stream)
         offset = self.norm.weight_offset
@@ -86,4 +106,4 @@ class DecoderModel:
         logits.copy_(logits_raw)
         a = self.device.array
         self.kernels.sample(a(logits), a(sampling("temperature")), a(sampling("top_k")), a(sampling("seeds")),
-                            a(sampling("sample_steps")), a(sampling("sampled_ids")), stream=self.device.stream)
+                            a(sampling("sample_steps")), a(sampling("sampled_ids")), stream=step.stream)

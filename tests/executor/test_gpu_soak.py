@@ -1,7 +1,12 @@
 """GPU soak (H200): thousands of engine steps with random arrivals on a real-shape model.
 
 Zero allocation growth, zero pointer changes, every output equal to its solo run,
-and page and slot accounting back to empty at the end.
+and page and slot accounting back to empty at the end. Decode replays the captured
+CUDA graphs (buckets up to 16), so a request's decode steps run padded to
+different buckets in the batched run and in its solo run. The model runs in
+float32: bf16 GEMMs of different row counts may round differently, which flips a
+greedy near-tie now and then and would make "equal to its solo run" a coin toss
+over 800 requests.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3.5-0.8b"])
 def test_soak_2000_steps(name):
     loaded = load_with_hf(name, "h200", "default", max_batch=16, max_context=512, max_prefill_tokens=256,
-                          gpu_memory_utilization=0.1)
+                          gpu_memory_utilization=0.15, dtype="float32")
+    loaded.model.capture_decode_graphs()
     rng = random.Random(0)
     vocab = loaded.plan.model.vocab_size
     prefixes = [[rng.randrange(vocab) for _ in range(64)] for _ in range(4)]
@@ -45,8 +51,12 @@ def test_soak_2000_steps(name):
     engine.scheduler.check()
     assert engine.scheduler.num_slots_used == 0 and not engine.scheduler.has_unfinished
     solo = Engine(loaded.model, prefix_caching=False)
+    differing = []
     for request, result in zip(requests, report.results):
         again = Request(request.request_id, request.prompt_ids, request.max_new_tokens,
                         temperature=request.temperature, top_k=request.top_k, seed=request.seed)
-        assert solo.run([again]).results[0].output_ids == result.output_ids, request.request_id
+        if solo.run([again]).results[0].output_ids != result.output_ids:
+            differing.append(request.request_id)
+    print(f"{name}: {len(requests) - len(differing)} of {len(requests)} outputs equal their solo runs")
+    assert not differing, differing
     torch.cuda.synchronize()
