@@ -112,7 +112,7 @@ class Engine:
             steps += 1
             if on_step is not None:
                 on_step(steps)
-            if steps == 1:
+            if allocations_start is None:  # after the first step run (warm-up: compiles, cuBLAS set-up)
                 allocations_start = _allocation_count(self.model)
         for request in requests:
             result = results[id(request)]

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from executor.arena import Arena
-from executor.kernels.attention import NO_SPLIT_CHUNK, plan_tiles
+from executor.kernels.attention import NO_SPLIT_CHUNK, PREFILL_ROWS_PER_TILE, plan_tiles
 from planner.capacity import MIN_KV_CHUNK_TOKENS
 from planner.plan import MemoryPlan
 
@@ -127,7 +127,7 @@ def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk]) -> StepMetadata:
         tiles = plan_tiles(q_indptr, kv_lens, kv_chunk=decode_kv_chunk(plan, kv_lens),
                            max_splits=cap.decode_kv_splits)
     else:
-        tiles = plan_tiles(q_indptr, kv_lens)
+        tiles = plan_tiles(q_indptr, kv_lens, rows_per_tile=PREFILL_ROWS_PER_TILE)
     _check("tiles", int(tiles[0].shape[0]), cap.tiles)
     rows_request = np.repeat(np.arange(len(chunks)), new_tokens)
     first_position = kv_lens - new_tokens

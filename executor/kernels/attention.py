@@ -47,13 +47,16 @@ from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
 NEG_INF = float32(-np.inf)
 NO_SPLIT_CHUNK = np.iinfo(np.int32).max  # kv_chunk_size of padding requests: never splits
+# Query rows per tile of prefill steps: the rows of a tile share every K/V load (the kv traffic of
+# a long prefill falls by this factor); decode steps use decode_attention.py.
+PREFILL_ROWS_PER_TILE = 4
 SHARED_BUDGET_BYTES = 45_000  # under the 48 KiB static shared-memory limit per block
 
 
 def default_block_keys(head_dim: int, packed_rows: int, rows_per_tile: int) -> int:
     """Largest power-of-two key block (<= 64) whose shared arrays fit SHARED_BUDGET_BYTES."""
     fixed_words = packed_rows * head_dim + 3 * packed_rows + rows_per_tile
-    per_key_words = head_dim + 1 + packed_rows
+    per_key_words = head_dim + 1 + packed_rows + 2  # K/V row, score column, page id and offset
     fit = (SHARED_BUDGET_BYTES // 4 - fixed_words) // per_key_words
     if fit < 1:
         raise ValueError(f"attention tile of {packed_rows} packed rows x D={head_dim} exceeds shared memory")
@@ -102,7 +105,7 @@ def build_paged_attention(
 
     @cuda.jit(device=True, inline=True)  # inlined in Numba IR: no separate device compile
     def attend(q, k_cache, v_cache, page_indices, page_base, kv_head, row0, row_end, k0, k1, positions, scale,
-               q_sh, kv_sh, s_sh, m_sh, l_sh, lim_sh, acc):
+               q_sh, kv_sh, s_sh, m_sh, l_sh, lim_sh, page_sh, offset_sh, acc):
         """Online softmax over keys [k0, k1) for the tile's packed rows. Leaves the unnormalised
         output in ``acc`` (element ``tid + i*NT`` of [M, D]), running max in m_sh, sum in l_sh."""
         tid = cuda.threadIdx.x
@@ -123,12 +126,16 @@ def build_paged_attention(
         cuda.syncthreads()
         for kb0 in range(k0, k1, KB):
             nk = min(KB, k1 - kb0)
-            for e in range(tid, nk * D, NT):
-                kk = e // D
+            # Page id and in-page offset once per key, not per element (a runtime division).
+            for kk in range(tid, nk, NT):
                 pos = kb0 + kk
                 logical = pos // page_size
-                page = page_indices[page_base + logical]
-                kv_sh[kk, e - kk * D] = load(k_cache[page, pos - logical * page_size, kv_head, e - kk * D])
+                page_sh[kk] = page_indices[page_base + logical]
+                offset_sh[kk] = pos - logical * page_size
+            cuda.syncthreads()
+            for e in range(tid, nk * D, NT):
+                kk = e // D
+                kv_sh[kk, e - kk * D] = load(k_cache[page_sh[kk], offset_sh[kk], kv_head, e - kk * D])
             cuda.syncthreads()
             for e in range(tid, M * KB, NT):
                 m = e // KB
@@ -160,10 +167,7 @@ def build_paged_attention(
                 l_sh[m] = l_sh[m] * alpha + total
             for e in range(tid, nk * D, NT):
                 kk = e // D
-                pos = kb0 + kk
-                logical = pos // page_size
-                page = page_indices[page_base + logical]
-                kv_sh[kk, e - kk * D] = load(v_cache[page, pos - logical * page_size, kv_head, e - kk * D])
+                kv_sh[kk, e - kk * D] = load(v_cache[page_sh[kk], offset_sh[kk], kv_head, e - kk * D])
             cuda.syncthreads()
             for i in range(ACC):
                 e = tid + i * NT
@@ -186,6 +190,8 @@ def build_paged_attention(
         m_sh = cuda.shared.array(M, float32)
         l_sh = cuda.shared.array(M, float32)
         lim_sh = cuda.shared.array(R, int32)
+        page_sh = cuda.shared.array(KB, int32)
+        offset_sh = cuda.shared.array(KB, int32)
         acc = cuda.local.array(ACC, float32)
         kv_head = cuda.blockIdx.y
         b, row0, row_end, k0, k1 = locate(cuda.blockIdx.x, page_indptr, last_page_len, q_indptr, positions,
@@ -194,7 +200,7 @@ def build_paged_attention(
         if row0 >= row_end:
             return
         attend(q, k_cache, v_cache, page_indices, page_indptr[b], kv_head, row0, row_end, k0, k1, positions,
-               scale, q_sh, kv_sh, s_sh, m_sh, l_sh, lim_sh, acc)
+               scale, q_sh, kv_sh, s_sh, m_sh, l_sh, lim_sh, page_sh, offset_sh, acc)
         for i in range(ACC):
             e = cuda.threadIdx.x + i * NT
             m = e // D
@@ -212,6 +218,8 @@ def build_paged_attention(
         m_sh = cuda.shared.array(M, float32)
         l_sh = cuda.shared.array(M, float32)
         lim_sh = cuda.shared.array(R, int32)
+        page_sh = cuda.shared.array(KB, int32)
+        offset_sh = cuda.shared.array(KB, int32)
         acc = cuda.local.array(ACC, float32)
         kv_head = cuda.blockIdx.y
         b, row0, row_end, k0, k1 = locate(cuda.blockIdx.x, page_indptr, last_page_len, q_indptr, positions,
@@ -220,7 +228,7 @@ def build_paged_attention(
         if row0 >= row_end:
             return
         attend(q, k_cache, v_cache, page_indices, page_indptr[b], kv_head, row0, row_end, k0, k1, positions,
-               scale, q_sh, kv_sh, s_sh, m_sh, l_sh, lim_sh, acc)
+               scale, q_sh, kv_sh, s_sh, m_sh, l_sh, lim_sh, page_sh, offset_sh, acc)
         chunk_index = kv_tile_indices[cuda.blockIdx.x]
         for i in range(ACC):
             e = cuda.threadIdx.x + i * NT

@@ -68,9 +68,11 @@ class FullAttention:
         write_kv(a(k), a(v), a(self.k_cache), a(self.v_cache), a(step.meta("batch_indices")), positions,
                  a(step.meta("page_indices")), a(step.meta("page_indptr")), stream=step.stream)
         attn_out = step.role("attn_out").view(n, self.q_heads, d)
+        decode = step.pool == "decode"
+        attention = k_.decode_attention if decode else k_.attention
         split = (a(step.role("attn_partial_out")), a(step.role("attn_partial_lse"))) if (
-            self.split_decode and step.pool == "decode") else (None, None)
-        k_.attention(
+            self.split_decode and decode) else (None, None)
+        attention(
             a(q), a(self.k_cache), a(self.v_cache), *(a(step.meta(name)) for name in (
                 "page_indices", "page_indptr", "last_page_len", "q_indptr", "batch_indices", "positions",
                 "request_indices", "qo_tile_indices", "kv_tile_indices", "kv_chunk_size", "total_num_rows")),

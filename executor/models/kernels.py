@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from executor.kernels.activation import SigmoidMulInplace, SiluMul
-from executor.kernels.attention import PagedAttention
+from executor.kernels.attention import PREFILL_ROWS_PER_TILE, PagedAttention
+from executor.kernels.decode_attention import DecodeAttention
 from executor.kernels.codec import build_codec
 from executor.kernels.conv1d import CausalConv1d
 from executor.kernels.delta_rule import GatedDeltaRule, GdnGates
@@ -37,7 +38,8 @@ class Kernels:
     rms_norm: RmsNorm
     add_rms_norm: AddRmsNormInplace
     qk_norm_rope: QkNormRopeInplace
-    attention: PagedAttention
+    attention: PagedAttention  # prefill steps (any rows per request)
+    decode_attention: DecodeAttention  # decode steps (one row per request)
     output_gate: SigmoidMulInplace
     silu_mul: SiluMul
     sample: Sample
@@ -61,12 +63,16 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle) ->
             delta_rule=GatedDeltaRule(codec, geometry.linear_key_head_dim, **({"dk_split": 1} if simulated else {})),
             gated_norm=GatedRmsNorm(codec),
         )
+    attention = PagedAttention(codec, geometry.head_dim, geometry.gqa_group, rows_per_tile=PREFILL_ROWS_PER_TILE,
+                               threads=32 if simulated else 128)
     return Kernels(
         embedding=Embedding(codec),
         rms_norm=RmsNorm(codec, norm.round_before_weight),
         add_rms_norm=AddRmsNormInplace(codec, norm.round_before_weight),
         qk_norm_rope=QkNormRopeInplace(codec, norm.round_before_weight),
-        attention=PagedAttention(codec, geometry.head_dim, geometry.gqa_group, threads=32 if simulated else 128),
+        attention=attention,
+        decode_attention=DecodeAttention(codec, geometry.head_dim, geometry.gqa_group, attention.merge,
+                                         **({"threads": 32} if simulated else {})),
         output_gate=SigmoidMulInplace(codec),
         silu_mul=SiluMul(codec),
         sample=Sample(max_threads=32) if simulated else Sample(),

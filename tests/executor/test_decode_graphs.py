@@ -82,20 +82,19 @@ def test_graph_replay_equals_eager_padded_step(name):
     before = _state(loaded)
     bucket = 4  # three requests replay the bucket-4 graph
     eager_logits, eager_tokens = _decode(loaded, chunks, steps=16, pad_to=bucket)
-    unpadded_logits, unpadded_tokens = (None, None)
     _restore(loaded, before)
     loaded.model.capture_decode_graphs()
     pointers = {key: view.data_ptr() for key, view in loaded.arena._views.items()}
-    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
     graph_logits, graph_tokens = _decode(loaded, chunks, steps=16)
     assert loaded.model.graphs.bucket_for(len(chunks)) == bucket
+    # Replays allocate nothing (the clones above are the test's own).
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(8):
+        loaded.model.step(plan_step(loaded.plan, chunks)).tolist()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
     assert {key: view.data_ptr() for key, view in loaded.arena._views.items()} == pointers
     assert graph_tokens == eager_tokens
     assert torch.equal(graph_logits, eager_logits)
-    _restore(loaded, before)
-    unpadded_logits, unpadded_tokens = _decode(loaded, [c for c in chunks], steps=16)  # graphs again
-    assert unpadded_tokens == graph_tokens
     # Eager without padding runs GEMMs of 3 rows instead of 4; in bf16 cuBLAS may pick another
     # kernel, so compare it as a near match, not bit for bit.
     loaded.model.graphs = None

@@ -1,0 +1,269 @@
+"""Prefill throughput: memplan vs HF transformers (eager SDPA), and memplan's GEMM rate vs the device's.
+
+    python3 bench/prefill.py [--models qwen3-8b,qwen3.5-9b] [--prompts 512,4096,16384] [--out FILE]
+    python3 bench/prefill.py --smoke     # tiny configs in the Numba CUDA simulator: proves the code paths, no GPU
+
+One request per prompt length, random ids, random bf16 weights of the real shapes.
+
+- memplan: the prompt in steps of the plan's max_prefill_tokens (one step when the prompt fits; the plan
+  asks for max_prefill_tokens = the longest prompt), each ``model.step(plan_step(plan, [chunk]))``; the
+  recurrent slot is reset between repeats. Time = the whole prefill, median of ``--repeats``.
+- HF eager (SDPA): one forward of the prompt into a fresh DynamicCache, logits of the last row only.
+- GEMM rate: FLOPs of every GEMM of the prefill = 2 x tokens x (elements of every weight matrix but the
+  embedding and lm_head) + 2 x (lm_head elements) per step (lm_head runs on each step's last row), over
+  the memplan prefill time, compared with ``torch.matmul`` of two ``--matmul-size``^2 bf16 matrices
+  measured in the same run. With the profiler (default on the GPU) also the share of GPU kernel time
+  spent in GEMM kernels (cuBLAS/CUTLASS names) and the rate within those kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import (  # noqa: E402
+    DEFAULT_MODELS, GPU_HARDWARE, GPU_SERVING, SIM_HARDWARE, SIM_SERVING, SMOKE_MODELS, build_hf, build_memplan,
+    emit, fmt, free_device_memory, hf_dynamic_cache, hf_forward, int_list, log, markdown_table, matmul_flops_per_s,
+    median, open_bench_device, reset_slots, run_info, sample_ms, sized_plan, str_list,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from executor.device import Device
+    from executor.models.decoder import DecoderModel
+    from executor.step import RequestChunk
+    from planner.plan import MemoryPlan
+
+#: Substrings of GEMM kernel names (cuBLAS, cuBLASLt, CUTLASS; lower case). Everything else a step
+#: launches is a Numba kernel or a copy.
+GEMM_KERNEL_MARKERS = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitkreduce")
+
+
+@dataclass
+class Cell:
+    model: str
+    prompt_tokens: int
+    num_steps: int = 0
+    gemm_flops: int = 0
+    memplan_ms: float = math.nan
+    plan_step_ms: float = math.nan
+    hf_ms: float = math.nan
+    gemm_kernel_ms: float = math.nan
+    kernel_ms: float = math.nan
+    notes: list[str] = field(default_factory=list)
+
+
+def prefill_gemm_flops(plan: MemoryPlan, prompt_tokens: int, num_steps: int) -> int:
+    """FLOPs of the GEMMs of a prefill, from the planned weight shapes: every 2-D weight but the embedding
+    (a lookup) and lm_head for every token, lm_head for one row per step (each step samples its last row)."""
+    weights = plan.pool("weights")
+    head_name = "model.embed_tokens.weight" if plan.model.tie_word_embeddings else "lm_head.weight"
+    per_token = sum(math.prod(b.shape) for b in weights.buffers
+                    if len(b.shape) == 2 and b.name not in ("model.embed_tokens.weight", "lm_head.weight"))
+    return 2 * prompt_tokens * per_token + 2 * num_steps * math.prod(weights.buffer(head_name).shape)
+
+
+def prefill_chunks(plan: MemoryPlan, prompt_ids: list[int]) -> list[RequestChunk]:
+    """The prompt in chunks of max_prefill_tokens, one request on pages 1 .. pages_per_request, slot 0."""
+    from executor.step import RequestChunk
+
+    chunk = plan.capacity.max_prefill_tokens
+    pages = list(range(1, 1 + plan.capacity.pages_per_request))
+    slot = 0 if plan.geometry.num_linear_layers else -1
+    return [RequestChunk(prompt_ids[start:start + chunk], start, pages, slot=slot)
+            for start in range(0, len(prompt_ids), chunk)]
+
+
+def run_prefill(model: DecoderModel, chunks: list[RequestChunk]) -> None:
+    from executor.step import plan_step
+
+    for chunk in chunks:
+        model.step(plan_step(model.arena.plan, [chunk]))
+
+
+def kernel_times_ms(model: DecoderModel, chunks: list[RequestChunk]) -> tuple[float, float]:
+    """(GEMM kernel ms, all kernel ms) of one prefill under torch.profiler (CUPTI sees the Numba kernels too)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    reset_slots(model, 1)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_prefill(model, chunks)
+        torch.cuda.synchronize()
+    gemm_us = total_us = 0.0
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        duration_us = event.time_range.elapsed_us()
+        total_us += duration_us
+        if any(marker in event.name.lower() for marker in GEMM_KERNEL_MARKERS):
+            gemm_us += duration_us
+    return gemm_us / 1e3, total_us / 1e3
+
+
+def run_memplan(plan: MemoryPlan, cells: list[Cell], args: argparse.Namespace, device: Device) -> None:
+    import numpy as np
+
+    from executor.step import plan_step
+
+    arena, model = build_memplan(plan, device, args.seed)
+    rng = np.random.default_rng(args.seed)
+    for cell in cells:
+        try:
+            chunks = prefill_chunks(plan, rng.integers(0, plan.model.vocab_size, cell.prompt_tokens).tolist())
+            cell.num_steps = len(chunks)
+            cell.gemm_flops = prefill_gemm_flops(plan, cell.prompt_tokens, cell.num_steps)
+            reset_slots(model, 1)
+            samples = sample_ms(lambda: run_prefill(model, chunks), device.torch_device, warmup=args.warmup,
+                                repeats=args.repeats, between=lambda: reset_slots(model, 1))
+            cell.memplan_ms = median(samples)
+            host_ms = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                for chunk in chunks:
+                    plan_step(plan, [chunk])
+                host_ms.append((time.perf_counter() - start) * 1e3)
+            cell.plan_step_ms = median(host_ms)
+            if args.profile and not device.is_sim:
+                cell.gemm_kernel_ms, cell.kernel_ms = kernel_times_ms(model, chunks)
+        except Exception as error:
+            cell.notes.append(f"memplan error: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+            traceback.print_exc()
+        log(f"{cell.model} prompt {cell.prompt_tokens}: memplan {fmt(cell.memplan_ms, 2)} ms "
+            f"in {cell.num_steps} step(s)")
+    del arena, model
+    free_device_memory(device.torch_device)
+
+
+def run_hf(plan: MemoryPlan, cells: list[Cell], args: argparse.Namespace, device: torch.device) -> None:
+    import torch
+
+    hf = build_hf(plan, device, args.seed)
+    with torch.no_grad():
+        for cell in cells:
+            token_ids = torch.randint(0, plan.model.vocab_size, (1, cell.prompt_tokens), device=device)
+            try:
+                samples = sample_ms(lambda: hf_forward(hf, token_ids, hf_dynamic_cache(hf)), device,
+                                    warmup=args.hf_warmup, repeats=args.hf_repeats)
+                cell.hf_ms = median(samples)
+            except Exception as error:
+                cell.notes.append(f"HF error: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+                traceback.print_exc()
+            free_device_memory(device)
+            log(f"{cell.model} prompt {cell.prompt_tokens}: HF eager {fmt(cell.hf_ms, 2)} ms")
+    del hf
+    free_device_memory(device)
+
+
+def prefill_plan(model_name: str, args: argparse.Namespace) -> MemoryPlan:
+    """One request of the longest prompt; max_prefill_tokens = that prompt (one step) unless given."""
+    longest = max(args.prompts)
+    overrides = {"max_batch": 1, "max_context": longest,
+                 "max_prefill_tokens": args.max_prefill_tokens or longest}
+    return sized_plan(model_name, args.hardware, args.serving, overrides, num_requests=1,
+                      utilization=args.gpu_memory_utilization)
+
+
+def table(cells: list[Cell], matmul_flops_per_s: float) -> str:
+    headers = ["model", "prompt tokens", "memplan steps", "memplan ms", "memplan tok/s", "plan_step ms (host)",
+               "HF eager ms", "HF tok/s", "HF / memplan", "GEMM TFLOP", "GEMM TFLOP/s over the prefill",
+               "share of matmul peak", "GEMM kernel ms", "GEMM share of prefill time", "GEMM share of kernel time",
+               "kernel time / prefill time", "TFLOP/s inside GEMM kernels"]
+    rows = []
+    for c in cells:
+        rate = c.gemm_flops / (c.memplan_ms * 1e-3)
+        rows.append([
+            c.model, str(c.prompt_tokens), str(c.num_steps), fmt(c.memplan_ms, 2),
+            fmt(c.prompt_tokens / c.memplan_ms * 1e3, 0), fmt(c.plan_step_ms, 2), fmt(c.hf_ms, 2),
+            fmt(c.prompt_tokens / c.hf_ms * 1e3, 0), fmt(c.hf_ms / c.memplan_ms, 2), fmt(c.gemm_flops / 1e12, 2),
+            fmt(rate / 1e12, 1), fmt(rate / matmul_flops_per_s, 2), fmt(c.gemm_kernel_ms, 2),
+            fmt(c.gemm_kernel_ms / c.memplan_ms, 2), fmt(c.gemm_kernel_ms / c.kernel_ms, 2),
+            fmt(c.kernel_ms / c.memplan_ms, 2), fmt(c.gemm_flops / (c.gemm_kernel_ms * 1e-3) / 1e12, 1),
+        ])
+    return markdown_table(headers, rows, [False] + [True] * (len(headers) - 1))
+
+
+def notes(cells: list[Cell], plans: dict[str, MemoryPlan], matmul_rate: float, args: argparse.Namespace) -> str:
+    lines = [f"{args.matmul_dtype} matmul peak: {matmul_rate / 1e12:,.0f} TFLOP/s (`torch.matmul` of two "
+             f"{args.matmul_size}^2 matrices, median)."]
+    for name, plan in plans.items():
+        lines.append(f"{name}: plan max_prefill_tokens {plan.capacity.max_prefill_tokens}, max_context "
+                     f"{plan.capacity.max_context}, gpu_memory_utilization {plan.serving.gpu_memory_utilization}.")
+    if not args.profile:
+        lines.append("Profiler off: no kernel-time columns.")
+    lines += [f"{c.model} prompt {c.prompt_tokens}: {note}" for c in cells for note in c.notes]
+    return "\n".join(f"- {line}" for line in lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--models", type=str_list, default=None, help="comma-separated (default: qwen3-8b,qwen3.5-9b)")
+    parser.add_argument("--prompts", type=int_list, default=None, help="prompt lengths; default 512,4096,16384")
+    parser.add_argument("--max-prefill-tokens", type=int, default=None,
+                        help="the plan's prefill chunk; default the longest prompt (one step)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hf-warmup", type=int, default=1)
+    parser.add_argument("--hf-repeats", type=int, default=3)
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--no-profile", dest="profile", action="store_false", help="skip the torch.profiler run")
+    parser.add_argument("--matmul-size", type=int, default=8192)
+    parser.add_argument("--hardware", default=None, help=f"default {GPU_HARDWARE} ({SIM_HARDWARE} with --smoke)")
+    parser.add_argument("--serving", default=None, help=f"default {GPU_SERVING} ({SIM_SERVING} with --smoke)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="default: the smallest that holds the longest prompt")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny configs in the simulator, prompts 8,24 in chunks of 16, HF on CPU")
+    parser.add_argument("--out", default=None, help="append the result as a markdown section to this file")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.models = [SMOKE_MODELS.get(m, m) for m in (args.models or DEFAULT_MODELS)]
+        args.prompts = args.prompts or [8, 24]
+        args.max_prefill_tokens = args.max_prefill_tokens or 16  # 24 tokens: two steps, the chunked path
+        args.warmup, args.repeats, args.hf_warmup, args.hf_repeats = 0, 1, 0, 1
+        args.matmul_size = min(args.matmul_size, 256)
+    args.models = args.models or list(DEFAULT_MODELS)
+    args.prompts = args.prompts or [512, 4096, 16384]
+    args.hardware = args.hardware or (SIM_HARDWARE if args.smoke else GPU_HARDWARE)
+    args.serving = args.serving or (SIM_SERVING if args.smoke else GPU_SERVING)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = open_bench_device(args.smoke)
+    info = run_info(device.torch_device)
+    log(f"prefill benchmark on {info.device_name}")
+    from planner.loader import load_model
+
+    args.matmul_dtype = load_model(args.models[0]).dtype  # the weights' dtype (bf16 for the real models)
+    matmul_rate = matmul_flops_per_s(device.torch_device, args.matmul_size, args.matmul_dtype)
+    log(f"{args.matmul_dtype} matmul {args.matmul_size}^3: {matmul_rate / 1e12:,.1f} TFLOP/s")
+    all_cells, plans = [], {}
+    for model_name in args.models:
+        plan = plans[model_name] = prefill_plan(model_name, args)
+        cells = [Cell(plan.model.name, n) for n in sorted(args.prompts)]
+        run_memplan(plan, cells, args, device)
+        if not args.no_hf:
+            run_hf(plan, cells, args, device.torch_device)
+        all_cells += cells
+    body = table(all_cells, matmul_rate) + "\n\n" + notes(all_cells, plans, matmul_rate, args)
+    emit("Prefill throughput and GEMM rate (bench/prefill.py)", info, body, args.out)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
+    main()
