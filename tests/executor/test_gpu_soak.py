@@ -36,7 +36,7 @@ def test_soak_2000_steps(name):
         shared = prefixes[rng.randrange(4)][: rng.choice([0, 16, 32, 64])]
         prompt = shared + [rng.randrange(vocab) for _ in range(rng.randint(1, 120))]
         sampling = dict(temperature=0.7, top_k=50, seed=index) if index % 3 == 0 else {}
-        requests.append(Request(index, prompt, rng.randint(1, 40), **sampling))
+        requests.append(Request(index, prompt, rng.randint(1, 16), **sampling))
         step += rng.choice([0, 1, 3, 8])
         arrivals.append(step)
     pointers = {key: view.data_ptr() for key, view in loaded.arena._views.items()}
