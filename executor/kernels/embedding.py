@@ -8,7 +8,10 @@ is visible (argmax picks NaN), rather than a plausible wrong token.
 
 Grid x over token rows (grid-stride), y over column tiles; threads stride over
 the hidden dimension so each warp copies a contiguous run, UNROLL loads in
-flight per thread (residual.py).
+flight per thread (residual.py). When the table's and the output's rows are
+whole numbers of 16-byte-aligned chunks (``vector_aligned``), the launcher
+runs the vector kernel: the same copy in 16-byte chunks (vector.py); the
+scalar kernel otherwise. Both copy the same bits.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import math
 from typing import Any, Callable
 
 from executor.kernels.codec import Codec
-from executor.kernels.residual import UNROLL, elementwise_grid
+from executor.kernels.residual import UNROLL, VECTOR_UNROLL, elementwise_grid
+from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda
 
 cuda = load_cuda()
@@ -59,19 +63,64 @@ def build_embedding_kernel(codec: Codec) -> Callable[..., Any]:
     return embedding
 
 
+def build_embedding_vector_kernel(codec: Codec) -> Callable[..., Any]:
+    """Kernel ``(ids int32 [T], table [V, H], out [T, H])`` as build_embedding_kernel, in 16-byte chunks.
+
+    Every chunk of every table and output row must be 16-byte aligned (the launcher checks).
+    """
+    store = codec.store
+    load_vector, store_vector = build_vector_access()
+    lanes = lanes_for(codec)
+    _, put_lane = build_lanes(codec)
+    words = word_type(codec)
+    buffer_words = VECTOR_UNROLL * VECTOR_WORDS
+
+    @cuda.jit
+    def embedding_vector(ids, table, out):
+        chunks = out.shape[1] // lanes
+        vocab = table.shape[0]
+        buf = cuda.local.array(buffer_words, words)
+        poison = store(float32(math.nan))
+        step = cuda.blockDim.x
+        tile = step * VECTOR_UNROLL
+        first = cuda.blockIdx.y * tile + cuda.threadIdx.x
+        for t in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
+            token = ids[t]
+            valid = 0 <= token < vocab
+            for c in range(first, chunks, cuda.gridDim.y * tile):
+                for u in range(VECTOR_UNROLL):  # all loads of the tile, then all stores
+                    if c + u * step < chunks:
+                        if valid:
+                            load_vector(table, (token, (c + u * step) * lanes), buf, u * VECTOR_WORDS)
+                        else:
+                            for k in range(u * lanes, (u + 1) * lanes):
+                                put_lane(buf, k, poison)
+                for u in range(VECTOR_UNROLL):
+                    if c + u * step < chunks:
+                        store_vector(out, (t, (c + u * step) * lanes), buf, u * VECTOR_WORDS)
+
+    return embedding_vector
+
+
 class Embedding:
     """Launcher for ``out[t, :] = table[ids[t], :]`` (not in place).
 
     Arrays: ids int32 [T]; table [V, H] and out [T, H] in the codec's storage
     dtype (float32, or bf16 viewed as int16); row-sliced views allowed. Ids
-    outside [0, V) give a NaN row.
+    outside [0, V) give a NaN row. ``vectorize=False`` always runs the scalar kernel.
     """
 
-    def __init__(self, codec: Codec, max_threads: int = MAX_THREADS) -> None:
+    def __init__(self, codec: Codec, max_threads: int = MAX_THREADS, vectorize: bool = True) -> None:
         if max_threads < 32 or max_threads > 1024 or max_threads & (max_threads - 1):
             raise ValueError(f"max_threads must be a power of two in [32, 1024], got {max_threads}")
         self.kernel = build_embedding_kernel(codec)
+        self.vector_kernel = build_embedding_vector_kernel(codec) if vectorize else None
+        self.lanes = lanes_for(codec)
         self.max_threads = max_threads
+
+    def uses_vector(self, table: Any, out: Any) -> bool:
+        """Whether a call with these arrays runs the 16-byte vector kernel."""
+        return self.vector_kernel is not None and vector_aligned(table, out)
 
     def __call__(self, ids: Any, table: Any, out: Any, stream: Any = 0) -> None:
         rows, hidden = out.shape
@@ -80,6 +129,10 @@ class Embedding:
         if table.shape[1] != hidden:
             raise ValueError(f"table has shape {tuple(table.shape)}, expected (V, {hidden})")
         if rows == 0 or hidden == 0:
+            return
+        if self.uses_vector(table, out):
+            grid, threads = elementwise_grid(rows, hidden // self.lanes, self.max_threads, VECTOR_UNROLL)
+            self.vector_kernel[grid, threads, stream](ids, table, out)
             return
         grid, threads = elementwise_grid(rows, hidden, self.max_threads)
         self.kernel[grid, threads, stream](ids, table, out)

@@ -19,6 +19,15 @@ and reduces the sum of squares; the reduction ends in a barrier; pass 2 writes
 (re-reading the row, mostly from L2). Every element is written by the thread
 that read it in pass 1, so ``out`` may alias ``x`` (and, for the fused kernel,
 ``residual``). Launchers pick the block size from the row count (row_threads).
+
+Vector kernels: when x, out (and residual) rows and the weight are whole
+numbers of 16-byte-aligned chunks (``vector_aligned``), the launchers run the
+same two passes over 16-byte chunks (vector.py), VECTOR_UNROLL chunks per
+thread per sweep. A row that fits in one sweep (the usual case: the launcher
+sizes the block for it) stays in registers between the passes, so pass 2
+reads only the weight. Elements are rounded exactly as in the scalar kernels;
+only the order of the float32 sum of squares differs (each thread sums its
+chunks' elements in turn), which moves inv_rms by float32 ulps at most.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import numpy as np
 
 from executor.kernels.codec import Codec
 from executor.kernels.reduce import block_sum, threads_for
+from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda
 
 cuda = load_cuda()
@@ -50,6 +60,11 @@ DEFAULT_THREADS = 512
 MANY_ROWS = 256
 MANY_ROWS_THREADS = 128
 UNROLL = 4  # elements per thread in flight; the passes spell out this many loads
+# Vector kernels: 16-byte chunks per thread per sweep, and the block limit for
+# many rows. A 4096-wide bf16 row (512 chunks) is one sweep of 128 threads, a
+# 5120-wide one (640 chunks) one sweep of 256 threads.
+VECTOR_UNROLL = 4
+MANY_ROWS_VECTOR_THREADS = 256
 
 
 def build_normalize(codec: Codec, round_before_weight: bool) -> Callable[..., Any]:
@@ -205,6 +220,139 @@ def build_add_rms_norm_kernel(codec: Codec, round_before_weight: bool) -> Callab
     return add_rms_norm_inplace
 
 
+def build_vector_row_passes(codec: Codec, round_before_weight: bool) -> tuple[Callable[..., Any], ...]:
+    """Device functions over one row ``t`` in 16-byte chunks; thread ``tid`` owns chunks
+    ``tid + u * blockDim + s * sweep`` (u < VECTOR_UNROLL, sweep = VECTOR_UNROLL * blockDim).
+
+    ``row`` and ``other`` are local word buffers of VECTOR_UNROLL chunks (vector.py), ``w`` one of a chunk.
+
+    - ``sum_squares(x, t, row) -> float32``: this thread's share of sum(x[t]^2); ``row`` is
+      left holding the thread's chunks of the last sweep.
+    - ``add_sum_squares(x, residual, t, row, other) -> float32``: residual[t] <- store(residual[t] + x[t]),
+      returning this thread's share of the rounded sum's squares; ``row`` left holding the sums.
+    - ``write_normed(src, weight, out, t, row, w, inv_rms, weight_offset)``: out[t] <- normalized
+      src[t]. When the row is one sweep, ``row`` already holds this thread's chunks of src[t]
+      (left by the pass-1 function) and src is not read again.
+
+    A thread loads all chunks of a sweep before it stores any and touches only its own chunks,
+    so out may alias the arrays it reads.
+    """
+    load, store = codec.load, codec.store
+    load_vector, store_vector = build_vector_access()
+    get_lane, put_lane = build_lanes(codec)
+    lanes = lanes_for(codec)
+    normalize = build_normalize(codec, round_before_weight)
+
+    @cuda.jit(device=True, inline=True)
+    def sum_squares(x, t, row):
+        chunks = x.shape[1] // lanes
+        step = cuda.blockDim.x
+        partial = float32(0.0)
+        for c in range(cuda.threadIdx.x, chunks, step * VECTOR_UNROLL):
+            for u in range(VECTOR_UNROLL):
+                if c + u * step < chunks:
+                    load_vector(x, (t, (c + u * step) * lanes), row, u * VECTOR_WORDS)
+            for u in range(VECTOR_UNROLL):
+                if c + u * step < chunks:
+                    for k in range(u * lanes, (u + 1) * lanes):
+                        v = load(get_lane(row, k))
+                        partial += v * v
+        return partial
+
+    @cuda.jit(device=True, inline=True)
+    def add_sum_squares(x, residual, t, row, other):
+        chunks = x.shape[1] // lanes
+        step = cuda.blockDim.x
+        partial = float32(0.0)
+        for c in range(cuda.threadIdx.x, chunks, step * VECTOR_UNROLL):
+            for u in range(VECTOR_UNROLL):
+                if c + u * step < chunks:
+                    load_vector(residual, (t, (c + u * step) * lanes), row, u * VECTOR_WORDS)
+                    load_vector(x, (t, (c + u * step) * lanes), other, u * VECTOR_WORDS)
+            for u in range(VECTOR_UNROLL):
+                if c + u * step < chunks:
+                    for k in range(u * lanes, (u + 1) * lanes):
+                        summed = store(load(get_lane(row, k)) + load(get_lane(other, k)))
+                        put_lane(row, k, summed)
+                        v = load(summed)
+                        partial += v * v
+                    store_vector(residual, (t, (c + u * step) * lanes), row, u * VECTOR_WORDS)
+        return partial
+
+    @cuda.jit(device=True, inline=True)
+    def write_normed(src, weight, out, t, row, w, inv_rms, weight_offset):
+        chunks = src.shape[1] // lanes
+        step = cuda.blockDim.x
+        one_sweep = chunks <= step * VECTOR_UNROLL
+        for c in range(cuda.threadIdx.x, chunks, step * VECTOR_UNROLL):
+            if not one_sweep:
+                for u in range(VECTOR_UNROLL):
+                    if c + u * step < chunks:
+                        load_vector(src, (t, (c + u * step) * lanes), row, u * VECTOR_WORDS)
+            for u in range(VECTOR_UNROLL):
+                if c + u * step < chunks:
+                    # One weight chunk at a time (an L1/L2 hit: every row reads it): fewer
+                    # registers than the whole sweep's weights, so more rows in flight per SM.
+                    load_vector(weight, ((c + u * step) * lanes,), w, 0)
+                    for k in range(lanes):
+                        j = u * lanes + k
+                        value = normalize(load(get_lane(row, j)), inv_rms, load(get_lane(w, k)), weight_offset)
+                        put_lane(row, j, store(value))
+                    store_vector(out, (t, (c + u * step) * lanes), row, u * VECTOR_WORDS)
+
+    return sum_squares, add_sum_squares, write_normed
+
+
+def build_rms_norm_vector_kernel(codec: Codec, round_before_weight: bool) -> Callable[..., Any]:
+    """Kernel ``(x [T,H], weight [H], out [T,H], eps f32, weight_offset f32)`` as build_rms_norm_kernel,
+    over 16-byte chunks; every chunk of x, out and weight must be 16-byte aligned (the launcher checks).
+
+    Launch with ``SCRATCH_BYTES_PER_THREAD * blockDim.x`` bytes of dynamic shared memory.
+    """
+    sum_squares, _, write_normed = build_vector_row_passes(codec, round_before_weight)
+    words = word_type(codec)
+    buffer_words = VECTOR_UNROLL * VECTOR_WORDS
+
+    @cuda.jit
+    def rms_norm_vector(x, weight, out, eps, weight_offset):
+        scratch = cuda.shared.array(0, float32)
+        row = cuda.local.array(buffer_words, words)
+        w = cuda.local.array(VECTOR_WORDS, words)
+        hidden = x.shape[1]
+        for t in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
+            # block_sum's barriers order every pass-1 read of the row before any pass-2 write.
+            inv_rms = inv_rms_from_sum(block_sum(scratch, sum_squares(x, t, row)), hidden, eps)
+            write_normed(x, weight, out, t, row, w, inv_rms, weight_offset)
+
+    return rms_norm_vector
+
+
+def build_add_rms_norm_vector_kernel(codec: Codec, round_before_weight: bool) -> Callable[..., Any]:
+    """Kernel ``(x [T,H], residual [T,H], weight [H], out [T,H], eps f32, weight_offset f32)`` as
+    build_add_rms_norm_kernel, over 16-byte chunks; every chunk must be 16-byte aligned (the launcher checks).
+
+    Launch with ``SCRATCH_BYTES_PER_THREAD * blockDim.x`` bytes of dynamic shared memory.
+    """
+    _, add_sum_squares, write_normed = build_vector_row_passes(codec, round_before_weight)
+    words = word_type(codec)
+    buffer_words = VECTOR_UNROLL * VECTOR_WORDS
+
+    @cuda.jit
+    def add_rms_norm_inplace_vector(x, residual, weight, out, eps, weight_offset):
+        scratch = cuda.shared.array(0, float32)
+        row = cuda.local.array(buffer_words, words)
+        other = cuda.local.array(buffer_words, words)
+        hidden = x.shape[1]
+        for t in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
+            partial = add_sum_squares(x, residual, t, row, other)
+            # The barriers order every pass-1 read of x before any pass-2 write of out;
+            # pass 2 reads back only the residual chunks this thread wrote itself.
+            inv_rms = inv_rms_from_sum(block_sum(scratch, partial), hidden, eps)
+            write_normed(residual, weight, out, t, row, other, inv_rms, weight_offset)
+
+    return add_rms_norm_inplace_vector
+
+
 def block_limit(max_threads: int) -> int:
     """Validate a launcher's largest block size: a power of two within the shared scratch."""
     if max_threads < 32 or max_threads > MAX_THREADS or max_threads & (max_threads - 1):
@@ -216,6 +364,19 @@ def row_threads(rows: int, hidden: int, max_threads: int) -> int:
     """Block size for ``rows`` rows of ``hidden`` elements under a launcher's ``max_threads``."""
     limit = min(max_threads, MANY_ROWS_THREADS) if rows >= MANY_ROWS else max_threads
     return threads_for(math.ceil(hidden / UNROLL), limit)
+
+
+def vector_row_threads(rows: int, chunks: int, max_threads: int) -> int:
+    """Block size for the vector kernels: ``rows`` rows of ``chunks`` 16-byte chunks.
+
+    Few rows (decode): one chunk per thread, up to ``max_threads``, for the most
+    loads in flight per row. Many rows: just enough threads for one sweep of
+    VECTOR_UNROLL chunks each (the row stays in registers), at most
+    MANY_ROWS_VECTOR_THREADS, so small blocks keep many rows in flight per SM.
+    """
+    if rows >= MANY_ROWS:
+        return threads_for(math.ceil(chunks / VECTOR_UNROLL), min(max_threads, MANY_ROWS_VECTOR_THREADS))
+    return threads_for(chunks, max_threads)
 
 
 def _check_shape(name: str, a: Any, expected: tuple[int, ...]) -> None:
@@ -230,11 +391,20 @@ class RmsNorm:
     weight [H]; all in the codec's storage dtype (float32, or bf16 viewed as int16).
     ``eps`` and ``weight_offset`` are plain floats, passed as float32.
     ``max_threads`` caps the block (a power of two, 32..1024); see row_threads.
+    16-byte vector kernel when ``uses_vector``; ``vectorize=False`` always runs the scalar one.
     """
 
-    def __init__(self, codec: Codec, round_before_weight: bool, max_threads: int = DEFAULT_THREADS) -> None:
+    def __init__(
+        self, codec: Codec, round_before_weight: bool, max_threads: int = DEFAULT_THREADS, vectorize: bool = True
+    ) -> None:
         self.kernel = build_rms_norm_kernel(codec, round_before_weight)
+        self.vector_kernel = build_rms_norm_vector_kernel(codec, round_before_weight) if vectorize else None
+        self.lanes = lanes_for(codec)
         self.max_threads = block_limit(max_threads)
+
+    def uses_vector(self, x: Any, weight: Any, out: Any) -> bool:
+        """Whether a call with these arrays runs the 16-byte vector kernel."""
+        return self.vector_kernel is not None and vector_aligned(x, weight, out)
 
     def __call__(self, x: Any, weight: Any, out: Any, eps: float, weight_offset: float, stream: Any = 0) -> None:
         rows, hidden = x.shape
@@ -242,9 +412,14 @@ class RmsNorm:
         _check_shape("weight", weight, (hidden,))
         if rows == 0:
             return
-        threads = row_threads(rows, hidden, self.max_threads)
+        vector = self.uses_vector(x, weight, out)
+        if vector:
+            threads = vector_row_threads(rows, hidden // self.lanes, self.max_threads)
+        else:
+            threads = row_threads(rows, hidden, self.max_threads)
+        kernel = self.vector_kernel if vector else self.kernel
         shared = threads * SCRATCH_BYTES_PER_THREAD
-        self.kernel[rows, threads, stream, shared](x, weight, out, np.float32(eps), np.float32(weight_offset))
+        kernel[rows, threads, stream, shared](x, weight, out, np.float32(eps), np.float32(weight_offset))
 
 
 class AddRmsNormInplace:
@@ -254,11 +429,20 @@ class AddRmsNormInplace:
     ``out <- rms_norm(residual) * (weight_offset + weight)``.
     Arrays: x, residual, out [T, H]; weight [H]; codec storage dtype. ``out`` may
     be ``x`` (the usual call: the layer output becomes the next normed input).
+    16-byte vector kernel when ``uses_vector``; ``vectorize=False`` always runs the scalar one.
     """
 
-    def __init__(self, codec: Codec, round_before_weight: bool, max_threads: int = DEFAULT_THREADS) -> None:
+    def __init__(
+        self, codec: Codec, round_before_weight: bool, max_threads: int = DEFAULT_THREADS, vectorize: bool = True
+    ) -> None:
         self.kernel = build_add_rms_norm_kernel(codec, round_before_weight)
+        self.vector_kernel = build_add_rms_norm_vector_kernel(codec, round_before_weight) if vectorize else None
+        self.lanes = lanes_for(codec)
         self.max_threads = block_limit(max_threads)
+
+    def uses_vector(self, x: Any, residual: Any, weight: Any, out: Any) -> bool:
+        """Whether a call with these arrays runs the 16-byte vector kernel."""
+        return self.vector_kernel is not None and vector_aligned(x, residual, weight, out)
 
     def __call__(
         self, x: Any, residual: Any, weight: Any, out: Any, eps: float, weight_offset: float, stream: Any = 0
@@ -269,8 +453,11 @@ class AddRmsNormInplace:
         _check_shape("weight", weight, (hidden,))
         if rows == 0:
             return
-        threads = row_threads(rows, hidden, self.max_threads)
+        vector = self.uses_vector(x, residual, weight, out)
+        if vector:
+            threads = vector_row_threads(rows, hidden // self.lanes, self.max_threads)
+        else:
+            threads = row_threads(rows, hidden, self.max_threads)
+        kernel = self.vector_kernel if vector else self.kernel
         shared = threads * SCRATCH_BYTES_PER_THREAD
-        self.kernel[rows, threads, stream, shared](
-            x, residual, weight, out, np.float32(eps), np.float32(weight_offset)
-        )
+        kernel[rows, threads, stream, shared](x, residual, weight, out, np.float32(eps), np.float32(weight_offset))

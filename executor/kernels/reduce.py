@@ -1,13 +1,19 @@
-"""Block-wide reductions through shared memory.
+"""Block-wide reductions through shared memory, and sums over groups of lanes.
 
-The simulator has no warp shuffles, so every reduction here goes through a
+The simulator has no warp shuffles, so the block reductions here go through a
 shared scratch array of blockDim.x float32 (blockDim.x a power of two). Each
 call ends with a barrier, so the scratch can be reused by the next call.
+
+``build_group_sum`` sums over aligned groups of ``width`` threads (a power of
+two <= 32): xor shuffles on the GPU, the shared scratch in the simulator. Both
+add in the same tree order (a + b == b + a in IEEE arithmetic), so both give
+the same bits, on every thread of the group.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 from executor.numba_cuda import load_cuda, simulator_enabled
 
@@ -44,6 +50,47 @@ def block_max(scratch, value):
         cuda.syncthreads()
         stride //= 2
     total = scratch[0]
+    cuda.syncthreads()
+    return total
+
+
+def build_group_sum() -> Callable[..., Any]:
+    """Device function ``group_sum(scratch, value, width) -> float32``: the sum of ``value``
+    over this thread's aligned group of ``width`` threads (``width`` a power of two <= 32).
+
+    Every thread of the block must call it the same number of times (the
+    simulator's version has barriers; on the GPU all 32 lanes of each warp
+    take part in the shuffles), so blockDim.x must be a multiple of 32 on the GPU.
+    ``scratch`` is blockDim.x float32 of shared memory (unused on the GPU).
+    """
+    if simulator_enabled():
+        return _group_sum_shared
+
+    @cuda.jit(device=True, inline=True)
+    def group_sum_shuffle(scratch, value, width):
+        offset = width // 2
+        while offset > 0:
+            # Lane i adds lane i ^ offset: the pairs _group_sum_shared adds, in either order.
+            value += cuda.shfl_xor_sync(0xFFFFFFFF, value, offset)
+            offset //= 2
+        return value
+
+    return group_sum_shuffle
+
+
+@cuda.jit(device=True)
+def _group_sum_shared(scratch, value, width):
+    tid = cuda.threadIdx.x
+    lane = tid % width
+    scratch[tid] = value
+    cuda.syncthreads()
+    stride = width // 2
+    while stride > 0:
+        if lane < stride:
+            scratch[tid] += scratch[tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+    total = scratch[tid - lane]
     cuda.syncthreads()
     return total
 

@@ -29,6 +29,18 @@ per (row, head); grid x over rows (grid-stride), y over heads. Pass 1 reads the
 head for the sum of squares and ends in the reduction's barriers; in pass 2 a
 thread reads the pair (j, j + r/2) or the pass-through element it alone writes,
 so the in-place update has no cross-thread read-after-write.
+
+Vector kernel: when x's heads and the norm weight are whole numbers of
+16-byte-aligned chunks and rotary_dim / 2 is too (``uses_vector``), the
+launcher runs a kernel over 16-byte chunks (vector.py). A group of
+``group_threads`` threads (a power of two <= 32) owns a head: thread i of the
+group takes the pair units i, i + group_threads, ... (a pair unit is chunk p of
+the first rotary half with chunk p of the second) and then the pass-through
+chunks; the group's sum of squares is a shuffle reduction (reduce.py). A block
+owns a row: its threads first compute the row's cos/sin (rounded as above)
+into shared memory once for every head, from inv_freq computed once per block.
+A thread with one unit keeps it in registers between the passes. Rounding is
+the scalar kernel's; only the order of the float32 sum of squares differs.
 """
 
 from __future__ import annotations
@@ -40,7 +52,8 @@ import numpy as np
 
 from executor.kernels.codec import Codec
 from executor.kernels.norm import SCRATCH_BYTES_PER_THREAD, block_limit, build_normalize, inv_rms_from_sum
-from executor.kernels.reduce import block_sum, threads_for
+from executor.kernels.reduce import block_sum, build_group_sum, threads_for
+from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda
 
 cuda = load_cuda()
@@ -48,6 +61,7 @@ from numba import float32, float64  # noqa: E402  (after load_cuda's numpy fix)
 
 # Size of the shared reduction scratch: the largest block a launcher picks.
 MAX_THREADS = 256
+MAX_GROUP_THREADS = 32  # a head's threads in the vector kernel: at most a warp (shuffle reduction)
 
 
 @cuda.jit(device=True, inline=True)
@@ -100,6 +114,122 @@ def build_qk_norm_rope_kernel(codec: Codec, round_before_weight: bool) -> Callab
     return qk_norm_rope_inplace
 
 
+def build_qk_norm_rope_vector_kernel(codec: Codec, round_before_weight: bool) -> Callable[..., Any]:
+    """Kernel ``(x [T,heads,D], norm_weight [D], positions int32 [T], eps f32, weight_offset f32,
+    rotary_dim int32, theta f32, group_threads int32)`` as build_qk_norm_rope_kernel, over 16-byte chunks.
+
+    Every chunk of x's heads and of norm_weight must be 16-byte aligned and rotary_dim / 2 a whole
+    number of chunks (the launcher checks). blockDim.x is a multiple of group_threads (a power of
+    two <= 32) and of 32 on the GPU. Launch with ``4 * (blockDim.x + 3 * rotary_dim / 2)`` bytes of
+    dynamic shared memory: the simulator's reduction scratch, then inv_freq, cos and sin.
+    """
+    load, store = codec.load, codec.store
+    normalize = build_normalize(codec, round_before_weight)
+    load_vector, store_vector = build_vector_access()
+    get_lane, put_lane = build_lanes(codec)
+    group_sum = build_group_sum()
+    lanes = lanes_for(codec)
+    words = word_type(codec)
+
+    @cuda.jit(device=True, inline=True)
+    def rounded(value):
+        return load(store(value))
+
+    @cuda.jit(device=True, inline=True)
+    def normed(x_bits, w_bits, inv_rms, weight_offset):
+        # HF's q_norm output, rounded to the activation dtype.
+        return rounded(normalize(load(x_bits), inv_rms, load(w_bits), weight_offset))
+
+    @cuda.jit(device=True, inline=True)
+    def squares(chunk):
+        total = float32(0.0)
+        for k in range(lanes):
+            v = load(get_lane(chunk, k))
+            total += v * v
+        return total
+
+    @cuda.jit
+    def qk_norm_rope_inplace_vector(x, norm_weight, positions, eps, weight_offset, rotary_dim, theta, group_threads):
+        shared = cuda.shared.array(0, float32)  # dynamic: see norm.py
+        lo = cuda.local.array(VECTOR_WORDS, words)  # a pair unit's first-half chunk, or a pass-through chunk
+        hi = cuda.local.array(VECTOR_WORDS, words)  # a pair unit's second-half chunk
+        w_lo = cuda.local.array(VECTOR_WORDS, words)
+        w_hi = cuda.local.array(VECTOR_WORDS, words)
+        heads = x.shape[1]
+        head_dim = x.shape[2]
+        half = rotary_dim // 2
+        pairs = half // lanes
+        units = pairs + (head_dim - rotary_dim) // lanes
+        tid = cuda.threadIdx.x
+        step = cuda.blockDim.x
+        lane = tid % group_threads
+        groups = step // group_threads
+        one_unit = units <= group_threads  # then a thread's unit stays in registers between the passes
+        inv_freq_at = step
+        cos_at = step + half
+        sin_at = step + 2 * half
+        # A thread reads back only the inv_freq entries it wrote (same j loop): no barrier needed.
+        for j in range(tid, half, step):
+            shared[inv_freq_at + j] = rope_inv_freq(j, rotary_dim, theta)
+        for t in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
+            position = float32(positions[t])
+            for j in range(tid, half, step):
+                angle = position * shared[inv_freq_at + j]
+                shared[cos_at + j] = rounded(float32(math.cos(angle)))
+                shared[sin_at + j] = rounded(float32(math.sin(angle)))
+            cuda.syncthreads()
+            # Every thread runs every head round (group_sum needs the whole block / warp).
+            for first_head in range(0, heads, groups):
+                h = first_head + tid // group_threads
+                active = h < heads
+                partial = float32(0.0)
+                if active:
+                    for unit in range(lane, units, group_threads):
+                        if unit < pairs:
+                            load_vector(x, (t, h, unit * lanes), lo, 0)
+                            load_vector(x, (t, h, half + unit * lanes), hi, 0)
+                            partial += squares(lo) + squares(hi)
+                        else:
+                            load_vector(x, (t, h, half + unit * lanes), lo, 0)  # rotary_dim + (unit - pairs) * lanes
+                            partial += squares(lo)
+                inv_rms = inv_rms_from_sum(group_sum(shared, partial, group_threads), head_dim, eps)
+                if active:
+                    for unit in range(lane, units, group_threads):
+                        if unit < pairs:
+                            if not one_unit:
+                                load_vector(x, (t, h, unit * lanes), lo, 0)
+                                load_vector(x, (t, h, half + unit * lanes), hi, 0)
+                            load_vector(norm_weight, (unit * lanes,), w_lo, 0)
+                            load_vector(norm_weight, (half + unit * lanes,), w_hi, 0)
+                            for k in range(lanes):
+                                j = unit * lanes + k
+                                a = normed(get_lane(lo, k), get_lane(w_lo, k), inv_rms, weight_offset)
+                                b = normed(get_lane(hi, k), get_lane(w_hi, k), inv_rms, weight_offset)
+                                cos = shared[cos_at + j]
+                                sin = shared[sin_at + j]
+                                put_lane(lo, k, store(rounded(a * cos) - rounded(b * sin)))
+                                put_lane(hi, k, store(rounded(b * cos) + rounded(a * sin)))
+                            store_vector(x, (t, h, unit * lanes), lo, 0)
+                            store_vector(x, (t, h, half + unit * lanes), hi, 0)
+                        else:
+                            if not one_unit:
+                                load_vector(x, (t, h, half + unit * lanes), lo, 0)
+                            load_vector(norm_weight, (half + unit * lanes,), w_lo, 0)
+                            for k in range(lanes):
+                                v = normalize(load(get_lane(lo, k)), inv_rms, load(get_lane(w_lo, k)), weight_offset)
+                                put_lane(lo, k, store(v))
+                            store_vector(x, (t, h, half + unit * lanes), lo, 0)
+            cuda.syncthreads()  # every head has read this row's cos/sin before the next row's overwrite them
+
+    return qk_norm_rope_inplace_vector
+
+
+def vector_group_threads(head_dim: int, rotary_dim: int, lanes: int) -> int:
+    """Threads per head in the vector kernel: one per unit (pair unit or pass-through chunk), at most a warp."""
+    units = rotary_dim // 2 // lanes + (head_dim - rotary_dim) // lanes
+    return min(MAX_GROUP_THREADS, 1 << max(0, math.ceil(math.log2(units))))
+
+
 def _check_shape(name: str, a: Any, expected: tuple[int, ...]) -> None:
     if tuple(a.shape) != expected:
         raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {expected}")
@@ -112,12 +242,25 @@ class QkNormRopeInplace:
     viewed as int16), possibly a strided view; norm_weight [head_dim] (storage
     dtype); positions int32 [T]. Scalars: eps, weight_offset, theta (passed as
     float32), rotary_dim (even, 2 <= rotary_dim <= head_dim, passed as int32).
-    Launch once for q and once for k.
+    Launch once for q and once for k. 16-byte vector kernel when ``uses_vector``;
+    ``vectorize=False`` always runs the scalar one.
     """
 
-    def __init__(self, codec: Codec, round_before_weight: bool, max_threads: int = MAX_THREADS) -> None:
+    def __init__(
+        self, codec: Codec, round_before_weight: bool, max_threads: int = MAX_THREADS, vectorize: bool = True
+    ) -> None:
         self.kernel = build_qk_norm_rope_kernel(codec, round_before_weight)
+        self.vector_kernel = build_qk_norm_rope_vector_kernel(codec, round_before_weight) if vectorize else None
+        self.lanes = lanes_for(codec)
         self.max_threads = min(block_limit(max_threads), MAX_THREADS)
+
+    def uses_vector(self, x: Any, norm_weight: Any, rotary_dim: int) -> bool:
+        """Whether a call with these arrays and rotary_dim runs the 16-byte vector kernel."""
+        return (
+            self.vector_kernel is not None
+            and (rotary_dim // 2) % self.lanes == 0
+            and vector_aligned(x, norm_weight)
+        )
 
     def __call__(
         self,
@@ -136,6 +279,21 @@ class QkNormRopeInplace:
         if rotary_dim < 2 or rotary_dim > head_dim or rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
         if rows == 0 or heads == 0:
+            return
+        if self.uses_vector(x, norm_weight, rotary_dim):
+            group = vector_group_threads(head_dim, rotary_dim, self.lanes)
+            threads = max(group, threads_for(group * heads, self.max_threads))
+            shared = (threads + 3 * (rotary_dim // 2)) * 4  # float32 scratch, inv_freq, cos, sin
+            self.vector_kernel[rows, threads, stream, shared](
+                x,
+                norm_weight,
+                positions,
+                np.float32(eps),
+                np.float32(weight_offset),
+                np.int32(rotary_dim),
+                np.float32(theta),
+                np.int32(group),
+            )
             return
         threads = threads_for(head_dim // 2, self.max_threads)
         shared = threads * SCRATCH_BYTES_PER_THREAD

@@ -4,8 +4,10 @@ Tests run kernels in the Numba CUDA simulator, which replaces numba's compiler, 
 ``compile_for_sm90(body)`` runs ``body`` (Python source) in a fresh interpreter
 without NUMBA_ENABLE_CUDASIM. The body builds kernels and calls
 ``ptx(kernel, *argtypes)``, which compiles ``kernel`` for sm_90 and returns the
-PTX text. The body also gets ``types`` (numba's), ``build_codec``, ``DTYPES``
-and ``arr(dtype_name, ndim)``, the array type a kernel takes for that data
+PTX text, or ``vector_ptx(kernel, *argtypes)``, which also checks that a
+16-byte vector kernel (executor/kernels/vector.py) loads and stores 16 bytes at
+a time and keeps its chunk buffers out of local memory. The body also gets
+``types`` (numba's), ``build_codec``, ``DTYPES`` and ``arr(dtype_name, ndim)``, the array type a kernel takes for that data
 (bfloat16 as int16 bits):
 
     compile_for_sm90(
@@ -63,6 +65,14 @@ def ptx(kernel, *argtypes):
     # A stray float64 literal silently turns float32 math into slow double math.
     signature = ", ".join(map(str, argtypes))
     assert ALLOW_F64 or ".f64" not in text, f"{{kernel.py_func.__name__}}({{signature}}): float64 arithmetic in PTX"
+    return text
+def vector_ptx(kernel, *argtypes, local_ok=False):
+    # A vector kernel: 16-byte global loads and stores, and (unless local_ok) chunk buffers
+    # in registers: no local memory.
+    text = ptx(kernel, *argtypes)
+    name = kernel.py_func.__name__
+    assert "ld.global.v4" in text and "st.global.v4" in text, f"{{name}}: no 16-byte global access in PTX"
+    assert local_ok or ".local" not in text, f"{{name}}: uses local memory"
     return text
 """
 

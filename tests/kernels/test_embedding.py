@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from executor.kernels.codec import build_codec
-from executor.kernels.embedding import Embedding
-from executor.numba_cuda import simulator_enabled
+from executor.kernels.embedding import Embedding, build_embedding_vector_kernel
+from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import DTYPES, from_storage, poisoned, to_storage
 
@@ -23,7 +23,9 @@ def test_embedding_gathers_rows_bit_exact(dtype_name):
     ids_full = np.array([9, 0, 10, 3, 3, 5], dtype=np.int32)
     out_full = poisoned((8, hidden), dtype_name)
     out = out_full[2:7]  # a row-sliced view of a bigger buffer
-    Embedding(build_codec(dtype_name), SIM_THREADS)(ids_full[1:], table, out)
+    emb = Embedding(build_codec(dtype_name), SIM_THREADS)
+    assert emb.uses_vector(table, out)
+    emb(ids_full[1:], table, out)
     np.testing.assert_array_equal(out_full[2:7], table[ids_full[1:]])
     np.testing.assert_array_equal(out_full[[0, 1, 7]], poisoned((3, hidden), dtype_name))  # untouched
 
@@ -36,6 +38,30 @@ def test_embedding_out_of_range_id_gives_nan_row(dtype_name):
     values = from_storage(out, dtype_name)
     assert (values[0] == 1.0).all()
     assert torch.isnan(values[1:]).all()
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_vector_kernel_tiles_and_poison(dtype_name):
+    """The vector kernel on 2 column blocks of 4 threads (several tiles per row, ragged last one),
+    out-of-range ids included: the same bits as the scalar kernel."""
+    gen = torch.Generator().manual_seed(53)
+    table = to_storage(torch.randn(6, 168, generator=gen), dtype_name)
+    ids = np.array([5, -1, 0, 6, 2], dtype=np.int32)
+    scalar = poisoned((5, 168), dtype_name)
+    Embedding(build_codec(dtype_name), SIM_THREADS, vectorize=False)(ids, table, scalar)
+    out = load_cuda().to_device(poisoned((5, 168), dtype_name))
+    build_embedding_vector_kernel(build_codec(dtype_name))[(5, 2), 4](ids, table, out)
+    np.testing.assert_array_equal(out.copy_to_host(), scalar)
+    assert torch.isnan(from_storage(scalar[[1, 3]], dtype_name)).all()
+
+
+def test_unaligned_width_falls_back_to_scalar():
+    table = to_storage(torch.randn(4, 12), "bfloat16")  # 24-byte rows: not whole 16-byte chunks
+    out = poisoned((2, 12), "bfloat16")
+    emb = Embedding(build_codec("bfloat16"), SIM_THREADS)
+    assert not emb.uses_vector(table, out)
+    emb(np.array([3, 1], dtype=np.int32), table, out)
+    np.testing.assert_array_equal(out, table[[3, 1]])
 
 
 def test_shape_errors():
@@ -53,9 +79,10 @@ def test_shape_errors():
 def test_compiles_for_sm90():
     compile_for_sm90(
         """
-        from executor.kernels.embedding import build_embedding_kernel
+        from executor.kernels.embedding import build_embedding_kernel, build_embedding_vector_kernel
         for name in DTYPES:
             ptx(build_embedding_kernel(build_codec(name)), arr("int32", 1), arr(name, 2), arr(name, 2))
+            vector_ptx(build_embedding_vector_kernel(build_codec(name)), arr("int32", 1), arr(name, 2), arr(name, 2))
         """
     )
 
@@ -68,6 +95,8 @@ def test_gpu_embedding_bf16(rows, vocab, hidden):
     ids = torch.randint(0, vocab, (rows,), device="cuda", generator=gen, dtype=torch.int32)
     ids[0] = vocab - 1
     out = torch.full((rows, hidden), float("nan"), device="cuda", dtype=torch.bfloat16)
-    Embedding(build_codec("bfloat16"))(ids, table.view(torch.int16), out.view(torch.int16))
+    emb = Embedding(build_codec("bfloat16"))
+    assert emb.uses_vector(table.view(torch.int16), out.view(torch.int16))
+    emb(ids, table.view(torch.int16), out.view(torch.int16))
     torch.cuda.synchronize()
     assert torch.equal(out, table[ids.long()])

@@ -1,0 +1,449 @@
+"""Bandwidth of the memory-bound row kernels against the card's copy bandwidth (issue 6).
+
+    python3 bench/kernels.py [--rows 16384] [--repeats 50] [--inner 10] [--out FILE]
+    python3 bench/kernels.py --smoke      # tiny shapes in the Numba CUDA simulator (a CPU check of the script)
+
+For each kernel (embedding, RMSNorm, fused add + RMSNorm, q/k norm + RoPE,
+SiLU-mul, sigmoid gate, residual add) at prefill-sized bf16 shapes it reports
+the median GPU time of one launch, the bandwidth it achieves (bytes the
+kernel must read plus bytes it must write, over that time), that bandwidth as
+a share of the copy bandwidth measured in the same run (torch ``dst.copy_(src)``
+of a ``--copy-gib`` buffer: read + write bytes over time), the time of the
+scalar kernel (``vectorize=False``) and of torch's nearest equivalent.
+
+Timing: every case is warmed up (the Numba compile happens there), then
+``--inner`` launches are captured in one CUDA graph (``--no-graph``: launched
+eagerly) and the graph is replayed ``--repeats`` times between CUDA events; a
+launch's time is a replay's time over ``--inner``, and the median is reported.
+Numba kernels launch on torch's current stream through
+``cuda.external_stream`` (as executor/device.py does), so they are captured.
+
+Prints a markdown table; ``--out FILE`` also appends it to FILE with the
+command line, the GPU name and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `python3 bench/kernels.py` puts bench/ first on the path, not the repo
+    sys.path.insert(0, str(ROOT))
+
+EPS = 1e-6
+BF16_BYTES = 2
+INT32_BYTES = 4
+QWEN3_VOCAB = 151936
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The sizes the cases use: real prefill sizes on the GPU, tiny ones under --smoke."""
+
+    rows: int
+    hidden: int
+    vocab: int
+    intermediate: int
+    qwen3_heads: int  # Qwen3-8B q: 32 heads of 128, rotary 128
+    qwen3_head_dim: int
+    qwen3_5_heads: int  # Qwen3.5 q: 16 heads of 256 in a [q | gate] buffer, rotary 64
+    qwen3_5_head_dim: int
+    qwen3_5_rotary_dim: int
+
+
+def real_shapes(rows: int) -> Shapes:
+    return Shapes(rows, 4096, QWEN3_VOCAB, 12288, 32, 128, 16, 256, 64)
+
+
+SMOKE_SHAPES = Shapes(rows=3, hidden=64, vocab=11, intermediate=32, qwen3_heads=2, qwen3_head_dim=16,
+                      qwen3_5_heads=2, qwen3_5_head_dim=32, qwen3_5_rotary_dim=16)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One kernel at one shape. Each callable takes the Numba stream to launch on (torch's ignore it)."""
+
+    kernel: str
+    shape: str
+    bytes_moved: int  # bytes the op must read plus bytes it must write
+    vector: bool  # whether our launcher takes the 16-byte vector path for these arrays
+    ours: Callable[[Any], None]
+    scalar: Callable[[Any], None]
+    torch_op: Callable[[Any], None]
+
+
+@dataclass(frozen=True)
+class Row:
+    case: Case
+    us: float
+    scalar_us: float | None
+    torch_us: float
+
+
+class Env:
+    """Where the cases run: the GPU (torch CUDA tensors, Numba streams of torch's streams) or the simulator."""
+
+    def __init__(self, smoke: bool) -> None:
+        import torch
+
+        from executor.numba_cuda import load_cuda
+
+        self.smoke = smoke
+        self.torch = torch
+        self.cuda = load_cuda()
+        self.device = torch.device("cpu" if smoke else "cuda")
+        self._streams: dict[int, Any] = {}  # Numba handles of torch streams: made once per stream
+
+    def stream(self) -> Any:
+        """The Numba stream of torch's current stream (0 in the simulator)."""
+        if self.smoke:
+            return 0
+        handle = self.torch.cuda.current_stream().cuda_stream
+        if handle not in self._streams:
+            self._streams[handle] = self.cuda.external_stream(handle)
+        return self._streams[handle]
+
+    def arg(self, tensor: Any) -> Any:
+        """A tensor as a kernel argument: bf16 as int16 bits; a view, never a copy."""
+        if tensor.dtype == self.torch.bfloat16:
+            tensor = tensor.view(self.torch.int16)
+        if self.smoke:
+            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+            return FakeCUDAArray(tensor.numpy())
+        return self.cuda.as_cuda_array(tensor, sync=False)
+
+    def randn(self, *shape: int, scale: float = 1.0, shift: float = 0.0) -> Any:
+        t = self.torch.randn(*shape, device=self.device) * scale + shift
+        return t.to(self.torch.bfloat16)
+
+    def synchronize(self) -> None:
+        if not self.smoke:
+            self.torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- cases
+
+
+def embedding_case(env: Env, s: Shapes) -> Case:
+    from executor.kernels.codec import build_codec
+    from executor.kernels.embedding import Embedding
+
+    torch = env.torch
+    table = env.randn(s.vocab, s.hidden)
+    ids = torch.randint(0, s.vocab, (s.rows,), device=env.device, dtype=torch.int32)
+    out = env.randn(s.rows, s.hidden)
+    ours, scalar = Embedding(build_codec("bfloat16")), Embedding(build_codec("bfloat16"), vectorize=False)
+    args = (env.arg(ids), env.arg(table), env.arg(out))
+    ids_long = ids.long()
+    return Case(
+        "embedding", f"{s.rows} x {s.hidden} of {s.vocab}",
+        2 * s.rows * s.hidden * BF16_BYTES + s.rows * INT32_BYTES,
+        ours.uses_vector(args[1], args[2]),
+        lambda stream: ours(*args, stream=stream),
+        lambda stream: scalar(*args, stream=stream),
+        lambda stream: torch.index_select(table, 0, ids_long, out=out),
+    )
+
+
+def rms_norm_case(env: Env, s: Shapes) -> Case:
+    from executor.kernels.codec import build_codec
+    from executor.kernels.norm import RmsNorm
+
+    F = env.torch.nn.functional
+    x, w, out = env.randn(s.rows, s.hidden), env.randn(s.hidden, scale=0.1, shift=1.0), env.randn(s.rows, s.hidden)
+    ours = RmsNorm(build_codec("bfloat16"), True)
+    scalar = RmsNorm(build_codec("bfloat16"), True, vectorize=False)
+    args = (env.arg(x), env.arg(w), env.arg(out))
+    return Case(
+        "rms_norm", f"{s.rows} x {s.hidden}",
+        2 * s.rows * s.hidden * BF16_BYTES + s.hidden * BF16_BYTES,
+        ours.uses_vector(*args),
+        lambda stream: ours(*args, EPS, 0.0, stream=stream),
+        lambda stream: scalar(*args, EPS, 0.0, stream=stream),
+        lambda stream: F.rms_norm(x, (s.hidden,), w, EPS),
+    )
+
+
+def add_rms_norm_case(env: Env, s: Shapes) -> Case:
+    from executor.kernels.codec import build_codec
+    from executor.kernels.norm import AddRmsNormInplace
+
+    F = env.torch.nn.functional
+    x, residual = env.randn(s.rows, s.hidden), env.randn(s.rows, s.hidden)
+    w = env.randn(s.hidden, scale=0.1, shift=1.0)
+    ours = AddRmsNormInplace(build_codec("bfloat16"), True)
+    scalar = AddRmsNormInplace(build_codec("bfloat16"), True, vectorize=False)
+    args = (env.arg(x), env.arg(residual), env.arg(w), env.arg(x))  # out is x, as the decoder calls it
+
+    def torch_op(stream: Any) -> None:
+        residual.add_(x)
+        x.copy_(F.rms_norm(residual, (s.hidden,), w, EPS))
+
+    return Case(
+        "add_rms_norm (out = x)", f"{s.rows} x {s.hidden}",
+        4 * s.rows * s.hidden * BF16_BYTES + s.hidden * BF16_BYTES,  # read x, residual; write residual, out
+        ours.uses_vector(*args),
+        lambda stream: ours(*args, EPS, 0.0, stream=stream),
+        lambda stream: scalar(*args, EPS, 0.0, stream=stream),
+        torch_op,
+    )
+
+
+def qk_norm_rope_case(
+    env: Env, s: Shapes, heads: int, head_dim: int, rotary_dim: int, zero_centred: bool, strided: bool
+) -> Case:
+    from executor.kernels.codec import build_codec
+    from executor.kernels.rope import QkNormRopeInplace
+
+    torch = env.torch
+    F = torch.nn.functional
+    theta, offset = (1e7, 1.0) if zero_centred else (1e6, 0.0)
+    buf = env.randn(s.rows, heads, 2 * head_dim if strided else head_dim, scale=3.0)
+    x = buf[..., :head_dim]  # Qwen3.5's q is the first half of each head's [q | gate]
+    w = env.randn(head_dim, scale=0.1, shift=1.0 - offset)
+    positions = torch.arange(s.rows, device=env.device, dtype=torch.int32)
+    ours = QkNormRopeInplace(build_codec("bfloat16"), not zero_centred)
+    scalar = QkNormRopeInplace(build_codec("bfloat16"), not zero_centred, vectorize=False)
+    x_arg, w_arg, pos_arg = env.arg(x), env.arg(w), env.arg(positions)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=env.device).float() / rotary_dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None, :].to(torch.bfloat16)
+    sin = torch.cat((angles.sin(), angles.sin()), -1)[:, None, :].to(torch.bfloat16)
+    half = rotary_dim // 2
+
+    def torch_op(stream: Any) -> None:  # HF's q_norm then apply_rotary_pos_emb, written back in place
+        n = F.rms_norm(x, (head_dim,), w, EPS)
+        rot = n[..., :rotary_dim]
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), -1)
+        x[..., :rotary_dim] = rot * cos + rotated * sin
+        x[..., rotary_dim:] = n[..., rotary_dim:]
+
+    launch_args = (EPS, offset, rotary_dim, theta)
+    name = "qk_norm_rope" + (" (strided q, partial rotary)" if strided else "")
+    return Case(
+        name, f"{s.rows} x {heads} x {head_dim}, rotary {rotary_dim}",
+        2 * s.rows * heads * head_dim * BF16_BYTES + s.rows * INT32_BYTES + head_dim * BF16_BYTES,
+        ours.uses_vector(x_arg, w_arg, rotary_dim),
+        lambda stream: ours(x_arg, w_arg, pos_arg, *launch_args, stream=stream),
+        lambda stream: scalar(x_arg, w_arg, pos_arg, *launch_args, stream=stream),
+        torch_op,
+    )
+
+
+def silu_mul_case(env: Env, s: Shapes) -> Case:
+    from executor.kernels.activation import SiluMul
+    from executor.kernels.codec import build_codec
+
+    F = env.torch.nn.functional
+    gate_up, out = env.randn(s.rows, 2 * s.intermediate, scale=3.0), env.randn(s.rows, s.intermediate)
+    ours, scalar = SiluMul(build_codec("bfloat16")), SiluMul(build_codec("bfloat16"), vectorize=False)
+    args = (env.arg(gate_up), env.arg(out))
+    gate, up = gate_up[:, : s.intermediate], gate_up[:, s.intermediate :]
+    return Case(
+        "silu_mul", f"{s.rows} x 2 x {s.intermediate}",
+        3 * s.rows * s.intermediate * BF16_BYTES,
+        ours.uses_vector(*args),
+        lambda stream: ours(*args, stream=stream),
+        lambda stream: scalar(*args, stream=stream),
+        lambda stream: out.copy_(F.silu(gate) * up),
+    )
+
+
+def sigmoid_mul_case(env: Env, s: Shapes) -> Case:
+    from executor.kernels.activation import SigmoidMulInplace
+    from executor.kernels.codec import build_codec
+
+    torch = env.torch
+    heads, head_dim = s.qwen3_5_heads, s.qwen3_5_head_dim
+    x = env.randn(s.rows, heads, head_dim)
+    q_gate = env.randn(s.rows, heads, 2 * head_dim, scale=3.0)
+    gate = q_gate[..., head_dim:]  # Qwen3.5's gate: the second half of each head's [q | gate]
+    ours = SigmoidMulInplace(build_codec("bfloat16"))
+    scalar = SigmoidMulInplace(build_codec("bfloat16"), vectorize=False)
+    args = (env.arg(x), env.arg(gate))
+    return Case(
+        "sigmoid_mul (strided gate)", f"{s.rows} x {heads} x {head_dim}",
+        3 * s.rows * heads * head_dim * BF16_BYTES,
+        ours.uses_vector(*args),
+        lambda stream: ours(*args, stream=stream),
+        lambda stream: scalar(*args, stream=stream),
+        lambda stream: x.mul_(torch.sigmoid(gate)),
+    )
+
+
+def residual_case(env: Env, s: Shapes) -> Case:
+    from executor.kernels.codec import build_codec
+    from executor.kernels.residual import AddInplace
+
+    acc, x = env.randn(s.rows, s.hidden), env.randn(s.rows, s.hidden, scale=1e-3)
+    ours, scalar = AddInplace(build_codec("bfloat16")), AddInplace(build_codec("bfloat16"), vectorize=False)
+    args = (env.arg(acc), env.arg(x))
+    return Case(
+        "residual add", f"{s.rows} x {s.hidden}",
+        3 * s.rows * s.hidden * BF16_BYTES,
+        ours.uses_vector(*args),
+        lambda stream: ours(*args, stream=stream),
+        lambda stream: scalar(*args, stream=stream),
+        lambda stream: acc.add_(x),
+    )
+
+
+CASE_BUILDERS: dict[str, Callable[[Env, Shapes], Case]] = {
+    "embedding": embedding_case,
+    "rms_norm": rms_norm_case,
+    "add_rms_norm": add_rms_norm_case,
+    "qk_norm_rope": lambda env, s: qk_norm_rope_case(env, s, s.qwen3_heads, s.qwen3_head_dim, s.qwen3_head_dim,
+                                                     zero_centred=False, strided=False),
+    "qk_norm_rope_strided": lambda env, s: qk_norm_rope_case(env, s, s.qwen3_5_heads, s.qwen3_5_head_dim,
+                                                             s.qwen3_5_rotary_dim, zero_centred=True, strided=True),
+    "silu_mul": silu_mul_case,
+    "sigmoid_mul": sigmoid_mul_case,
+    "residual": residual_case,
+}
+
+
+# ---------------------------------------------------------------- timing
+
+
+def time_us(env: Env, op: Callable[[Any], None], inner: int, repeats: int, graph: bool) -> float:
+    """Median time of one ``op`` launch in microseconds (see the module docstring)."""
+    op(env.stream())  # warm-up: compiles the Numba kernel, initialises torch's kernels
+    env.synchronize()
+    if env.smoke:  # the simulator: wall time of one launch (the script's logic, not a measurement)
+        start = time.perf_counter()
+        op(0)
+        return (time.perf_counter() - start) * 1e6
+    torch = env.torch
+    if graph:
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            stream = env.stream()  # the capture stream
+            for _ in range(inner):
+                op(stream)
+        replay = cuda_graph.replay
+    else:
+
+        def replay() -> None:
+            stream = env.stream()
+            for _ in range(inner):
+                op(stream)
+
+    replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / inner)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(env: Env, gib: float, inner: int, repeats: int, graph: bool) -> tuple[float, int]:
+    """(bytes/s, buffer bytes) of torch ``dst.copy_(src)``: read + write bytes over time."""
+    torch = env.torch
+    buffer_bytes = 4096 if env.smoke else int(gib * 2**30)
+    src = torch.empty(buffer_bytes, dtype=torch.uint8, device=env.device).random_()
+    dst = torch.empty_like(src)
+    us = time_us(env, lambda stream: dst.copy_(src), inner, repeats, graph)
+    return 2 * buffer_bytes / (us * 1e-6), buffer_bytes
+
+
+# ---------------------------------------------------------------- report
+
+
+def table(rows: list[Row], copy_bytes_per_s: float) -> str:
+    lines = [
+        "| kernel | shape | path | us | GB/s | % of copy BW | scalar us | torch us |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        bandwidth = row.case.bytes_moved / (row.us * 1e-6)
+        scalar = f"{row.scalar_us:.1f}" if row.scalar_us is not None else "-"
+        lines.append(
+            f"| {row.case.kernel} | {row.case.shape} | {'vector' if row.case.vector else 'scalar'} | {row.us:.1f}"
+            f" | {bandwidth / 1e9:.0f} | {100 * bandwidth / copy_bytes_per_s:.0f}% | {scalar} | {row.torch_us:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def timing_note(args: argparse.Namespace, graph: bool) -> str:
+    if args.smoke:
+        return "wall time of one launch in the simulator (checks the script, measures nothing)"
+    return f"{'CUDA graph' if graph else 'eager'} timing, median of {args.repeats} replays of {args.inner} launches"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=16384, help="token rows (default 16384)")
+    parser.add_argument("--repeats", type=int, default=50, help="timed graph replays per case (median)")
+    parser.add_argument("--inner", type=int, default=10, help="launches per graph replay")
+    parser.add_argument("--copy-gib", type=float, default=2.0, help="size of the copy-bandwidth buffer, GiB")
+    parser.add_argument("--kernels", default=",".join(CASE_BUILDERS), help="comma-separated subset of: "
+                        + ", ".join(CASE_BUILDERS))
+    parser.add_argument("--no-graph", action="store_true", help="launch eagerly instead of replaying a CUDA graph")
+    parser.add_argument("--no-scalar", action="store_true", help="skip timing the scalar kernels")
+    parser.add_argument("--out", type=Path, help="append the table, command line, GPU and date to this file")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes in the Numba CUDA simulator (CPU)")
+    args = parser.parse_args(argv)
+    unknown = set(args.kernels.split(",")) - set(CASE_BUILDERS)
+    if unknown:
+        parser.error(f"unknown kernels {sorted(unknown)}; choose from {list(CASE_BUILDERS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.smoke:  # must precede the first import of numba.cuda
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
+    env = Env(args.smoke)
+    if not args.smoke and not env.torch.cuda.is_available():
+        sys.exit("no CUDA device: run on a GPU machine, or pass --smoke for the simulator")
+    if args.smoke:
+        from executor.device import speed_up_simulator
+
+        speed_up_simulator()
+    env.torch.manual_seed(0)
+    graph = not args.no_graph
+    shapes = SMOKE_SHAPES if args.smoke else real_shapes(args.rows)
+    copy_bytes_per_s, copy_bytes = copy_bandwidth(env, args.copy_gib, args.inner, args.repeats, graph)
+    print(f"copy bandwidth: {copy_bytes_per_s / 1e9:.0f} GB/s (dst.copy_(src) of {copy_bytes / 2**30:.2f} GiB,"
+          " read + write)", file=sys.stderr)
+    rows = []
+    for name in args.kernels.split(","):
+        case = CASE_BUILDERS[name](env, shapes)
+        us = time_us(env, case.ours, args.inner, args.repeats, graph)
+        scalar_us = None if args.no_scalar else time_us(env, case.scalar, args.inner, args.repeats, graph)
+        torch_us = time_us(env, case.torch_op, args.inner, args.repeats, graph)
+        rows.append(Row(case, us, scalar_us, torch_us))
+        print(f"{case.kernel}: {us:.1f} us", file=sys.stderr)
+        env.synchronize()
+    report = table(rows, copy_bytes_per_s)
+    copy_line = f"copy bandwidth {copy_bytes_per_s / 1e9:.0f} GB/s ({copy_bytes / 2**30:.2f} GiB dst.copy_(src))"
+    print(report)
+    print(f"\n{copy_line}")
+    if args.out is not None:
+        gpu = "Numba CUDA simulator" if args.smoke else env.torch.cuda.get_device_name()
+        command = shlex.join([sys.executable, *sys.argv])
+        stamp = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        with args.out.open("a") as f:
+            f.write(f"\n## bench/kernels.py, {stamp}\n\n`{command}`\n\nGPU: {gpu}; {copy_line}; "
+                    f"{timing_note(args, graph)}\n\n{report}\n")
+
+
+if __name__ == "__main__":
+    main()
