@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from planner.errors import PlanDoesNotFit
-from planner.loader import load_hardware, load_model, load_serving
-from planner.plan import build_plan
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, without an install
+from planner.errors import PlanDoesNotFit  # noqa: E402
+from planner.loader import load_hardware, load_model, load_serving  # noqa: E402
+from planner.plan import build_plan  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
