@@ -38,6 +38,7 @@ from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 NEG_INF = float32(-np.inf)
 SHARED_BUDGET_BYTES = 46_000  # under the 48 KiB static shared-memory limit per block
 ROUND_KEYS = 256  # scores kept per softmax round
+UNROLL_KEYS = 8  # V rows a thread loads before using them in P @ V
 
 
 def _block_keys(head_dim: int, group_size: int, threads: int, round_keys: int) -> int:
@@ -62,10 +63,25 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     D, G, NT, SUB = head_dim, group_size, threads, round_keys
     KB = block_keys or _block_keys(D, G, NT, SUB)
     assert NT % KB == 0 and SUB % KB == 0, "stages tile the round and the block"
+    assert NT & (NT - 1) == 0, "the tree reductions halve the block"
+    assert SUB % UNROLL_KEYS == 0, "the P @ V loop's last group of keys stays inside the round's scores"
     GROUPS = NT // KB  # thread groups of the score phase; group j scores heads j, j + GROUPS, ...
     DPT = -(-D // NT)  # head-dim elements each thread owns in P @ V
     D_PAD = D + 1
     ACC = G * DPT  # local-array extents must be plain constants
+
+    @cuda.jit(device=True, inline=True)
+    def tree_reduce(red_sh, tid, take_max):
+        """red_sh[g, 0] <- max (or sum) of red_sh[g, 0:NT] for every head g; every thread calls it."""
+        stride = NT // 2
+        while stride > 0:
+            if tid < stride:
+                for g in range(G):
+                    a = red_sh[g, tid]
+                    b = red_sh[g, tid + stride]
+                    red_sh[g, tid] = max(a, b) if take_max else a + b
+            cuda.syncthreads()
+            stride //= 2
 
     @cuda.jit(device=True, inline=True)
     def attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
@@ -116,10 +132,20 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
             # Scores of the round, KB keys per stage.
             for kb in range(0, n, KB):
                 nk = min(KB, n - kb)
-                for e in range(tid, nk * D, NT):
-                    kk = e // D
-                    d = e - kk * D
-                    k_sh[kk, d] = load(k_cache[page_sh[kb + kk], offset_sh[kb + kk], h, d])
+                # Four loads issued before their stores: a thread keeps several rows in flight.
+                top_e = nk * D - 1
+                for e0 in range(tid, nk * D, 4 * NT):
+                    e1 = min(e0 + NT, top_e)
+                    e2 = min(e0 + 2 * NT, top_e)
+                    e3 = min(e0 + 3 * NT, top_e)
+                    x0 = load(k_cache[page_sh[kb + e0 // D], offset_sh[kb + e0 // D], h, e0 % D])
+                    x1 = load(k_cache[page_sh[kb + e1 // D], offset_sh[kb + e1 // D], h, e1 % D])
+                    x2 = load(k_cache[page_sh[kb + e2 // D], offset_sh[kb + e2 // D], h, e2 % D])
+                    x3 = load(k_cache[page_sh[kb + e3 // D], offset_sh[kb + e3 // D], h, e3 % D])
+                    k_sh[e0 // D, e0 % D] = x0
+                    k_sh[e1 // D, e1 % D] = x1  # clamped duplicates rewrite the same value
+                    k_sh[e2 // D, e2 % D] = x2
+                    k_sh[e3 // D, e3 % D] = x3
                 cuda.syncthreads()
                 if key < nk:
                     for g in range(group, G, GROUPS):
@@ -128,18 +154,17 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
                             dot += q_sh[g, d] * k_sh[key, d]
                         s_sh[g, kb + key] = dot
                 cuda.syncthreads()
-            # Round maximum per head: per-thread partials, then G threads combine them.
+            # Round maximum per head: per-thread partials, then a tree over the block.
             for g in range(G):
                 top = NEG_INF
                 for kk in range(tid, n, NT):
                     top = max(top, s_sh[g, kk])
                 red_sh[g, tid] = top
             cuda.syncthreads()
+            tree_reduce(red_sh, tid, True)
             for g in range(tid, G, NT):
                 old = m_sh[g]
-                top = old
-                for t in range(NT):
-                    top = max(top, red_sh[g, t])
+                top = max(old, red_sh[g, 0])
                 alpha_sh[g] = float32(math.exp(old - top)) if old > NEG_INF else float32(0.0)
                 m_sh[g] = top
             cuda.syncthreads()
@@ -150,23 +175,47 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
                     p = float32(math.exp(s_sh[g, kk] - top))
                     s_sh[g, kk] = p
                     total += p
+                for kk in range(n + tid, min(SUB, n + UNROLL_KEYS - 1), NT):
+                    s_sh[g, kk] = float32(0.0)  # the P @ V loop's tail reads weight 0 here
                 red_sh[g, tid] = total
             cuda.syncthreads()
+            tree_reduce(red_sh, tid, False)
             for g in range(tid, G, NT):
-                total = float32(0.0)
-                for t in range(NT):
-                    total += red_sh[g, t]
-                l_sh[g] = l_sh[g] * alpha_sh[g] + total
+                l_sh[g] = l_sh[g] * alpha_sh[g] + red_sh[g, 0]
             # P @ V for the round (alpha_sh is stable until the next round's barrier).
             for i in range(DPT):
                 d = tid + i * NT
                 if d < D:
                     for g in range(G):
                         acc[g * DPT + i] *= alpha_sh[g]
-                    for kk in range(n):
-                        v = load(v_cache[page_sh[kk], offset_sh[kk], h, d])
+                    # Eight V rows in flight per thread; keys past n reload row n - 1 with weight 0.
+                    for j0 in range(0, n, UNROLL_KEYS):
+                        j1 = min(j0 + 1, n - 1)
+                        j2 = min(j0 + 2, n - 1)
+                        j3 = min(j0 + 3, n - 1)
+                        j4 = min(j0 + 4, n - 1)
+                        j5 = min(j0 + 5, n - 1)
+                        j6 = min(j0 + 6, n - 1)
+                        j7 = min(j0 + 7, n - 1)
+                        v0 = load(v_cache[page_sh[j0], offset_sh[j0], h, d])
+                        v1 = load(v_cache[page_sh[j1], offset_sh[j1], h, d])
+                        v2 = load(v_cache[page_sh[j2], offset_sh[j2], h, d])
+                        v3 = load(v_cache[page_sh[j3], offset_sh[j3], h, d])
+                        v4 = load(v_cache[page_sh[j4], offset_sh[j4], h, d])
+                        v5 = load(v_cache[page_sh[j5], offset_sh[j5], h, d])
+                        v6 = load(v_cache[page_sh[j6], offset_sh[j6], h, d])
+                        v7 = load(v_cache[page_sh[j7], offset_sh[j7], h, d])
                         for g in range(G):
-                            acc[g * DPT + i] += s_sh[g, kk] * v
+                            a = acc[g * DPT + i]
+                            a += s_sh[g, j0] * v0
+                            a += s_sh[g, j0 + 1] * v1
+                            a += s_sh[g, j0 + 2] * v2
+                            a += s_sh[g, j0 + 3] * v3
+                            a += s_sh[g, j0 + 4] * v4
+                            a += s_sh[g, j0 + 5] * v5
+                            a += s_sh[g, j0 + 6] * v6
+                            a += s_sh[g, j0 + 7] * v7
+                            acc[g * DPT + i] = a
             cuda.syncthreads()
         return row, c, last // chunk + 1
 

@@ -60,7 +60,8 @@ class DecoderModel:
         graph of that bucket records: tests compare the two). The returned view is the planned
         ``sampled_ids`` buffer: read it before the next step.
         """
-        bucket = self.graphs.bucket_for(meta.num_requests) if self.graphs and meta.pool == "decode" else None
+        graphs = self.graphs if meta.pool == "decode" else None
+        bucket = graphs.bucket_for(meta.num_requests) if graphs is not None else None
         if bucket is not None:
             self.graphs.replay(meta, bucket)
         elif pad_to is not None:
