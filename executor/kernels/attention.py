@@ -103,6 +103,24 @@ def build_paged_attention(
         k1 = min(k0 + chunk, positions[row_end - 1] + 1, kv_len)
         return b, row0, row_end, k0, k1
 
+    @cuda.jit(device=True, inline=True)
+    def stage_rows(cache, kv_sh, page_sh, offset_sh, kv_head, nk, tid):
+        """kv_sh[kk, :] <- float32 of cache row kk of this key block (kk < nk), four loads in flight
+        per thread (issued before their stores; indices past the block repeat its last element)."""
+        top = nk * D - 1
+        for e0 in range(tid, nk * D, 4 * NT):
+            e1 = min(e0 + NT, top)
+            e2 = min(e0 + 2 * NT, top)
+            e3 = min(e0 + 3 * NT, top)
+            x0 = load(cache[page_sh[e0 // D], offset_sh[e0 // D], kv_head, e0 % D])
+            x1 = load(cache[page_sh[e1 // D], offset_sh[e1 // D], kv_head, e1 % D])
+            x2 = load(cache[page_sh[e2 // D], offset_sh[e2 // D], kv_head, e2 % D])
+            x3 = load(cache[page_sh[e3 // D], offset_sh[e3 // D], kv_head, e3 % D])
+            kv_sh[e0 // D, e0 % D] = x0
+            kv_sh[e1 // D, e1 % D] = x1
+            kv_sh[e2 // D, e2 % D] = x2
+            kv_sh[e3 // D, e3 % D] = x3
+
     @cuda.jit(device=True, inline=True)  # inlined in Numba IR: no separate device compile
     def attend(q, k_cache, v_cache, page_indices, page_base, kv_head, row0, row_end, k0, k1, positions, scale,
                q_sh, kv_sh, s_sh, m_sh, l_sh, lim_sh, page_sh, offset_sh, acc):
@@ -133,9 +151,7 @@ def build_paged_attention(
                 page_sh[kk] = page_indices[page_base + logical]
                 offset_sh[kk] = pos - logical * page_size
             cuda.syncthreads()
-            for e in range(tid, nk * D, NT):
-                kk = e // D
-                kv_sh[kk, e - kk * D] = load(k_cache[page_sh[kk], offset_sh[kk], kv_head, e - kk * D])
+            stage_rows(k_cache, kv_sh, page_sh, offset_sh, kv_head, nk, tid)
             cuda.syncthreads()
             for e in range(tid, M * KB, NT):
                 m = e // KB
@@ -165,9 +181,7 @@ def build_paged_attention(
                 s_sh[m, KB] = alpha
                 m_sh[m] = new
                 l_sh[m] = l_sh[m] * alpha + total
-            for e in range(tid, nk * D, NT):
-                kk = e // D
-                kv_sh[kk, e - kk * D] = load(v_cache[page_sh[kk], offset_sh[kk], kv_head, e - kk * D])
+            stage_rows(v_cache, kv_sh, page_sh, offset_sh, kv_head, nk, tid)
             cuda.syncthreads()
             for i in range(ACC):
                 e = tid + i * NT
