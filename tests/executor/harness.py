@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 
 from executor.arena import Arena, materialize
 from executor.device import open_device
 from executor.models import build_model
+from executor.models.context import StepViews
 from executor.models.decoder import DecoderModel
 from executor.step import RequestChunk, plan_step
 from executor.weights import load_state_dict
@@ -44,6 +46,28 @@ def load_with_hf(name: str, hardware: str, serving_name: str, *, seed: int = 0, 
     hf = hf_model(config, seed=seed, device=str(device.torch_device), dtype=torch_dtype)
     load_state_dict(arena, hf.state_dict())
     return Loaded(plan, arena, build_model(arena), hf)
+
+
+@functools.cache
+def shared_tiny(name: str) -> Loaded:
+    """``load_tiny(name)``, loaded once per session for the tests that only run it (each step resets the
+    recurrent slots it uses and writes every KV position before reading it, so tests do not see each other).
+    Qwen3.5's (1 + w) norms, which HF initialises at w = 0, get values so the offset is exercised."""
+    loaded = load_tiny(name)
+    if loaded.plan.model.architecture != "qwen3":
+        perturb_norms(loaded)
+    return loaded
+
+
+def perturb_norms(loaded: Loaded) -> None:
+    """Add seeded noise to every ``*norm.weight`` of the HF model and load the result into the arena."""
+    state = loaded.hf.state_dict()
+    generator = torch.Generator().manual_seed(3)
+    for name, tensor in state.items():
+        if name.endswith("norm.weight"):
+            tensor.copy_(tensor + 0.1 * torch.randn(tensor.shape, generator=generator))
+    loaded.hf.load_state_dict(state)
+    load_state_dict(loaded.arena, state)
 
 
 def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
@@ -94,15 +118,59 @@ def random_sequences(vocab: int, lengths: list[int], seed: int) -> list[list[int
     return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-def assert_teacher_forced_matches_hf(loaded: Loaded, prompts: list[int], decode_steps: int, tolerance: float,
-                                     seed: int) -> None:
-    """Prefill each prompt, feed ``decode_steps`` more tokens; every step's logits within
-    ``tolerance`` of HF's (max abs difference over max abs HF logit)."""
-    sequences = random_sequences(loaded.plan.model.vocab_size, [p + decode_steps for p in prompts], seed)
-    ours = run_teacher_forced(loaded, sequences, prompts)
-    for seq, prompt, logits in zip(sequences, prompts, ours):
-        reference = hf_logits(loaded.hf, seq)[prompt - 1 :]
-        assert len(logits) == reference.shape[0] == decode_steps + 1
+@dataclass
+class TeacherForced:
+    """One teacher-forced run of a shared model: requests prefilled in one pass, batched, then decoded."""
+
+    loaded: Loaded
+    sequences: list[list[int]]
+    prompts: list[int]
+    decode_steps: list[int]
+    logits: list[list[torch.Tensor]]  # per request: after its prompt, then after each fed token
+    touched: dict[str, set[str]] = field(default_factory=dict)  # step pool -> roles StepViews handed out
+
+
+#: name -> (prompt lengths, decode steps per request, seed). The first request of every model is
+#: prefilled in one pass and then fed 8 teacher-forced decode steps; the second, shorter one shares
+#: the prefill step and the first decode steps (batched rows of different lengths and page tables).
+REFERENCE_RUNS = {
+    "tiny-qwen3": ([5, 3], [8, 3], 1),
+    "tiny-qwen3-g5": ([5, 3], [8, 3], 1),
+    "tiny-qwen3.5": ([7, 2], [8, 3], 4),
+    "tiny-qwen3.5-g6": ([6, 2], [8, 3], 4),
+}
+
+
+@functools.cache
+def reference_run(name: str) -> TeacherForced:
+    """The teacher-forced run of ``shared_tiny(name)`` given by REFERENCE_RUNS, run once per session and
+    shared: against HF (test_qwen3*_vs_hf), as the one-pass prefill chunked prefill must equal, and for
+    the transient buffers its prefill and decode steps touch (test_step_buffers)."""
+    prompts, decode_steps, seed = REFERENCE_RUNS[name]
+    loaded = shared_tiny(name)
+    sequences = random_sequences(loaded.plan.model.vocab_size, [p + d for p, d in zip(prompts, decode_steps)], seed)
+    touched: dict[str, set[str]] = {"decode": set(), "prefill": set()}
+    original = StepViews.role
+
+    def recording(self, role):
+        touched[self.pool].add(role)
+        return original(self, role)
+
+    StepViews.role = recording
+    try:
+        logits = run_teacher_forced(loaded, sequences, prompts)
+    finally:
+        StepViews.role = original
+    return TeacherForced(loaded, sequences, prompts, decode_steps, logits, touched)
+
+
+def assert_teacher_forced_matches_hf(run: TeacherForced, tolerance: float) -> None:
+    """Every step's logits of ``run`` (after the prompt and after each fed token) within ``tolerance``
+    of HF's (max abs difference over max abs HF logit)."""
+    name = run.loaded.plan.model.name
+    for r, (seq, prompt, steps, logits) in enumerate(zip(run.sequences, run.prompts, run.decode_steps, run.logits)):
+        reference = hf_logits(run.loaded.hf, seq)[prompt - 1 :]
+        assert len(logits) == reference.shape[0] == steps + 1
         for step, (mine, theirs) in enumerate(zip(logits, reference)):
             error = float((mine - theirs).abs().max() / theirs.abs().max())
-            assert error <= tolerance, f"{loaded.plan.model.name} step {step}: relative error {error:.2e}"
+            assert error <= tolerance, f"{name} request {r} step {step}: relative error {error:.2e}"

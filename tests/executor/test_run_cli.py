@@ -18,7 +18,7 @@ from planner.loader import load_model
 from tests.hf_reference import hf_model
 
 SIM = ["--hardware", "cpu-sim", "--device", "sim"]
-PROMPTS = [[3, 141, 59, 26, 5], [200, 7, 18]]
+PROMPTS = [[3, 141, 59], [200, 7]]
 MISSING = "model.layers.1.mlp.down_proj.weight"
 
 
@@ -50,14 +50,14 @@ def _hf_greedy(hf: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[
 
 def test_random_weights_prints_one_line_per_request_and_the_report(capsys):
     code = main(["run", "--model", "tiny-qwen3", *SIM, "--serving", "sim", "--random-weights",
-                 "--batch", "2", "--prompt-len", "3", "--max-new-tokens", "2"])
+                 "--batch", "2", "--prompt-len", "2", "--max-new-tokens", "2"])
     out, err = capsys.readouterr()
     assert code == 0, err
     lines = _outputs(out)
     assert [line["request"] for line in lines] == [0, 1]
     assert all(set(line) == {"request", "prompt_len", "output_ids", "finish_reason", "ttft_ms", "token_latencies_ms"}
                for line in lines)
-    assert all(line["prompt_len"] == 3 and len(line["output_ids"]) == 2 for line in lines)
+    assert all(line["prompt_len"] == 2 and len(line["output_ids"]) == 2 for line in lines)
     assert all(line["finish_reason"] == "length" and len(line["token_latencies_ms"]) == 2 for line in lines)
     assert all(line["ttft_ms"] == line["token_latencies_ms"][0] > 0 for line in lines)
     assert all(0 <= t < 256 for line in lines for t in line["output_ids"])
@@ -109,12 +109,14 @@ def test_malformed_request_line_is_one_line_naming_the_file_and_line(tmp_path, c
 
 
 def test_synthetic_shared_prefix_workload_hits_the_prefix_cache(capsys):
+    # The first request arrives at step 0 and fills the prefix page; the other two arrive at step 1
+    # and compute only their last id.
     code = main(["run", "--model", "tiny-qwen3", *SIM, "--random-weights", "--num-requests", "3",
-                 "--input-len", "6", "--output-len", "2", "--shared-prefix", "4"])
+                 "--input-len", "5", "--output-len", "1", "--shared-prefix", "4"])
     out, err = capsys.readouterr()
     assert code == 0, err
     lines = _outputs(out)
-    assert len(lines) == 3 and all(line["prompt_len"] == 6 and len(line["output_ids"]) == 2 for line in lines)
+    assert len(lines) == 3 and all(line["prompt_len"] == 5 and len(line["output_ids"]) == 1 for line in lines)
     rate = float(err.split("prefix cache: hit rate ")[1].split("%")[0])
     assert rate > 0
 

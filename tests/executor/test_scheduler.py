@@ -485,7 +485,8 @@ def test_every_step_passes_executor_plan_step():
 
     for recurrent in (False, True):
         capacity = make_capacity(max_batch=3, max_prefill_tokens=6, kv_pages=12, slots_per_request=1)
-        plan = SimpleNamespace(capacity=capacity, geometry=SimpleNamespace(num_linear_layers=3 if recurrent else 0))
+        plan = SimpleNamespace(capacity=capacity, hardware=SimpleNamespace(num_sms=1),
+                               geometry=SimpleNamespace(num_linear_layers=3 if recurrent else 0, num_kv_heads=1))
         scheduler = scheduler_for(capacity, prefix=not recurrent, recurrent=recurrent)
         rng = random.Random(5)
         for i in range(12):

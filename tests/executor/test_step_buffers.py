@@ -5,25 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from executor.models.context import StepViews
 from planner.layout import BufferRequest, pack_by_lifetime
-from tests.executor.harness import load_tiny, run_teacher_forced
+from tests.executor.harness import reference_run
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3.5-g6", "tiny-qwen3"])
-def test_every_touched_transient_buffer_is_planned_and_the_pool_is_their_peak(name, monkeypatch):
-    touched: dict[str, set[str]] = {"decode": set(), "prefill": set()}
-    original = StepViews.role
-
-    def recording(self, role):
-        touched[self.pool].add(role)
-        return original(self, role)
-
-    monkeypatch.setattr(StepViews, "role", recording)
-    loaded = load_tiny(name)
-    run_teacher_forced(loaded, [[3, 1, 4, 1, 5, 9]], [5])  # one prefill step, then one decode step
-    for pool_name, roles in touched.items():
-        pool = loaded.plan.pool(pool_name)
+def test_every_touched_transient_buffer_is_planned_and_the_pool_is_their_peak(name):
+    # The roles StepViews handed out during the shared teacher-forced run of ``name`` (recorded by
+    # harness.reference_run): one batched prefill step, then decode steps.
+    run = reference_run(name)
+    for pool_name, roles in run.touched.items():
+        pool = run.loaded.plan.pool(pool_name)
         planned = {b.name for b in pool.buffers}
         assert roles == planned, f"{pool_name}: touched-only {roles - planned}, planned-only {planned - roles}"
         repacked = pack_by_lifetime(pool_name, [BufferRequest(b.name, b.dtype, b.shape, b.live) for b in pool.buffers
