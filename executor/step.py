@@ -22,9 +22,6 @@ from executor.kernels.attention import NO_SPLIT_CHUNK, PREFILL_ROWS_PER_TILE, pl
 from planner.capacity import MIN_KV_CHUNK_TOKENS
 from planner.plan import MemoryPlan
 
-KEY_BLOCK_TOKENS = 64  # split chunks are whole key blocks of the attention kernel (its largest)
-assert MIN_KV_CHUNK_TOKENS % KEY_BLOCK_TOKENS == 0
-
 
 class CapacityError(RuntimeError):
     """A step needs more than a planned capacity. Names the dimension, required and planned value."""
@@ -171,7 +168,8 @@ def pad_decode(plan: MemoryPlan, meta: StepMetadata, bucket: int) -> StepMetadat
     assert meta.num_tiles <= num_tiles and meta.page_indices.shape[0] + pad <= plan.capacity.logical_pages
     zeros, ones = np.zeros(pad, np.int32), np.ones(pad, np.int32)
     ramp = np.arange(meta.num_requests + 1, bucket + 1, dtype=np.int32)  # indptr tails: one row or page each
-    tile_pad = np.full(num_tiles - meta.num_tiles, -1, np.int32)
+    no_tiles = num_tiles - meta.num_tiles
+    tile_pad, tile_zeros = np.full(no_tiles, -1, np.int32), np.zeros(no_tiles, np.int32)
     return StepMetadata(
         num_rows=bucket,
         num_requests=bucket,
@@ -184,8 +182,8 @@ def pad_decode(plan: MemoryPlan, meta: StepMetadata, bucket: int) -> StepMetadat
         page_indices=np.concatenate([meta.page_indices, zeros]),
         last_page_len=np.concatenate([meta.last_page_len, ones]),
         request_indices=np.concatenate([meta.request_indices, tile_pad]),
-        qo_tile_indices=np.concatenate([meta.qo_tile_indices, tile_pad * 0]),
-        kv_tile_indices=np.concatenate([meta.kv_tile_indices, tile_pad * 0]),
+        qo_tile_indices=np.concatenate([meta.qo_tile_indices, tile_zeros]),
+        kv_tile_indices=np.concatenate([meta.kv_tile_indices, tile_zeros]),
         kv_chunk_size=np.concatenate([meta.kv_chunk_size, np.full(pad, NO_SPLIT_CHUNK, np.int32)]),
         logits_indices=np.arange(bucket, dtype=np.int32),
         slot_ids=np.concatenate([meta.slot_ids, -ones]),
@@ -207,13 +205,13 @@ def decode_kv_chunk(plan: MemoryPlan, kv_lens: np.ndarray) -> int:
 
     A decode row is one query, so without splitting the step has only B x Hkv blocks (8 at
     batch 1 on Qwen3-8B, for 132 SMs). Aim for about two blocks per SM: split each request's
-    kv into chunks of at least MIN_KV_CHUNK_TOKENS (a multiple of the 64-key block), never more
-    chunks than the plan's decode_kv_splits (the split scratch depth).
+    kv into chunks of a whole number of MIN_KV_CHUNK_TOKENS (the attention kernels' 64-key block),
+    never more chunks than the plan's decode_kv_splits (the split scratch depth).
     """
     blocks = len(kv_lens) * plan.geometry.num_kv_heads
     wanted = max(1, min(plan.capacity.decode_kv_splits, -(-2 * plan.hardware.num_sms // blocks)))
-    chunk = max(MIN_KV_CHUNK_TOKENS, -(-int(kv_lens.max()) // wanted))
-    return -(-chunk // KEY_BLOCK_TOKENS) * KEY_BLOCK_TOKENS
+    chunk = -(-int(kv_lens.max()) // wanted)
+    return -(-chunk // MIN_KV_CHUNK_TOKENS) * MIN_KV_CHUNK_TOKENS
 
 
 #: metadata field -> (pool, buffer) it is copied into.

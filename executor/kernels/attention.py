@@ -287,6 +287,17 @@ def build_paged_attention(
     return direct_kernel, split_kernel, merge_kernel
 
 
+def check_heads(kernel: str, out: Any, k_cache: Any, head_dim: int, group_size: int) -> tuple[int, int, int]:
+    """(rows, q heads, kv heads) of a launch, after checking ``out [T, Hq, D]`` and the cache's kv heads
+    against the head_dim and group size the kernel was built for."""
+    num_rows, num_q_heads, out_head_dim = out.shape
+    num_kv_heads = k_cache.shape[2]
+    if out_head_dim != head_dim or num_q_heads != num_kv_heads * group_size:
+        raise ValueError(f"{kernel} built for D={head_dim}, group {group_size}; got out {tuple(out.shape)}, "
+                         f"{num_kv_heads} kv heads")
+    return num_rows, num_q_heads, num_kv_heads
+
+
 def plan_tiles(
     q_indptr: Any,
     kv_lens: Any,
@@ -388,13 +399,8 @@ class PagedAttention:
         tiles (``plan_tiles(kv_chunk=...)``) pass float32 ``partial_out [T, max_splits, Hq, D]``
         and ``partial_lse [T, max_splits, Hq]``; a merge launch (T x Hq) then follows.
         """
-        num_rows, num_q_heads, head_dim = out.shape
-        num_kv_heads = k_cache.shape[2]
-        if head_dim != self.head_dim or num_q_heads != num_kv_heads * self.group_size:
-            raise ValueError(
-                f"paged_attention built for D={self.head_dim}, group {self.group_size}; got out {tuple(out.shape)}, "
-                f"{num_kv_heads} kv heads"
-            )
+        num_rows, num_q_heads, num_kv_heads = check_heads("paged_attention", out, k_cache, self.head_dim,
+                                                          self.group_size)
         num_tiles = request_indices.shape[0]
         if num_tiles == 0 or num_rows == 0:
             return
@@ -406,6 +412,6 @@ class PagedAttention:
             self.direct[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, scale32)
             return
         self.split[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, partial_out, partial_lse, scale32)
-        self.merge[(num_rows, num_q_heads), threads_for(head_dim), stream](
+        self.merge[(num_rows, num_q_heads), threads_for(self.head_dim), stream](
             partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows, out
         )

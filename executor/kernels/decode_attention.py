@@ -29,7 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from executor.kernels.attention import check_heads
 from executor.kernels.codec import Codec
+from executor.kernels.reduce import threads_for
 from executor.numba_cuda import load_cuda
 
 cuda = load_cuda()
@@ -85,10 +87,19 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
 
     @cuda.jit(device=True, inline=True)
     def attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
-               request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale,
-               q_sh, k_sh, s_sh, page_sh, offset_sh, red_sh, m_sh, l_sh, alpha_sh, acc):
-        """The tile's unnormalised output in ``acc`` (G x DPT), its max in m_sh, its sum in l_sh.
-        Returns (row, chunk index, chunks of the row); row -1: nothing to do (uniform per block)."""
+               request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale, acc, lse):
+        """The tile's normalised output in ``acc`` (element d = tid + i * NT of head g at g * DPT + i)
+        and each head's log-sum-exp in ``lse`` (local arrays of the calling thread). Returns (row,
+        chunk index, chunks of the row); row -1: nothing to do (uniform per block)."""
+        q_sh = cuda.shared.array((G, D), float32)
+        k_sh = cuda.shared.array((KB, D_PAD), float32)
+        s_sh = cuda.shared.array((G, SUB), float32)
+        page_sh = cuda.shared.array(SUB, int32)
+        offset_sh = cuda.shared.array(SUB, int32)
+        red_sh = cuda.shared.array((G, NT), float32)
+        m_sh = cuda.shared.array(G, float32)
+        l_sh = cuda.shared.array(G, float32)
+        alpha_sh = cuda.shared.array(G, float32)
         tile = cuda.blockIdx.x
         h = cuda.blockIdx.y
         tid = cuda.threadIdx.x
@@ -217,24 +228,20 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
                             a += s_sh[g, j0 + 7] * v7
                             acc[g * DPT + i] = a
             cuda.syncthreads()
+        for g in range(G):
+            for i in range(DPT):
+                acc[g * DPT + i] /= l_sh[g]
+            lse[g] = m_sh[g] + math.log(l_sh[g])
         return row, c, last // chunk + 1
 
     @cuda.jit
     def direct_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                       request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale):
-        q_sh = cuda.shared.array((G, D), float32)
-        k_sh = cuda.shared.array((KB, D_PAD), float32)
-        s_sh = cuda.shared.array((G, SUB), float32)
-        page_sh = cuda.shared.array(SUB, int32)
-        offset_sh = cuda.shared.array(SUB, int32)
-        red_sh = cuda.shared.array((G, NT), float32)
-        m_sh = cuda.shared.array(G, float32)
-        l_sh = cuda.shared.array(G, float32)
-        alpha_sh = cuda.shared.array(G, float32)
         acc = cuda.local.array(ACC, float32)
+        lse = cuda.local.array(G, float32)
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
-                                    scale, q_sh, k_sh, s_sh, page_sh, offset_sh, red_sh, m_sh, l_sh, alpha_sh, acc)
+                                    scale, acc, lse)
         if row < 0:
             return
         h = cuda.blockIdx.y
@@ -242,25 +249,17 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
             d = cuda.threadIdx.x + i * NT
             if d < D:
                 for g in range(G):
-                    out[row, h * G + g, d] = store(acc[g * DPT + i] / l_sh[g])
+                    out[row, h * G + g, d] = store(acc[g * DPT + i])
 
     @cuda.jit
     def split_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                      request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, partial_out,
                      partial_lse, scale):
-        q_sh = cuda.shared.array((G, D), float32)
-        k_sh = cuda.shared.array((KB, D_PAD), float32)
-        s_sh = cuda.shared.array((G, SUB), float32)
-        page_sh = cuda.shared.array(SUB, int32)
-        offset_sh = cuda.shared.array(SUB, int32)
-        red_sh = cuda.shared.array((G, NT), float32)
-        m_sh = cuda.shared.array(G, float32)
-        l_sh = cuda.shared.array(G, float32)
-        alpha_sh = cuda.shared.array(G, float32)
         acc = cuda.local.array(ACC, float32)
+        lse = cuda.local.array(G, float32)
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
-                                    scale, q_sh, k_sh, s_sh, page_sh, offset_sh, red_sh, m_sh, l_sh, alpha_sh, acc)
+                                    scale, acc, lse)
         if row < 0:
             return
         h = cuda.blockIdx.y
@@ -268,14 +267,13 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
             d = cuda.threadIdx.x + i * NT
             if d < D:
                 for g in range(G):
-                    value = acc[g * DPT + i] / l_sh[g]
                     head = h * G + g
                     if num_chunks == 1:
-                        out[row, head, d] = store(value)
+                        out[row, head, d] = store(acc[g * DPT + i])
                     elif c < partial_out.shape[1]:
-                        partial_out[row, c, head, d] = value
+                        partial_out[row, c, head, d] = acc[g * DPT + i]
                         if d == 0:
-                            partial_lse[row, c, head] = m_sh[g] + math.log(l_sh[g])
+                            partial_lse[row, c, head] = lse[g]
 
     return direct_kernel, split_kernel
 
@@ -306,13 +304,8 @@ class DecodeAttention:
         Split tiles need float32 ``partial_out [B, splits, Hq, D]`` and ``partial_lse [B, splits, Hq]``;
         a merge launch (B x Hq) then follows. Without them every tile must cover its whole row.
         """
-        num_rows, num_q_heads, head_dim = out.shape
-        num_kv_heads = k_cache.shape[2]
-        if head_dim != self.head_dim or num_q_heads != num_kv_heads * self.group_size:
-            raise ValueError(
-                f"decode_attention built for D={self.head_dim}, group {self.group_size}; got out "
-                f"{tuple(out.shape)}, {num_kv_heads} kv heads"
-            )
+        num_rows, num_q_heads, num_kv_heads = check_heads("decode_attention", out, k_cache, self.head_dim,
+                                                          self.group_size)
         num_tiles = request_indices.shape[0]
         if num_tiles == 0 or num_rows == 0:
             return
@@ -323,6 +316,6 @@ class DecodeAttention:
             self.direct[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, scale32)
             return
         self.split[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, partial_out, partial_lse, scale32)
-        self.merge[(num_rows, num_q_heads), max(32, min(128, head_dim)), stream](
+        self.merge[(num_rows, num_q_heads), threads_for(self.head_dim), stream](
             partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows, out
         )

@@ -384,6 +384,17 @@ def _check_shape(name: str, a: Any, expected: tuple[int, ...]) -> None:
         raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {expected}")
 
 
+def launch_rows(launcher: Any, vector: bool, rows: int, hidden: int, stream: Any, *args: Any) -> None:
+    """One block per row: the launcher's vector or scalar kernel, its block size for ``rows`` rows of
+    ``hidden`` elements, and the reduction scratch as dynamic shared memory."""
+    if vector:
+        threads = vector_row_threads(rows, hidden // launcher.lanes, launcher.max_threads)
+    else:
+        threads = row_threads(rows, hidden, launcher.max_threads)
+    kernel = launcher.vector_kernel if vector else launcher.kernel
+    kernel[rows, threads, stream, threads * SCRATCH_BYTES_PER_THREAD](*args)
+
+
 class RmsNorm:
     """Launcher for ``out = rms_norm(x) * (weight_offset + weight)``.
 
@@ -412,14 +423,8 @@ class RmsNorm:
         _check_shape("weight", weight, (hidden,))
         if rows == 0:
             return
-        vector = self.uses_vector(x, weight, out)
-        if vector:
-            threads = vector_row_threads(rows, hidden // self.lanes, self.max_threads)
-        else:
-            threads = row_threads(rows, hidden, self.max_threads)
-        kernel = self.vector_kernel if vector else self.kernel
-        shared = threads * SCRATCH_BYTES_PER_THREAD
-        kernel[rows, threads, stream, shared](x, weight, out, np.float32(eps), np.float32(weight_offset))
+        launch_rows(self, self.uses_vector(x, weight, out), rows, hidden, stream,
+                    x, weight, out, np.float32(eps), np.float32(weight_offset))
 
 
 class AddRmsNormInplace:
@@ -453,11 +458,5 @@ class AddRmsNormInplace:
         _check_shape("weight", weight, (hidden,))
         if rows == 0:
             return
-        vector = self.uses_vector(x, residual, weight, out)
-        if vector:
-            threads = vector_row_threads(rows, hidden // self.lanes, self.max_threads)
-        else:
-            threads = row_threads(rows, hidden, self.max_threads)
-        kernel = self.vector_kernel if vector else self.kernel
-        shared = threads * SCRATCH_BYTES_PER_THREAD
-        kernel[rows, threads, stream, shared](x, residual, weight, out, np.float32(eps), np.float32(weight_offset))
+        launch_rows(self, self.uses_vector(x, residual, weight, out), rows, hidden, stream,
+                    x, residual, weight, out, np.float32(eps), np.float32(weight_offset))

@@ -54,10 +54,11 @@ class DecodeGraphs:
         for bucket in reversed(self.buckets):
             write_step(self.arena, pad_decode(plan, empty, bucket))
             with torch.cuda.stream(capture_stream):
-                self.forward(bucket_views(self.arena, bucket, decode_tiles(plan, bucket)))
+                views = bucket_views(self.arena, bucket, decode_tiles(plan, bucket))  # on the capture stream
+                self.forward(views)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
-                self.forward(bucket_views(self.arena, bucket, decode_tiles(plan, bucket)))
+                self.forward(views)
             self.graphs[bucket] = graph
         torch.cuda.current_stream(device.torch_device).wait_stream(capture_stream)
         torch.cuda.synchronize(device.torch_device)

@@ -85,7 +85,7 @@ def test_decode_attention_compiles_for_sm90():
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (16, 4, 256), (24, 4, 256)])
 def test_decode_attention_gpu_bf16_long_contexts(num_q_heads, num_kv_heads, head_dim):
     """Real sizes in bf16, contexts up to 32k split into kv chunks, against float64 sdpa."""
-    from executor.step import KEY_BLOCK_TOKENS
+    from planner.capacity import MIN_KV_CHUNK_TOKENS
 
     device = torch.device("cuda")
     page_size, group, max_splits = 16, num_q_heads // num_kv_heads, 32
@@ -101,7 +101,7 @@ def test_decode_attention_gpu_bf16_long_contexts(num_q_heads, num_kv_heads, head
     codec = build_codec("bfloat16")
     merge = build_paged_attention(codec, head_dim, group)[2]
     attention = DecodeAttention(codec, head_dim, group, merge)
-    kv_chunk = -(-32768 // max_splits // KEY_BLOCK_TOKENS) * KEY_BLOCK_TOKENS
+    kv_chunk = -(-32768 // max_splits // MIN_KV_CHUNK_TOKENS) * MIN_KV_CHUNK_TOKENS
     tiles = plan_tiles(meta["q_indptr"], meta["kv_lens"], kv_chunk=kv_chunk, max_splits=max_splits)
     dev = {k: torch.as_tensor(v, device=device) for k, v in meta.items() if isinstance(v, np.ndarray)}
     dev["total_num_rows"] = cuda.to_device(meta["total_num_rows"])
