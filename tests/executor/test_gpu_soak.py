@@ -12,6 +12,7 @@ over 800 requests.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def test_soak_2000_steps(name):
     pointers = {key: view.data_ptr() for key, view in loaded.arena._views.items()}
     engine = Engine(loaded.model, prefix_caching=True)
     report = engine.run(requests, arrivals)
-    print(f"{name}: {report.steps} steps, {report.generated_tokens} tokens, allocations after warm-up "
+    print(f"{name}: {report.steps} steps in {report.wall_s:.1f} s, {report.generated_tokens} tokens, allocations after warm-up "
           f"{report.allocations_after_warmup}, preemptions {report.stats.preemptions}, prefix hit rate "
           f"{report.stats.prefix_hit_rate:.3f}, peak KV pages {report.stats.peak_kv_pages_used}")
     assert report.steps >= 2000
@@ -51,12 +52,15 @@ def test_soak_2000_steps(name):
     engine.scheduler.check()
     assert engine.scheduler.num_slots_used == 0 and not engine.scheduler.has_unfinished
     solo = Engine(loaded.model, prefix_caching=False)
-    differing = []
+    differing, solo_start = [], time.perf_counter()
     for request, result in zip(requests, report.results):
         again = Request(request.request_id, request.prompt_ids, request.max_new_tokens,
                         temperature=request.temperature, top_k=request.top_k, seed=request.seed)
         if solo.run([again]).results[0].output_ids != result.output_ids:
             differing.append(request.request_id)
-    print(f"{name}: {len(requests) - len(differing)} of {len(requests)} outputs equal their solo runs")
+        if request.request_id % 100 == 99:
+            print(f"{name}: {request.request_id + 1} solo runs, {time.perf_counter() - solo_start:.1f} s", flush=True)
+    print(f"{name}: {len(requests) - len(differing)} of {len(requests)} outputs equal their solo runs "
+          f"({time.perf_counter() - solo_start:.1f} s)")
     assert not differing, differing
     torch.cuda.synchronize()
