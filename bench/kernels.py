@@ -4,7 +4,8 @@
     python3 bench/kernels.py --smoke      # tiny shapes in the Numba CUDA simulator (a CPU check of the script)
 
 For each kernel (embedding, RMSNorm, fused add + RMSNorm, q/k norm + RoPE,
-SiLU-mul, sigmoid gate, residual add) at prefill-sized bf16 shapes it reports
+SiLU-mul, sigmoid gate, residual add) at prefill-sized bf16 shapes, and the
+delta-rule decode step (64 requests of Qwen3.5-9B's linear heads), it reports
 the median GPU time of one launch, the bandwidth it achieves (bytes the
 kernel must read plus bytes it must write, over that time), that bandwidth as
 a share of the copy bandwidth measured in the same run (torch ``dst.copy_(src)``
@@ -59,14 +60,19 @@ class Shapes:
     qwen3_5_heads: int  # Qwen3.5 q: 16 heads of 256 in a [q | gate] buffer, rotary 64
     qwen3_5_head_dim: int
     qwen3_5_rotary_dim: int
+    decode_batch: int  # delta rule: decode rows (one token per request), Qwen3.5-9B's linear heads
+    linear_key_heads: int
+    linear_value_heads: int
+    linear_head_dim: int
 
 
 def real_shapes(rows: int) -> Shapes:
-    return Shapes(rows, 4096, QWEN3_VOCAB, 12288, 32, 128, 16, 256, 64)
+    return Shapes(rows, 4096, QWEN3_VOCAB, 12288, 32, 128, 16, 256, 64, 64, 16, 32, 128)
 
 
 SMOKE_SHAPES = Shapes(rows=3, hidden=64, vocab=11, intermediate=32, qwen3_heads=2, qwen3_head_dim=16,
-                      qwen3_5_heads=2, qwen3_5_head_dim=32, qwen3_5_rotary_dim=16)
+                      qwen3_5_heads=2, qwen3_5_head_dim=32, qwen3_5_rotary_dim=16, decode_batch=2,
+                      linear_key_heads=1, linear_value_heads=2, linear_head_dim=8)
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ class Case:
     bytes_moved: int  # bytes the op must read plus bytes it must write
     vector: bool  # whether our launcher takes the 16-byte vector path for these arrays
     ours: Callable[[Any], None]
-    scalar: Callable[[Any], None]
+    scalar: Callable[[Any], None] | None  # None: the kernel has no separate scalar path
     torch_op: Callable[[Any], None]
 
 
@@ -299,6 +305,46 @@ def residual_case(env: Env, s: Shapes) -> Case:
     )
 
 
+def delta_rule_decode_case(env: Env, s: Shapes) -> Case:
+    """One decode step of the gated delta rule: B requests x Hv heads, each reading and writing its
+    float32 state [dk, dv]; bytes = that state traffic plus the qkv row read and the output written."""
+    from executor.kernels.codec import build_codec
+    from executor.kernels.delta_rule import GatedDeltaRule
+
+    torch = env.torch
+    b, hk, hv, d = s.decode_batch, s.linear_key_heads, s.linear_value_heads, s.linear_head_dim
+    qkv = env.randn(b, 2 * hk * d + hv * d)
+    g = -torch.rand(b, hv, device=env.device)
+    beta = torch.rand(b, hv, device=env.device)
+    state = torch.randn(b, hv, d, d, device=env.device) * 0.1
+    q_indptr = torch.arange(b + 1, dtype=torch.int32, device=env.device)
+    slots = torch.arange(b, dtype=torch.int32, device=env.device)
+    out = env.randn(b, hv, d)
+    ours = GatedDeltaRule(build_codec("bfloat16"), d, **({"dk_split": 1} if env.smoke else {}))
+    args = tuple(env.arg(t) for t in (qkv, g, beta, state, q_indptr, slots, out))
+    repeat = hv // hk
+
+    def torch_op(stream: Any) -> None:  # the same recurrence step in torch (HF's recurrent form)
+        q = torch.nn.functional.normalize(qkv[:, : hk * d].view(b, hk, d).float(), dim=-1) * d ** -0.5
+        k = torch.nn.functional.normalize(qkv[:, hk * d : 2 * hk * d].view(b, hk, d).float(), dim=-1)
+        q, k = q.repeat_interleave(repeat, 1), k.repeat_interleave(repeat, 1)
+        v = qkv[:, 2 * hk * d :].view(b, hv, d).float()
+        state.mul_(g.exp()[..., None, None])
+        delta = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", state, k))
+        state.add_(k[..., :, None] * delta[..., None, :])
+        out.copy_(torch.einsum("bhkv,bhk->bhv", state, q))
+
+    state_bytes = 2 * b * hv * d * d * 4
+    return Case(
+        "delta_rule decode", f"{b} x {hv} x {d} x {d} (f32 state)",
+        state_bytes + b * qkv.shape[1] * BF16_BYTES + b * hv * d * BF16_BYTES + 2 * b * hv * 4,
+        False,
+        lambda stream: ours(*args, stream=stream),
+        None,
+        torch_op,
+    )
+
+
 CASE_BUILDERS: dict[str, Callable[[Env, Shapes], Case]] = {
     "embedding": embedding_case,
     "rms_norm": rms_norm_case,
@@ -310,6 +356,7 @@ CASE_BUILDERS: dict[str, Callable[[Env, Shapes], Case]] = {
     "silu_mul": silu_mul_case,
     "sigmoid_mul": sigmoid_mul_case,
     "residual": residual_case,
+    "delta_rule_decode": delta_rule_decode_case,
 }
 
 
@@ -436,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.kernels.split(","):
         case = CASE_BUILDERS[name](env, shapes)
         us = time_us(env, case.ours, args.inner, args.repeats, graph)
-        scalar_us = None if args.no_scalar else time_us(env, case.scalar, args.inner, args.repeats, graph)
+        scalar_us = None if args.no_scalar or case.scalar is None else time_us(env, case.scalar, args.inner, args.repeats, graph)
         torch_us = time_us(env, case.torch_op, args.inner, args.repeats, graph)
         rows.append(Row(case, us, scalar_us, torch_us))
         print(f"{case.kernel}: {us:.1f} us", file=sys.stderr)

@@ -199,7 +199,9 @@ def notes(cells: list[Cell], plans: dict[str, MemoryPlan], matmul_rate: float, a
              f"{args.matmul_size}^2 matrices, median)."]
     for name, plan in plans.items():
         lines.append(f"{name}: plan max_prefill_tokens {plan.capacity.max_prefill_tokens}, max_context "
-                     f"{plan.capacity.max_context}, gpu_memory_utilization {plan.serving.gpu_memory_utilization}.")
+                     f"{plan.capacity.max_context}, gpu_memory_utilization {plan.serving.gpu_memory_utilization}; "
+                     f"chunks of >= {plan.serving.gemm_attention_min_tokens} tokens run attention as GEMMs over "
+                     f"{plan.capacity.prefill_score_elements:,} planned score elements per tile.")
     if not args.profile:
         lines.append("Profiler off: no kernel-time columns.")
     lines += [f"{c.model} prompt {c.prompt_tokens}: {note}" for c in cells for note in c.notes]

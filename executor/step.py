@@ -57,6 +57,27 @@ class RequestChunk:
 
 
 @dataclass(frozen=True)
+class GemmRequest:
+    """A prefill chunk whose attention runs as two GEMMs (executor.models.prefill_attention).
+
+    request        its index in the step
+    q_start        its first row in the step
+    num_rows       its rows (new tokens); their positions are kv_len - num_rows .. kv_len - 1
+    kv_len         its tokens in the KV cache after this step
+    page_start     its first entry in the step's page_indices
+    rows_per_tile  query rows per GEMM tile: Hq x rows_per_tile x kv_len scores fit the
+                   plan's prefill_score_elements
+    """
+
+    request: int
+    q_start: int
+    num_rows: int
+    kv_len: int
+    page_start: int
+    rows_per_tile: int
+
+
+@dataclass(frozen=True)
 class StepMetadata:
     """Host arrays of one step (active lengths only) and its counts."""
 
@@ -80,6 +101,7 @@ class StepMetadata:
     top_k: np.ndarray  # [requests] int32
     seeds: np.ndarray  # [requests] int64
     sample_steps: np.ndarray  # [requests] int32
+    gemm_requests: tuple[GemmRequest, ...] = ()  # prefill chunks whose attention runs as GEMMs (host only)
 
     @property
     def num_tiles(self) -> int:
@@ -120,11 +142,19 @@ def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk]) -> StepMetadata:
         if slots.min() < 0 or len(set(slots.tolist())) != len(slots):
             raise ValueError(f"recurrent slots of a step must be distinct and >= 0, got {slots.tolist()}")
     q_indptr = _indptr(new_tokens)
+    page_indptr = _indptr(pages_needed)
+    gemm_requests: tuple[GemmRequest, ...] = ()
     if pool == "decode" and len(chunks):
         tiles = plan_tiles(q_indptr, kv_lens, kv_chunk=decode_kv_chunk(plan, kv_lens),
                            max_splits=cap.decode_kv_splits)
     else:
         tiles = plan_tiles(q_indptr, kv_lens, rows_per_tile=PREFILL_ROWS_PER_TILE)
+        gemm_requests = gemm_attention_requests(plan, q_indptr, kv_lens, page_indptr)
+        if gemm_requests:  # their rows get no paged-attention tile
+            routed = np.zeros(len(chunks), dtype=bool)
+            routed[[r.request for r in gemm_requests]] = True
+            keep = ~routed[tiles[0]]
+            tiles = (tiles[0][keep], tiles[1][keep], tiles[2][keep], tiles[3])
     _check("tiles", int(tiles[0].shape[0]), cap.tiles)
     rows_request = np.repeat(np.arange(len(chunks)), new_tokens)
     first_position = kv_lens - new_tokens
@@ -137,7 +167,7 @@ def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk]) -> StepMetadata:
         positions=_i32(positions),
         batch_indices=_i32(rows_request),
         q_indptr=_i32(q_indptr),
-        page_indptr=_i32(_indptr(pages_needed)),
+        page_indptr=_i32(page_indptr),
         page_indices=_i32(page_indices),
         last_page_len=_i32(kv_lens - (pages_needed - 1) * page_size),
         request_indices=tiles[0],
@@ -150,7 +180,31 @@ def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk]) -> StepMetadata:
         top_k=_i32([c.top_k for c in chunks]),
         seeds=np.array([c.seed for c in chunks], dtype=np.int64),
         sample_steps=_i32([c.sample_step for c in chunks]),
+        gemm_requests=gemm_requests,
     )
+
+
+def gemm_attention_requests(plan: MemoryPlan, q_indptr: np.ndarray, kv_lens: np.ndarray,
+                            page_indptr: np.ndarray) -> tuple[GemmRequest, ...]:
+    """The requests of a prefill step whose chunk is long enough (serving gemm_attention_min_tokens)
+    for GEMM attention, when the plan has its scratch (capacity.prefill_score_elements > 0).
+
+    A tile of R query rows needs Hq x R x kv_len scores at most (its last row sees kv_len keys);
+    the planner made prefill_score_elements >= Hq x max_context, so R >= 1.
+    """
+    score_elements = plan.capacity.prefill_score_elements
+    if not score_elements:
+        return ()
+    min_rows = plan.serving.gemm_attention_min_tokens
+    num_q_heads = plan.geometry.num_q_heads
+    requests = []
+    for index, rows in enumerate(np.diff(q_indptr).tolist()):
+        if rows >= min_rows:
+            kv_len = int(kv_lens[index])
+            rows_per_tile = min(rows, score_elements // (num_q_heads * kv_len))
+            assert rows_per_tile >= 1, "the planner sizes prefill_score_elements >= Hq x max_context"
+            requests.append(GemmRequest(index, int(q_indptr[index]), rows, kv_len, int(page_indptr[index]), rows_per_tile))
+    return tuple(requests)
 
 
 def pad_decode(plan: MemoryPlan, meta: StepMetadata, bucket: int) -> StepMetadata:

@@ -28,6 +28,7 @@ SERVING_FLAGS = {
     "tensor_parallel_size": ("--tensor-parallel-size", "-tp", int),
     "kv_cache_dtype": ("--kv-cache-dtype", None, str),
     "dtype": ("--dtype", None, str),
+    "gemm_attention_min_tokens": ("--gemm-attention-min-tokens", None, int),
 }
 
 

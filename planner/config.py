@@ -186,6 +186,11 @@ class ServingConfig(_Frozen):
     states_per_slot: Annotated[int, Field(ge=1, le=4)] = Field(
         1, description="Recurrent states kept per decode slot (Qwen3.5); 2 lets a prefill run beside a graph slot."
     )
+    gemm_attention_min_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = Field(
+        256, description="A prefill chunk of at least this many tokens computes attention as two batched GEMMs "
+        "(cuBLAS) over a planned score scratch; shorter chunks and decode rows use the paged attention kernel. "
+        "Above max_prefill_tokens: never, and no scratch is planned."
+    )
     decode_graph_batch_sizes: tuple[Annotated[int, Field(ge=1, le=1 << 16)], ...] = Field(
         (1, 2, 4, 8, 16, 32, 64), description="Batch buckets captured as decode CUDA graphs; each <= max_batch."
     )

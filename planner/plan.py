@@ -154,6 +154,8 @@ def _draft(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig)
         page_size=serving.page_size,
         max_prefill_tokens=serving.max_prefill_tokens,
         gqa_group=geometry.gqa_group,
+        num_q_heads=geometry.num_q_heads if geometry.num_full_layers else 0,
+        gemm_attention_min_tokens=serving.gemm_attention_min_tokens,
         recurrent_slots_per_request=serving.states_per_slot if geometry.num_linear_layers else 0,
     )
     act = dtypes.activations
@@ -163,7 +165,8 @@ def _draft(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig)
     pools += [
         build_attention_plan(capacity),
         build_step_pool("decode", geometry, capacity.max_batch, act, capacity.decode_kv_splits),
-        build_step_pool("prefill", geometry, capacity.max_tokens_per_step, act),
+        build_step_pool("prefill", geometry, capacity.max_tokens_per_step, act,
+                        score_elements=capacity.prefill_score_elements, max_context=capacity.max_context),
         build_sampling(geometry, capacity.max_batch, act),
         budget_pool("runtime", _runtime_lines(hardware, serving)),
     ]

@@ -48,10 +48,13 @@ def _live(first: str, last: str) -> tuple[int, int]:
     return (_STAGE[first], _STAGE[last])
 
 
-def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0) -> list[BufferRequest]:
+def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0, score_elements: int = 0,
+                  max_context: int = 0) -> list[BufferRequest]:
     """Role buffers of a step of ``rows`` token rows (B for decode, T for prefill). ``kv_splits`` > 1
     adds the split-KV attention scratch (decode): float32 partial outputs and log-sum-exps of
-    up to ``kv_splits`` kv chunks per row, merged into attn_out."""
+    up to ``kv_splits`` kv chunks per row, merged into attn_out. ``score_elements`` > 0 adds the
+    GEMM attention scratch (prefill): one request's keys and values gathered from their pages
+    [Hkv, C, D], and one tile's float32 scores and their probabilities."""
     g = geometry
     requests = [
         BufferRequest("token_ids", "int32", (rows,), _live("embed", "embed")),
@@ -72,6 +75,15 @@ def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0)
                 BufferRequest("attn_partial_out", "float32", (rows, kv_splits, g.num_q_heads, g.head_dim), attention),
                 BufferRequest("attn_partial_lse", "float32", (rows, kv_splits, g.num_q_heads), attention),
             ]
+        if score_elements:
+            attention = _live("attn.attention", "attn.attention")
+            gathered = (g.num_kv_heads, max_context, g.head_dim)
+            requests += [
+                BufferRequest("attn_keys", dtype, gathered, attention),
+                BufferRequest("attn_values", dtype, gathered, attention),
+                BufferRequest("attn_scores", "float32", (score_elements,), attention),
+                BufferRequest("attn_probs", dtype, (score_elements,), attention),
+            ]
     if g.num_linear_layers:
         value_width, heads = g.linear_value_width, g.linear_num_value_heads
         requests += [
@@ -85,6 +97,7 @@ def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0)
     return requests
 
 
-def build_step_pool(name: str, geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0) -> Pool:
+def build_step_pool(name: str, geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0,
+                    score_elements: int = 0, max_context: int = 0) -> Pool:
     """A transient pool (``decode`` or ``prefill``) packed by live range."""
-    return pack_by_lifetime(name, step_requests(geometry, rows, dtype, kv_splits))
+    return pack_by_lifetime(name, step_requests(geometry, rows, dtype, kv_splits, score_elements, max_context))

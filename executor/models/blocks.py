@@ -16,6 +16,7 @@ from executor.arena import Arena
 from executor.kernels.kv_cache import write_kv
 from executor.models.context import StepViews
 from executor.models.kernels import Kernels, NormStyle
+from executor.models.prefill_attention import GemmPrefillAttention
 
 
 def _gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -47,6 +48,10 @@ class FullAttention:
         # Decode splits long kv ranges over several blocks (step.decode_kv_chunk) when the plan
         # has split scratch; one fixed choice per plan, so eager decode and its graphs agree.
         self.split_decode = plan.capacity.decode_kv_splits > 1
+        # Long prefill chunks (step.gemm_requests) run attention as GEMMs when the plan has their scratch.
+        self.gemm_attention = GemmPrefillAttention(
+            kernels.gather_kv, kernels.causal_softmax, self.k_cache, self.v_cache, g.num_kv_heads, g.gqa_group,
+            self.scale) if plan.capacity.prefill_score_elements else None
 
     def __call__(self, step: StepViews) -> None:
         k_, a = self.kernels, self.device.array
@@ -78,6 +83,8 @@ class FullAttention:
                 "request_indices", "qo_tile_indices", "kv_tile_indices", "kv_chunk_size", "total_num_rows")),
             a(attn_out), self.scale, *split, stream=step.stream,
         )
+        if step.gemm_requests:  # the long prefill chunks, which got no paged-attention tile
+            self.gemm_attention(step, q, attn_out)
         if self.output_gate:
             k_.output_gate(a(attn_out), a(gate), stream=step.stream)
         _gemm(step.role("attn_out"), self.o_weight, step.role("proj_out"))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from executor.arena import Arena
-from executor.step import StepMetadata
+from executor.step import GemmRequest, StepMetadata
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,11 @@ class StepViews:
     pool: str
     arena: Arena
     stream: Any  # the Numba stream kernels launch on: torch's current stream (device.current_stream())
+    gemm_requests: tuple[GemmRequest, ...] = ()  # prefill chunks whose attention runs as GEMMs
+
+    def scratch(self, name: str) -> torch.Tensor:
+        """A whole planned buffer of the step's pool (scratch not laid out by row)."""
+        return self.arena.tensor(self.pool, name)
 
     def role(self, name: str) -> torch.Tensor:
         """A role buffer of the step's pool (decode or prefill), first ``num_rows`` rows."""
@@ -62,6 +67,7 @@ def step_views(arena: Arena, meta: StepMetadata) -> StepViews:
         pool=meta.pool,
         arena=arena,
         stream=arena.device.current_stream(),
+        gemm_requests=meta.gemm_requests,
     )
 
 

@@ -12,6 +12,7 @@ from executor.kernels.codec import build_codec
 from executor.kernels.conv1d import CausalConv1d
 from executor.kernels.delta_rule import GatedDeltaRule, GdnGates
 from executor.kernels.embedding import Embedding
+from executor.kernels.gemm_attention import CausalSoftmax, GatherKv
 from executor.kernels.gated_norm import GatedRmsNorm
 from executor.kernels.norm import AddRmsNormInplace, RmsNorm
 from executor.kernels.rope import QkNormRopeInplace
@@ -40,6 +41,8 @@ class Kernels:
     qk_norm_rope: QkNormRopeInplace
     attention: PagedAttention  # prefill steps (any rows per request)
     decode_attention: DecodeAttention  # decode steps (one row per request)
+    gather_kv: GatherKv  # GEMM prefill attention: a request's KV pages -> contiguous scratch
+    causal_softmax: CausalSoftmax  # GEMM prefill attention: scores -> probabilities
     output_gate: SigmoidMulInplace
     silu_mul: SiluMul
     sample: Sample
@@ -73,6 +76,8 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle) ->
         attention=attention,
         decode_attention=DecodeAttention(codec, geometry.head_dim, geometry.gqa_group, attention.merge,
                                          **({"threads": 32} if simulated else {})),
+        gather_kv=GatherKv(),
+        causal_softmax=CausalSoftmax(codec),
         output_gate=SigmoidMulInplace(codec),
         silu_mul=SiluMul(codec),
         sample=Sample(max_threads=32) if simulated else Sample(),

@@ -150,17 +150,21 @@ def reference_run(name: str) -> TeacherForced:
     loaded = shared_tiny(name)
     sequences = random_sequences(loaded.plan.model.vocab_size, [p + d for p, d in zip(prompts, decode_steps)], seed)
     touched: dict[str, set[str]] = {"decode": set(), "prefill": set()}
-    original = StepViews.role
+    originals = {"role": StepViews.role, "scratch": StepViews.scratch}
 
-    def recording(self, role):
-        touched[self.pool].add(role)
-        return original(self, role)
+    def recorder(original):
+        def recording(self, role):
+            touched[self.pool].add(role)
+            return original(self, role)
+        return recording
 
-    StepViews.role = recording
+    for method, original in originals.items():
+        setattr(StepViews, method, recorder(original))
     try:
         logits = run_teacher_forced(loaded, sequences, prompts)
     finally:
-        StepViews.role = original
+        for method, original in originals.items():
+            setattr(StepViews, method, original)
     return TeacherForced(loaded, sequences, prompts, decode_steps, logits, touched)
 
 

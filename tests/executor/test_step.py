@@ -41,6 +41,24 @@ def test_metadata_of_a_mixed_step(arena):
     assert arena.tensor("recurrent_state", "slot_ids")[:2].tolist() == [0, 1]
 
 
+def test_long_prefill_chunks_route_to_gemm_attention_in_tiles_that_fit_the_scores(arena):
+    """sim serving: chunks of >= 4 tokens take GEMM attention and no paged-attention tile; with
+    scores for 2 rows of a 9-token context, the 5-row chunk runs in tiles of 2 rows."""
+    plan = arena.plan
+    assert plan.serving.gemm_attention_min_tokens == 4
+    chunks = [RequestChunk([7], 6, [3, 9], slot=0), RequestChunk([1, 2, 3], 0, [5], slot=1),
+              RequestChunk([1, 2, 3, 4, 5], 4, [3, 4, 6], slot=2)]
+    meta = plan_step(plan, chunks)
+    (routed,) = meta.gemm_requests
+    assert (routed.request, routed.q_start, routed.num_rows, routed.kv_len, routed.page_start) == (2, 4, 5, 9, 3)
+    assert set(meta.request_indices.tolist()) == {0, 1}  # the paged kernel has the other two
+    heads = plan.geometry.num_q_heads
+    assert routed.rows_per_tile == 5 and heads * 5 * 9 <= plan.capacity.prefill_score_elements
+    tight = plan.model_copy(update={"capacity": plan.capacity.model_copy(
+        update={"prefill_score_elements": heads * 9 * 2 + heads * 9 - 1})})  # 2 rows fit, 3 do not
+    assert plan_step(tight, chunks).gemm_requests[0].rows_per_tile == 2
+
+
 def test_a_full_batch_at_full_context_uses_every_logical_page(arena):
     cap = arena.plan.capacity
     shared = list(range(1, cap.pages_per_request))  # a shared prefix of every request
