@@ -54,7 +54,8 @@ def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0,
     adds the split-KV attention scratch (decode): float32 partial outputs and log-sum-exps of
     up to ``kv_splits`` kv chunks per row, merged into attn_out. ``score_elements`` > 0 adds the
     GEMM attention scratch (prefill): one request's keys and values gathered from their pages
-    [Hkv, C, D], and one tile's float32 scores and their probabilities."""
+    [Hkv, C, D], one tile's queries (then outputs) packed by kv head [Hkv, group x rows, D], and
+    its float32 scores and their probabilities."""
     g = geometry
     requests = [
         BufferRequest("token_ids", "int32", (rows,), _live("embed", "embed")),
@@ -79,6 +80,7 @@ def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0,
             attention = _live("attn.attention", "attn.attention")
             gathered = (g.num_kv_heads, max_context, g.head_dim)
             requests += [
+                BufferRequest("attn_packed", dtype, (rows, g.num_q_heads, g.head_dim), attention),
                 BufferRequest("attn_keys", dtype, gathered, attention),
                 BufferRequest("attn_values", dtype, gathered, attention),
                 BufferRequest("attn_scores", "float32", (score_elements,), attention),

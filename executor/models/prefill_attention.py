@@ -4,16 +4,19 @@ The paged attention kernel computes Q K^T and P V with scalar FMAs; for a
 chunk of thousands of tokens that is quadratic work at a few percent of the
 GPU's matmul rate. Here a request's attention runs as
 
-    keys, values   <- its KV pages                  (GatherKv: [Hkv, kv_len, D] scratch)
-    scores[g]       = q[rows, g-th head of each kv group] @ keys^T     (torch.bmm, float32 out)
-    probs           = causal softmax(scale * scores)                   (CausalSoftmax)
-    out[rows, g-th head of each kv group] = probs[g] @ values          (torch.bmm, into attn_out)
+    keys, values <- its KV pages                     (GatherKv: [Hkv, kv_len, D] scratch)
+    packed        = its query rows, by kv head        (copy: [Hkv, group x rows, D])
+    scores        = packed @ keys^T                   (torch.bmm over kv heads, float32 out)
+    probs         = causal softmax(scale * scores)    (CausalSoftmax)
+    packed        = probs @ values                    (torch.bmm over kv heads)
+    out rows     <- packed                            (copy back to [rows, Hq, D])
 
 over tiles of query rows sized by the plan (step.GemmRequest.rows_per_tile), a
-tile's GEMMs spanning only the keys its last row sees. Every operand is a view
-of a planned buffer: q and out are strided views of qkv and attn_out
-(cuBLAS takes their row stride as the leading dimension; the batch over kv
-heads is a strided batch), so nothing is copied or allocated. bf16 operands
+tile's GEMMs spanning only the keys its last row sees. Packing the GQA group
+into the GEMM's rows makes one GEMM per tile cover every head (M = group x rows,
+a batch of Hkv): P V has a short output and a long reduction, and per-head
+GEMMs of M = rows left most SMs idle. Every operand is a view of a planned
+buffer and the copies are strided views, so nothing is allocated. bf16 operands
 accumulate in float32; the scores come out in float32 (``out_dtype``), the
 probabilities are rounded to the activation dtype like FlashAttention's.
 """
@@ -43,41 +46,40 @@ class GemmPrefillAttention:
         pages already hold this step's keys and values.
         """
         keys, values = step.scratch("attn_keys"), step.scratch("attn_values")  # [Hkv, C, D]
-        scores_flat, probs_flat = step.scratch("attn_scores"), step.scratch("attn_probs")
-        page_indices = step.meta("page_indices")
         device = step.arena.device
+        page_indices = device.array(step.meta("page_indices"))
         for request in step.gemm_requests:
-            self.gather(device.array(self.k_cache), device.array(self.v_cache), device.array(page_indices),
-                        request.page_start, request.kv_len, device.array(_as_words(keys)),
-                        device.array(_as_words(values)), stream=step.stream)
+            self.gather(device.array(self.k_cache), device.array(self.v_cache), page_indices, request.page_start,
+                        request.kv_len, device.array(_as_words(keys)), device.array(_as_words(values)),
+                        stream=step.stream)
             for first in range(0, request.num_rows, request.rows_per_tile):
                 self._tile(step, request, first, min(first + request.rows_per_tile, request.num_rows), q, out,
-                           keys, values, scores_flat, probs_flat)
+                           keys, values)
 
     def _tile(self, step: StepViews, request: GemmRequest, first: int, end: int, q: torch.Tensor,
-              out: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scores_flat: torch.Tensor,
-              probs_flat: torch.Tensor) -> None:
+              out: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Query rows ``first .. end - 1`` of ``request``."""
-        rows = end - first
+        rows, heads, group = end - first, self.num_kv_heads, self.group
         first_position = request.kv_len - request.num_rows + first
         num_keys = first_position + rows  # the tile's last row sees keys 0 .. num_keys - 1
-        shape = (self.group, self.num_kv_heads, rows, num_keys)
-        count = self.group * self.num_kv_heads * rows * num_keys
-        scores, probs = scores_flat[:count].view(shape), probs_flat[:count].view(shape)
+        head_dim = q.shape[2]
+        packed = step.scratch("attn_packed").view(-1)[: heads * group * rows * head_dim].view(heads, group, rows,
+                                                                                                 head_dim)
+        count = heads * group * rows * num_keys
+        scores = step.scratch("attn_scores")[:count].view(heads, group * rows, num_keys)
+        probs = step.scratch("attn_probs")[:count].view(heads, group * rows, num_keys)
         span = slice(request.q_start + first, request.q_start + end)
-        # [rows, Hkv, group, D]: head h * group + g is the g-th query head of kv head h.
-        q_tile = q[span].unflatten(1, (self.num_kv_heads, self.group))
-        out_tile = out[span].unflatten(1, (self.num_kv_heads, self.group))
-        keys_t = keys[:, :num_keys].transpose(1, 2)  # [Hkv, D, keys]
-        values_used = values[:, :num_keys]  # [Hkv, keys, D]
+        # [Hkv, group, rows, D] views of the tile's rows: head h * group + g is the g-th of kv head h.
+        by_kv_head = lambda x: x[span].unflatten(1, (heads, group)).permute(1, 2, 0, 3)  # noqa: E731
+        packed.copy_(by_kv_head(q))
+        packed_rows = packed.view(heads, group * rows, head_dim)
         widen = {} if q.dtype == torch.float32 else {"out_dtype": torch.float32}
-        for g in range(self.group):
-            torch.bmm(q_tile[:, :, g].transpose(0, 1), keys_t, out=scores[g], **widen)
-        device = step.arena.device
+        torch.bmm(packed_rows, keys[:, :num_keys].transpose(1, 2), out=scores, **widen)
+        device = step.arena.device  # score row (h, g, t) is query row t of the tile
         self.softmax(device.array(scores.view(-1, num_keys)), device.array(probs.view(-1, num_keys)), rows,
                      first_position, self.scale, stream=step.stream)
-        for g in range(self.group):
-            torch.bmm(probs[g], values_used, out=out_tile[:, :, g].transpose(0, 1))
+        torch.bmm(probs, values[:, :num_keys], out=packed_rows)
+        by_kv_head(out).copy_(packed)
 
 
 def _as_words(tensor: torch.Tensor) -> torch.Tensor:

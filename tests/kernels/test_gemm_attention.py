@@ -94,6 +94,7 @@ def _run_gemm_attention(device, dtype, num_rows, kv_len, rows_per_tile, generato
     out = torch.full((2 + num_rows, num_q_heads, HEAD_DIM), float("nan"), dtype=dtype, device=device.torch_device)
     score_elements = num_q_heads * rows_per_tile * kv_len
     scratch = {
+        "attn_packed": torch.empty(2 + num_rows, num_q_heads, HEAD_DIM, dtype=dtype, device=device.torch_device),
         "attn_keys": torch.empty(NUM_KV_HEADS, kv_len + 5, HEAD_DIM, dtype=dtype, device=device.torch_device),
         "attn_values": torch.empty(NUM_KV_HEADS, kv_len + 5, HEAD_DIM, dtype=dtype, device=device.torch_device),
         "attn_scores": torch.empty(score_elements, dtype=torch.float32, device=device.torch_device),

@@ -96,7 +96,7 @@ def test_gemm_attention_scratch_is_bounded_and_shares_bytes_with_the_mlp(plan_fo
     assert plan.capacity.prefill_score_elements == 1 << 26
     prefill = plan.pool("prefill")
     scratch = {b.name: b for b in prefill.buffers if b.name.startswith("attn_") and b.name != "attn_out"}
-    assert set(scratch) == {"attn_keys", "attn_values", "attn_scores", "attn_probs"}
+    assert set(scratch) == {"attn_packed", "attn_keys", "attn_values", "attn_scores", "attn_probs"}
     assert scratch["attn_keys"].shape == (8, 8192, 128)
     assert scratch["attn_scores"].bytes == 4 << 26 and scratch["attn_probs"].bytes == 2 << 26
     without = plan_for("qwen3-8b", gemm_attention_min_tokens=4096)  # longer than any chunk: no GEMM attention
