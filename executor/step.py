@@ -203,7 +203,8 @@ def gemm_attention_requests(plan: MemoryPlan, q_indptr: np.ndarray, kv_lens: np.
             kv_len = int(kv_lens[index])
             rows_per_tile = min(rows, score_elements // (num_q_heads * kv_len))
             assert rows_per_tile >= 1, "the planner sizes prefill_score_elements >= Hq x max_context"
-            requests.append(GemmRequest(index, int(q_indptr[index]), rows, kv_len, int(page_indptr[index]), rows_per_tile))
+            requests.append(GemmRequest(index, int(q_indptr[index]), rows, kv_len, int(page_indptr[index]),
+                                        rows_per_tile))
     return tuple(requests)
 
 
