@@ -103,7 +103,7 @@ def _choose_simulator(device: str) -> None:
 def _run(args: argparse.Namespace) -> int:
     from executor.arena import materialize
     from executor.device import open_device
-    from executor.engine import Engine
+    from executor.engine import Engine, warm_up
     from executor.models import build_model
 
     plan = load_plan(args)
@@ -116,6 +116,11 @@ def _run(args: argparse.Namespace) -> int:
         raise RunError(str(error)) from None
     _load_weights(arena, args)
     model = build_model(arena)
+    warm_up_s = None
+    if not device.is_sim:  # on a GPU: keep the kernels' first-call compilation out of the latencies
+        start = time.perf_counter()
+        warm_up(model)
+        warm_up_s = time.perf_counter() - start
     graphs = None if args.eager or device.is_sim else capture_graphs(model)
     engine = Engine(model, prefix_caching=not args.no_prefix_caching)
     runnable = [index for index, spec in enumerate(specs) if spec.error is None]
@@ -124,7 +129,7 @@ def _run(args: argparse.Namespace) -> int:
     report = engine.run(requests, [specs[index].arrival_step for index in runnable], on_step=progress.after_step)
     progress.print_line(report.steps, final=True)
     _write_outputs(specs, dict(zip(runnable, report.results)), args.out)
-    print(summary(plan, arena, report, specs, args.no_prefix_caching, graphs), file=sys.stderr)
+    print(summary(plan, arena, report, specs, args.no_prefix_caching, graphs, warm_up_s), file=sys.stderr)
     return EXIT_OK
 
 
@@ -428,7 +433,7 @@ def write_jsonl(specs: list[RequestSpec], results: dict, stream: TextIO) -> None
 
 
 def summary(plan: MemoryPlan, arena: Arena, report: EngineReport, specs: list[RequestSpec],
-            no_prefix_caching: bool, graphs: GraphCapture | None = None) -> str:
+            no_prefix_caching: bool, graphs: GraphCapture | None = None, warm_up_s: float | None = None) -> str:
     """The stderr report: planned vs allocated bytes, the allocator's view, throughput, latency, capacities."""
     device, stats, cap = arena.device, report.stats, plan.capacity
     rejected = stats.rejected + sum(1 for spec in specs if spec.error is not None)
@@ -441,6 +446,9 @@ def summary(plan: MemoryPlan, arena: Arena, report: EngineReport, specs: list[Re
     lines.append(f"  {'total':<16} {materialized_bytes(plan):>16,} {arena.allocated_bytes:>16,}")
     lines.append(f"device allocator: {_allocator_line(plan, arena)}")
     lines.append(f"device memory in use: {_process_line(plan, arena)}")
+    if warm_up_s is not None:
+        lines.append(f"warm-up: one prefill and one decode step before the clock started, {warm_up_s:.2f} s "
+                     "(first-call kernel compilation)")
     lines.append(f"decode graphs: {_graphs_line(plan, arena, graphs)}")
     tokens_per_s = report.generated_tokens / report.wall_s if report.wall_s > 0 else float("nan")
     lines.append(f"requests: {len(specs)} ({len(specs) - rejected} run, {rejected} rejected); "

@@ -125,6 +125,34 @@ class Engine:
                             steps, time.perf_counter() - start, grown)
 
 
+def warm_up(model: DecoderModel) -> None:
+    """Run one prefill step and one decode step on scratch data before serving, so that first-call
+    work (Numba compilation, cuBLAS set-up) is not charged to the first requests' latencies.
+
+    The prefill step feeds a chunk long enough for GEMM attention (serving gemm_attention_min_tokens,
+    when the KV pool has the pages) beside a one-token chunk for the paged kernel; the decode step
+    continues the long one. It writes KV pages from 1 and recurrent slots from 0 and leaves them:
+    no request owns a page yet, the prefix cache is empty, and a slot is zeroed on admission.
+    """
+    plan = model.arena.plan
+    cap = plan.capacity
+    page_size, usable_pages = cap.page_size, cap.kv_pages - 1
+    long_len = min(plan.serving.gemm_attention_min_tokens, cap.max_prefill_tokens, cap.max_context - 1,
+                   (usable_pages - 1) * page_size - 1)
+    if long_len < 1:
+        return  # a KV pool of fewer than two usable pages: nothing to warm up with
+    recurrent = plan.geometry.num_linear_layers > 0
+    long_pages = list(range(1, 2 + long_len // page_size))  # room for the decode step's token too
+    chunks = [RequestChunk([0] * long_len, 0, long_pages, slot=0 if recurrent else -1)]
+    if cap.max_batch > 1 and long_len + 1 <= cap.max_tokens_per_step:
+        chunks.append(RequestChunk([0], 0, [long_pages[-1] + 1], slot=1 if recurrent else -1))
+    for chunk in chunks:
+        if recurrent:
+            model.reset_slot(chunk.slot)
+    model.step(plan_step(plan, chunks))
+    model.step(plan_step(plan, [RequestChunk([0], long_len, long_pages, slot=chunks[0].slot)])).tolist()
+
+
 def _request_chunk(chunk: StepChunk, request: Request) -> RequestChunk:
     """The scheduler's chunk with the request's sampling parameters; the RNG counter is the
     index of the token being sampled, so a request's tokens do not depend on its batch."""
