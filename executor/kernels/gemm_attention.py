@@ -91,7 +91,7 @@ class GatherKv:
 def build_causal_softmax(codec: Codec) -> Any:
     """Kernel ``(scores [R', K] f32, probs [R', K] storage, rows_per_head, first_position, scale f32)``.
 
-    Row i is query row ``t = i % rows_per_head`` of its (group, kv head) block, at position
+    Row i is query row ``t = i % rows_per_head`` of its (kv head, group member) block, at position
     ``first_position + t``; it sees keys ``0 .. first_position + t``. One block per row: a max and
     a sum over the visible keys (online, one pass), then the normalised probabilities.
     """
@@ -130,7 +130,7 @@ def build_causal_softmax(codec: Codec) -> Any:
 class CausalSoftmax:
     """Launcher: ``probs = causal softmax(scale * scores)`` per row.
 
-    - scores [R', K] float32: rows ordered (group, kv head, query row of the tile).
+    - scores [R', K] float32: rows ordered (kv head, group member, query row of the tile).
     - probs [R', K] storage dtype (not in place).
     - rows_per_head: query rows of the tile; first_position: the position of its first row
       (row t sees keys 0 .. first_position + t, which must be < K + 1).
