@@ -147,8 +147,7 @@ def warm_up(model: DecoderModel) -> None:
     if cap.max_batch > 1 and long_len + 1 <= cap.max_tokens_per_step:
         chunks.append(RequestChunk([0], 0, [long_pages[-1] + 1], slot=1 if recurrent else -1))
     for chunk in chunks:
-        if recurrent:
-            model.reset_slot(chunk.slot)
+        model.reset_slot(chunk.slot)  # a no-op without recurrent state
     model.step(plan_step(plan, chunks))
     model.step(plan_step(plan, [RequestChunk([0], long_len, long_pages, slot=chunks[0].slot)])).tolist()
 

@@ -70,14 +70,13 @@ def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0,
             BufferRequest("qkv", dtype, (rows, g.qkv_rows), _live("attn.qkv_proj", "attn.output_gate")),
             BufferRequest("attn_out", dtype, (rows, g.attn_out_width), _live("attn.attention", "attn.o_proj")),
         ]
+        attention = _live("attn.attention", "attn.attention")  # the attention scratch
         if kv_splits > 1:
-            attention = _live("attn.attention", "attn.attention")
             requests += [
                 BufferRequest("attn_partial_out", "float32", (rows, kv_splits, g.num_q_heads, g.head_dim), attention),
                 BufferRequest("attn_partial_lse", "float32", (rows, kv_splits, g.num_q_heads), attention),
             ]
         if score_elements:
-            attention = _live("attn.attention", "attn.attention")
             gathered = (g.num_kv_heads, max_context, g.head_dim)
             requests += [
                 BufferRequest("attn_packed", dtype, (rows, g.num_q_heads, g.head_dim), attention),

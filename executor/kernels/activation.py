@@ -23,7 +23,7 @@ import math
 from typing import Any, Callable
 
 from executor.kernels.codec import Codec
-from executor.kernels.reduce import threads_for
+from executor.kernels.reduce import check_max_threads, threads_for
 from executor.kernels.residual import UNROLL, VECTOR_UNROLL, elementwise_grid
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda
@@ -32,12 +32,6 @@ cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
 
 MAX_THREADS = 256
-
-
-def _check_max_threads(max_threads: int) -> int:
-    if max_threads < 32 or max_threads > 1024 or max_threads & (max_threads - 1):
-        raise ValueError(f"max_threads must be a power of two in [32, 1024], got {max_threads}")
-    return max_threads
 
 
 @cuda.jit(device=True, inline=True)
@@ -229,7 +223,7 @@ class SiluMul:
         self.kernel = build_silu_mul_kernel(codec)
         self.vector_kernel = build_silu_mul_vector_kernel(codec) if vectorize else None
         self.lanes = lanes_for(codec)
-        self.max_threads = _check_max_threads(max_threads)
+        self.max_threads = check_max_threads(max_threads)
 
     def uses_vector(self, gate_up: Any, out: Any) -> bool:
         """Whether a call with these arrays runs the 16-byte vector kernel.
@@ -264,7 +258,7 @@ class SigmoidMulInplace:
         self.kernel = build_sigmoid_mul_inplace_kernel(codec)
         self.vector_kernel = build_sigmoid_mul_inplace_vector_kernel(codec) if vectorize else None
         self.lanes = lanes_for(codec)
-        self.max_threads = _check_max_threads(max_threads)
+        self.max_threads = check_max_threads(max_threads)
 
     def uses_vector(self, x: Any, gate: Any) -> bool:
         """Whether a call with these arrays runs the 16-byte vector kernel."""

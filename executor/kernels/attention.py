@@ -63,6 +63,33 @@ def default_block_keys(head_dim: int, packed_rows: int, rows_per_tile: int) -> i
     return min(64, 1 << (fit.bit_length() - 1))
 
 
+def build_stage_rows(load: Any, head_dim: int, threads: int) -> Any:
+    """Device function ``stage_rows(cache, kv_sh, page_sh, offset_sh, first, kv_head, nk, tid)``:
+    kv_sh[kk, :] <- float32 (``load``) of the cache row of key ``first + kk`` of the staged page ids
+    and offsets (page_sh, offset_sh), for kk < nk, with ``threads`` threads and four loads in flight
+    per thread (issued before their stores; indices past the block repeat its last element). Shared
+    by the prefill and decode attention kernels."""
+    D, NT = head_dim, threads
+
+    @cuda.jit(device=True, inline=True)
+    def stage_rows(cache, kv_sh, page_sh, offset_sh, first, kv_head, nk, tid):
+        top = nk * D - 1
+        for e0 in range(tid, nk * D, 4 * NT):
+            e1 = min(e0 + NT, top)
+            e2 = min(e0 + 2 * NT, top)
+            e3 = min(e0 + 3 * NT, top)
+            x0 = load(cache[page_sh[first + e0 // D], offset_sh[first + e0 // D], kv_head, e0 % D])
+            x1 = load(cache[page_sh[first + e1 // D], offset_sh[first + e1 // D], kv_head, e1 % D])
+            x2 = load(cache[page_sh[first + e2 // D], offset_sh[first + e2 // D], kv_head, e2 % D])
+            x3 = load(cache[page_sh[first + e3 // D], offset_sh[first + e3 // D], kv_head, e3 % D])
+            kv_sh[e0 // D, e0 % D] = x0
+            kv_sh[e1 // D, e1 % D] = x1  # clamped duplicates rewrite the same value
+            kv_sh[e2 // D, e2 % D] = x2
+            kv_sh[e3 // D, e3 % D] = x3
+
+    return stage_rows
+
+
 def build_paged_attention(
     codec: Codec,
     head_dim: int,
@@ -103,23 +130,7 @@ def build_paged_attention(
         k1 = min(k0 + chunk, positions[row_end - 1] + 1, kv_len)
         return b, row0, row_end, k0, k1
 
-    @cuda.jit(device=True, inline=True)
-    def stage_rows(cache, kv_sh, page_sh, offset_sh, kv_head, nk, tid):
-        """kv_sh[kk, :] <- float32 of cache row kk of this key block (kk < nk), four loads in flight
-        per thread (issued before their stores; indices past the block repeat its last element)."""
-        top = nk * D - 1
-        for e0 in range(tid, nk * D, 4 * NT):
-            e1 = min(e0 + NT, top)
-            e2 = min(e0 + 2 * NT, top)
-            e3 = min(e0 + 3 * NT, top)
-            x0 = load(cache[page_sh[e0 // D], offset_sh[e0 // D], kv_head, e0 % D])
-            x1 = load(cache[page_sh[e1 // D], offset_sh[e1 // D], kv_head, e1 % D])
-            x2 = load(cache[page_sh[e2 // D], offset_sh[e2 // D], kv_head, e2 % D])
-            x3 = load(cache[page_sh[e3 // D], offset_sh[e3 // D], kv_head, e3 % D])
-            kv_sh[e0 // D, e0 % D] = x0
-            kv_sh[e1 // D, e1 % D] = x1
-            kv_sh[e2 // D, e2 % D] = x2
-            kv_sh[e3 // D, e3 % D] = x3
+    stage_rows = build_stage_rows(load, D, NT)
 
     @cuda.jit(device=True, inline=True)  # inlined in Numba IR: no separate device compile
     def attend(q, k_cache, v_cache, page_indices, page_base, kv_head, row0, row_end, k0, k1, positions, scale,
@@ -151,7 +162,7 @@ def build_paged_attention(
                 page_sh[kk] = page_indices[page_base + logical]
                 offset_sh[kk] = pos - logical * page_size
             cuda.syncthreads()
-            stage_rows(k_cache, kv_sh, page_sh, offset_sh, kv_head, nk, tid)
+            stage_rows(k_cache, kv_sh, page_sh, offset_sh, 0, kv_head, nk, tid)
             cuda.syncthreads()
             for e in range(tid, M * KB, NT):
                 m = e // KB
@@ -181,7 +192,7 @@ def build_paged_attention(
                 s_sh[m, KB] = alpha
                 m_sh[m] = new
                 l_sh[m] = l_sh[m] * alpha + total
-            stage_rows(v_cache, kv_sh, page_sh, offset_sh, kv_head, nk, tid)
+            stage_rows(v_cache, kv_sh, page_sh, offset_sh, 0, kv_head, nk, tid)
             cuda.syncthreads()
             for i in range(ACC):
                 e = tid + i * NT

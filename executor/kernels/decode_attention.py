@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from executor.kernels.attention import check_heads
+from executor.kernels.attention import build_stage_rows, check_heads
 from executor.kernels.codec import Codec
 from executor.kernels.reduce import threads_for
 from executor.numba_cuda import load_cuda
@@ -71,6 +71,7 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     DPT = -(-D // NT)  # head-dim elements each thread owns in P @ V
     D_PAD = D + 1
     ACC = G * DPT  # local-array extents must be plain constants
+    stage_rows = build_stage_rows(load, D, NT)
 
     @cuda.jit(device=True, inline=True)
     def tree_reduce(red_sh, tid, take_max):
@@ -143,20 +144,7 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
             # Scores of the round, KB keys per stage.
             for kb in range(0, n, KB):
                 nk = min(KB, n - kb)
-                # Four loads issued before their stores: a thread keeps several rows in flight.
-                top_e = nk * D - 1
-                for e0 in range(tid, nk * D, 4 * NT):
-                    e1 = min(e0 + NT, top_e)
-                    e2 = min(e0 + 2 * NT, top_e)
-                    e3 = min(e0 + 3 * NT, top_e)
-                    x0 = load(k_cache[page_sh[kb + e0 // D], offset_sh[kb + e0 // D], h, e0 % D])
-                    x1 = load(k_cache[page_sh[kb + e1 // D], offset_sh[kb + e1 // D], h, e1 % D])
-                    x2 = load(k_cache[page_sh[kb + e2 // D], offset_sh[kb + e2 // D], h, e2 % D])
-                    x3 = load(k_cache[page_sh[kb + e3 // D], offset_sh[kb + e3 // D], h, e3 % D])
-                    k_sh[e0 // D, e0 % D] = x0
-                    k_sh[e1 // D, e1 % D] = x1  # clamped duplicates rewrite the same value
-                    k_sh[e2 // D, e2 % D] = x2
-                    k_sh[e3 // D, e3 % D] = x3
+                stage_rows(k_cache, k_sh, page_sh, offset_sh, kb, h, nk, tid)
                 cuda.syncthreads()
                 if key < nk:
                     for g in range(group, G, GROUPS):

@@ -20,6 +20,7 @@ import math
 from typing import Any, Callable
 
 from executor.kernels.codec import Codec
+from executor.kernels.reduce import check_max_threads
 from executor.kernels.residual import UNROLL, VECTOR_UNROLL, elementwise_grid
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda
@@ -111,12 +112,10 @@ class Embedding:
     """
 
     def __init__(self, codec: Codec, max_threads: int = MAX_THREADS, vectorize: bool = True) -> None:
-        if max_threads < 32 or max_threads > 1024 or max_threads & (max_threads - 1):
-            raise ValueError(f"max_threads must be a power of two in [32, 1024], got {max_threads}")
         self.kernel = build_embedding_kernel(codec)
         self.vector_kernel = build_embedding_vector_kernel(codec) if vectorize else None
         self.lanes = lanes_for(codec)
-        self.max_threads = max_threads
+        self.max_threads = check_max_threads(max_threads)
 
     def uses_vector(self, table: Any, out: Any) -> bool:
         """Whether a call with these arrays runs the 16-byte vector kernel."""

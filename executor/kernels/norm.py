@@ -38,7 +38,7 @@ from typing import Any, Callable
 import numpy as np
 
 from executor.kernels.codec import Codec
-from executor.kernels.reduce import block_sum, threads_for
+from executor.kernels.reduce import block_sum, check_max_threads, threads_for
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda
 
@@ -355,9 +355,7 @@ def build_add_rms_norm_vector_kernel(codec: Codec, round_before_weight: bool) ->
 
 def block_limit(max_threads: int) -> int:
     """Validate a launcher's largest block size: a power of two within the shared scratch."""
-    if max_threads < 32 or max_threads > MAX_THREADS or max_threads & (max_threads - 1):
-        raise ValueError(f"max_threads must be a power of two in [32, {MAX_THREADS}], got {max_threads}")
-    return max_threads
+    return check_max_threads(max_threads, MAX_THREADS)
 
 
 def row_threads(rows: int, hidden: int, max_threads: int) -> int:

@@ -95,6 +95,13 @@ def _group_sum_shared(scratch, value, width):
     return total
 
 
+def check_max_threads(max_threads: int, upper: int = 1024) -> int:
+    """``max_threads`` after checking it is a power of two in [32, upper] (a launcher's block cap)."""
+    if max_threads < 32 or max_threads > upper or max_threads & (max_threads - 1):
+        raise ValueError(f"max_threads must be a power of two in [32, {upper}], got {max_threads}")
+    return max_threads
+
+
 def threads_for(num_elements: int, max_threads: int = 256) -> int:
     """A power-of-two block size covering ``num_elements``, at most ``max_threads``.
 

@@ -64,7 +64,7 @@ from typing import Any, Callable
 import numpy as np
 
 from executor.kernels.codec import _bit_casts
-from executor.kernels.reduce import threads_for
+from executor.kernels.reduce import check_max_threads, threads_for
 from executor.kernels.sampling import beats, better
 from executor.numba_cuda import load_cuda
 
@@ -329,10 +329,8 @@ class Sample:
     """
 
     def __init__(self, max_threads: int = MAX_THREADS) -> None:
-        if max_threads < 32 or max_threads > MAX_THREADS or max_threads & (max_threads - 1):
-            raise ValueError(f"max_threads must be a power of two in [32, {MAX_THREADS}], got {max_threads}")
         self.kernel = build_sample_kernel()
-        self.max_threads = max_threads
+        self.max_threads = check_max_threads(max_threads, MAX_THREADS)
 
     def __call__(self, logits: Any, temperature: Any, top_k: Any, seed: Any, step: Any, out_ids: Any,
                  stream: Any = 0) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from executor.kernels.reduce import threads_for
+from executor.kernels.reduce import check_max_threads, threads_for
 from executor.numba_cuda import load_cuda
 
 cuda = load_cuda()
@@ -104,10 +104,8 @@ class Argmax:
     """
 
     def __init__(self, max_threads: int = MAX_THREADS) -> None:
-        if max_threads < 32 or max_threads > MAX_THREADS or max_threads & (max_threads - 1):
-            raise ValueError(f"max_threads must be a power of two in [32, {MAX_THREADS}], got {max_threads}")
         self.kernel = build_argmax_kernel()
-        self.max_threads = max_threads
+        self.max_threads = check_max_threads(max_threads, MAX_THREADS)
 
     def __call__(self, logits: Any, out_ids: Any, stream: Any = 0) -> None:
         rows, vocab = logits.shape

@@ -77,12 +77,13 @@ class FullAttention:
         attention = k_.decode_attention if decode else k_.attention
         split = (a(step.role("attn_partial_out")), a(step.role("attn_partial_lse"))) if (
             self.split_decode and decode) else (None, None)
-        attention(
-            a(q), a(self.k_cache), a(self.v_cache), *(a(step.meta(name)) for name in (
-                "page_indices", "page_indptr", "last_page_len", "q_indptr", "batch_indices", "positions",
-                "request_indices", "qo_tile_indices", "kv_tile_indices", "kv_chunk_size", "total_num_rows")),
-            a(attn_out), self.scale, *split, stream=step.stream,
-        )
+        if step.num_tiles:  # none when every chunk of the step runs GEMM attention
+            attention(
+                a(q), a(self.k_cache), a(self.v_cache), *(a(step.meta(name)) for name in (
+                    "page_indices", "page_indptr", "last_page_len", "q_indptr", "batch_indices", "positions",
+                    "request_indices", "qo_tile_indices", "kv_tile_indices", "kv_chunk_size", "total_num_rows")),
+                a(attn_out), self.scale, *split, stream=step.stream,
+            )
         if step.gemm_requests:  # the long prefill chunks, which got no paged-attention tile
             self.gemm_attention(step, q, attn_out)
         if self.output_gate:
