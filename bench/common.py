@@ -7,6 +7,7 @@ Nothing here imports torch, numba or the executor at module import: a script's
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import math
 import shlex
@@ -62,6 +63,33 @@ def str_list(text: str) -> list[str]:
 
 
 # -- device -------------------------------------------------------------------------------------------------------
+
+
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's parser (its docstring as help) with ``--models``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc)
+    parser.add_argument("--models", type=str_list, default=None, help="comma-separated (default: qwen3-8b,qwen3.5-9b)")
+    return parser
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser, utilization_help: str, smoke_help: str) -> None:
+    """The arguments every benchmark shares: configs, memory share, seed, --smoke and --out."""
+    parser.add_argument("--hardware", default=None, help=f"default {GPU_HARDWARE} ({SIM_HARDWARE} with --smoke)")
+    parser.add_argument("--serving", default=None, help=f"default {GPU_SERVING} ({SIM_SERVING} with --smoke)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, help=utilization_help)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help=smoke_help)
+    parser.add_argument("--out", default=None, help="append the result as a markdown section to this file")
+
+
+def resolve_plan_arguments(args: argparse.Namespace) -> None:
+    """Fill the shared defaults after parsing: the models (tiny ones under --smoke), hardware, serving."""
+    if args.smoke:
+        args.models = [SMOKE_MODELS.get(m, m) for m in (args.models or DEFAULT_MODELS)]
+    args.models = args.models or list(DEFAULT_MODELS)
+    args.hardware = args.hardware or (SIM_HARDWARE if args.smoke else GPU_HARDWARE)
+    args.serving = args.serving or (SIM_SERVING if args.smoke else GPU_SERVING)
 
 
 def open_bench_device(smoke: bool) -> Device:
@@ -187,10 +215,6 @@ def recurrent_slot_bytes(plan: MemoryPlan) -> int:
     return sum(pool.buffer(name).bytes // pool.buffer(name).shape[1] for name in ("ssm_state", "conv_state"))
 
 
-def materialized_bytes(plan: MemoryPlan) -> int:
-    return sum(pool.bytes for pool in plan.pools if pool.materialized)
-
-
 def build_memplan(plan: MemoryPlan, device: Device, seed: int) -> tuple[Arena, DecoderModel]:
     """Materialize ``plan``, fill random weights of its shapes, and wire the model."""
     from executor.arena import materialize
@@ -203,11 +227,9 @@ def build_memplan(plan: MemoryPlan, device: Device, seed: int) -> tuple[Arena, D
 
 
 def capture_decode_graphs(model: DecoderModel) -> str:
-    """Capture the decode CUDA graphs when the executor offers them; says what happened."""
+    """Capture the decode CUDA graphs (not in the simulator); says what happened."""
     if model.device.is_sim:
         return "no (simulator)"
-    if not hasattr(model, "capture_decode_graphs"):
-        return "no (executor has no capture_decode_graphs)"
     start = time.perf_counter()
     try:
         model.capture_decode_graphs()
@@ -220,8 +242,7 @@ def capture_decode_graphs(model: DecoderModel) -> str:
 
 def graph_used(model: DecoderModel, batch: int) -> str:
     """Whether a decode step of ``batch`` requests replays a captured graph, and which bucket."""
-    graphs = getattr(model, "graphs", None)
-    bucket = graphs.bucket_for(batch) if graphs is not None else None
+    bucket = model.graphs.bucket_for(batch) if model.graphs is not None else None
     return "no" if bucket is None else f"yes ({bucket})"
 
 

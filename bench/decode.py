@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (  # noqa: E402
-    DEFAULT_MODELS, GPU_HARDWARE, GPU_SERVING, SIM_HARDWARE, SIM_SERVING, SMOKE_MODELS, build_hf, build_memplan,
-    capture_decode_graphs, copy_bandwidth_bytes_per_s, decode_chunks, emit, fmt, free_device_memory, graph_used,
-    hf_crop, hf_dynamic_cache, hf_forward, hf_prefill, int_list, kv_token_bytes, log, markdown_table, median,
-    open_bench_device, recurrent_slot_bytes, reset_slots, run_info, sample_ms, sized_plan, str_list,
+    add_plan_arguments, bench_parser, build_hf, build_memplan, capture_decode_graphs, copy_bandwidth_bytes_per_s,
+    decode_chunks, emit, fmt, free_device_memory, graph_used, hf_crop, hf_dynamic_cache, hf_forward, hf_prefill,
+    int_list, kv_token_bytes, log, markdown_table, median, open_bench_device, recurrent_slot_bytes, reset_slots,
+    resolve_plan_arguments, run_info, sample_ms, sized_plan,
 )
 
 if TYPE_CHECKING:
@@ -273,9 +273,7 @@ def notes(cells: list[Cell], plans: dict[str, MemoryPlan], bandwidth_bytes_per_s
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--models", type=str_list, default=None, help="comma-separated (default: qwen3-8b,qwen3.5-9b)")
+    parser = bench_parser(__doc__)
     parser.add_argument("--batches", type=int_list, default=None, help="default 1,8,32,64")
     parser.add_argument("--contexts", type=int_list, default=None, help="cached tokens per request; default 512,4096")
     parser.add_argument("--hf-compile-batches", type=int_list, default=[1, 32],
@@ -292,28 +290,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-prefill-rows", type=int, default=16384,
                         help="token rows per HF forward while filling a cache")
     parser.add_argument("--copy-gib", type=float, default=2.0, help="size of each buffer of the bandwidth copy")
-    parser.add_argument("--hardware", default=None, help=f"default {GPU_HARDWARE} ({SIM_HARDWARE} with --smoke)")
-    parser.add_argument("--serving", default=None, help=f"default {GPU_SERVING} ({SIM_SERVING} with --smoke)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="default: the smallest that holds max batch x max context")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny configs (tiny-qwen3, tiny-qwen3.5) in the simulator, B 1,2, C 8, HF on CPU "
-                             "(the compiled cell B 1 C 8 with dynamo's eager backend)")
-    parser.add_argument("--out", default=None, help="append the result as a markdown section to this file")
+    add_plan_arguments(parser, "default: the smallest that holds max batch x max context",
+                       "tiny configs (tiny-qwen3, tiny-qwen3.5) in the simulator, B 1,2, C 8, HF on CPU "
+                       "(the compiled cell B 1 C 8 with dynamo's eager backend)")
     args = parser.parse_args(argv)
+    resolve_plan_arguments(args)
     if args.smoke:
-        args.models = [SMOKE_MODELS.get(m, m) for m in (args.models or DEFAULT_MODELS)]
         args.batches, args.contexts = args.batches or [1, 2], args.contexts or [8]
         args.hf_compile_batches, args.hf_compile_contexts = [1], [8]  # on CPU: dynamo with the eager backend
         args.hf_compile_warmup = 2
         args.hf_prefill_rows = 4  # several HF prefill forwards per cache: the chunked path
         args.warmup, args.repeats, args.hf_warmup, args.hf_repeats = 1, 2, 1, 2
         args.copy_gib = min(args.copy_gib, 1 / 64)
-    args.models = args.models or list(DEFAULT_MODELS)
     args.batches, args.contexts = args.batches or [1, 8, 32, 64], args.contexts or [512, 4096]
-    args.hardware = args.hardware or (SIM_HARDWARE if args.smoke else GPU_HARDWARE)
-    args.serving = args.serving or (SIM_SERVING if args.smoke else GPU_SERVING)
     return args
 
 

@@ -40,9 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (  # noqa: E402
-    DEFAULT_MODELS, GPU_HARDWARE, GPU_SERVING, SIM_HARDWARE, SIM_SERVING, SMOKE_MODELS, capture_decode_graphs,
-    decode_chunks, emit, int_list, log, markdown_table, materialized_bytes, open_bench_device, reset_slots,
-    run_info, str_list,
+    add_plan_arguments, bench_parser, capture_decode_graphs, decode_chunks, emit, int_list, log, markdown_table,
+    open_bench_device, reset_slots, resolve_plan_arguments, run_info,
 )
 
 if TYPE_CHECKING:
@@ -152,6 +151,8 @@ def measure(model_name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def budget_rows(plan: MemoryPlan, pool_bytes: dict[str, int], snaps: dict[str, dict[str, int] | None]) -> list[list]:
     """[line, planned bytes, measured bytes or None, how measured] for every budget line."""
+    from executor.run_report import materialized_bytes
+
     def delta(later: str, earlier: str, key: str) -> int | None:
         a, b = snaps[later], snaps[earlier]
         return None if a is None or b is None else a[key] - b[key]
@@ -235,29 +236,19 @@ def report(results: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--models", type=str_list, default=None, help="comma-separated (default: qwen3-8b,qwen3.5-9b)")
+    parser = bench_parser(__doc__)
     parser.add_argument("--batches", type=int_list, default=None, help="as bench/decode.py; default 1,8,32,64")
     parser.add_argument("--contexts", type=int_list, default=None, help="as bench/decode.py; default 512,4096")
     parser.add_argument("--steps", type=int, default=20, help="steps counted for allocations after warm-up")
-    parser.add_argument("--hardware", default=None, help=f"default {GPU_HARDWARE} ({SIM_HARDWARE} with --smoke)")
-    parser.add_argument("--serving", default=None, help=f"default {GPU_SERVING} ({SIM_SERVING} with --smoke)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="default: as bench/decode.py, the smallest that holds max batch x max context")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--smoke", action="store_true", help="tiny configs in the simulator (measured lines n/a)")
+    add_plan_arguments(parser, "default: as bench/decode.py, the smallest that holds max batch x max context",
+                       "tiny configs in the simulator (measured lines n/a)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=None, help="append the result as a markdown section to this file")
     args = parser.parse_args(argv)
+    resolve_plan_arguments(args)
     if args.smoke:
-        args.models = [SMOKE_MODELS.get(m, m) for m in (args.models or DEFAULT_MODELS)]
         args.batches, args.contexts = args.batches or [1, 2], args.contexts or [8]
         args.steps = min(args.steps, 2)
-    args.models = args.models or list(DEFAULT_MODELS)
     args.batches, args.contexts = args.batches or [1, 8, 32, 64], args.contexts or [512, 4096]
-    args.hardware = args.hardware or (SIM_HARDWARE if args.smoke else GPU_HARDWARE)
-    args.serving = args.serving or (SIM_SERVING if args.smoke else GPU_SERVING)
     return args
 
 

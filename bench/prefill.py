@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (  # noqa: E402
-    DEFAULT_MODELS, GPU_HARDWARE, GPU_SERVING, SIM_HARDWARE, SIM_SERVING, SMOKE_MODELS, build_hf, build_memplan,
-    emit, fmt, free_device_memory, hf_dynamic_cache, hf_forward, int_list, log, markdown_table, matmul_flops_per_s,
-    median, open_bench_device, reset_slots, run_info, sample_ms, sized_plan, str_list,
+    add_plan_arguments, bench_parser, build_hf, build_memplan, emit, fmt, free_device_memory, hf_dynamic_cache,
+    hf_forward, int_list, log, markdown_table, matmul_flops_per_s, median, open_bench_device, reset_slots,
+    resolve_plan_arguments, run_info, sample_ms, sized_plan,
 )
 
 if TYPE_CHECKING:
@@ -209,9 +209,7 @@ def notes(cells: list[Cell], plans: dict[str, MemoryPlan], matmul_rate: float, a
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--models", type=str_list, default=None, help="comma-separated (default: qwen3-8b,qwen3.5-9b)")
+    parser = bench_parser(__doc__)
     parser.add_argument("--prompts", type=int_list, default=None, help="prompt lengths; default 512,4096,16384")
     parser.add_argument("--max-prefill-tokens", type=int, default=None,
                         help="the plan's prefill chunk; default the longest prompt (one step)")
@@ -222,25 +220,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-profile", dest="profile", action="store_false", help="skip the torch.profiler run")
     parser.add_argument("--matmul-size", type=int, default=8192)
-    parser.add_argument("--hardware", default=None, help=f"default {GPU_HARDWARE} ({SIM_HARDWARE} with --smoke)")
-    parser.add_argument("--serving", default=None, help=f"default {GPU_SERVING} ({SIM_SERVING} with --smoke)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="default: the smallest that holds the longest prompt")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny configs in the simulator, prompts 8,24 in chunks of 16, HF on CPU")
-    parser.add_argument("--out", default=None, help="append the result as a markdown section to this file")
+    add_plan_arguments(parser, "default: the smallest that holds the longest prompt",
+                       "tiny configs in the simulator, prompts 8,24 in chunks of 16, HF on CPU")
     args = parser.parse_args(argv)
+    resolve_plan_arguments(args)
     if args.smoke:
-        args.models = [SMOKE_MODELS.get(m, m) for m in (args.models or DEFAULT_MODELS)]
         args.prompts = args.prompts or [8, 24]
         args.max_prefill_tokens = args.max_prefill_tokens or 16  # 24 tokens: two steps, the chunked path
         args.warmup, args.repeats, args.hf_warmup, args.hf_repeats = 0, 1, 0, 1
         args.matmul_size = min(args.matmul_size, 256)
-    args.models = args.models or list(DEFAULT_MODELS)
     args.prompts = args.prompts or [512, 4096, 16384]
-    args.hardware = args.hardware or (SIM_HARDWARE if args.smoke else GPU_HARDWARE)
-    args.serving = args.serving or (SIM_SERVING if args.smoke else GPU_SERVING)
     return args
 
 
