@@ -63,13 +63,26 @@ def default_block_keys(head_dim: int, packed_rows: int, rows_per_tile: int) -> i
     return min(64, 1 << (fit.bit_length() - 1))
 
 
-def build_stage_rows(load: Any, head_dim: int, threads: int) -> Any:
-    """Device function ``stage_rows(cache, kv_sh, page_sh, offset_sh, first, kv_head, nk, tid)``:
-    kv_sh[kk, :] <- float32 (``load``) of the cache row of key ``first + kk`` of the staged page ids
-    and offsets (page_sh, offset_sh), for kk < nk, with ``threads`` threads and four loads in flight
-    per thread (issued before their stores; indices past the block repeat its last element). Shared
-    by the prefill and decode attention kernels."""
+def build_kv_staging(load: Any, head_dim: int, threads: int) -> tuple[Any, Any]:
+    """The K/V staging device functions the prefill and decode attention kernels share, for blocks of
+    ``threads`` threads:
+
+    - ``stage_pages(page_indices, page_base, page_size, first_pos, n, page_sh, offset_sh, tid)``: page
+      id and in-page offset of keys first_pos .. first_pos + n - 1 into page_sh / offset_sh, once per
+      key (not per element: a runtime division);
+    - ``stage_rows(cache, kv_sh, page_sh, offset_sh, first, kv_head, nk, tid)``: kv_sh[kk, :] <-
+      float32 (``load``) of the cache row of staged key ``first + kk``, for kk < nk, four loads in
+      flight per thread (issued before their stores; indices past the block repeat its last element).
+    """
     D, NT = head_dim, threads
+
+    @cuda.jit(device=True, inline=True)
+    def stage_pages(page_indices, page_base, page_size, first_pos, n, page_sh, offset_sh, tid):
+        for kk in range(tid, n, NT):
+            pos = first_pos + kk
+            logical = pos // page_size
+            page_sh[kk] = page_indices[page_base + logical]
+            offset_sh[kk] = pos - logical * page_size
 
     @cuda.jit(device=True, inline=True)
     def stage_rows(cache, kv_sh, page_sh, offset_sh, first, kv_head, nk, tid):
@@ -87,7 +100,7 @@ def build_stage_rows(load: Any, head_dim: int, threads: int) -> Any:
             kv_sh[e2 // D, e2 % D] = x2
             kv_sh[e3 // D, e3 % D] = x3
 
-    return stage_rows
+    return stage_pages, stage_rows
 
 
 def build_paged_attention(
@@ -130,7 +143,7 @@ def build_paged_attention(
         k1 = min(k0 + chunk, positions[row_end - 1] + 1, kv_len)
         return b, row0, row_end, k0, k1
 
-    stage_rows = build_stage_rows(load, D, NT)
+    stage_pages, stage_rows = build_kv_staging(load, D, NT)
 
     @cuda.jit(device=True, inline=True)  # inlined in Numba IR: no separate device compile
     def attend(q, k_cache, v_cache, page_indices, page_base, kv_head, row0, row_end, k0, k1, positions, scale,
@@ -155,12 +168,7 @@ def build_paged_attention(
         cuda.syncthreads()
         for kb0 in range(k0, k1, KB):
             nk = min(KB, k1 - kb0)
-            # Page id and in-page offset once per key, not per element (a runtime division).
-            for kk in range(tid, nk, NT):
-                pos = kb0 + kk
-                logical = pos // page_size
-                page_sh[kk] = page_indices[page_base + logical]
-                offset_sh[kk] = pos - logical * page_size
+            stage_pages(page_indices, page_base, page_size, kb0, nk, page_sh, offset_sh, tid)
             cuda.syncthreads()
             stage_rows(k_cache, kv_sh, page_sh, offset_sh, 0, kv_head, nk, tid)
             cuda.syncthreads()

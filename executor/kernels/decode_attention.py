@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from executor.kernels.attention import build_stage_rows, check_heads
+from executor.kernels.attention import build_kv_staging, check_heads
 from executor.kernels.codec import Codec
 from executor.kernels.reduce import threads_for
 from executor.numba_cuda import load_cuda
@@ -71,7 +71,7 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     DPT = -(-D // NT)  # head-dim elements each thread owns in P @ V
     D_PAD = D + 1
     ACC = G * DPT  # local-array extents must be plain constants
-    stage_rows = build_stage_rows(load, D, NT)
+    stage_pages, stage_rows = build_kv_staging(load, D, NT)
 
     @cuda.jit(device=True, inline=True)
     def tree_reduce(red_sh, tid, take_max):
@@ -135,11 +135,7 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
 
         for r0 in range(k0, k1, SUB):
             n = min(SUB, k1 - r0)
-            for kk in range(tid, n, NT):
-                pos = r0 + kk
-                logical = pos // page_size
-                page_sh[kk] = page_indices[page_base + logical]
-                offset_sh[kk] = pos - logical * page_size
+            stage_pages(page_indices, page_base, page_size, r0, n, page_sh, offset_sh, tid)
             cuda.syncthreads()
             # Scores of the round, KB keys per stage.
             for kb in range(0, n, KB):
