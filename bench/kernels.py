@@ -120,14 +120,8 @@ class Env:
         return self._streams[handle]
 
     def arg(self, tensor: Any) -> Any:
-        """A tensor as a kernel argument: bf16 as int16 bits; a view, never a copy."""
-        if tensor.dtype == self.torch.bfloat16:
-            tensor = tensor.view(self.torch.int16)
-        if self.smoke:
-            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-            return FakeCUDAArray(tensor.numpy())
-        return self.cuda.as_cuda_array(tensor, sync=False)
+        """A tensor as a kernel argument: the tensor itself (executor.kernels.launch takes torch tensors)."""
+        return tensor
 
     def randn(self, *shape: int, scale: float = 1.0, shift: float = 0.0) -> Any:
         t = self.torch.randn(*shape, device=self.device) * scale + shift

@@ -1,8 +1,8 @@
 """Where kernels run: a CUDA GPU, or the Numba CUDA simulator over host memory.
 
-The executor is written once against torch tensors. A ``Device`` says which
-torch device holds the arena, how a tensor is handed to a Numba kernel, and
-which stream kernels launch on, so the simulator runs the same code path.
+The executor is written once against torch tensors, which kernels take as they
+are (executor.kernels.launch). A ``Device`` says which torch device holds the
+arena and which stream kernels launch on, so the simulator runs the same code path.
 """
 
 from __future__ import annotations
@@ -58,19 +58,6 @@ class Device:
         if stream is None:
             stream = self._numba_streams[handle] = load_cuda().external_stream(handle)
         return stream
-
-    def array(self, tensor: torch.Tensor) -> Any:
-        """The kernel-argument form of ``tensor``: bf16 as int16 bits; a wrapped numpy view in the
-        simulator. A view of the same memory (host objects only; no device allocation)."""
-        if tensor.dtype == torch.bfloat16:
-            tensor = tensor.view(torch.int16)
-        if self.is_sim:
-            # Wrap, don't copy: the simulator would copy a plain numpy argument
-            # in and out, which breaks strided views and in-place kernels.
-            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-            return FakeCUDAArray(tensor.numpy())
-        return load_cuda().as_cuda_array(tensor, sync=False)
 
     def synchronize(self) -> None:
         if not self.is_sim:

@@ -27,6 +27,7 @@ from executor.kernels.reduce import check_max_threads, threads_for
 from executor.kernels.residual import UNROLL, VECTOR_UNROLL, elementwise_grid
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda
+from executor.kernels.launch import Kernel
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
@@ -220,8 +221,8 @@ class SiluMul:
     """
 
     def __init__(self, codec: Codec, max_threads: int = MAX_THREADS, vectorize: bool = True) -> None:
-        self.kernel = build_silu_mul_kernel(codec)
-        self.vector_kernel = build_silu_mul_vector_kernel(codec) if vectorize else None
+        self.kernel = Kernel(build_silu_mul_kernel(codec))
+        self.vector_kernel = Kernel(build_silu_mul_vector_kernel(codec)) if vectorize else None
         self.lanes = lanes_for(codec)
         self.max_threads = check_max_threads(max_threads)
 
@@ -255,8 +256,8 @@ class SigmoidMulInplace:
     """
 
     def __init__(self, codec: Codec, max_threads: int = MAX_THREADS, vectorize: bool = True) -> None:
-        self.kernel = build_sigmoid_mul_inplace_kernel(codec)
-        self.vector_kernel = build_sigmoid_mul_inplace_vector_kernel(codec) if vectorize else None
+        self.kernel = Kernel(build_sigmoid_mul_inplace_kernel(codec))
+        self.vector_kernel = Kernel(build_sigmoid_mul_inplace_vector_kernel(codec)) if vectorize else None
         self.lanes = lanes_for(codec)
         self.max_threads = check_max_threads(max_threads)
 

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from executor.kernels.codec import Codec
+from executor.kernels.launch import Kernel
 from executor.kernels.reduce import threads_for
 from executor.numba_cuda import load_cuda
 
@@ -398,9 +399,8 @@ class PagedAttention:
         if threads & (threads - 1) or threads < 32:
             raise ValueError(f"threads must be a power of two >= 32, got {threads}")
         self.head_dim, self.group_size, self.rows_per_tile, self.threads = head_dim, group_size, rows_per_tile, threads
-        self.direct, self.split, self.merge = build_paged_attention(
-            codec, head_dim, group_size, rows_per_tile, threads, block_keys
-        )
+        self.direct, self.split, self.merge = (Kernel(kernel) for kernel in build_paged_attention(
+            codec, head_dim, group_size, rows_per_tile, threads, block_keys))
 
     def plan_tiles(self, q_indptr: Any, kv_lens: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
         """``plan_tiles`` with this launcher's rows_per_tile."""

@@ -33,6 +33,7 @@ from typing import Any
 from executor.kernels.codec import Codec
 from executor.kernels.reduce import threads_for
 from executor.numba_cuda import load_cuda
+from executor.kernels.launch import Kernel
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
@@ -156,7 +157,7 @@ class CausalConv1d:
             raise ValueError(f"causal_conv1d: rows_per_tile must be >= 1, got {rows_per_tile}")
         self.kernel_size = kernel_size
         self.rows_per_tile = rows_per_tile
-        self.kernel = build_causal_conv1d(codec, kernel_size)
+        self.kernel = Kernel(build_causal_conv1d(codec, kernel_size))
 
     def __call__(
         self,

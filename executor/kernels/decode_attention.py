@@ -31,6 +31,7 @@ import numpy as np
 
 from executor.kernels.attention import build_kv_staging, check_heads
 from executor.kernels.codec import Codec
+from executor.kernels.launch import Kernel
 from executor.kernels.reduce import threads_for
 from executor.numba_cuda import load_cuda
 
@@ -274,8 +275,8 @@ class DecodeAttention:
         # One thread per head-dim element in P @ V by default (D = 128 or 256 on Qwen).
         self.threads = threads or max(32, min(256, 1 << (head_dim - 1).bit_length()))
         self.head_dim, self.group_size, self.merge = head_dim, group_size, merge
-        self.direct, self.split = build_decode_attention(codec, head_dim, group_size, self.threads, round_keys,
-                                                         block_keys)
+        self.direct, self.split = (Kernel(kernel) for kernel in build_decode_attention(
+            codec, head_dim, group_size, self.threads, round_keys, block_keys))
 
     def __call__(self, q: Any, k_cache: Any, v_cache: Any, page_indices: Any, page_indptr: Any, last_page_len: Any,
                  q_indptr: Any, batch_indices: Any, positions: Any, request_indices: Any, qo_tile_indices: Any,

@@ -33,6 +33,7 @@ from typing import Any
 
 from executor.kernels.codec import Codec
 from executor.numba_cuda import load_cuda
+from executor.kernels.launch import Kernel
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
@@ -239,7 +240,7 @@ class GdnGates:
     """
 
     def __init__(self, codec: Codec, param_codec: Codec | None = None) -> None:
-        self.kernel = build_gdn_gates(codec, param_codec)
+        self.kernel = Kernel(build_gdn_gates(codec, param_codec))
 
     def __call__(self, a: Any, b: Any, A_log: Any, dt_bias: Any, g_out: Any, beta_out: Any, stream: Any = 0) -> None:
         if len(a.shape) != 2:
@@ -290,7 +291,7 @@ class GatedDeltaRule:
         if dv_tile * dk_split > 1024:
             raise ValueError(f"gated_delta_rule: dv_tile * dk_split must be <= 1024, got {dv_tile * dk_split}")
         self.dk_split = dk_split
-        self.kernel = build_gated_delta_rule(codec, head_k_dim, rows_per_stage, dk_split)
+        self.kernel = Kernel(build_gated_delta_rule(codec, head_k_dim, rows_per_stage, dk_split))
 
     def __call__(
         self,

@@ -24,6 +24,7 @@ from executor.kernels.reduce import check_max_threads
 from executor.kernels.residual import UNROLL, VECTOR_UNROLL, elementwise_grid
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda
+from executor.kernels.launch import Kernel
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
@@ -112,8 +113,8 @@ class Embedding:
     """
 
     def __init__(self, codec: Codec, max_threads: int = MAX_THREADS, vectorize: bool = True) -> None:
-        self.kernel = build_embedding_kernel(codec)
-        self.vector_kernel = build_embedding_vector_kernel(codec) if vectorize else None
+        self.kernel = Kernel(build_embedding_kernel(codec))
+        self.vector_kernel = Kernel(build_embedding_vector_kernel(codec)) if vectorize else None
         self.lanes = lanes_for(codec)
         self.max_threads = check_max_threads(max_threads)
 

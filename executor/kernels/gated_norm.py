@@ -28,6 +28,7 @@ import numpy as np
 from executor.kernels.codec import Codec
 from executor.kernels.reduce import block_sum, threads_for
 from executor.numba_cuda import load_cuda
+from executor.kernels.launch import Kernel
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
@@ -80,7 +81,7 @@ class GatedRmsNorm:
     """
 
     def __init__(self, codec: Codec) -> None:
-        self.kernel = build_gated_rms_norm(codec)
+        self.kernel = Kernel(build_gated_rms_norm(codec))
 
     def __call__(self, x: Any, z: Any, weight: Any, out: Any, eps: float, stream: Any = 0) -> None:
         if len(x.shape) != 3:

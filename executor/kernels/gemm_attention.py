@@ -11,7 +11,7 @@ Between them sit these kernels:
 - ``CausalSoftmax``: each float32 score row -> its probabilities in the
   activation dtype, ``exp(scale * s - m) / l`` over the keys the row's query
   may see (``j <= position``) and 0 beyond it (the tile's later rows see more
-  keys, so its GEMM spans them all).
+  keys, so its GEMM spans them all). A warp per row.
 """
 
 from __future__ import annotations
@@ -22,13 +22,17 @@ from typing import Any
 import numpy as np
 
 from executor.kernels.codec import Codec
-from executor.kernels.reduce import block_max, block_sum, threads_for
+from executor.kernels.reduce import build_group_max, build_group_sum
 from executor.numba_cuda import load_cuda, simulator_enabled
+from executor.kernels.launch import Kernel
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
 
-MAX_THREADS = 256  # the softmax's shared reduction scratch
+SOFTMAX_ROWS_PER_BLOCK = 8  # warps (rows) per softmax block on the GPU
+#: Score loads each softmax lane keeps in flight: one 128-byte warp load at a time left the sweep
+#: latency-bound (1.2 TB/s at 4096 keys on the H200).
+SOFTMAX_UNROLL = 4
 #: gather: elements each thread copies (consecutive threads take consecutive elements).
 GATHER_PER_THREAD = 4
 
@@ -66,7 +70,7 @@ class GatherKv:
     """
 
     def __init__(self) -> None:
-        self.kernel = build_gather_kv()
+        self.kernel = Kernel(build_gather_kv())
         self.threads = 32 if simulator_enabled() else 256
 
     def __call__(self, k_cache: Any, v_cache: Any, page_indices: Any, page_start: int, num_tokens: int,
@@ -88,41 +92,63 @@ class GatherKv:
                                                   np.int32(num_tokens), keys, values)
 
 
-def build_causal_softmax(codec: Codec) -> Any:
+def build_causal_softmax(codec: Codec, lanes: int, rows_per_block: int) -> Any:
     """Kernel ``(scores [R', K] f32, probs [R', K] storage, rows_per_head, first_position, scale f32)``.
 
     Row i is query row ``t = i % rows_per_head`` of its (kv head, group member) block, at position
-    ``first_position + t``; it sees keys ``0 .. first_position + t``. One block per row: a max and
-    a sum over the visible keys (online, one pass), then the normalised probabilities.
+    ``first_position + t``; it sees keys ``0 .. first_position + t``. ``lanes`` threads (a warp on
+    the GPU) own a row, ``rows_per_block`` rows a block: a tile's rows are a few thousand keys
+    long, too short to keep a whole block busy through block-wide reductions, and a warp reduces
+    with shuffles and no barrier. Three sweeps of the row, SOFTMAX_UNROLL loads per lane at a
+    time: its maximum, the sum of exponentials, the probabilities; the second and third re-read
+    the row from cache, so DRAM sees each score once and each probability once. ``scale`` must be
+    > 0 (max(scale x) = scale max(x)).
     """
     store = codec.store
+    group_max, group_sum = build_group_max(), build_group_sum()
+    threads = lanes * rows_per_block
 
     @cuda.jit
     def causal_softmax_kernel(scores, probs, rows_per_head, first_position, scale):
-        scratch = cuda.shared.array(MAX_THREADS, float32)
-        row = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
-        step = cuda.blockDim.x
-        keys = scores.shape[1]
-        visible = min(keys, first_position + row % rows_per_head + 1)
-        running_max = float32(-math.inf)
-        running_sum = float32(0.0)
-        for j in range(tid, visible, step):
-            x = scores[row, j] * scale
-            if x > running_max:
-                running_sum = running_sum * float32(math.exp(running_max - x)) + float32(1.0)
-                running_max = x
-            else:
-                running_sum += float32(math.exp(x - running_max))
-        row_max = block_max(scratch, running_max)
-        # A thread that saw no key has max -inf and sum 0: its share is 0, not exp(nan).
-        share = running_sum * float32(math.exp(running_max - row_max)) if running_sum > 0 else float32(0.0)
-        inverse = float32(1.0) / block_sum(scratch, share)
-        for j in range(tid, keys, step):
-            p = float32(0.0)
-            if j < visible:
-                p = float32(math.exp(scores[row, j] * scale - row_max)) * inverse
-            probs[row, j] = store(p)
+        scratch = cuda.shared.array(threads, float32)  # the simulator's group reductions
+        x = cuda.local.array(SOFTMAX_UNROLL, float32)  # registers: UNROLL loads in flight per lane
+        lane = cuda.threadIdx.x % lanes
+        row = cuda.blockIdx.x * rows_per_block + cuda.threadIdx.x // lanes
+        num_rows, keys = scores.shape
+        visible = 0  # a row past the end still joins its group's reductions
+        if row < num_rows:
+            visible = min(keys, first_position + row % rows_per_head + 1)
+        # Loads are clamped to the last visible key so that they are unconditional (issued together)
+        # and in the row; the duplicates are harmless to the max and left out of the sum.
+        last = max(visible - 1, 0)
+        sweep = SOFTMAX_UNROLL * lanes
+        row_max = float32(-math.inf)
+        for j in range(lane, visible, sweep):
+            for u in range(SOFTMAX_UNROLL):
+                x[u] = scores[row, min(j + u * lanes, last)]
+            for u in range(SOFTMAX_UNROLL):
+                row_max = max(row_max, x[u])
+        row_max = group_max(scratch, row_max, lanes) * scale
+        total = float32(0.0)
+        for j in range(lane, visible, sweep):
+            for u in range(SOFTMAX_UNROLL):
+                x[u] = scores[row, min(j + u * lanes, last)]
+            for u in range(SOFTMAX_UNROLL):
+                if j + u * lanes < visible:
+                    total += float32(math.exp(x[u] * scale - row_max))
+        total = group_sum(scratch, total, lanes)
+        if row < num_rows:  # visible >= 1: the row's maximum adds exp(0) = 1 to its sum
+            inverse = float32(1.0) / total
+            for j in range(lane, keys, sweep):
+                for u in range(SOFTMAX_UNROLL):
+                    x[u] = scores[row, min(j + u * lanes, last)]
+                for u in range(SOFTMAX_UNROLL):
+                    k = j + u * lanes
+                    if k < keys:
+                        p = float32(0.0)
+                        if k < visible:
+                            p = float32(math.exp(x[u] * scale - row_max)) * inverse
+                        probs[row, k] = store(p)
 
     return causal_softmax_kernel
 
@@ -134,11 +160,13 @@ class CausalSoftmax:
     - probs [R', K] storage dtype (not in place).
     - rows_per_head: query rows of the tile; first_position: the position of its first row
       (row t sees keys 0 .. first_position + t, which must be < K + 1).
+    - scale: > 0.
     """
 
     def __init__(self, codec: Codec) -> None:
-        self.kernel = build_causal_softmax(codec)
-        self.max_threads = 32 if simulator_enabled() else MAX_THREADS
+        # A warp per row on the GPU; 4 threads per row in the simulator, where threads are Python threads.
+        self.lanes, self.rows_per_block = (4, 2) if simulator_enabled() else (32, SOFTMAX_ROWS_PER_BLOCK)
+        self.kernel = Kernel(build_causal_softmax(codec, self.lanes, self.rows_per_block))
 
     def __call__(self, scores: Any, probs: Any, rows_per_head: int, first_position: int, scale: float,
                  stream: Any = 0) -> None:
@@ -148,7 +176,10 @@ class CausalSoftmax:
         if rows % rows_per_head or first_position < 0 or first_position + rows_per_head > keys:
             raise ValueError(f"causal_softmax: {rows} rows of {rows_per_head} per head from position "
                              f"{first_position} do not fit {keys} keys")
+        if not scale > 0:
+            raise ValueError(f"causal_softmax: scale must be > 0, got {scale}")
         if rows == 0:
             return
-        self.kernel[rows, threads_for(keys, self.max_threads), stream](
+        blocks = -(-rows // self.rows_per_block)
+        self.kernel[blocks, self.lanes * self.rows_per_block, stream](
             scores, probs, np.int32(rows_per_head), np.int32(first_position), np.float32(scale))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from executor.kernels.launch import Kernel
 from executor.kernels.reduce import threads_for
 from executor.numba_cuda import load_cuda
 
@@ -45,36 +46,30 @@ def write_kv_kernel(k, v, k_cache, v_cache, batch_indices, positions, page_indic
         v_cache[page, slot, head, d] = v[t, head, d]
 
 
-def write_kv(
-    k: Any,
-    v: Any,
-    k_cache: Any,
-    v_cache: Any,
-    batch_indices: Any,
-    positions: Any,
-    page_indices: Any,
-    page_indptr: Any,
-    stream: Any = 0,
-) -> None:
-    """Write the step's K/V rows into the paged cache (in place on ``k_cache``/``v_cache``).
+class WriteKv:
+    """Launcher: write a step's K/V rows into the paged cache (in place on ``k_cache``/``v_cache``).
 
     Shapes: ``k, v [T, Hkv, D]``; ``k_cache, v_cache [num_pages, S, Hkv, D]`` of the
-    same storage dtype as ``k``/``v`` (float32, or int16 bits of bfloat16);
+    same storage dtype as ``k``/``v`` (float32, bfloat16, or its int16 bits);
     ``batch_indices, positions [T]`` int32; ``page_indices [P]``, ``page_indptr [B+1]``
     int32. Launches ``T x Hkv`` blocks on ``stream``; allocates nothing. T is taken
     from ``k.shape[0]``: the caller slices the row buffers to the active rows (or
     points padding rows at page 0).
     """
-    num_rows, num_kv_heads, head_dim = k.shape
-    if tuple(v.shape) != (num_rows, num_kv_heads, head_dim):
-        raise ValueError(f"write_kv: v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
-    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
-        raise ValueError(
-            f"write_kv: cache [.., S, Hkv, D] = {tuple(k_cache.shape)} does not match k [T, Hkv, D] = {tuple(k.shape)}"
+
+    def __init__(self) -> None:
+        self.kernel = Kernel(write_kv_kernel)
+
+    def __call__(self, k: Any, v: Any, k_cache: Any, v_cache: Any, batch_indices: Any, positions: Any,
+                 page_indices: Any, page_indptr: Any, stream: Any = 0) -> None:
+        num_rows, num_kv_heads, head_dim = k.shape
+        if tuple(v.shape) != (num_rows, num_kv_heads, head_dim):
+            raise ValueError(f"write_kv: v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
+        if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
+            raise ValueError(f"write_kv: cache [.., S, Hkv, D] = {tuple(k_cache.shape)} does not match "
+                             f"k [T, Hkv, D] = {tuple(k.shape)}")
+        if num_rows == 0:
+            return
+        self.kernel[(num_rows, num_kv_heads), threads_for(head_dim), stream](
+            k, v, k_cache, v_cache, batch_indices, positions, page_indices, page_indptr
         )
-    if num_rows == 0:
-        return
-    grid = (num_rows, num_kv_heads)
-    write_kv_kernel[grid, threads_for(head_dim), stream](
-        k, v, k_cache, v_cache, batch_indices, positions, page_indices, page_indptr
-    )

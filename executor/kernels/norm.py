@@ -41,6 +41,7 @@ from executor.kernels.codec import Codec
 from executor.kernels.reduce import block_sum, check_max_threads, threads_for
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda
+from executor.kernels.launch import Kernel
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
@@ -406,8 +407,8 @@ class RmsNorm:
     def __init__(
         self, codec: Codec, round_before_weight: bool, max_threads: int = DEFAULT_THREADS, vectorize: bool = True
     ) -> None:
-        self.kernel = build_rms_norm_kernel(codec, round_before_weight)
-        self.vector_kernel = build_rms_norm_vector_kernel(codec, round_before_weight) if vectorize else None
+        self.kernel = Kernel(build_rms_norm_kernel(codec, round_before_weight))
+        self.vector_kernel = Kernel(build_rms_norm_vector_kernel(codec, round_before_weight)) if vectorize else None
         self.lanes = lanes_for(codec)
         self.max_threads = block_limit(max_threads)
 
@@ -438,8 +439,8 @@ class AddRmsNormInplace:
     def __init__(
         self, codec: Codec, round_before_weight: bool, max_threads: int = DEFAULT_THREADS, vectorize: bool = True
     ) -> None:
-        self.kernel = build_add_rms_norm_kernel(codec, round_before_weight)
-        self.vector_kernel = build_add_rms_norm_vector_kernel(codec, round_before_weight) if vectorize else None
+        self.kernel = Kernel(build_add_rms_norm_kernel(codec, round_before_weight))
+        self.vector_kernel = Kernel(build_add_rms_norm_vector_kernel(codec, round_before_weight)) if vectorize else None
         self.lanes = lanes_for(codec)
         self.max_threads = block_limit(max_threads)
 

@@ -4,10 +4,10 @@ The simulator has no warp shuffles, so the block reductions here go through a
 shared scratch array of blockDim.x float32 (blockDim.x a power of two). Each
 call ends with a barrier, so the scratch can be reused by the next call.
 
-``build_group_sum`` sums over aligned groups of ``width`` threads (a power of
-two <= 32): xor shuffles on the GPU, the shared scratch in the simulator. Both
-add in the same tree order (a + b == b + a in IEEE arithmetic), so both give
-the same bits, on every thread of the group.
+``build_group_sum`` and ``build_group_max`` reduce over aligned groups of
+``width`` threads (a power of two <= 32): xor shuffles on the GPU, the shared
+scratch in the simulator. Both combine in the same tree order (a + b == b + a
+in IEEE arithmetic), so both give the same bits, on every thread of the group.
 """
 
 from __future__ import annotations
@@ -63,36 +63,57 @@ def build_group_sum() -> Callable[..., Any]:
     take part in the shuffles), so blockDim.x must be a multiple of 32 on the GPU.
     ``scratch`` is blockDim.x float32 of shared memory (unused on the GPU).
     """
+    return _build_group_reduce(_add)
+
+
+def build_group_max() -> Callable[..., Any]:
+    """Device function ``group_max(scratch, value, width) -> float32``: ``build_group_sum``'s
+    contract, with the maximum instead of the sum."""
+    return _build_group_reduce(_max)
+
+
+@cuda.jit(device=True, inline=True)
+def _add(a, b):
+    return a + b
+
+
+@cuda.jit(device=True, inline=True)
+def _max(a, b):
+    return max(a, b)
+
+
+def _build_group_reduce(combine: Any) -> Callable[..., Any]:
+    """Xor shuffles on the GPU, the shared scratch in the simulator; both combine the same pairs
+    (lane i with lane i ^ offset, then ^ offset / 2, ...), so both give the same bits."""
     if simulator_enabled():
-        return _group_sum_shared
+
+        @cuda.jit(device=True)
+        def group_reduce_shared(scratch, value, width):
+            tid = cuda.threadIdx.x
+            lane = tid % width
+            scratch[tid] = value
+            cuda.syncthreads()
+            stride = width // 2
+            while stride > 0:
+                if lane < stride:
+                    scratch[tid] = combine(scratch[tid], scratch[tid + stride])
+                cuda.syncthreads()
+                stride //= 2
+            total = scratch[tid - lane]
+            cuda.syncthreads()
+            return total
+
+        return group_reduce_shared
 
     @cuda.jit(device=True, inline=True)
-    def group_sum_shuffle(scratch, value, width):
+    def group_reduce_shuffle(scratch, value, width):
         offset = width // 2
         while offset > 0:
-            # Lane i adds lane i ^ offset: the pairs _group_sum_shared adds, in either order.
-            value += cuda.shfl_xor_sync(0xFFFFFFFF, value, offset)
+            value = combine(value, cuda.shfl_xor_sync(0xFFFFFFFF, value, offset))
             offset //= 2
         return value
 
-    return group_sum_shuffle
-
-
-@cuda.jit(device=True)
-def _group_sum_shared(scratch, value, width):
-    tid = cuda.threadIdx.x
-    lane = tid % width
-    scratch[tid] = value
-    cuda.syncthreads()
-    stride = width // 2
-    while stride > 0:
-        if lane < stride:
-            scratch[tid] += scratch[tid + stride]
-        cuda.syncthreads()
-        stride //= 2
-    total = scratch[tid - lane]
-    cuda.syncthreads()
-    return total
+    return group_reduce_shuffle
 
 
 def check_max_threads(max_threads: int, upper: int = 1024) -> int:

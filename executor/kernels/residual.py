@@ -28,6 +28,7 @@ from executor.kernels.codec import Codec
 from executor.kernels.reduce import check_max_threads, threads_for
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda
+from executor.kernels.launch import Kernel
 
 cuda = load_cuda()
 
@@ -117,8 +118,8 @@ class AddInplace:
     """
 
     def __init__(self, codec: Codec, max_threads: int = MAX_THREADS, vectorize: bool = True) -> None:
-        self.kernel = build_add_inplace_kernel(codec)
-        self.vector_kernel = build_add_inplace_vector_kernel(codec) if vectorize else None
+        self.kernel = Kernel(build_add_inplace_kernel(codec))
+        self.vector_kernel = Kernel(build_add_inplace_vector_kernel(codec)) if vectorize else None
         self.lanes = lanes_for(codec)
         self.max_threads = check_max_threads(max_threads)
 

@@ -55,6 +55,7 @@ from executor.kernels.norm import SCRATCH_BYTES_PER_THREAD, block_limit, build_n
 from executor.kernels.reduce import block_sum, build_group_sum, threads_for
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda
+from executor.kernels.launch import Kernel
 
 cuda = load_cuda()
 from numba import float32, float64  # noqa: E402  (after load_cuda's numpy fix)
@@ -249,8 +250,8 @@ class QkNormRopeInplace:
     def __init__(
         self, codec: Codec, round_before_weight: bool, max_threads: int = MAX_THREADS, vectorize: bool = True
     ) -> None:
-        self.kernel = build_qk_norm_rope_kernel(codec, round_before_weight)
-        self.vector_kernel = build_qk_norm_rope_vector_kernel(codec, round_before_weight) if vectorize else None
+        self.kernel = Kernel(build_qk_norm_rope_kernel(codec, round_before_weight))
+        self.vector_kernel = Kernel(build_qk_norm_rope_vector_kernel(codec, round_before_weight)) if vectorize else None
         self.lanes = lanes_for(codec)
         self.max_threads = min(block_limit(max_threads), MAX_THREADS)
 

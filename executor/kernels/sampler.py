@@ -67,6 +67,7 @@ from executor.kernels.codec import _bit_casts
 from executor.kernels.reduce import check_max_threads, threads_for
 from executor.kernels.sampling import beats, better
 from executor.numba_cuda import load_cuda
+from executor.kernels.launch import Kernel
 
 cuda = load_cuda()
 from numba import float32, int32, int64, uint64  # noqa: E402  (after load_cuda's numpy fix)
@@ -329,7 +330,7 @@ class Sample:
     """
 
     def __init__(self, max_threads: int = MAX_THREADS) -> None:
-        self.kernel = build_sample_kernel()
+        self.kernel = Kernel(build_sample_kernel())
         self.max_threads = check_max_threads(max_threads, MAX_THREADS)
 
     def __call__(self, logits: Any, temperature: Any, top_k: Any, seed: Any, step: Any, out_ids: Any,

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from executor.kernels.reduce import check_max_threads, threads_for
 from executor.numba_cuda import load_cuda
+from executor.kernels.launch import Kernel
 
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
@@ -104,7 +105,7 @@ class Argmax:
     """
 
     def __init__(self, max_threads: int = MAX_THREADS) -> None:
-        self.kernel = build_argmax_kernel()
+        self.kernel = Kernel(build_argmax_kernel())
         self.max_threads = check_max_threads(max_threads, MAX_THREADS)
 
     def __call__(self, logits: Any, out_ids: Any, stream: Any = 0) -> None:

@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from executor.arena import Arena
-from executor.kernels.kv_cache import write_kv
 from executor.models.context import StepViews
 from executor.models.kernels import Kernels, NormStyle
 from executor.models.prefill_attention import GemmPrefillAttention
@@ -38,7 +37,7 @@ class FullAttention:
         kv = arena.tensor("kv_cache", "kv_cache")  # [pages, full layers, 2, S, Hkv, D]
         slot = g.layer_slots[layer]
         self.k_cache, self.v_cache = kv[:, slot, 0], kv[:, slot, 1]
-        self.kernels, self.device = kernels, arena.device
+        self.kernels = kernels
         self.norm, self.output_gate = norm, output_gate
         self.q_heads, self.kv_heads, self.head_dim = g.num_q_heads, g.num_kv_heads, g.head_dim
         self.q_rows, self.kv_rows = g.q_proj_rows, g.kv_proj_rows
@@ -54,7 +53,7 @@ class FullAttention:
             self.scale) if plan.capacity.prefill_score_elements else None
 
     def __call__(self, step: StepViews) -> None:
-        k_, a = self.kernels, self.device.array
+        k_ = self.kernels
         n, d = step.num_rows, self.head_dim
         qkv = step.role("qkv")
         _gemm(step.role("normed"), self.qkv_weight, qkv)
@@ -66,28 +65,28 @@ class FullAttention:
             q = q_part.view(n, self.q_heads, d)
         k = qkv[:, self.q_rows : self.q_rows + self.kv_rows].view(n, self.kv_heads, d)
         v = qkv[:, self.q_rows + self.kv_rows :].view(n, self.kv_heads, d)
-        positions = a(step.meta("positions"))
+        positions = step.meta("positions")
         for x, weight in ((q, self.q_norm), (k, self.k_norm)):
-            k_.qk_norm_rope(a(x), a(weight), positions, self.eps, self.norm.weight_offset, self.rotary_dim,
-                            self.theta, stream=step.stream)
-        write_kv(a(k), a(v), a(self.k_cache), a(self.v_cache), a(step.meta("batch_indices")), positions,
-                 a(step.meta("page_indices")), a(step.meta("page_indptr")), stream=step.stream)
+            k_.qk_norm_rope(x, weight, positions, self.eps, self.norm.weight_offset, self.rotary_dim, self.theta,
+                            stream=step.stream)
+        k_.write_kv(k, v, self.k_cache, self.v_cache, step.meta("batch_indices"), positions,
+                    step.meta("page_indices"), step.meta("page_indptr"), stream=step.stream)
         attn_out = step.role("attn_out").view(n, self.q_heads, d)
         decode = step.pool == "decode"
         attention = k_.decode_attention if decode else k_.attention
-        split = (a(step.role("attn_partial_out")), a(step.role("attn_partial_lse"))) if (
+        split = (step.role("attn_partial_out"), step.role("attn_partial_lse")) if (
             self.split_decode and decode) else (None, None)
         if step.num_tiles:  # none when every chunk of the step runs GEMM attention
             attention(
-                a(q), a(self.k_cache), a(self.v_cache), *(a(step.meta(name)) for name in (
+                q, self.k_cache, self.v_cache, *(step.meta(name) for name in (
                     "page_indices", "page_indptr", "last_page_len", "q_indptr", "batch_indices", "positions",
                     "request_indices", "qo_tile_indices", "kv_tile_indices", "kv_chunk_size", "total_num_rows")),
-                a(attn_out), self.scale, *split, stream=step.stream,
+                attn_out, self.scale, *split, stream=step.stream,
             )
         if step.gemm_requests:  # the long prefill chunks, which got no paged-attention tile
             self.gemm_attention(step, q, attn_out)
         if self.output_gate:
-            k_.output_gate(a(attn_out), a(gate), stream=step.stream)
+            k_.output_gate(attn_out, gate, stream=step.stream)
         _gemm(step.role("attn_out"), self.o_weight, step.role("proj_out"))
 
 
@@ -108,29 +107,29 @@ class LinearAttention:
         self.norm_weight = arena.tensor("weights", f"{prefix}.norm.weight")
         self.conv_state = arena.tensor("recurrent_state", "conv_state")[slot]
         self.ssm_state = arena.tensor("recurrent_state", "ssm_state")[slot]
-        self.kernels, self.device = kernels, arena.device
+        self.kernels = kernels
         self.conv_dim = g.conv_dim
         self.value_width = g.linear_value_width
         self.heads, self.dv = g.linear_num_value_heads, g.linear_value_head_dim
         self.eps = plan.model.rms_norm_eps
 
     def __call__(self, step: StepViews) -> None:
-        k_, a, stream = self.kernels, self.device.array, step.stream
+        k_, stream = self.kernels, step.stream
         n = step.num_rows
         in_proj = step.role("in_proj")
         _gemm(step.role("normed"), self.in_weight, in_proj)
         c, w, h = self.conv_dim, self.value_width, self.heads
         mixed, z = in_proj[:, :c], in_proj[:, c : c + w]
         b, gate_a = in_proj[:, c + w : c + w + h], in_proj[:, c + w + h :]
-        q_indptr, slot_ids = a(step.meta("q_indptr")), a(step.slot_ids())
+        q_indptr, slot_ids = step.meta("q_indptr"), step.slot_ids()
         conv_out = step.role("conv_out")
-        k_.conv1d(a(mixed), a(self.conv_weight), a(self.conv_state), q_indptr, slot_ids, a(conv_out), stream=stream)
+        k_.conv1d(mixed, self.conv_weight, self.conv_state, q_indptr, slot_ids, conv_out, stream=stream)
         g, beta = step.role("gate_g"), step.role("gate_beta")
-        k_.gdn_gates(a(gate_a), a(b), a(self.a_log), a(self.dt_bias), a(g), a(beta), stream=stream)
+        k_.gdn_gates(gate_a, b, self.a_log, self.dt_bias, g, beta, stream=stream)
         delta_out = step.role("delta_out").view(n, h, self.dv)
-        k_.delta_rule(a(conv_out), a(g), a(beta), a(self.ssm_state), q_indptr, slot_ids, a(delta_out), stream=stream)
+        k_.delta_rule(conv_out, g, beta, self.ssm_state, q_indptr, slot_ids, delta_out, stream=stream)
         gated = step.role("gated_out")
-        k_.gated_norm(a(delta_out), a(z), a(self.norm_weight), a(gated), self.eps, stream=stream)
+        k_.gated_norm(delta_out, z, self.norm_weight, gated, self.eps, stream=stream)
         _gemm(gated, self.out_weight, step.role("proj_out"))
 
 
@@ -141,10 +140,10 @@ class Mlp:
         prefix = f"model.layers.{layer}.mlp"
         self.gate_up_weight = arena.tensor("weights", f"{prefix}.gate_up_proj.weight")
         self.down_weight = arena.tensor("weights", f"{prefix}.down_proj.weight")
-        self.kernels, self.device = kernels, arena.device
+        self.kernels = kernels
 
     def __call__(self, step: StepViews) -> None:
         gate_up, act = step.role("gate_up"), step.role("act")
         _gemm(step.role("normed"), self.gate_up_weight, gate_up)
-        self.kernels.silu_mul(self.device.array(gate_up), self.device.array(act), stream=step.stream)
+        self.kernels.silu_mul(gate_up, act, stream=step.stream)
         _gemm(act, self.down_weight, step.role("proj_out"))

@@ -83,19 +83,19 @@ class DecoderModel:
         return self.arena.tensor("sampling", "logits")[:num_requests]
 
     def _forward(self, step: StepViews) -> None:
-        a, stream, k_ = self.device.array, step.stream, self.kernels
+        stream, k_ = step.stream, self.kernels
         hidden, normed, proj_out = step.role("hidden"), step.role("normed"), step.role("proj_out")
-        k_.embedding(a(step.role("token_ids")), a(self.embed), a(hidden), stream=stream)
+        k_.embedding(step.role("token_ids"), self.embed, hidden, stream=stream)
         offset = self.norm.weight_offset
         for index, layer in enumerate(self.layers):
             if index == 0:
-                k_.rms_norm(a(hidden), a(layer.input_norm), a(normed), self.eps, offset, stream=stream)
+                k_.rms_norm(hidden, layer.input_norm, normed, self.eps, offset, stream=stream)
             else:  # hidden += previous layer's MLP output; normed = norm(hidden)
-                k_.add_rms_norm(a(proj_out), a(hidden), a(layer.input_norm), a(normed), self.eps, offset, stream=stream)
+                k_.add_rms_norm(proj_out, hidden, layer.input_norm, normed, self.eps, offset, stream=stream)
             layer.mixer(step)
-            k_.add_rms_norm(a(proj_out), a(hidden), a(layer.post_norm), a(normed), self.eps, offset, stream=stream)
+            k_.add_rms_norm(proj_out, hidden, layer.post_norm, normed, self.eps, offset, stream=stream)
             layer.mlp(step)
-        k_.add_rms_norm(a(proj_out), a(hidden), a(self.final_norm), a(normed), self.eps, offset, stream=stream)
+        k_.add_rms_norm(proj_out, hidden, self.final_norm, normed, self.eps, offset, stream=stream)
         self._sample(step, normed)
 
     def _sample(self, step: StepViews, normed: torch.Tensor) -> None:
@@ -105,6 +105,5 @@ class DecoderModel:
         torch.index_select(normed, 0, sampling("logits_indices"), out=last_hidden)
         torch.matmul(last_hidden, self.lm_head.t(), out=logits_raw)
         logits.copy_(logits_raw)
-        a = self.device.array
-        self.kernels.sample(a(logits), a(sampling("temperature")), a(sampling("top_k")), a(sampling("seeds")),
-                            a(sampling("sample_steps")), a(sampling("sampled_ids")), stream=step.stream)
+        self.kernels.sample(logits, sampling("temperature"), sampling("top_k"), sampling("seeds"),
+                            sampling("sample_steps"), sampling("sampled_ids"), stream=step.stream)

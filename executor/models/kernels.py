@@ -14,6 +14,7 @@ from executor.kernels.delta_rule import GatedDeltaRule, GdnGates
 from executor.kernels.embedding import Embedding
 from executor.kernels.gated_norm import GatedRmsNorm
 from executor.kernels.gemm_attention import CausalSoftmax, GatherKv
+from executor.kernels.kv_cache import WriteKv
 from executor.kernels.norm import AddRmsNormInplace, RmsNorm
 from executor.kernels.rope import QkNormRopeInplace
 from executor.kernels.sampler import Sample
@@ -39,6 +40,7 @@ class Kernels:
     rms_norm: RmsNorm
     add_rms_norm: AddRmsNormInplace
     qk_norm_rope: QkNormRopeInplace
+    write_kv: WriteKv
     attention: PagedAttention  # prefill steps (any rows per request)
     decode_attention: DecodeAttention  # decode steps (one row per request)
     gather_kv: GatherKv  # GEMM prefill attention: a request's KV pages -> contiguous scratch
@@ -73,6 +75,7 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle) ->
         rms_norm=RmsNorm(codec, norm.round_before_weight),
         add_rms_norm=AddRmsNormInplace(codec, norm.round_before_weight),
         qk_norm_rope=QkNormRopeInplace(codec, norm.round_before_weight),
+        write_kv=WriteKv(),
         attention=attention,
         decode_attention=DecodeAttention(codec, geometry.head_dim, geometry.gqa_group, attention.merge,
                                          **({"threads": 32} if simulated else {})),

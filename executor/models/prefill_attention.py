@@ -46,12 +46,10 @@ class GemmPrefillAttention:
         pages already hold this step's keys and values.
         """
         keys, values = step.scratch("attn_keys"), step.scratch("attn_values")  # [Hkv, C, D]
-        device = step.arena.device
-        page_indices = device.array(step.meta("page_indices"))
+        page_indices = step.meta("page_indices")
         for request in step.gemm_requests:
-            self.gather(device.array(self.k_cache), device.array(self.v_cache), page_indices, request.page_start,
-                        request.kv_len, device.array(_as_words(keys)), device.array(_as_words(values)),
-                        stream=step.stream)
+            self.gather(self.k_cache, self.v_cache, page_indices, request.page_start, request.kv_len,
+                        _as_words(keys), _as_words(values), stream=step.stream)
             for first in range(0, request.num_rows, request.rows_per_tile):
                 self._tile(step, request, first, min(first + request.rows_per_tile, request.num_rows), q, out,
                            keys, values)
@@ -75,9 +73,9 @@ class GemmPrefillAttention:
         packed_rows = packed.view(heads, group * rows, head_dim)
         widen = {} if q.dtype == torch.float32 else {"out_dtype": torch.float32}
         torch.bmm(packed_rows, keys[:, :num_keys].transpose(1, 2), out=scores, **widen)
-        device = step.arena.device  # score row (h, g, t) is query row t of the tile
-        self.softmax(device.array(scores.view(-1, num_keys)), device.array(probs.view(-1, num_keys)), rows,
-                     first_position, self.scale, stream=step.stream)
+        # score row (h, g, t) is query row t of the tile
+        self.softmax(scores.view(-1, num_keys), probs.view(-1, num_keys), rows, first_position, self.scale,
+                     stream=step.stream)
         torch.bmm(probs, values[:, :num_keys], out=packed_rows)
         by_kv_head(out).copy_(packed)
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.kv_cache import write_kv
+from executor.kernels.kv_cache import WriteKv
 from executor.numba_cuda import load_cuda
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import DTYPES, poisoned, to_storage
@@ -53,8 +53,8 @@ def test_write_kv_scatters_rows_into_pages(dtype_name):
     heads = fused_device.reshape(num_rows, NUM_Q_HEADS + 2 * NUM_KV_HEADS, HEAD_DIM)
     k = heads[:, NUM_Q_HEADS : NUM_Q_HEADS + NUM_KV_HEADS]
     v = heads[:, NUM_Q_HEADS + NUM_KV_HEADS :]
-    write_kv(k, v, pool_device[:, 1, 0], pool_device[:, 1, 1], step["batch_indices"], step["positions"],
-             step["page_indices"], step["page_indptr"])
+    WriteKv()(k, v, pool_device[:, 1, 0], pool_device[:, 1, 1], step["batch_indices"], step["positions"],
+              step["page_indices"], step["page_indptr"])
     got = pool_device.copy_to_host()
 
     expected = pool.copy()
@@ -73,7 +73,7 @@ def test_write_kv_rejects_mismatched_shapes():
     cache = np.zeros((3, PAGE_SIZE, NUM_KV_HEADS + 1, HEAD_DIM), np.float32)
     ids = np.zeros(2, np.int32)
     with pytest.raises(ValueError, match="does not match"):
-        write_kv(k, k, cache, cache, ids, ids, ids, ids)
+        WriteKv()(k, k, cache, cache, ids, ids, ids, ids)
 
 
 def test_compiles_for_sm90():
@@ -105,9 +105,9 @@ def test_write_kv_gpu_bf16(num_kv_heads, head_dim):
     k, v = qkv[:, num_q_heads : num_q_heads + num_kv_heads], qkv[:, num_q_heads + num_kv_heads :]
     dev = {name: torch.as_tensor(step[name], device=device)
            for name in ("batch_indices", "positions", "page_indices", "page_indptr")}
-    write_kv(k.view(torch.int16), v.view(torch.int16), pool[:, 2, 0].view(torch.int16),
-             pool[:, 2, 1].view(torch.int16), dev["batch_indices"], dev["positions"], dev["page_indices"],
-             dev["page_indptr"])
+    WriteKv()(k.view(torch.int16), v.view(torch.int16), pool[:, 2, 0].view(torch.int16),
+              pool[:, 2, 1].view(torch.int16), dev["batch_indices"], dev["positions"], dev["page_indices"],
+              dev["page_indptr"])
     torch.cuda.synchronize()
     expected = torch.zeros_like(pool)
     pages = dev["page_indices"][dev["page_indptr"][dev["batch_indices"]] + dev["positions"] // 16].long()
