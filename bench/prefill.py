@@ -44,8 +44,14 @@ if TYPE_CHECKING:
     from planner.plan import MemoryPlan
 
 #: Substrings of GEMM kernel names (cuBLAS, cuBLASLt, CUTLASS; lower case). Everything else a step
-#: launches is a Numba kernel or a copy.
+#: launches is a Numba kernel (named from its module path, ``executor::kernels::...``, which may itself
+#: contain "gemm": gemm_attention's softmax) or a copy.
 GEMM_KERNEL_MARKERS = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitkreduce")
+NUMBA_KERNEL_PREFIX = "executor::"
+
+
+def is_gemm_kernel(name: str) -> bool:
+    return not name.startswith(NUMBA_KERNEL_PREFIX) and any(m in name.lower() for m in GEMM_KERNEL_MARKERS)
 
 
 @dataclass
@@ -58,6 +64,7 @@ class Cell:
     plan_step_ms: float = math.nan
     hf_ms: float = math.nan
     gemm_kernel_ms: float = math.nan
+    softmax_kernel_ms: float = math.nan
     kernel_ms: float = math.nan
     notes: list[str] = field(default_factory=list)
 
@@ -90,8 +97,9 @@ def run_prefill(model: DecoderModel, chunks: list[RequestChunk]) -> None:
         model.step(plan_step(model.arena.plan, [chunk]))
 
 
-def kernel_times_ms(model: DecoderModel, chunks: list[RequestChunk]) -> tuple[float, float]:
-    """(GEMM kernel ms, all kernel ms) of one prefill under torch.profiler (CUPTI sees the Numba kernels too)."""
+def kernel_times_ms(model: DecoderModel, chunks: list[RequestChunk]) -> tuple[float, float, float]:
+    """(GEMM kernel ms, causal-softmax kernel ms, all kernel ms) of one prefill under torch.profiler (CUPTI
+    sees the Numba kernels too). The GEMMs include attention's two per tile, not only the weights'."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -101,15 +109,17 @@ def kernel_times_ms(model: DecoderModel, chunks: list[RequestChunk]) -> tuple[fl
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run_prefill(model, chunks)
         torch.cuda.synchronize()
-    gemm_us = total_us = 0.0
+    gemm_us = softmax_us = total_us = 0.0
     for event in prof.events():
         if event.device_type != DeviceType.CUDA:
             continue
         duration_us = event.time_range.elapsed_us()
         total_us += duration_us
-        if any(marker in event.name.lower() for marker in GEMM_KERNEL_MARKERS):
+        if is_gemm_kernel(event.name):
             gemm_us += duration_us
-    return gemm_us / 1e3, total_us / 1e3
+        elif "causal_softmax" in event.name:
+            softmax_us += duration_us
+    return gemm_us / 1e3, softmax_us / 1e3, total_us / 1e3
 
 
 def run_memplan(plan: MemoryPlan, cells: list[Cell], args: argparse.Namespace, device: Device) -> None:
@@ -136,7 +146,7 @@ def run_memplan(plan: MemoryPlan, cells: list[Cell], args: argparse.Namespace, d
                 host_ms.append((time.perf_counter() - start) * 1e3)
             cell.plan_step_ms = median(host_ms)
             if args.profile and not device.is_sim:
-                cell.gemm_kernel_ms, cell.kernel_ms = kernel_times_ms(model, chunks)
+                cell.gemm_kernel_ms, cell.softmax_kernel_ms, cell.kernel_ms = kernel_times_ms(model, chunks)
         except Exception as error:
             cell.notes.append(f"memplan error: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
             traceback.print_exc()
@@ -179,7 +189,7 @@ def table(cells: list[Cell], matmul_flops_per_s: float) -> str:
     headers = ["model", "prompt tokens", "memplan steps", "memplan ms", "memplan tok/s", "plan_step ms (host)",
                "HF eager ms", "HF tok/s", "HF / memplan", "GEMM TFLOP", "GEMM TFLOP/s over the prefill",
                "share of matmul peak", "GEMM kernel ms", "GEMM share of prefill time", "GEMM share of kernel time",
-               "kernel time / prefill time", "TFLOP/s inside GEMM kernels"]
+               "kernel time / prefill time", "TFLOP/s inside GEMM kernels", "softmax kernel ms"]
     rows = []
     for c in cells:
         rate = c.gemm_flops / (c.memplan_ms * 1e-3)
@@ -190,6 +200,7 @@ def table(cells: list[Cell], matmul_flops_per_s: float) -> str:
             fmt(rate / 1e12, 1), fmt(rate / matmul_flops_per_s, 2), fmt(c.gemm_kernel_ms, 2),
             fmt(c.gemm_kernel_ms / c.memplan_ms, 2), fmt(c.gemm_kernel_ms / c.kernel_ms, 2),
             fmt(c.kernel_ms / c.memplan_ms, 2), fmt(c.gemm_flops / (c.gemm_kernel_ms * 1e-3) / 1e12, 1),
+            fmt(c.softmax_kernel_ms, 2),
         ])
     return markdown_table(headers, rows, [False] + [True] * (len(headers) - 1))
 
