@@ -5,7 +5,7 @@ Numba's own launch of a torch tensor pays three times on the host: the tensor be
 device array (``cuda.as_cuda_array``, ~29 us measured on the H200), the dispatcher types
 every argument to find the compiled overload, and the launch re-derives each array's size,
 pointer, shape and strides through several wrapper layers (~90 us for a five-argument
-kernel). A 36-layer Qwen3-8B prefill of 512 tokens spent 89 ms of host time on 17 ms of GPU
+kernel, measured). A 36-layer Qwen3-8B prefill of 512 tokens spent 89 ms of host time on 17 ms of GPU
 work that way. ``Kernel`` keeps Numba's call syntax, ``kernel[grid, block, stream,
 shared_bytes](*args)``, and when every array argument is a torch tensor (the executor's
 case) it:
@@ -18,10 +18,13 @@ case) it:
   float scalar its ctypes value of the compiled type;
 - launches through ``cuda.core.launch``, as Numba does.
 
-bf16 tensors go in as their int16 bits (the kernels' bf16 codec). Other arguments (Numba
-device arrays, numpy arrays) take Numba's own path, unchanged. In the simulator every
-tensor becomes a wrapped numpy view of the same memory (not a copy: in-place kernels and
-strided views must see the caller's tensor) and Numba's simulator runs the kernel.
+The packing and the overload lookup follow numba-cuda 0.30.4's ``_Kernel`` (``argument_types``,
+``_codelibrary``; the project's pinned, maintenance-mode target); tests/kernels/test_launch.py
+holds both to Numba's own results on the GPU. bf16 tensors go in as their int16 bits (the
+kernels' bf16 codec). Other arguments (Numba device arrays, numpy arrays) take Numba's own
+path, unchanged. In the simulator every tensor becomes a wrapped numpy view of the same memory
+(not a copy: in-place kernels and strided views must see the caller's tensor) and Numba's
+simulator runs the kernel.
 """
 
 from __future__ import annotations
@@ -117,11 +120,9 @@ def _launch_key(args: tuple) -> tuple | None:
 
 
 def _strided_layout(a: torch.Tensor) -> str:
-    """Numba's layout of a tensor torch calls non-contiguous: "F" when Fortran-contiguous by NumPy's
-    rule (Numba's ``dummyarray``: axes of length 1 are skipped, any zero stride breaks it), else "A".
-    It cannot be "C": torch's and NumPy's C rules agree on tensors with elements."""
-    if a.numel() == 0:
-        return "C"
+    """Numba's layout of a tensor torch calls non-contiguous (so it has elements): "F" when
+    Fortran-contiguous by Numba's rule (``dummyarray``: axes of length 1 are skipped, any zero
+    stride breaks it), else "A". It cannot be "C": torch's and Numba's C rules agree."""
     expected = 1
     for size, stride in zip(a.shape, a.stride()):
         if stride == 0:
