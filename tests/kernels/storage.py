@@ -51,13 +51,16 @@ def assert_close_rel(got: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
 def assert_bf16_close(
     got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None, exact: float = 0.97
 ) -> None:
-    """Within one bf16 ulp of scale (default |ref|) everywhere, and equal to ref on a fraction >= exact.
+    """Within two bf16 ulps of scale (default |ref|) everywhere, and equal to ref on a fraction >= exact.
 
     ref is torch or HF in bf16: its exp, reduction order or cos/sin roundings differ from the
-    kernel's by an ulp here and there. A cancelling sum (RoPE) passes the size of its terms as scale.
+    kernel's by an ulp here and there, and an ulp of an intermediate (a norm's inv_rms from another
+    summation order) that passes through a second rounding (normed, then times the weight) can land
+    two ulps apart: measured on the H200 at real sizes, up to 1.74 x |ref| x 2^-7 on 73 of 67M
+    elements. A cancelling sum (RoPE) passes the size of its terms as scale.
     """
     assert torch.isfinite(got).all(), "an output element was not written (poison left)"
     ref = ref.double()
     scale = ref.abs().clamp_min(1e-30) if scale is None else scale.double()
-    assert ((got - ref).abs() <= scale * 2.0**-7).all()
+    assert ((got - ref).abs() <= scale * 2.0**-6).all()
     assert (got == ref).double().mean().item() >= exact
