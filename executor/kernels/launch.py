@@ -105,18 +105,25 @@ class Kernel:
 
 
 def _launch_key(args: tuple) -> tuple | None:
-    """What Numba's typing of ``args`` depends on, or None when an argument is neither a torch tensor
-    nor a scalar. A contiguous tensor is typed C (its array interface has no strides, so Numba takes
-    C strides); a strided one by ``_strided_layout``."""
+    """What Numba's typing of ``args`` depends on, or None when an argument is neither a CUDA tensor
+    nor a scalar (a host tensor goes to Numba, which refuses it with its own error)."""
     key = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.dim(), "C" if a.is_contiguous() else _strided_layout(a)))
+            if not a.is_cuda:
+                return None
+            key.append((a.dtype, a.dim(), _tensor_layout(a)))
         elif isinstance(a, _SCALARS):
             key.append(type(a))
         else:
             return None
     return tuple(key)
+
+
+def _tensor_layout(a: torch.Tensor) -> str:
+    """The layout Numba types ``cuda.as_cuda_array(a)`` with: C for a contiguous tensor (its array
+    interface has no strides, so Numba takes C strides), else ``_strided_layout``."""
+    return "C" if a.is_contiguous() else _strided_layout(a)
 
 
 def _strided_layout(a: torch.Tensor) -> str:

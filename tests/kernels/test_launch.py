@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.launch import Kernel, _launch_key
+from executor.kernels.launch import Kernel, _launch_key, _tensor_layout
 from executor.numba_cuda import load_cuda
 
 cuda = load_cuda()
@@ -55,14 +55,13 @@ def _views() -> list[torch.Tensor]:
 def test_key_layout_is_numbas_for_every_view():
     dummyarray = _numba_dummyarray()
     for view in _views():
-        (_, _, layout), = _launch_key((view,))
-        assert layout == _numba_layout(view, dummyarray), (tuple(view.shape), view.stride())
+        assert _tensor_layout(view) == _numba_layout(view, dummyarray), (tuple(view.shape), view.stride())
 
 
-def test_key_types_scalars_and_refuses_other_arguments():
-    key = _launch_key((torch.zeros(3, dtype=torch.bfloat16), np.int32(1), np.float32(2.0), 3))
-    assert key == ((torch.bfloat16, 1, "C"), np.int32, np.float32, int)
+def test_key_types_scalars_and_leaves_other_arguments_to_numba():
+    assert _launch_key((np.int32(1), np.float32(2.0), 3, True)) == (np.int32, np.float32, int, bool)
     assert _launch_key((np.zeros(3),)) is None  # a numpy array: Numba's own path
+    assert _launch_key((torch.zeros(3), np.int32(1))) is None  # host memory: Numba's path, which refuses it
 
 
 @cuda.jit
@@ -100,6 +99,7 @@ def test_gpu_fast_launch_matches_numbas_for_every_layout():
             _scale_rows[grid, (16, 16), stream](cuda.as_cuda_array(src), cuda.as_cuda_array(expected),
                                                 np.float32(1.5), np.float32(-0.25))
             torch.cuda.synchronize()
-            assert kernel._launches[_launch_key((src, got[0], np.float32(0), np.float32(0)))] is not None
+            key = _launch_key((src, got[0], np.float32(0), np.float32(0)))
+            assert key[0] == (dtype, 2, _tensor_layout(src)) and kernel._launches[key] is not None
             for out in got:
                 assert torch.equal(out, expected), (dtype, tuple(src.shape), src.stride())
