@@ -30,8 +30,9 @@ cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
 
 SOFTMAX_ROWS_PER_BLOCK = 8  # warps (rows) per softmax block on the GPU
-#: Score loads each softmax lane keeps in flight: one 128-byte warp load at a time left the sweep
-#: latency-bound (1.2 TB/s at 4096 keys on the H200).
+#: Score loads each softmax lane issues together. On the H200 the unrolled and the plain sweep ran
+#: within the run-to-run noise of each other (both near torch.softmax on the same scores); this is
+#: the version every GPU test and benchmark of the fourth session ran.
 SOFTMAX_UNROLL = 4
 #: gather: elements each thread copies (consecutive threads take consecutive elements).
 GATHER_PER_THREAD = 4
