@@ -97,39 +97,29 @@ class Row:
 
 
 class Env:
-    """Where the cases run: the GPU (torch CUDA tensors, Numba streams of torch's streams) or the simulator."""
+    """Where the cases run: the executor's ``Device`` (the GPU, or the simulator with ``smoke``), whose
+    Numba stream of torch's current stream the launches use."""
 
     def __init__(self, smoke: bool) -> None:
         import torch
 
-        from executor.numba_cuda import load_cuda
+        from bench.common import open_bench_device
 
         self.smoke = smoke
         self.torch = torch
-        self.cuda = load_cuda()
-        self.device = torch.device("cpu" if smoke else "cuda")
-        self._streams: dict[int, Any] = {}  # Numba handles of torch streams: made once per stream
+        self.runtime = open_bench_device(smoke)
+        self.device = self.runtime.torch_device
 
     def stream(self) -> Any:
         """The Numba stream of torch's current stream (0 in the simulator)."""
-        if self.smoke:
-            return 0
-        handle = self.torch.cuda.current_stream().cuda_stream
-        if handle not in self._streams:
-            self._streams[handle] = self.cuda.external_stream(handle)
-        return self._streams[handle]
-
-    def arg(self, tensor: Any) -> Any:
-        """A tensor as a kernel argument: the tensor itself (executor.kernels.launch takes torch tensors)."""
-        return tensor
+        return self.runtime.current_stream()
 
     def randn(self, *shape: int, scale: float = 1.0, shift: float = 0.0) -> Any:
         t = self.torch.randn(*shape, device=self.device) * scale + shift
         return t.to(self.torch.bfloat16)
 
     def synchronize(self) -> None:
-        if not self.smoke:
-            self.torch.cuda.synchronize()
+        self.runtime.synchronize()
 
 
 # ---------------------------------------------------------------- cases
@@ -144,7 +134,7 @@ def embedding_case(env: Env, s: Shapes) -> Case:
     ids = torch.randint(0, s.vocab, (s.rows,), device=env.device, dtype=torch.int32)
     out = env.randn(s.rows, s.hidden)
     ours, scalar = Embedding(build_codec("bfloat16")), Embedding(build_codec("bfloat16"), vectorize=False)
-    args = (env.arg(ids), env.arg(table), env.arg(out))
+    args = (ids, table, out)
     ids_long = ids.long()
     return Case(
         "embedding", f"{s.rows} x {s.hidden} of {s.vocab}",
@@ -164,7 +154,7 @@ def rms_norm_case(env: Env, s: Shapes) -> Case:
     x, w, out = env.randn(s.rows, s.hidden), env.randn(s.hidden, scale=0.1, shift=1.0), env.randn(s.rows, s.hidden)
     ours = RmsNorm(build_codec("bfloat16"), True)
     scalar = RmsNorm(build_codec("bfloat16"), True, vectorize=False)
-    args = (env.arg(x), env.arg(w), env.arg(out))
+    args = (x, w, out)
     return Case(
         "rms_norm", f"{s.rows} x {s.hidden}",
         2 * s.rows * s.hidden * BF16_BYTES + s.hidden * BF16_BYTES,
@@ -184,7 +174,7 @@ def add_rms_norm_case(env: Env, s: Shapes) -> Case:
     w = env.randn(s.hidden, scale=0.1, shift=1.0)
     ours = AddRmsNormInplace(build_codec("bfloat16"), True)
     scalar = AddRmsNormInplace(build_codec("bfloat16"), True, vectorize=False)
-    args = (env.arg(x), env.arg(residual), env.arg(w), env.arg(x))  # out is x, as the decoder calls it
+    args = (x, residual, w, x)  # out is x, as the decoder calls it
 
     def torch_op(stream: Any) -> None:
         residual.add_(x)
@@ -215,7 +205,6 @@ def qk_norm_rope_case(
     positions = torch.arange(s.rows, device=env.device, dtype=torch.int32)
     ours = QkNormRopeInplace(build_codec("bfloat16"), not zero_centred)
     scalar = QkNormRopeInplace(build_codec("bfloat16"), not zero_centred, vectorize=False)
-    x_arg, w_arg, pos_arg = env.arg(x), env.arg(w), env.arg(positions)
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=env.device).float() / rotary_dim))
     angles = positions.float()[:, None] * inv_freq[None, :]
     cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None, :].to(torch.bfloat16)
@@ -234,9 +223,9 @@ def qk_norm_rope_case(
     return Case(
         name, f"{s.rows} x {heads} x {head_dim}, rotary {rotary_dim}",
         2 * s.rows * heads * head_dim * BF16_BYTES + s.rows * INT32_BYTES + head_dim * BF16_BYTES,
-        ours.uses_vector(x_arg, w_arg, rotary_dim),
-        lambda stream: ours(x_arg, w_arg, pos_arg, *launch_args, stream=stream),
-        lambda stream: scalar(x_arg, w_arg, pos_arg, *launch_args, stream=stream),
+        ours.uses_vector(x, w, rotary_dim),
+        lambda stream: ours(x, w, positions, *launch_args, stream=stream),
+        lambda stream: scalar(x, w, positions, *launch_args, stream=stream),
         torch_op,
     )
 
@@ -248,7 +237,7 @@ def silu_mul_case(env: Env, s: Shapes) -> Case:
     F = env.torch.nn.functional
     gate_up, out = env.randn(s.rows, 2 * s.intermediate, scale=3.0), env.randn(s.rows, s.intermediate)
     ours, scalar = SiluMul(build_codec("bfloat16")), SiluMul(build_codec("bfloat16"), vectorize=False)
-    args = (env.arg(gate_up), env.arg(out))
+    args = (gate_up, out)
     gate, up = gate_up[:, : s.intermediate], gate_up[:, s.intermediate :]
     return Case(
         "silu_mul", f"{s.rows} x 2 x {s.intermediate}",
@@ -271,7 +260,7 @@ def sigmoid_mul_case(env: Env, s: Shapes) -> Case:
     gate = q_gate[..., head_dim:]  # Qwen3.5's gate: the second half of each head's [q | gate]
     ours = SigmoidMulInplace(build_codec("bfloat16"))
     scalar = SigmoidMulInplace(build_codec("bfloat16"), vectorize=False)
-    args = (env.arg(x), env.arg(gate))
+    args = (x, gate)
     return Case(
         "sigmoid_mul (strided gate)", f"{s.rows} x {heads} x {head_dim}",
         3 * s.rows * heads * head_dim * BF16_BYTES,
@@ -288,7 +277,7 @@ def residual_case(env: Env, s: Shapes) -> Case:
 
     acc, x = env.randn(s.rows, s.hidden), env.randn(s.rows, s.hidden, scale=1e-3)
     ours, scalar = AddInplace(build_codec("bfloat16")), AddInplace(build_codec("bfloat16"), vectorize=False)
-    args = (env.arg(acc), env.arg(x))
+    args = (acc, x)
     return Case(
         "residual add", f"{s.rows} x {s.hidden}",
         3 * s.rows * s.hidden * BF16_BYTES,
@@ -315,7 +304,7 @@ def delta_rule_decode_case(env: Env, s: Shapes) -> Case:
     slots = torch.arange(b, dtype=torch.int32, device=env.device)
     out = env.randn(b, hv, d)
     ours = GatedDeltaRule(build_codec("bfloat16"), d, **({"dk_split": 1} if env.smoke else {}))
-    args = tuple(env.arg(t) for t in (qkv, g, beta, state, q_indptr, slots, out))
+    args = (qkv, g, beta, state, q_indptr, slots, out)
     repeat = hv // hk
 
     def torch_op(stream: Any) -> None:  # the same recurrence step in torch (HF's recurrent form)
@@ -457,16 +446,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.smoke:  # must precede the first import of numba.cuda
-        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
     os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
-    env = Env(args.smoke)
-    if not args.smoke and not env.torch.cuda.is_available():
-        sys.exit("no CUDA device: run on a GPU machine, or pass --smoke for the simulator")
-    if args.smoke:
-        from executor.device import speed_up_simulator
+    from executor.device import DeviceError
 
-        speed_up_simulator()
+    try:
+        env = Env(args.smoke)  # --smoke: the simulator, set up by open_device
+    except DeviceError as error:
+        sys.exit(f"{error} (here: pass --smoke for the simulator)")
     env.torch.manual_seed(0)
     graph = not args.no_graph
     shapes = SMOKE_SHAPES if args.smoke else real_shapes(args.rows)
