@@ -23,11 +23,11 @@ import math
 from typing import Any, Callable
 
 from executor.kernels.codec import Codec
+from executor.kernels.launch import Kernel
 from executor.kernels.reduce import check_max_threads, threads_for
 from executor.kernels.residual import UNROLL, VECTOR_UNROLL, elementwise_grid
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda
-from executor.kernels.launch import Kernel
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)

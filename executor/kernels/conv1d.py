@@ -31,9 +31,9 @@ import math
 from typing import Any
 
 from executor.kernels.codec import Codec
+from executor.kernels.launch import Kernel
 from executor.kernels.reduce import threads_for
 from executor.numba_cuda import load_cuda
-from executor.kernels.launch import Kernel
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)

@@ -32,8 +32,8 @@ import math
 from typing import Any
 
 from executor.kernels.codec import Codec
-from executor.numba_cuda import load_cuda
 from executor.kernels.launch import Kernel
+from executor.numba_cuda import load_cuda
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 
 from executor.kernels.codec import Codec
+from executor.kernels.launch import Kernel
 from executor.kernels.reduce import build_group_max, build_group_sum
 from executor.numba_cuda import load_cuda, simulator_enabled
-from executor.kernels.launch import Kernel
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)

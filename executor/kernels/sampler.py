@@ -64,10 +64,10 @@ from typing import Any, Callable
 import numpy as np
 
 from executor.kernels.codec import _bit_casts
+from executor.kernels.launch import Kernel
 from executor.kernels.reduce import check_max_threads, threads_for
 from executor.kernels.sampling import beats, better
 from executor.numba_cuda import load_cuda
-from executor.kernels.launch import Kernel
 
 cuda = load_cuda()
 from numba import float32, int32, int64, uint64  # noqa: E402  (after load_cuda's numpy fix)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+from executor.kernels.launch import Kernel
 from executor.kernels.reduce import check_max_threads, threads_for
 from executor.numba_cuda import load_cuda
-from executor.kernels.launch import Kernel
 
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)

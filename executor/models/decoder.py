@@ -63,7 +63,7 @@ class DecoderModel:
         graphs = self.graphs if meta.pool == "decode" else None
         bucket = graphs.bucket_for(meta.num_requests) if graphs is not None else None
         if bucket is not None:
-            self.graphs.replay(meta, bucket)
+            graphs.replay(meta, bucket)
         elif pad_to is not None:
             write_step(self.arena, pad_decode(self.arena.plan, meta, pad_to))
             self._forward(bucket_views(self.arena, pad_to, decode_tiles(self.arena.plan, pad_to)))
