@@ -65,15 +65,12 @@ class Kernel:
         return lambda *args: self.launch(grid, block, stream, shared_bytes, args)
 
     def launch(self, grid: Any, block: Any, stream: Any, shared_bytes: int, args: tuple) -> None:
-        if self.simulated:
-            self.dispatcher[grid, block, stream, shared_bytes](*(_simulator_array(a) for a in args))
-            return
-        key = _launch_key(args)
+        key = None if self.simulated else _launch_key(args)
         entry = self._launches.get(key, False) if key is not None else None
         if entry is False:
             entry = self._launches[key] = self._compile(args)
-        if entry is None:  # not all tensors and scalars, or a type the packers do not cover
-            self.dispatcher[grid, block, stream, shared_bytes](*(_numba_array(a) for a in args))
+        if entry is None:  # the simulator, an argument that is not a CUDA tensor or scalar, or an unpacked type
+            self.dispatcher[grid, block, stream, shared_bytes](*(_numba_argument(a, self.simulated) for a in args))
             return
         kernel, packers = entry
         params: list = []
@@ -84,7 +81,7 @@ class Kernel:
 
     def _compile(self, args: tuple) -> tuple[Any, tuple[Packer, ...]] | None:
         """The overload Numba would launch for ``args`` (compiled now if new) and its packers."""
-        converted = [_numba_array(a) for a in args]
+        converted = [_numba_argument(a, False) for a in args]
         argtypes = tuple(self.dispatcher.typeof_pyval(a) for a in converted)
         overload = self.dispatcher.compile(argtypes)
         if overload.debug or overload.extensions or getattr(overload, "launch_config_sensitive", False):
@@ -173,21 +170,16 @@ def _pack_array(a: torch.Tensor, params: list) -> None:
     params += (0, 0, a.numel(), itemsize, a.data_ptr(), *shape, *strides)
 
 
-def _numba_array(a: Any) -> Any:
-    """A torch tensor as a Numba device array of the same memory (bf16 as int16 bits); anything else as is."""
+def _numba_argument(a: Any, simulated: bool) -> Any:
+    """A torch tensor as Numba takes it, a view of the same memory with bf16 as int16 bits: a device
+    array on the GPU, the simulator's wrapped numpy view (not a copy) in the simulator. Anything else
+    as is."""
     if not isinstance(a, torch.Tensor):
         return a
     if a.dtype == torch.bfloat16:
         a = a.view(torch.int16)
+    if simulated:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return FakeCUDAArray(a.numpy())
     return load_cuda().as_cuda_array(a, sync=False)
-
-
-def _simulator_array(a: Any) -> Any:
-    """A CPU torch tensor as the simulator's wrapped numpy view (bf16 as int16 bits); anything else as is."""
-    if not isinstance(a, torch.Tensor):
-        return a
-    if a.dtype == torch.bfloat16:
-        a = a.view(torch.int16)
-    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-    return FakeCUDAArray(a.numpy())
