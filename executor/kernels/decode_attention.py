@@ -1,25 +1,31 @@
-"""Paged attention for decode steps: one query row per request, memory-bound on the KV cache.
+"""Paged attention for decode steps: one query row per request, bound by reading the KV cache.
 
-The general kernel (attention.py) packs query rows of prefill chunks and gives
-each (row, key) score its own thread; with one row per request that leaves
-most threads idle and re-derives page addresses per element, which made long
-decode contexts 30x slower than their KV traffic. This kernel serves the
-decode pool only, with the same metadata and tile scheme (``plan_tiles``:
-tile = request ``b`` and kv chunk ``c``; split tiles go through the shared
-``merge_kernel``):
+A decode step reads every cached key and value once and does a few FLOPs per
+byte, so the kernel is built around moving K/V rows at full bandwidth. It
+serves the decode pool only, with attention.py's metadata and tile scheme
+(``plan_tiles``: tile = request ``b`` and kv chunk ``c``; split tiles write
+partials that attention.py's ``merge_kernel`` combines).
 
-- Block (tile, kv head h), ``NT`` threads; the G = Hq / Hkv query heads of h
-  share every K/V load. q is scaled once into shared memory.
-- Keys go in rounds of ``SUB`` (256): the round's page ids and in-page offsets
-  are looked up once into shared memory; K rows are staged ``KB`` at a time
-  into shared memory with coalesced loads (consecutive threads, consecutive
-  head-dim elements) and each score is one thread's dot over D (rows padded
-  to D + 1 words: no bank conflicts); the round's scores stay in shared
-  memory, so the softmax rescales once per round, not per key.
-- P @ V: thread ``t`` owns head-dim element ``d = t (+ NT ...)`` of all G heads
-  and reads V rows straight from global memory (one coalesced row per key).
+- Block (tile, kv head h), ``NT`` threads. A K/V row of D elements is
+  ``D / E`` 16-byte chunks (E = 8 bf16 or 4 float32); a group of ``L`` lanes
+  owns one key at a time, lane ``l`` its chunk(s) ``l, l + L, ...``, so a group
+  reads a whole row with one 16-byte load per lane (vector.py) and the block
+  has ``KPP = NT / L`` keys in flight, each group ``UNROLL_KEYS`` deep.
+- q stays in registers: each lane holds its chunks' q elements of the
+  G = Hq / Hkv heads that share h (scaled once). A score is the lane's partial
+  dot, summed over the group with xor shuffles.
+- Keys go in rounds of ``round_keys``: the round's page ids are looked up once
+  into shared memory, its scores stay in shared memory, and one warp per head
+  folds them into the running (max, sum) with shuffles, so the softmax rescales
+  once per round and needs two barriers, not a block-wide tree per key.
+- P @ V reads V the way scores read K (one 16-byte chunk per lane); each lane
+  accumulates its chunks for all G heads, and the KPP groups' partial outputs
+  meet once, at the end, in shared memory.
 
-Only shared memory and barriers: the simulator runs the same code.
+The launcher falls back to attention.py's general kernel (which handles one
+row per request too) when the cache rows are not whole, aligned 16-byte chunks
+or the group would not be a power of two lanes. The simulator runs the same
+kernel: its vector accesses and reductions are emulated (vector.py, reduce.py).
 """
 
 from __future__ import annotations
@@ -29,79 +35,85 @@ from typing import Any
 
 import numpy as np
 
-from executor.kernels.attention import build_kv_staging, check_heads
+from executor.kernels.attention import PagedAttention, build_kv_staging, check_heads
 from executor.kernels.codec import Codec
 from executor.kernels.launch import Kernel
-from executor.kernels.reduce import threads_for
-from executor.numba_cuda import load_cuda
+from executor.kernels.reduce import build_group_max, build_group_sum, threads_for
+from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
+from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
 NEG_INF = float32(-np.inf)
-SHARED_BUDGET_BYTES = 46_000  # under the 48 KiB static shared-memory limit per block
+SHARED_LIMIT_BYTES = 48 * 1024  # static shared memory per block
 ROUND_KEYS = 256  # scores kept per softmax round
-UNROLL_KEYS = 8  # V rows a thread loads before using them in P @ V
+UNROLL_KEYS = 4  # keys each lane group loads before using them: 4 x 16 bytes in flight per lane
+WARP = 32
 
 
-def _block_keys(head_dim: int, group_size: int, threads: int, round_keys: int) -> int:
-    """Largest power-of-two K rows per stage (<= threads, <= 64) whose shared arrays fit the budget."""
-    fixed_words = group_size * head_dim + group_size * round_keys + 2 * round_keys + group_size * threads + 3 * group_size
-    fit = (SHARED_BUDGET_BYTES // 4 - fixed_words) // (head_dim + 1)
-    if fit < 1:
-        raise ValueError(f"decode attention: D={head_dim}, G={group_size} exceeds shared memory")
-    return min(64, threads, 1 << (fit.bit_length() - 1))
+def key_lanes(codec: Codec, head_dim: int) -> int | None:
+    """Lanes that read one K/V row together (a power of two <= 32), or None when the row is not a
+    whole number of 16-byte chunks that such a group can split evenly."""
+    elements = lanes_for(codec)
+    chunks = head_dim // elements
+    if head_dim % elements or chunks & (chunks - 1):
+        return None
+    return min(chunks, WARP)
+
+
+def shared_bytes(codec: Codec, head_dim: int, group_size: int, threads: int, round_keys: int) -> int:
+    """Static shared memory of one block: the round's scores, page ids and offsets, the softmax
+    state, the groups' partial outputs and the simulator's reduction scratch (all 4-byte words)."""
+    groups = threads // key_lanes(codec, head_dim)
+    words = group_size * round_keys + 2 * round_keys + 3 * group_size + groups * group_size * head_dim + threads
+    return 4 * words
 
 
 def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads: int,
-                           round_keys: int = ROUND_KEYS, block_keys: int | None = None) -> tuple[Any, Any]:
-    """(direct kernel, split kernel) for one codec and head shape (D, G and NT size shared memory).
+                           round_keys: int = ROUND_KEYS) -> tuple[Any, Any]:
+    """(direct kernel, split kernel) for one codec and head shape; D, G and NT size registers and shared memory.
 
     Direct: ``(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
     request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale)``, every tile
     covering its whole row. Split: the same with ``partial_out, partial_lse`` after ``out``; rows of
-    several chunks write those instead of ``out``. Grid (tiles, Hkv), ``threads`` threads.
+    several chunks write those instead of ``out``. Grid (tiles, Hkv), ``threads`` threads. The K/V
+    cache rows must be 16-byte aligned (the launcher checks).
     """
     load, store = codec.load, codec.store
+    get_lane = build_lanes(codec)[0]
+    load_vector = build_vector_access()[0]
+    words = word_type(codec)
     D, G, NT, SUB = head_dim, group_size, threads, round_keys
-    KB = block_keys or _block_keys(D, G, NT, SUB)
-    assert NT % KB == 0 and SUB % KB == 0, "stages tile the round and the block"
-    assert NT & (NT - 1) == 0, "the tree reductions halve the block"
-    assert SUB % UNROLL_KEYS == 0, "the P @ V loop's last group of keys stays inside the round's scores"
-    GROUPS = NT // KB  # thread groups of the score phase; group j scores heads j, j + GROUPS, ...
-    DPT = -(-D // NT)  # head-dim elements each thread owns in P @ V
-    D_PAD = D + 1
-    ACC = G * DPT  # local-array extents must be plain constants
-    stage_pages, stage_rows = build_kv_staging(load, D, NT)
+    E = lanes_for(codec)  # elements per 16-byte chunk
+    L = key_lanes(codec, D)
+    assert L is not None and NT % L == 0 and NT & (NT - 1) == 0, "lane groups tile the block"
+    CPL = D // E // L  # chunks per lane of a row
+    KPP = NT // L  # keys in flight per pass: one per lane group
+    W = min(WARP, NT)  # lanes per softmax group (a warp on the GPU)
+    HPP = NT // W  # heads whose softmax state one pass updates
+    LANE_ELEMENTS = CPL * E  # elements of a row a lane owns
+    ACC = G * LANE_ELEMENTS  # q and accumulator registers per lane (constant extents)
+    BUFFER_WORDS = UNROLL_KEYS * CPL * VECTOR_WORDS
+    stage_pages = build_kv_staging(load, D, NT)[0]
+    group_max, group_sum = build_group_max(), build_group_sum()
 
     @cuda.jit(device=True, inline=True)
-    def tree_reduce(red_sh, tid, take_max):
-        """red_sh[g, 0] <- max (or sum) of red_sh[g, 0:NT] for every head g; every thread calls it."""
-        stride = NT // 2
-        while stride > 0:
-            if tid < stride:
-                for g in range(G):
-                    a = red_sh[g, tid]
-                    b = red_sh[g, tid + stride]
-                    red_sh[g, tid] = max(a, b) if take_max else a + b
-            cuda.syncthreads()
-            stride //= 2
+    def load_rows(cache, h, base, n, gid, lane, page_sh, offset_sh, buffer):
+        """The lane's chunks of keys base + u * KPP + gid (u < UNROLL_KEYS; clamped into the round)."""
+        for u in range(UNROLL_KEYS):
+            key = min(base + u * KPP + gid, n - 1)
+            for ci in range(CPL):
+                load_vector(cache, (page_sh[key], offset_sh[key], h, (lane + ci * L) * E), buffer,
+                            (u * CPL + ci) * VECTOR_WORDS)
 
     @cuda.jit(device=True, inline=True)
     def attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
-               request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale, acc, lse):
-        """The tile's normalised output in ``acc`` (element d = tid + i * NT of head g at g * DPT + i)
-        and each head's log-sum-exp in ``lse`` (local arrays of the calling thread). Returns (row,
-        chunk index, chunks of the row); row -1: nothing to do (uniform per block)."""
-        q_sh = cuda.shared.array((G, D), float32)
-        k_sh = cuda.shared.array((KB, D_PAD), float32)
-        s_sh = cuda.shared.array((G, SUB), float32)
-        page_sh = cuda.shared.array(SUB, int32)
-        offset_sh = cuda.shared.array(SUB, int32)
-        red_sh = cuda.shared.array((G, NT), float32)
-        m_sh = cuda.shared.array(G, float32)
-        l_sh = cuda.shared.array(G, float32)
-        alpha_sh = cuda.shared.array(G, float32)
+               request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale,
+               s_sh, page_sh, offset_sh, state_sh, part_sh, scratch):
+        """Leave the tile's normalised output of head g, element d in ``part_sh[0, g, d]`` and its
+        (max, sum) in ``state_sh[0, g]``, ``state_sh[1, g]``. Returns (row, chunk index, chunks of
+        the row); row -1: nothing to do (uniform per block, decided before any barrier)."""
         tile = cuda.blockIdx.x
         h = cuda.blockIdx.y
         tid = cuda.threadIdx.x
@@ -121,144 +133,144 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         if k0 >= k1:
             return -1, 0, 0
         page_base = page_indptr[b]
-
-        for e in range(tid, G * D, NT):
-            g = e // D
-            d = e - g * D
-            q_sh[g, d] = load(q[row, h * G + g, d]) * scale
-        for g in range(tid, G, NT):
-            m_sh[g] = NEG_INF
-            l_sh[g] = float32(0.0)
-        for i in range(ACC):
-            acc[i] = float32(0.0)
-        key = tid % KB
-        group = tid // KB
+        lane = tid % L
+        gid = tid // L
+        q_lane = cuda.local.array(ACC, float32)
+        acc = cuda.local.array(ACC, float32)
+        key_f = cuda.local.array(LANE_ELEMENTS, float32)
+        buffer = cuda.local.array(BUFFER_WORDS, words)
+        for g in range(G):
+            for ci in range(CPL):
+                for e in range(E):
+                    q_lane[(g * CPL + ci) * E + e] = load(q[row, h * G + g, (lane + ci * L) * E + e]) * scale
+                    acc[(g * CPL + ci) * E + e] = float32(0.0)
+        if tid < G:
+            state_sh[0, tid] = NEG_INF
+            state_sh[1, tid] = float32(0.0)
 
         for r0 in range(k0, k1, SUB):
             n = min(SUB, k1 - r0)
             stage_pages(page_indices, page_base, page_size, r0, n, page_sh, offset_sh, tid)
             cuda.syncthreads()
-            # Scores of the round, KB keys per stage.
-            for kb in range(0, n, KB):
-                nk = min(KB, n - kb)
-                stage_rows(k_cache, k_sh, page_sh, offset_sh, kb, h, nk, tid)
-                cuda.syncthreads()
-                if key < nk:
-                    for g in range(group, G, GROUPS):
-                        dot = float32(0.0)
-                        for d in range(D):
-                            dot += q_sh[g, d] * k_sh[key, d]
-                        s_sh[g, kb + key] = dot
-                cuda.syncthreads()
-            # Round maximum per head: per-thread partials, then a tree over the block.
-            for g in range(G):
-                top = NEG_INF
-                for kk in range(tid, n, NT):
-                    top = max(top, s_sh[g, kk])
-                red_sh[g, tid] = top
-            cuda.syncthreads()
-            tree_reduce(red_sh, tid, True)
-            for g in range(tid, G, NT):
-                old = m_sh[g]
-                top = max(old, red_sh[g, 0])
-                alpha_sh[g] = float32(math.exp(old - top)) if old > NEG_INF else float32(0.0)
-                m_sh[g] = top
-            cuda.syncthreads()
-            for g in range(G):
-                top = m_sh[g]
-                total = float32(0.0)
-                for kk in range(tid, n, NT):
-                    p = float32(math.exp(s_sh[g, kk] - top))
-                    s_sh[g, kk] = p
-                    total += p
-                for kk in range(n + tid, min(SUB, n + UNROLL_KEYS - 1), NT):
-                    s_sh[g, kk] = float32(0.0)  # the P @ V loop's tail reads weight 0 here
-                red_sh[g, tid] = total
-            cuda.syncthreads()
-            tree_reduce(red_sh, tid, False)
-            for g in range(tid, G, NT):
-                l_sh[g] = l_sh[g] * alpha_sh[g] + red_sh[g, 0]
-            # P @ V for the round (alpha_sh is stable until the next round's barrier).
-            for i in range(DPT):
-                d = tid + i * NT
-                if d < D:
+            # Scores: every thread runs the same trips (the simulator's reductions have barriers).
+            for base in range(0, n, KPP * UNROLL_KEYS):
+                load_rows(k_cache, h, base, n, gid, lane, page_sh, offset_sh, buffer)
+                for u in range(UNROLL_KEYS):
+                    for i in range(LANE_ELEMENTS):
+                        key_f[i] = load(get_lane(buffer, u * LANE_ELEMENTS + i))
+                    key = base + u * KPP + gid
                     for g in range(G):
-                        acc[g * DPT + i] *= alpha_sh[g]
-                    # Eight V rows in flight per thread; keys past n reload row n - 1 with weight 0.
-                    for j0 in range(0, n, UNROLL_KEYS):
-                        j1 = min(j0 + 1, n - 1)
-                        j2 = min(j0 + 2, n - 1)
-                        j3 = min(j0 + 3, n - 1)
-                        j4 = min(j0 + 4, n - 1)
-                        j5 = min(j0 + 5, n - 1)
-                        j6 = min(j0 + 6, n - 1)
-                        j7 = min(j0 + 7, n - 1)
-                        v0 = load(v_cache[page_sh[j0], offset_sh[j0], h, d])
-                        v1 = load(v_cache[page_sh[j1], offset_sh[j1], h, d])
-                        v2 = load(v_cache[page_sh[j2], offset_sh[j2], h, d])
-                        v3 = load(v_cache[page_sh[j3], offset_sh[j3], h, d])
-                        v4 = load(v_cache[page_sh[j4], offset_sh[j4], h, d])
-                        v5 = load(v_cache[page_sh[j5], offset_sh[j5], h, d])
-                        v6 = load(v_cache[page_sh[j6], offset_sh[j6], h, d])
-                        v7 = load(v_cache[page_sh[j7], offset_sh[j7], h, d])
-                        for g in range(G):
-                            a = acc[g * DPT + i]
-                            a += s_sh[g, j0] * v0
-                            a += s_sh[g, j0 + 1] * v1
-                            a += s_sh[g, j0 + 2] * v2
-                            a += s_sh[g, j0 + 3] * v3
-                            a += s_sh[g, j0 + 4] * v4
-                            a += s_sh[g, j0 + 5] * v5
-                            a += s_sh[g, j0 + 6] * v6
-                            a += s_sh[g, j0 + 7] * v7
-                            acc[g * DPT + i] = a
+                        dot = float32(0.0)
+                        for i in range(LANE_ELEMENTS):
+                            dot += q_lane[g * LANE_ELEMENTS + i] * key_f[i]
+                        dot = group_sum(scratch, dot, L)
+                        if lane == 0 and key < n:
+                            s_sh[g, key] = dot
             cuda.syncthreads()
+            # Fold the round into each head's running (max, sum); scores become exp(s - max).
+            for g0 in range(0, G, HPP):
+                g = g0 + tid // W
+                wl = tid % W
+                top = NEG_INF
+                if g < G:
+                    for kk in range(wl, n, W):
+                        top = max(top, s_sh[g, kk])
+                top = group_max(scratch, top, W)
+                old = state_sh[0, g] if g < G else NEG_INF
+                new = max(old, top)
+                total = float32(0.0)
+                if g < G:
+                    for kk in range(wl, n, W):
+                        p = float32(math.exp(s_sh[g, kk] - new))
+                        s_sh[g, kk] = p
+                        total += p
+                total = group_sum(scratch, total, W)
+                if g < G and wl == 0:
+                    alpha = float32(math.exp(old - new)) if old > NEG_INF else float32(0.0)
+                    state_sh[0, g] = new
+                    state_sh[1, g] = state_sh[1, g] * alpha + total
+                    state_sh[2, g] = alpha
+            cuda.syncthreads()
+            # P @ V for the round.
+            for g in range(G):
+                alpha = state_sh[2, g]
+                for i in range(LANE_ELEMENTS):
+                    acc[g * LANE_ELEMENTS + i] *= alpha
+            for base in range(0, n, KPP * UNROLL_KEYS):
+                load_rows(v_cache, h, base, n, gid, lane, page_sh, offset_sh, buffer)
+                for u in range(UNROLL_KEYS):
+                    key = base + u * KPP + gid
+                    if key < n:
+                        for i in range(LANE_ELEMENTS):
+                            key_f[i] = load(get_lane(buffer, u * LANE_ELEMENTS + i))
+                        for g in range(G):
+                            p = s_sh[g, key]
+                            for i in range(LANE_ELEMENTS):
+                                acc[g * LANE_ELEMENTS + i] += p * key_f[i]
+            cuda.syncthreads()  # the next round restages pages and rewrites scores
+
+        # The groups' partial outputs meet in shared memory; each element is then one thread's.
         for g in range(G):
-            for i in range(DPT):
-                acc[g * DPT + i] /= l_sh[g]
-            lse[g] = m_sh[g] + math.log(l_sh[g])
+            for ci in range(CPL):
+                for e in range(E):
+                    part_sh[gid, g, (lane + ci * L) * E + e] = acc[(g * CPL + ci) * E + e]
+        cuda.syncthreads()
+        for j in range(tid, G * D, NT):
+            g = j // D
+            d = j - g * D
+            total = float32(0.0)
+            for k in range(KPP):
+                total += part_sh[k, g, d]
+            part_sh[0, g, d] = total / state_sh[1, g]
+        cuda.syncthreads()
         return row, c, last // chunk + 1
 
     @cuda.jit
     def direct_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                       request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale):
-        acc = cuda.local.array(ACC, float32)
-        lse = cuda.local.array(G, float32)
+        s_sh = cuda.shared.array((G, SUB), float32)
+        page_sh = cuda.shared.array(SUB, int32)
+        offset_sh = cuda.shared.array(SUB, int32)
+        state_sh = cuda.shared.array((3, G), float32)
+        part_sh = cuda.shared.array((KPP, G, D), float32)
+        scratch = cuda.shared.array(NT, float32)  # the simulator's group reductions
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
-                                    scale, acc, lse)
+                                    scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
         if row < 0:
             return
         h = cuda.blockIdx.y
-        for i in range(DPT):
-            d = cuda.threadIdx.x + i * NT
-            if d < D:
-                for g in range(G):
-                    out[row, h * G + g, d] = store(acc[g * DPT + i])
+        for j in range(cuda.threadIdx.x, G * D, NT):
+            g = j // D
+            d = j - g * D
+            out[row, h * G + g, d] = store(part_sh[0, g, d])
 
     @cuda.jit
     def split_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                      request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, partial_out,
                      partial_lse, scale):
-        acc = cuda.local.array(ACC, float32)
-        lse = cuda.local.array(G, float32)
+        s_sh = cuda.shared.array((G, SUB), float32)
+        page_sh = cuda.shared.array(SUB, int32)
+        offset_sh = cuda.shared.array(SUB, int32)
+        state_sh = cuda.shared.array((3, G), float32)
+        part_sh = cuda.shared.array((KPP, G, D), float32)
+        scratch = cuda.shared.array(NT, float32)
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
-                                    scale, acc, lse)
+                                    scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
         if row < 0:
             return
         h = cuda.blockIdx.y
-        for i in range(DPT):
-            d = cuda.threadIdx.x + i * NT
-            if d < D:
-                for g in range(G):
-                    head = h * G + g
-                    if num_chunks == 1:
-                        out[row, head, d] = store(acc[g * DPT + i])
-                    elif c < partial_out.shape[1]:
-                        partial_out[row, c, head, d] = acc[g * DPT + i]
-                        if d == 0:
-                            partial_lse[row, c, head] = lse[g]
+        for j in range(cuda.threadIdx.x, G * D, NT):
+            g = j // D
+            d = j - g * D
+            head = h * G + g
+            if num_chunks == 1:
+                out[row, head, d] = store(part_sh[0, g, d])
+            elif c < partial_out.shape[1]:
+                partial_out[row, c, head, d] = part_sh[0, g, d]
+                if d == 0:
+                    partial_lse[row, c, head] = state_sh[0, g] + math.log(state_sh[1, g])
 
     return direct_kernel, split_kernel
 
@@ -266,17 +278,29 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
 class DecodeAttention:
     """Launcher for decode attention (one query row per request), built once per codec and head shape.
 
-    Same arguments as ``PagedAttention.__call__`` (rows_per_tile 1); the merge of split tiles is
-    ``merge`` (attention.py's merge kernel, passed in so both launchers share one build).
+    Same arguments as ``PagedAttention.__call__`` (rows_per_tile 1). ``fallback`` is the step's
+    general attention launcher: it runs calls this kernel cannot (unaligned cache rows, a row that
+    no power-of-two lane group splits evenly), and its merge kernel combines split tiles.
     """
 
-    def __init__(self, codec: Codec, head_dim: int, group_size: int, merge: Any, *, threads: int | None = None,
-                 round_keys: int = ROUND_KEYS, block_keys: int | None = None):
-        # One thread per head-dim element in P @ V by default (D = 128 or 256 on Qwen).
-        self.threads = threads or max(32, min(256, 1 << (head_dim - 1).bit_length()))
-        self.head_dim, self.group_size, self.merge = head_dim, group_size, merge
-        self.direct, self.split = (Kernel(kernel) for kernel in build_decode_attention(
-            codec, head_dim, group_size, self.threads, round_keys, block_keys))
+    def __init__(self, codec: Codec, head_dim: int, group_size: int, fallback: PagedAttention, *,
+                 threads: int | None = None, round_keys: int = ROUND_KEYS):
+        self.head_dim, self.group_size, self.fallback = head_dim, group_size, fallback
+        self.threads = threads or (32 if simulator_enabled() else 128)
+        self.kernels: tuple[Kernel, Kernel] | None = None
+        lanes = key_lanes(codec, head_dim)
+        if lanes is not None and self.threads % lanes == 0:
+            needed = shared_bytes(codec, head_dim, group_size, self.threads, round_keys)
+            if needed > SHARED_LIMIT_BYTES:
+                raise ValueError(f"decode attention: D={head_dim}, G={group_size}, {self.threads} threads, "
+                                 f"rounds of {round_keys} keys need {needed} bytes of shared memory, "
+                                 f"limit {SHARED_LIMIT_BYTES}")
+            direct, split = build_decode_attention(codec, head_dim, group_size, self.threads, round_keys)
+            self.kernels = (Kernel(direct), Kernel(split))
+
+    def uses_vector(self, k_cache: Any, v_cache: Any) -> bool:
+        """Whether a call with these caches runs this module's kernel (else the fallback's)."""
+        return self.kernels is not None and vector_aligned(k_cache, v_cache)
 
     def __call__(self, q: Any, k_cache: Any, v_cache: Any, page_indices: Any, page_indptr: Any, last_page_len: Any,
                  q_indptr: Any, batch_indices: Any, positions: Any, request_indices: Any, qo_tile_indices: Any,
@@ -289,18 +313,24 @@ class DecodeAttention:
         Split tiles need float32 ``partial_out [B, splits, Hq, D]`` and ``partial_lse [B, splits, Hq]``;
         a merge launch (B x Hq) then follows. Without them every tile must cover its whole row.
         """
+        if not self.uses_vector(k_cache, v_cache):
+            self.fallback(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, batch_indices,
+                          positions, request_indices, qo_tile_indices, kv_tile_indices, kv_chunk_size,
+                          total_num_rows, out, scale, partial_out, partial_lse, stream=stream)
+            return
         num_rows, num_q_heads, num_kv_heads = check_heads("decode_attention", out, k_cache, self.head_dim,
                                                           self.group_size)
         num_tiles = request_indices.shape[0]
         if num_tiles == 0 or num_rows == 0:
             return
+        direct, split = self.kernels
         grid, scale32 = (num_tiles, num_kv_heads), np.float32(scale)
         meta = (page_indices, page_indptr, last_page_len, q_indptr, positions, request_indices, kv_tile_indices,
                 kv_chunk_size, total_num_rows)
         if partial_out is None:
-            self.direct[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, scale32)
+            direct[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, scale32)
             return
-        self.split[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, partial_out, partial_lse, scale32)
-        self.merge[(num_rows, num_q_heads), threads_for(self.head_dim), stream](
+        split[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, partial_out, partial_lse, scale32)
+        self.fallback.merge[(num_rows, num_q_heads), threads_for(self.head_dim), stream](
             partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows, out
         )
