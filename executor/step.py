@@ -5,7 +5,7 @@ A step is a list of ``RequestChunk``: each request contributes the tokens it
 feeds this step (a prefill chunk, or one decode token) and its page table.
 ``plan_step`` builds the host arrays and checks every capacity before anything
 is written, so a step that does not fit raises ``CapacityError`` and leaves the
-arena untouched (invariant 4). ``write_step`` copies the arrays into the
+arena untouched (invariant 4). ``StepWriter`` copies the arrays into the
 planned buffers' leading rows: no allocation on the device.
 """
 
@@ -289,22 +289,49 @@ _DESTINATIONS = {
 }
 
 
-def write_step(arena: Arena, meta: StepMetadata) -> None:
-    """Copy a step's host arrays into the leading elements of the planned buffers (in place)."""
-    for field, (pool, name) in _DESTINATIONS.items():
-        _copy_into(arena.tensor(pool, name), getattr(meta, field))
-    _copy_into(arena.tensor(meta.pool, "token_ids"), meta.token_ids)
-    total = arena.tensor("attention_plan", "total_num_rows")
-    total.copy_(torch.tensor([meta.num_rows], dtype=torch.uint32))
-    if arena.plan.geometry.num_linear_layers:
-        _copy_into(arena.tensor("recurrent_state", "slot_ids"), meta.slot_ids)
+class StepWriter:
+    """Copies a step's host arrays into the leading elements of the planned buffers (in place).
 
+    On CUDA each array goes through a pinned host mirror of its buffer and an asynchronous copy on
+    torch's current stream, where the kernels run: a pageable copy blocks the host for tens of
+    microseconds, about 0.3 ms of a batch-1 decode step over its ~15 arrays. The mirrors are host
+    memory, made once here (nothing on the device). An event recorded after a step's copies keeps
+    the next ``write`` from refilling a mirror before the GPU has read it. In the simulator the
+    copies are plain host copies.
+    """
 
-def _copy_into(destination: torch.Tensor, values: np.ndarray) -> None:
-    count = values.shape[0]
-    assert count <= destination.shape[0], "plan_step checked every capacity"
-    if count:
-        destination[:count].copy_(torch.from_numpy(values), non_blocking=False)
+    def __init__(self, arena: Arena):
+        pinned = not arena.device.is_sim
+        targets = [(field, arena.tensor(pool, name)) for field, (pool, name) in _DESTINATIONS.items()]
+        targets += [("total_num_rows", arena.tensor("attention_plan", "total_num_rows"))]
+        targets += [(f"{pool}.token_ids", arena.tensor(pool, "token_ids")) for pool in ("decode", "prefill")]
+        if arena.plan.geometry.num_linear_layers:
+            targets.append(("slot_ids", arena.tensor("recurrent_state", "slot_ids")))
+        self.targets = {field: (buffer, torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=pinned))
+                        for field, buffer in targets}
+        self.copied = torch.cuda.Event() if pinned else None
+
+    def write(self, meta: StepMetadata) -> None:
+        """Copy ``meta`` in (asynchronously on CUDA: the arrays are read from the mirrors, not ``meta``)."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copies have read the mirrors
+        arrays = {field: getattr(meta, field) for field in _DESTINATIONS}
+        arrays["total_num_rows"] = np.array([meta.num_rows], dtype=np.uint32)
+        arrays[f"{meta.pool}.token_ids"] = meta.token_ids
+        if "slot_ids" in self.targets:
+            arrays["slot_ids"] = meta.slot_ids
+        for field, values in arrays.items():
+            self._copy(*self.targets[field], values)
+        if self.copied is not None:
+            self.copied.record()
+
+    @staticmethod
+    def _copy(buffer: torch.Tensor, mirror: torch.Tensor, values: np.ndarray) -> None:
+        count = values.shape[0]
+        assert count <= buffer.shape[0], "plan_step checked every capacity"
+        if count:
+            mirror[:count] = torch.from_numpy(values)
+            buffer[:count].copy_(mirror[:count], non_blocking=True)
 
 
 def _check(dimension: str, required: int, capacity: int, detail: str = "") -> None:

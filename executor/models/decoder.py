@@ -17,7 +17,7 @@ from executor.arena import Arena
 from executor.models.context import StepViews, bucket_views, step_views
 from executor.models.graphs import DecodeGraphs
 from executor.models.kernels import Kernels, NormStyle
-from executor.step import StepMetadata, decode_tiles, pad_decode, write_step
+from executor.step import StepMetadata, StepWriter, decode_tiles, pad_decode
 
 Block = Callable[[StepViews], None]
 
@@ -41,6 +41,7 @@ class DecoderModel:
         self.final_norm = arena.tensor("weights", "model.norm.weight")
         tied = arena.plan.model.tie_word_embeddings
         self.lm_head = self.embed if tied else arena.tensor("weights", "lm_head.weight")
+        self.writer = StepWriter(arena)
         self.graphs: DecodeGraphs | None = None
 
     def capture_decode_graphs(self) -> None:
@@ -48,7 +49,7 @@ class DecoderModel:
         the weights are loaded). Later decode steps of at most the largest bucket replay them."""
         if self.device.is_sim:
             raise RuntimeError("the Numba CUDA simulator has no CUDA graphs; run decode eagerly")
-        graphs = DecodeGraphs(self.arena, self._forward, self.arena.plan.serving.decode_graph_batch_sizes)
+        graphs = DecodeGraphs(self.arena, self.writer, self._forward, self.arena.plan.serving.decode_graph_batch_sizes)
         graphs.capture()
         self.graphs = graphs
 
@@ -65,10 +66,10 @@ class DecoderModel:
         if bucket is not None:
             graphs.replay(meta, bucket)
         elif pad_to is not None:
-            write_step(self.arena, pad_decode(self.arena.plan, meta, pad_to))
+            self.writer.write(pad_decode(self.arena.plan, meta, pad_to))
             self._forward(bucket_views(self.arena, pad_to, decode_tiles(self.arena.plan, pad_to)))
         else:
-            write_step(self.arena, meta)
+            self.writer.write(meta)
             self._forward(step_views(self.arena, meta))
         return self.arena.tensor("sampling", "sampled_ids")[: meta.num_requests]
 

@@ -19,7 +19,7 @@ import torch
 
 from executor.arena import Arena
 from executor.models.context import StepViews, bucket_views
-from executor.step import StepMetadata, decode_tiles, pad_decode, plan_step, write_step
+from executor.step import StepMetadata, StepWriter, decode_tiles, pad_decode, plan_step
 
 Forward = Callable[[StepViews], None]
 
@@ -27,9 +27,9 @@ Forward = Callable[[StepViews], None]
 class DecodeGraphs:
     """The captured decode graphs of one model, by bucket (CUDA only)."""
 
-    def __init__(self, arena: Arena, forward: Forward, buckets: Sequence[int]):
+    def __init__(self, arena: Arena, writer: StepWriter, forward: Forward, buckets: Sequence[int]):
         assert not arena.device.is_sim, "the simulator has no CUDA graphs"
-        self.arena, self.forward = arena, forward
+        self.arena, self.writer, self.forward = arena, writer, forward
         self.buckets = tuple(sorted(buckets))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
@@ -52,7 +52,7 @@ class DecodeGraphs:
         capture_stream = torch.cuda.Stream(device.torch_device)
         capture_stream.wait_stream(torch.cuda.current_stream(device.torch_device))
         for bucket in reversed(self.buckets):
-            write_step(self.arena, pad_decode(plan, empty, bucket))
+            self.writer.write(pad_decode(plan, empty, bucket))
             with torch.cuda.stream(capture_stream):
                 views = bucket_views(self.arena, bucket, decode_tiles(plan, bucket))  # on the capture stream
                 self.forward(views)
@@ -65,6 +65,6 @@ class DecodeGraphs:
 
     def replay(self, meta: StepMetadata, bucket: int) -> None:
         """Pad ``meta`` to ``bucket``, copy it into the planned buffers and replay that bucket's graph."""
-        write_step(self.arena, pad_decode(self.arena.plan, meta, bucket))
+        self.writer.write(pad_decode(self.arena.plan, meta, bucket))
         self.graphs[bucket].replay()
 

@@ -7,7 +7,7 @@ import torch
 
 from executor.arena import materialize
 from executor.device import open_device
-from executor.step import CapacityError, RequestChunk, plan_step, write_step
+from executor.step import CapacityError, RequestChunk, StepWriter, plan_step
 from planner.loader import load_hardware, load_model, load_serving
 from planner.plan import build_plan
 
@@ -27,7 +27,7 @@ def test_metadata_of_a_mixed_step(arena):
     page = arena.plan.capacity.page_size  # 4
     chunks = [RequestChunk([7], 6, [3, 9], slot=0), RequestChunk([1, 2, 3, 4, 5], 3, [3, 4], slot=1)]
     meta = plan_step(arena.plan, chunks)
-    write_step(arena, meta)
+    StepWriter(arena).write(meta)
     view = lambda name: arena.tensor("attention_plan", name)  # noqa: E731
     assert meta.pool == "prefill" and meta.num_rows == 6
     assert view("q_indptr")[:3].tolist() == [0, 1, 6]
@@ -88,7 +88,7 @@ def test_capacity_errors_name_the_dimension_and_leave_the_arena_untouched(arena,
     before = _snapshot(arena)
     with pytest.raises(CapacityError) as error:
         meta = plan_step(arena.plan, _over(arena, dimension))
-        write_step(arena, meta)
+        StepWriter(arena).write(meta)
     assert error.value.dimension == dimension
     assert error.value.required > error.value.capacity
     assert f"{dimension}: step needs" in str(error.value)
