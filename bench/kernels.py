@@ -4,13 +4,15 @@
     python3 bench/kernels.py --smoke      # tiny shapes in the Numba CUDA simulator (a CPU check of the script)
 
 For each kernel (embedding, RMSNorm, fused add + RMSNorm, q/k norm + RoPE,
-SiLU-mul, sigmoid gate, residual add) at prefill-sized bf16 shapes, and the
-delta-rule decode step (64 requests of Qwen3.5-9B's linear heads), it reports
+SiLU-mul, sigmoid gate, residual add) at prefill-sized bf16 shapes, the
+delta-rule decode step (64 requests of Qwen3.5-9B's linear heads) and decode
+attention (64 requests x 4096 cached tokens of Qwen3-8B's heads), it reports
 the median GPU time of one launch, the bandwidth it achieves (bytes the
 kernel must read plus bytes it must write, over that time), that bandwidth as
 a share of the copy bandwidth measured in the same run (torch ``dst.copy_(src)``
 of a ``--copy-gib`` buffer: read + write bytes over time), the time of the
-scalar kernel (``vectorize=False``) and of torch's nearest equivalent.
+scalar kernel (``vectorize=False``; for decode attention the general paged
+kernel it falls back to) and of torch's nearest equivalent.
 
 Timing: every case is warmed up (the Numba compile happens there), then
 ``--inner`` launches are captured in one CUDA graph (``--no-graph``: launched
@@ -64,15 +66,19 @@ class Shapes:
     linear_key_heads: int
     linear_value_heads: int
     linear_head_dim: int
+    qwen3_kv_heads: int  # decode attention: decode_batch requests of decode_context cached tokens
+    decode_context: int
+    page_size: int
 
 
 def real_shapes(rows: int) -> Shapes:
-    return Shapes(rows, 4096, QWEN3_VOCAB, 12288, 32, 128, 16, 256, 64, 64, 16, 32, 128)
+    return Shapes(rows, 4096, QWEN3_VOCAB, 12288, 32, 128, 16, 256, 64, 64, 16, 32, 128, 8, 4096, 16)
 
 
 SMOKE_SHAPES = Shapes(rows=3, hidden=64, vocab=11, intermediate=32, qwen3_heads=2, qwen3_head_dim=16,
                       qwen3_5_heads=2, qwen3_5_head_dim=32, qwen3_5_rotary_dim=16, decode_batch=2,
-                      linear_key_heads=1, linear_value_heads=2, linear_head_dim=8)
+                      linear_key_heads=1, linear_value_heads=2, linear_head_dim=8, qwen3_kv_heads=1,
+                      decode_context=8, page_size=4)
 
 
 @dataclass(frozen=True)
@@ -328,6 +334,47 @@ def delta_rule_decode_case(env: Env, s: Shapes) -> Case:
     )
 
 
+def decode_attention_case(env: Env, s: Shapes) -> Case:
+    """Decode attention of B requests over C cached tokens each (Qwen3-8B's heads), pages shuffled; bytes
+    = the K and V rows read plus q read and out written. "scalar" is the general paged kernel (the
+    fallback), torch's op SDPA over the same keys laid out contiguously (no page table)."""
+    from executor.kernels.attention import PagedAttention, plan_tiles
+    from executor.kernels.codec import build_codec
+    from executor.kernels.decode_attention import DecodeAttention
+
+    torch = env.torch
+    b, c, page = s.decode_batch, s.decode_context, s.page_size
+    hq, hkv, d = s.qwen3_heads, s.qwen3_kv_heads, s.qwen3_head_dim
+    pages_per_request = -(-c // page)
+    num_pages = 1 + b * pages_per_request
+    k_cache, v_cache = env.randn(num_pages, page, hkv, d), env.randn(num_pages, page, hkv, d)
+    q, out = env.randn(b, hq, d), env.randn(b, hq, d)
+    order = torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(0)) + 1  # page 0 is padding
+    as_int32 = lambda values: torch.as_tensor(values, dtype=torch.int32, device=env.device)  # noqa: E731
+    q_indptr, kv_lens = list(range(b + 1)), [c] * b
+    tiles = [as_int32(a) for a in plan_tiles(q_indptr, kv_lens)]  # B x Hkv blocks: no kv split
+    meta = (as_int32(order), as_int32([r * pages_per_request for r in range(b + 1)]),
+            as_int32([c - (pages_per_request - 1) * page] * b), as_int32(q_indptr), as_int32(range(b)),
+            as_int32([c - 1] * b), *tiles, torch.tensor([b], dtype=torch.uint32, device=env.device))
+    codec = build_codec("bfloat16")
+    general = PagedAttention(codec, d, hq // hkv, **({"threads": 32} if env.smoke else {}))
+    ours = DecodeAttention(codec, d, hq // hkv, general)
+    bits = lambda x: x.view(torch.int16)  # noqa: E731
+    args = (bits(q), bits(k_cache), bits(v_cache), *meta, bits(out), d ** -0.5)
+    pages = order.to(env.device).long().view(b, pages_per_request)
+    keys = k_cache[pages].flatten(1, 2)[:, :c].transpose(1, 2).contiguous()  # [B, Hkv, C, D]
+    values = v_cache[pages].flatten(1, 2)[:, :c].transpose(1, 2).contiguous()
+    F = torch.nn.functional
+    return Case(
+        "decode attention", f"{b} x {c} tokens x {hkv} kv heads x {d} (G {hq // hkv})",
+        2 * b * c * hkv * d * BF16_BYTES + 2 * b * hq * d * BF16_BYTES,
+        ours.uses_vector(k_cache, v_cache),
+        lambda stream: ours(*args, stream=stream),
+        lambda stream: general(*args, stream=stream),
+        lambda stream: F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True),
+    )
+
+
 CASE_BUILDERS: dict[str, Callable[[Env, Shapes], Case]] = {
     "embedding": embedding_case,
     "rms_norm": rms_norm_case,
@@ -340,6 +387,7 @@ CASE_BUILDERS: dict[str, Callable[[Env, Shapes], Case]] = {
     "sigmoid_mul": sigmoid_mul_case,
     "residual": residual_case,
     "delta_rule_decode": delta_rule_decode_case,
+    "decode_attention": decode_attention_case,
 }
 
 
