@@ -50,9 +50,12 @@ class DecodeGraphs:
         empty = plan_step(plan, [])  # padded to a bucket: all padding
         pool = torch.cuda.graph_pool_handle()
         capture_stream = torch.cuda.Stream(device.torch_device)
-        capture_stream.wait_stream(torch.cuda.current_stream(device.torch_device))
         for bucket in reversed(self.buckets):
             self.writer.write(pad_decode(plan, empty, bucket))
+            # The writer copies asynchronously on the current stream: without this wait the warm-up
+            # forward could read the previous step's metadata and run a real request's step (on
+            # Qwen3.5, advancing its recurrent state).
+            capture_stream.wait_stream(torch.cuda.current_stream(device.torch_device))
             with torch.cuda.stream(capture_stream):
                 views = bucket_views(self.arena, bucket, decode_tiles(plan, bucket))  # on the capture stream
                 self.forward(views)
