@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 #: Substrings of GEMM kernel names (cuBLAS, cuBLASLt, CUTLASS; lower case). Everything else a step
 #: launches is a Numba kernel (named from its module path, ``executor::kernels::...``, which may itself
-#: contain "gemm": gemm_attention's softmax) or a copy.
+#: contain "gemm": gemm_attention's gather) or a copy.
 GEMM_KERNEL_MARKERS = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitkreduce")
 NUMBA_KERNEL_PREFIX = "executor::"
 

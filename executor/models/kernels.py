@@ -13,7 +13,8 @@ from executor.kernels.decode_attention import DecodeAttention
 from executor.kernels.delta_rule import GatedDeltaRule, GdnGates
 from executor.kernels.embedding import Embedding
 from executor.kernels.gated_norm import GatedRmsNorm
-from executor.kernels.gemm_attention import CausalSoftmax, GatherKv
+from executor.kernels.causal_softmax import CausalSoftmax
+from executor.kernels.gemm_attention import GatherKv
 from executor.kernels.kv_cache import WriteKv
 from executor.kernels.norm import AddRmsNormInplace, RmsNorm
 from executor.kernels.rope import QkNormRopeInplace

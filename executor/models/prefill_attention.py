@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from executor.kernels.gemm_attention import CausalSoftmax, GatherKv
+from executor.kernels.causal_softmax import CausalSoftmax
+from executor.kernels.gemm_attention import GatherKv
 from executor.models.context import StepViews
 from executor.step import GemmRequest
 
