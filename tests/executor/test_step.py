@@ -94,3 +94,22 @@ def test_capacity_errors_name_the_dimension_and_leave_the_arena_untouched(arena,
     assert f"{dimension}: step needs" in str(error.value)
     after = _snapshot(arena)
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+@pytest.mark.gpu
+def test_writer_never_refills_a_mirror_the_gpu_has_not_read(arena):
+    """CUDA: a step's copies queued behind ~0.1 s of GPU work, then the next step's write. The first
+    copies still deliver the first step's arrays (the second write waited for them instead of refilling
+    the pinned mirrors under them), and the buffers end with the second step's."""
+    assert not arena.device.is_sim
+    writer = StepWriter(arena)
+    first = plan_step(arena.plan, [RequestChunk([7], 6, [3, 9], slot=0)])
+    second = plan_step(arena.plan, [RequestChunk([1], 9, [3, 4, 5], slot=1)])
+    positions = arena.tensor("attention_plan", "positions")
+    torch.cuda._sleep(200_000_000)  # clock cycles
+    writer.write(first)
+    delivered = positions[:1].clone()  # ordered after the first step's copies on the same stream
+    writer.write(second)
+    torch.cuda.synchronize()
+    assert delivered.tolist() == first.positions.tolist() == [6]
+    assert positions[:1].tolist() == second.positions.tolist() == [9]
