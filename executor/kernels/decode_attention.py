@@ -22,6 +22,11 @@ partials that attention.py's ``merge_kernel`` combines).
   accumulates its chunks for all G heads, and the KPP groups' partial outputs
   meet once, at the end, in shared memory.
 
+On the H200 (Qwen3-8B heads, context 512) a layer's decode attention went from
+29.9 to 10.7 us at batch 1 and from 222 to 40 us at batch 32 with this design;
+64 requests x 4096 tokens read their K/V at 63% of the copy bandwidth
+(bench/kernels.py).
+
 The launcher falls back to attention.py's general kernel (which handles one
 row per request too) when the cache rows are not whole, aligned 16-byte chunks
 or the group would not be a power of two lanes. The simulator runs the same
