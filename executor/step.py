@@ -295,10 +295,10 @@ class StepWriter:
     On CUDA each array goes through a pinned host mirror of its buffer and an asynchronous copy on
     torch's current stream, where the kernels run: a pageable copy blocks the host for tens of
     microseconds (the ~15 blocking copies took 0.29-0.48 ms of a 6.5-7.4 ms batch-1 Qwen3-8B decode
-    step in two H200 profiles). The mirrors are host
-    memory, made once here (nothing on the device). An event recorded after a step's copies keeps
-    the next ``write`` from refilling a mirror before the GPU has read it. In the simulator the
-    copies are plain host copies.
+    step in two H200 profiles). The mirrors are host memory, made once here (nothing on the device).
+    An event recorded after a step's copies keeps the next ``write`` from refilling a mirror before
+    the GPU has read it; a consumer on another stream must wait for the current one. In the
+    simulator the copies are plain host copies.
     """
 
     def __init__(self, arena: Arena):

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from executor.kernels.codec import Codec
-from executor.kernels.launch import Kernel
+from executor.kernels.launch import SHARED_LIMIT_BYTES, Kernel
 from executor.kernels.reduce import build_group_max, build_group_sum
 from executor.kernels.vector import (
     VECTOR_BYTES, VECTOR_WORDS, array_layout, build_lanes, build_vector_access, lanes_for, word_type,
@@ -66,9 +66,8 @@ SOFTMAX_THREADS, SOFTMAX_WARP = 256, 32
 SIMULATOR_THREADS, SIMULATOR_WARP = 16, 4
 #: Rows per block of the cached kernel's builds, the most first.
 CACHED_ROWS = (8, 4, 2, 1)
-#: Shared memory a block may take without the opt-in attribute (static and dynamic together), and the
-#: cached kernel's budget under it: the KiB of margin is for static shared memory the kernels may gain.
-SHARED_LIMIT_BYTES = 48 * 1024
+#: The cached kernel's budget under the launch limit: the KiB of margin is for static shared memory the
+#: kernels may gain.
 SHARED_BUDGET_BYTES = SHARED_LIMIT_BYTES - 1024
 #: The streaming kernel's rows per block. Its rows are long (> ~12,000 keys, > 3,000 chunks: a dozen a
 #: thread), and few rows in flight leave its second sweep's re-reads a chance in the H200's 50 MB of L2:

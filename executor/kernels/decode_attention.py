@@ -40,9 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from executor.kernels.attention import PagedAttention, build_kv_staging, check_heads
+from executor.kernels.attention import NEG_INF, PagedAttention, build_kv_staging, check_heads
 from executor.kernels.codec import Codec
-from executor.kernels.launch import Kernel
+from executor.kernels.launch import SHARED_LIMIT_BYTES, Kernel
 from executor.kernels.reduce import build_group_max, build_group_sum, threads_for
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda, simulator_enabled
@@ -50,8 +50,6 @@ from executor.numba_cuda import load_cuda, simulator_enabled
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
-NEG_INF = float32(-np.inf)
-SHARED_LIMIT_BYTES = 48 * 1024  # static shared memory per block
 ROUND_KEYS = 256  # scores kept per softmax round
 UNROLL_KEYS = 4  # keys each lane group loads before using them: 4 x 16 bytes in flight per lane
 WARP = 32

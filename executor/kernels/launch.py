@@ -38,6 +38,9 @@ import torch
 
 from executor.numba_cuda import load_cuda, simulator_enabled
 
+#: Shared memory (static and dynamic together) a block may use without the opt-in attribute, which no
+#: launcher here sets.
+SHARED_LIMIT_BYTES = 48 * 1024
 #: Scalar types a fast launch packs (anything else takes Numba's path).
 _SCALARS = (np.integer, np.floating, np.bool_, int, float, bool)
 

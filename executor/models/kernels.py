@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 from executor.kernels.activation import SigmoidMulInplace, SiluMul
 from executor.kernels.attention import PREFILL_ROWS_PER_TILE, PagedAttention
+from executor.kernels.causal_softmax import CausalSoftmax
 from executor.kernels.codec import build_codec
 from executor.kernels.conv1d import CausalConv1d
 from executor.kernels.decode_attention import DecodeAttention
 from executor.kernels.delta_rule import GatedDeltaRule, GdnGates
 from executor.kernels.embedding import Embedding
 from executor.kernels.gated_norm import GatedRmsNorm
-from executor.kernels.causal_softmax import CausalSoftmax
 from executor.kernels.gemm_attention import GatherKv
 from executor.kernels.kv_cache import WriteKv
 from executor.kernels.norm import AddRmsNormInplace, RmsNorm

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from executor.device import open_device
-from executor.kernels.causal_softmax import CACHED_ROWS, SHARED_LIMIT_BYTES, CausalSoftmax
+from executor.kernels.causal_softmax import CACHED_ROWS, CausalSoftmax
 from executor.kernels.codec import build_codec
+from executor.kernels.launch import SHARED_LIMIT_BYTES
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import DTYPES, TOL, assert_close_rel, from_storage, poisoned
 
