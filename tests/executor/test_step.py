@@ -41,6 +41,30 @@ def test_metadata_of_a_mixed_step(arena):
     assert arena.tensor("recurrent_state", "slot_ids")[:2].tolist() == [0, 1]
 
 
+def test_writer_changes_only_the_metadata_buffers(arena):
+    """Writes go over in merged ranges that may span a buffer's unused tail, never another buffer: after
+    the kernels' buffers change under it, a write leaves them alone, and a shorter step after a longer
+    one still lands in every buffer's leading elements."""
+    writer = StepWriter(arena)
+    logits, last_hidden = arena.tensor("sampling", "logits"), arena.tensor("sampling", "last_hidden")
+    logits.fill_(1.5)  # the sampling pool: kernel buffers between the metadata buffers
+    last_hidden.fill_(2.5)
+    gate_up = arena.tensor("decode", "gate_up")  # shares bytes with decode/token_ids (other live ranges)
+    gate_up.view(-1)[-1:] = 3.5
+    long = plan_step(arena.plan, [RequestChunk([1, 2, 3], 6, [3, 9, 4], slot=0), RequestChunk([5], 2, [7], slot=1)])
+    short = plan_step(arena.plan, [RequestChunk([8], 8, [2, 6, 5], slot=2)])
+    writer.write(long)
+    writer.write(short)
+    assert bool((logits == 1.5).all()) and bool((last_hidden == 2.5).all()) and float(gate_up.view(-1)[-1]) == 3.5
+    for field in ("page_indices", "page_indptr", "positions", "q_indptr", "request_indices", "kv_chunk_size"):
+        values = getattr(short, field)
+        assert arena.tensor("attention_plan", field)[: len(values)].tolist() == values.tolist(), field
+    assert arena.tensor("decode", "token_ids")[:1].tolist() == [8]
+    assert arena.tensor("sampling", "logits_indices")[:1].tolist() == [0]
+    assert arena.tensor("sampling", "sample_steps")[:1].tolist() == short.sample_steps.tolist()
+    assert arena.tensor("recurrent_state", "slot_ids")[:1].tolist() == [2]
+
+
 def test_long_prefill_chunks_route_to_gemm_attention_in_tiles_that_fit_the_scores(arena):
     """sim serving: chunks of >= 4 tokens take GEMM attention and no paged-attention tile; with
     scores for 2 rows of a 9-token context, the 5-row chunk runs in tiles of 2 rows."""
