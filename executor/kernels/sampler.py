@@ -32,13 +32,25 @@ simulator computes the very bits the GPU does; the two logs are float32 ``logf``
 on the GPU and float64-then-rounded in the simulator (the last bit of a Gumbel
 may differ between them, which flips a token only on a float32 tie of scores).
 
-Work per row (one block of ``threads_for(V, 512)`` threads; each "pass" is one
-strided read of the row, from L2 after the first):
+Work per row (one block of ``threads_for(ceil(V / GROUP), 512)`` threads; each "pass" is one
+read of the row, from L2 after the first). A pass reads the row in 16-byte chunks of CHUNK = 4
+logits (vector.py), UNROLL = 8 chunks a thread at a time: thread t loads chunks ``t, t + nt,
+..., t + 7 nt`` of its sweep together (8 loads in flight), then visits their GROUP = 32
+logits, then moves on by ``8 nt`` chunks. A row may start anywhere in a chunk (in a [B, V]
+view with V % 4 != 0 row b starts at byte ``b * V * 4``): the up to 3 logits before its first
+16-byte boundary (the head) and the up to 3 after its last whole chunk (the tail) are read one
+at a time. The kernel takes each row's head from the row's own address, so any view whose last
+axis is contiguous reads chunks; a view with a strided last axis is read a logit at a time.
+Each pass's per-thread result (an argmax under ``better``'s index tie-break, a count) does not
+depend on the order it visits the elements in, so the token does not either.
 
-1. argmax pass (every row): max M and its index. Greedy rows stop here.
+1. argmax pass (every row): max M and its index. Greedy rows stop here. A chunk whose 4
+   logits are all below the thread's best (none NaN) is settled by 4 compares; ``better``
+   (a dozen instructions and branches a logit) runs only on the others.
 2. Window: ``g`` lies in [-2.82, 16.64], so an element with
    ``x_i < x_M - 21 - |x_M| * 2**-20`` can never win (the last term covers
-   float32 rounding of the scores); it is skipped, hash and logs included.
+   float32 rounding of the scores); it is skipped, hash and logs included. A chunk
+   with no logit in the window is settled by 4 multiplies and compares.
 3. top-k only (1 < k < V): a counting pass over the window. If at most k
    elements lie in it, the restriction cannot change the winner (the window is
    an upper set of the logits, so it lies inside the top-k set) and nothing more
@@ -48,12 +60,27 @@ strided read of the row, from L2 after the first):
    passes, each a read of the row, 16 per-thread counters in shared memory and a
    16-wide tree reduction; it stops early when the digit bin being split closes
    the count at exactly k. The cost does not depend on k.
-4. Gumbel pass: Philox (10 rounds of two 64-bit multiplies) + two logs only for
-   candidates inside the window, then a block argmax.
+4. Gumbel pass: the window (and top-k) test of a thread's 32 loaded logits marks the
+   candidates in a 32-bit mask; Philox (10 rounds of two 64-bit multiplies) and the
+   two logs then run once per marked candidate, on its logit read again (from L1: the
+   thread loaded it just before), then a block argmax. The hash out of the unrolled
+   loop keeps that loop small enough for NVVM to unroll, which keeps the loaded logits
+   in registers (indexed by constants).
 
 So: greedy 1 pass; unrestricted 2 passes; top-k 3 passes, at most 11 when more
 than k logits lie within ~21 * T of the max. No global scratch; static shared
 memory only (``SHARED_BYTES``, under 37 KB). No warp shuffles (the simulator runs it).
+
+Block size and unroll. At batch 1 one block runs on one SM, so a pass takes about (row
+bytes / bytes in flight) memory latencies: the scalar kernel kept one 4-byte load a thread
+in flight (2 KB a block of 512), ~300 dependent loads a thread, 77-80 us on an H200 for a
+151,936-logit row. 512 threads x 8 chunks x 16 bytes keep 64 KB in flight: ~9 sweeps of
+that row a pass. 1024 threads would put the radix counters (RADIX x threads int32) past
+the 48 KB static shared memory limit; an unroll of 16 would take ~200 registers a thread
+(ptxas for sm_90, UNROLL 4 / 8 / 16: 94 / 124 / 198), more than a 512-thread block may
+have (128, held by launch_bounds). At this block size ptxas spills nothing. Measured (H200,
+torch.profiler over a batch-1 Qwen3-8B decode graph): 23.1 us a step, 76.8 us for the scalar
+kernel; no unroll / block-size sweep has been run.
 """
 
 from __future__ import annotations
@@ -62,18 +89,31 @@ import math
 from typing import Any, Callable
 
 import numpy as np
+from llvmlite import ir
 
 from executor.kernels.codec import _bit_casts
 from executor.kernels.launch import Kernel
 from executor.kernels.reduce import check_max_threads, threads_for
 from executor.kernels.sampling import beats, better
-from executor.numba_cuda import load_cuda
+from executor.kernels.vector import VECTOR_BYTES, VECTOR_WORDS, build_vector_access
+from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
-from numba import float32, int32, int64, uint64  # noqa: E402  (after load_cuda's numpy fix)
+from numba import float32, int32, int64, types, uint64  # noqa: E402  (after load_cuda's numpy fix)
 
 # The largest block a launcher picks: the radix counters are RADIX x MAX_THREADS int32.
 MAX_THREADS = 512
+# Row reads: 16-byte chunks of CHUNK logits, UNROLL chunks a thread loaded together (module docstring).
+FLOAT32_BYTES = 4
+CHUNK = VECTOR_WORDS
+UNROLL = 8
+GROUP = UNROLL * CHUNK  # logits a thread holds at a time; the Gumbel pass marks its candidates in one word
+assert GROUP <= 32, "the Gumbel pass's candidate mask is one 32-bit word (cuda.ffs)"
+# The row scans, the radix select and the Gumbel visit (called twice) are inlined by NVVM
+# (alwaysinline), not in Numba's IR, whose inlining copies IR at each inlined call: the sm_90 compile
+# took 20 s that way, 11 s this way (the scalar kernel's: 7 s). They must be inlined somewhere, for
+# the loaded chunks to stay in registers. The simulator's jit takes no forceinline.
+NVVM_INLINE = {} if simulator_enabled() else {"forceinline": True}
 RADIX_BITS = 4
 RADIX = 1 << RADIX_BITS
 RADIX_PASSES = 32 // RADIX_BITS
@@ -196,87 +236,309 @@ def block_count(counts, value):
     return total
 
 
+# ---------------------------------------------------------------- reading a row
+
+
+def build_data_address() -> Callable[..., Any]:
+    """Device function ``data_address(array) -> int``: the address of ``array``'s first element.
+
+    An llvmlite intrinsic on the GPU (the array's data pointer as an integer); in the simulator the
+    address of the numpy memory the kernel reads, which is where vector.py's simulated loads check
+    their 16-byte alignment.
+    """
+    if simulator_enabled():
+
+        @cuda.jit(device=True)
+        def simulated_data_address(array):
+            return int(array.__array_interface__["data"][0])
+
+        return simulated_data_address
+
+    from numba.core.errors import TypingError
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def data_address(typingctx, array):
+        if not isinstance(array, types.Array):
+            raise TypingError(f"data_address: takes an array, got {array}")
+
+        def codegen(context, builder, signature, args):
+            struct = context.make_array(signature.args[0])(context, builder, value=args[0])
+            return builder.ptrtoint(struct.data, ir.IntType(64))
+
+        return types.int64(array), codegen
+
+    return data_address
+
+
+def build_row_split(data_address: Callable[..., Any]) -> Callable[..., Any]:
+    """Device function ``row_split(logits, b) -> (head, chunks)``: row b is ``head`` logits before
+    its first 16-byte boundary, ``chunks`` whole 16-byte chunks, then the tail (fewer than CHUNK).
+
+    From the row's own address, so a row may start anywhere. A row whose logits are not adjacent
+    (last axis strided) or not 4-byte aligned is all head: read one logit at a time.
+    """
+
+    @cuda.jit(device=True, inline=True)
+    def row_split(logits, b):
+        vocab = logits.shape[1]
+        start_bytes = data_address(logits) + b * logits.strides[0]
+        if logits.strides[1] != FLOAT32_BYTES or start_bytes % FLOAT32_BYTES != 0:
+            return vocab, int64(0)
+        lane = start_bytes % VECTOR_BYTES // FLOAT32_BYTES  # of the row's first logit in its chunk
+        head = min(vocab, (CHUNK - lane) % CHUNK)
+        return head, (vocab - head) // CHUNK
+
+    return row_split
+
+
+def build_load_group(load_vector: Callable[..., Any]) -> Callable[..., Any]:
+    """Device function ``load_group(logits, b, head, chunks, c, words)``: chunks ``c, c + nt, ...,
+    c + (UNROLL - 1) nt`` of row b (those < chunks) into ``words``, chunk ``c + u nt`` at
+    ``words[u * CHUNK:]``: UNROLL independent 16-byte loads in flight before any is used."""
+
+    @cuda.jit(device=True, inline=True)
+    def load_group(logits, b, head, chunks, c, words):
+        nt = cuda.blockDim.x
+        for u in range(UNROLL):
+            if c + u * nt < chunks:
+                load_vector(logits, (b, head + (c + u * nt) * CHUNK), words, u * CHUNK)
+
+    return load_group
+
+
+def build_row_scan(load_group: Callable[..., Any], visit: Callable[..., Any],
+                   chunk_may_change: Callable[..., Any]) -> Callable[..., Any]:
+    """Device function ``scan(logits, b, head, chunks, words, carry, context) -> carry``: this
+    thread's ``carry = visit(carry, logit, index, context)`` over its share of row b.
+
+    ``(head, chunks)`` from row_split; ``words`` is a GROUP-float32 local array (registers once the
+    unrolled loops index it with constants). The head and the tail go first, a logit a thread, then
+    groups of UNROLL chunks; ``visit`` must not depend on the order it sees the elements in. A
+    loaded chunk whose ``chunk_may_change(carry, words, first_word, context)`` is False is not
+    visited: it must be False only where no visit of the chunk's logits would change the carry.
+    """
+
+    @cuda.jit(device=True, **NVVM_INLINE)
+    def scan(logits, b, head, chunks, words, carry, context):
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        vocab = logits.shape[1]
+        tail = head + chunks * CHUNK
+        for e in range(tid, head + vocab - tail, nt):
+            i = e if e < head else tail + e - head
+            carry = visit(carry, float32(logits[b, i]), i, context)
+        for c in range(tid, chunks, nt * UNROLL):
+            load_group(logits, b, head, chunks, c, words)
+            for u in range(UNROLL):
+                if c + u * nt < chunks and chunk_may_change(carry, words, u * CHUNK, context):
+                    first = head + (c + u * nt) * CHUNK
+                    for k in range(CHUNK):
+                        carry = visit(carry, words[u * CHUNK + k], first + k, context)
+        return carry
+
+    return scan
+
+
 @cuda.jit(device=True, inline=True)
-def kth_largest_key(logits, b, k, counts, state):
-    """``order_key`` of the k-th largest logit of row b (1 <= k <= V), by MSD radix select.
+def any_chunk(_carry, _words, _first_word, _context):
+    """chunk_may_change for a visit that every logit may change: visit them all."""
+    return True
+
+
+@cuda.jit(device=True, inline=True)
+def argmax_visit(best, logit, index, _context):
+    """Argmax carry ``(value, index)``: better's rule, which no visiting order changes."""
+    return better(logit, int32(index), best[0], best[1])
+
+
+@cuda.jit(device=True, inline=True)
+def argmax_chunk_may_change(best, words, first_word, _context):
+    """False when each logit of the chunk is below the best (none NaN), so none beats it.
+
+    Four compares settle almost every chunk of a row. better's NaN and tie tests cost about a dozen
+    instructions and branches a logit (ptxas, sm_90): at one block an SM, issuing them for every
+    logit would take about as long as the row's reads.
+    """
+    below = True
+    for k in range(CHUNK):
+        below &= words[first_word + k] < best[0]
+    return not below
+
+
+@cuda.jit(device=True, inline=True)
+def window_visit(inside, logit, _index, context):
+    """Count carry: elements whose scaled logit lies in the window; context is ``(1 / T, cut)``."""
+    inv_t, cut = context
+    if logit * inv_t >= cut:
+        return inside + 1
+    return inside
+
+
+@cuda.jit(device=True, inline=True)
+def window_chunk_may_change(_carry, words, first_word, context):
+    """False when no logit of the chunk lies in the window (context starts ``(1 / T, cut)``): such a
+    chunk neither counts nor holds a Gumbel candidate. Four multiplies and compares a chunk, where
+    the test a logit costs about ten instructions with its branches."""
+    inv_t, cut = context[0], context[1]
+    outside = True
+    for k in range(CHUNK):
+        outside &= words[first_word + k] * inv_t < cut
+    return not outside
+
+
+@cuda.jit(device=True, inline=True)
+def radix_visit(carry, logit, _index, context):
+    """Adds the element to this thread's counter of its digit when its key matches the digits chosen so
+    far; context is ``(counts, prefix, shift)`` (kth_largest_key). The carry passes through."""
+    counts, prefix, shift = context
+    key = order_key(logit)
+    if (key >> (shift + RADIX_BITS)) == prefix:
+        counts[(key >> shift) & (RADIX - 1), cuda.threadIdx.x] += 1
+    return carry
+
+
+@cuda.jit(device=True, inline=True)
+def is_candidate(logit, inv_t, cut, threshold):
+    """Whether an element may win the Gumbel-max: inside the window and (threshold > 0) the top k."""
+    return logit * inv_t >= cut and (threshold == 0 or order_key(logit) >= threshold)
+
+
+@cuda.jit(device=True, **NVVM_INLINE)
+def gumbel_visit(best, logit, index, context):
+    """Gumbel-max carry ``(score, index)`` over the candidates; context is
+    ``(1 / T, cut, threshold, key0, key1, step_word)``."""
+    inv_t, cut, threshold, key0, key1, step_word = context
+    if is_candidate(logit, inv_t, cut, threshold):
+        score = logit * inv_t + gumbel(key0, key1, step_word, uint64(index))
+        return better(score, int32(index), best[0], best[1])
+    return best
+
+
+def build_gumbel_scan(load_group: Callable[..., Any]) -> Callable[..., Any]:
+    """Device function ``scan(logits, b, head, chunks, words, best, context) -> best``: build_row_scan
+    with gumbel_visit, but the hash runs outside the unrolled loop (module docstring, pass 4): the
+    loop marks the group's candidates in a mask, then each marked logit is read again and scored."""
+
+    @cuda.jit(device=True, **NVVM_INLINE)
+    def scan(logits, b, head, chunks, words, best, context):
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        vocab = logits.shape[1]
+        inv_t, cut, threshold, _key0, _key1, _step_word = context
+        tail = head + chunks * CHUNK
+        for e in range(tid, head + vocab - tail, nt):
+            i = e if e < head else tail + e - head
+            best = gumbel_visit(best, float32(logits[b, i]), i, context)
+        for c in range(tid, chunks, nt * UNROLL):
+            load_group(logits, b, head, chunks, c, words)
+            marked = int64(0)  # bit u * CHUNK + k: the logit at words[u * CHUNK + k]
+            for u in range(UNROLL):
+                if c + u * nt < chunks and window_chunk_may_change(best, words, u * CHUNK, context):
+                    for k in range(CHUNK):
+                        if is_candidate(words[u * CHUNK + k], inv_t, cut, threshold):
+                            marked |= int64(1) << (u * CHUNK + k)
+            while marked != 0:
+                j = cuda.ffs(marked) - 1
+                marked &= marked - 1
+                i = head + (c + j // CHUNK * nt) * CHUNK + j % CHUNK
+                best = gumbel_visit(best, float32(logits[b, i]), i, context)
+        return best
+
+    return scan
+
+
+def build_kth_largest_key(radix_scan: Callable[..., Any]) -> Callable[..., Any]:
+    """Device function ``kth_largest_key(logits, b, head, chunks, words, k, counts, state)``: the
+    ``order_key`` of the k-th largest logit of row b (1 <= k <= V), by MSD radix select.
 
     Pass p counts, per thread, the elements whose key matches the digits chosen so
-    far in each of the RADIX bins of the next digit; a tree sums the counters; thread 0
-    walks the bins from the top to the one holding the k-th element. If that bin
-    closes the count at exactly k, every key >= the bin's lower bound is in the top k
-    and the lower bound is returned at once. Ends with a barrier.
+    far in each of the RADIX bins of the next digit (``radix_scan``: build_row_scan of
+    radix_visit); a tree sums the counters; thread 0 walks the bins from the top to the
+    one holding the k-th element. If that bin closes the count at exactly k, every key >=
+    the bin's lower bound is in the top k and the lower bound is returned at once. Ends
+    with a barrier.
     """
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    vocab = logits.shape[1]
-    if tid == 0:
-        state[0] = 0  # digits chosen so far
-        state[1] = k  # rank still wanted inside them
-        state[2] = 0  # 1 once a bin closed the count exactly
-    cuda.syncthreads()
-    threshold = int64(-1)
-    for p in range(RADIX_PASSES):
-        shift = 32 - RADIX_BITS * (p + 1)
-        prefix = state[0]
-        for d in range(RADIX):
-            counts[d, tid] = 0
-        for i in range(tid, vocab, nt):
-            key = order_key(float32(logits[b, i]))
-            if (key >> (shift + RADIX_BITS)) == prefix:
-                counts[(key >> shift) & (RADIX - 1), tid] += 1
-        cuda.syncthreads()
-        stride = nt // 2
-        while stride > 0:
-            if tid < stride:
-                for d in range(RADIX):
-                    counts[d, tid] += counts[d, tid + stride]
-            cuda.syncthreads()
-            stride //= 2
+
+    @cuda.jit(device=True, **NVVM_INLINE)
+    def kth_largest_key(logits, b, head, chunks, words, k, counts, state):
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
         if tid == 0:
-            wanted = state[1]
-            above = int64(0)
-            d = RADIX - 1
-            while d > 0 and above + counts[d, 0] < wanted:
-                above += counts[d, 0]
-                d -= 1
-            state[0] = prefix * RADIX + d
-            state[1] = wanted - above
-            state[2] = 1 if above + counts[d, 0] == wanted else 0
+            state[0] = 0  # digits chosen so far
+            state[1] = k  # rank still wanted inside them
+            state[2] = 0  # 1 once a bin closed the count exactly
         cuda.syncthreads()
-        chosen = state[0]
-        if state[2] != 0 and threshold < 0:
-            threshold = chosen << shift
-        # Every thread has read state before thread 0 may rewrite it in the next pass.
-        cuda.syncthreads()
-        if threshold >= 0:
-            break
-    if threshold < 0:
-        threshold = state[0]
-    return threshold
+        threshold = int64(-1)
+        for p in range(RADIX_PASSES):
+            shift = 32 - RADIX_BITS * (p + 1)
+            prefix = state[0]
+            for d in range(RADIX):
+                counts[d, tid] = 0
+            radix_scan(logits, b, head, chunks, words, 0, (counts, prefix, shift))
+            cuda.syncthreads()
+            stride = nt // 2
+            while stride > 0:
+                if tid < stride:
+                    for d in range(RADIX):
+                        counts[d, tid] += counts[d, tid + stride]
+                cuda.syncthreads()
+                stride //= 2
+            if tid == 0:
+                wanted = state[1]
+                above = int64(0)
+                d = RADIX - 1
+                while d > 0 and above + counts[d, 0] < wanted:
+                    above += counts[d, 0]
+                    d -= 1
+                state[0] = prefix * RADIX + d
+                state[1] = wanted - above
+                state[2] = 1 if above + counts[d, 0] == wanted else 0
+            cuda.syncthreads()
+            chosen = state[0]
+            if state[2] != 0 and threshold < 0:
+                threshold = chosen << shift
+            # Every thread has read state before thread 0 may rewrite it in the next pass.
+            cuda.syncthreads()
+            if threshold >= 0:
+                break
+        if threshold < 0:
+            threshold = state[0]
+        return threshold
+
+    return kth_largest_key
 
 
 def build_sample_kernel() -> Callable[..., Any]:
     """Kernel ``(logits f32 [B, V], temperature f32 [B], top_k i32 [B], seed i64 [B], step i32 [B], out_ids i32 [B])``.
 
     Launch with one block per row (grid-stride over rows) and a power-of-two block of at
-    most MAX_THREADS threads; shared memory is static.
+    most MAX_THREADS threads; shared memory is static. Any block size gives the same tokens.
     """
+    load_group = build_load_group(build_vector_access()[0])
+    row_split = build_row_split(build_data_address())
+    argmax_scan = build_row_scan(load_group, argmax_visit, argmax_chunk_may_change)
+    window_scan = build_row_scan(load_group, window_visit, window_chunk_may_change)
+    kth_largest_key = build_kth_largest_key(build_row_scan(load_group, radix_visit, any_chunk))
+    gumbel_scan = build_gumbel_scan(load_group)
 
-    @cuda.jit
+    # Hold ptxas to 128 registers a thread, so that a block of MAX_THREADS launches (64K registers an
+    # SM); the simulator's jit takes no launch_bounds.
+    launch_options = {} if simulator_enabled() else {"launch_bounds": MAX_THREADS}
+
+    @cuda.jit(**launch_options)
     def sample(logits, temperature, top_k, seed, step, out_ids):
         values = cuda.shared.array(MAX_THREADS, float32)
         indices = cuda.shared.array(MAX_THREADS, int32)
         counts = cuda.shared.array((RADIX, MAX_THREADS), int32)
         state = cuda.shared.array(3, int64)
+        words = cuda.local.array(GROUP, float32)  # registers: the loaded chunks
         vocab = logits.shape[1]
         tid = cuda.threadIdx.x
-        nt = cuda.blockDim.x
         for b in range(cuda.blockIdx.x, logits.shape[0], cuda.gridDim.x):
-            # 1. argmax: the greedy answer, and the max for the window.
-            best_value = NEG_INF
-            best_index = int32(vocab)  # sentinel: loses to every element
-            for i in range(tid, vocab, nt):
-                best_value, best_index = better(float32(logits[b, i]), int32(i), best_value, best_index)
+            head, chunks = row_split(logits, b)
+            # 1. argmax: the greedy answer, and the max for the window. Sentinel: index V loses to every element.
+            best_value, best_index = argmax_scan(logits, b, head, chunks, words, (NEG_INF, int32(vocab)), 0)
             top, top_index = block_argmax(values, indices, best_value, best_index)
             t = float32(temperature[b])
             k = int64(top_k[b])
@@ -296,24 +558,15 @@ def build_sample_kernel() -> Callable[..., Any]:
             # 3. top-k threshold key; 0 keeps everything.
             threshold = int64(0)
             if k > 0 and k < vocab:
-                inside = 0
-                for i in range(tid, vocab, nt):
-                    if float32(logits[b, i]) * inv_t >= cut:
-                        inside += 1
+                inside = window_scan(logits, b, head, chunks, words, int64(0), (inv_t, cut))
                 if block_count(counts, inside) > k:
-                    threshold = kth_largest_key(logits, b, k, counts, state)
+                    threshold = kth_largest_key(logits, b, head, chunks, words, k, counts, state)
             # 4. Gumbel-max over the candidates.
             key0, key1 = seed_words(seed[b])
             step_word = uint64(int64(step[b])) & MASK32
-            best_value = NEG_INF
-            best_index = int32(vocab)
-            for i in range(tid, vocab, nt):
-                logit = float32(logits[b, i])
-                x = logit * inv_t
-                if x >= cut and (threshold == 0 or order_key(logit) >= threshold):
-                    score = x + gumbel(key0, key1, step_word, uint64(i))
-                    best_value, best_index = better(score, int32(i), best_value, best_index)
-            _, chosen = block_argmax(values, indices, best_value, best_index)
+            context = (inv_t, cut, threshold, key0, key1, step_word)
+            score, index = gumbel_scan(logits, b, head, chunks, words, (NEG_INF, int32(vocab)), context)
+            _, chosen = block_argmax(values, indices, score, index)
             if tid == 0:
                 out_ids[b] = chosen
 
@@ -325,8 +578,9 @@ class Sample:
 
     Arrays (all indexed by row b): logits float32 [B, V], temperature float32 [B],
     top_k int32 [B], seed int64 [B], step int32 [B], out_ids int32 [B]. Semantics and
-    cost: the module docstring. One block per row of ``threads_for(V, max_threads)``
-    threads; no scratch buffers, SHARED_BYTES of static shared memory per block.
+    cost: the module docstring. One block per row of ``threads_for(ceil(V / GROUP), max_threads)``
+    threads (a thread reads GROUP logits a sweep); no scratch buffers, SHARED_BYTES of static
+    shared memory per block.
     """
 
     def __init__(self, max_threads: int = MAX_THREADS) -> None:
@@ -344,5 +598,5 @@ class Sample:
             raise ValueError("sampling over an empty vocabulary")
         if rows == 0:
             return
-        threads = threads_for(vocab, self.max_threads)
+        threads = threads_for(math.ceil(vocab / GROUP), self.max_threads)
         self.kernel[rows, threads, stream](logits, temperature, top_k, seed, step, out_ids)

@@ -1,11 +1,17 @@
 """Random sampling (temperature, top-k, Philox-keyed Gumbel-max) against numpy references.
 
-Simulator shapes are tiny (V <= 64, blocks of <= 32 threads). The draws-heavy tests
+Simulator shapes are tiny (V <= 151, blocks of <= 16 threads). The draws-heavy tests
 launch the kernel on one block that grid-strides over all rows: the simulator pays
 most of its time per block, not per row. The hash is checked bit for bit against a
 pure-numpy Philox4x32-10 (and its published known answers); tokens are checked
 exactly against a numpy sampler of the same definition (top-k by sorting, no
 window), so the kernel's window and radix shortcuts must not change any token.
+
+The kernel reads rows in 16-byte chunks after a scalar head: views whose rows start
+at each of the 4 float32 offsets within a chunk (torch tensors, which the launcher
+hands to the simulator without a copy) and a strided view (read one logit at a
+time) give torch.argmax's and the reference's tokens; the simulator's 16-byte loads
+fail on a misaligned address, so a wrong head cannot pass unseen.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.sampler import (MASK32, Sample, build_sample_kernel, gumbel, philox4x32, seed_words,
-                                      uniform_bits)
+from executor.kernels.launch import Kernel
+from executor.kernels.sampler import (CHUNK, GROUP, MASK32, Sample, build_data_address, build_row_split, gumbel,
+                                      philox4x32, seed_words, uniform_bits)
 from executor.numba_cuda import load_cuda
 from tests.kernels.compile_check import compile_for_sm90
 
@@ -97,14 +104,18 @@ def run_sample(logits, temperature, top_k, seed, step, max_threads: int = SIM_TH
     return out
 
 
+def launch(logits, temperature, top_k, seed, step, blocks: int, threads: int) -> np.ndarray:
+    """The kernel on ``blocks`` blocks of ``threads`` (fewer blocks than rows: they grid-stride)."""
+    out = np.full(logits.shape[0], POISON, dtype=np.int32)
+    Sample(SIM_THREADS).kernel[blocks, threads](logits, *params(logits.shape[0], temperature, top_k, seed, step), out)
+    assert (out != POISON).all(), "a row was not written"
+    return out
+
+
 def draw_many(row, temperature, top_k, seed, steps, threads: int) -> np.ndarray:
     """One token per step for one logits row, one launch: a single block grid-strides the rows."""
-    rows = len(steps)
-    logits = np.tile(np.asarray(row, np.float32), (rows, 1))
-    out = np.full(rows, POISON, dtype=np.int32)
-    Sample(SIM_THREADS).kernel[1, threads](logits, *params(rows, temperature, top_k, seed, steps), out)
-    assert (out != POISON).all()
-    return out
+    logits = np.tile(np.asarray(row, np.float32), (len(steps), 1))
+    return launch(logits, temperature, top_k, seed, steps, blocks=1, threads=threads)
 
 
 def argmax_np(logits) -> np.ndarray:
@@ -261,9 +272,10 @@ def test_same_request_same_token_in_any_batch():
     alone = [run_sample(logits[[b]], temperature[b], top_k[b], seeds[b], steps[b])[0] for b in range(4)]
     assert list(run_sample(logits, temperature, top_k, seeds, steps)) == alone
     order = [2, 0, 3, 1]
-    got = run_sample(logits[order], [temperature[b] for b in order], [top_k[b] for b in order],
-                     [seeds[b] for b in order], [steps[b] for b in order], max_threads=64)
-    assert list(got) == [alone[b] for b in order]
+    reordered = (logits[order], [temperature[b] for b in order], [top_k[b] for b in order],
+                 [seeds[b] for b in order], [steps[b] for b in order])
+    # Blocks of 16 threads: a thread holds at most 1 chunk of a row (the launcher's 4 threads hold 4).
+    assert list(launch(*reordered, blocks=1, threads=16)) == [alone[b] for b in order]
 
 
 def test_steps_and_seeds_change_the_token():
@@ -303,6 +315,94 @@ def test_top_k_distribution_matches_restricted_softmax():
     assert chi_square(counts[kept], softmax(ROW8[kept].astype(np.float64) / 1.5)) < 18.0, counts  # df = 2
 
 
+# ------------------------------------------------------------------ rows that start anywhere
+
+VIEW_VOCAB = 151  # 37 chunks and a head or tail: 2 sweeps of CHUNK_THREADS x GROUP logits, the second partial
+CHUNK_THREADS = 4
+assert VIEW_VOCAB > CHUNK_THREADS * GROUP
+ROW_SPLIT = build_row_split(build_data_address())
+
+
+def row_views(rows: int = 4) -> dict[str, torch.Tensor]:
+    """Float32 views of rows x VIEW_VOCAB whose rows start at each 4-byte offset of a 16-byte chunk.
+
+    torch tensors: the launcher passes the simulator a view of the same memory (a numpy argument
+    would be copied to a fresh array).
+    """
+    gen = torch.Generator().manual_seed(8)
+    big = torch.randn(rows + 2, 2 * VIEW_VOCAB + 2, generator=gen) * 3
+    return {
+        "V % 4 == 3": big[:rows, :VIEW_VOCAB].contiguous(),  # row b starts at lane 3b % 4
+        "row slice": big[:, :VIEW_VOCAB].contiguous()[1 : rows + 1],  # the first row starts at lane 3
+        "column slice": big[:rows, 1 : VIEW_VOCAB + 1],  # rows 2V + 2 = 304 logits apart: each from lane 1
+        "strided": big[:rows, : 2 * VIEW_VOCAB : 2],  # no chunks: a logit at a time
+    }
+
+
+def start_lanes(view: torch.Tensor) -> set[int]:
+    """The float32 offsets within their 16-byte chunks at which the rows of ``view`` start."""
+    return {(view[b].data_ptr() % 16) // 4 for b in range(view.shape[0])}
+
+
+@cuda.jit
+def _row_split_kernel(logits, out):
+    b = cuda.grid(1)
+    if b < logits.shape[0]:
+        head, chunks = ROW_SPLIT(logits, b)
+        out[b, 0] = head
+        out[b, 1] = chunks
+
+
+def test_row_split_finds_each_rows_head():
+    """(head, chunks) of every row from the row's own address; a strided view has no chunks."""
+    views = row_views()
+    assert set.union(*(start_lanes(v) for v in views.values())) == {0, 1, 2, 3}
+    for name, view in views.items():
+        out = np.zeros((view.shape[0], 2), np.int64)
+        Kernel(_row_split_kernel)[1, 8](view, out)
+        for b in range(view.shape[0]):
+            head = min(VIEW_VOCAB, -(view[b].data_ptr() // 4) % CHUNK)
+            expected = (VIEW_VOCAB, 0) if name == "strided" else (head, (VIEW_VOCAB - head) // CHUNK)
+            assert tuple(out[b]) == expected, (name, b)
+
+
+def tie_rows(view: torch.Tensor) -> None:
+    """Rewrite ``view``'s rows in place: ties of the maximum across the head, chunk, sweep and tail
+    boundaries of the kernel's reads, signed zeros, NaN and inf (torch.argmax's rules)."""
+    view.zero_()
+    view[0, [150, 149, 36, 35, 4, 3]] = 5.0  # the tail's last, chunk edges; 3 is the head's end or a chunk's
+    view[1, [131, 130, 129, 128, 2]] = 5.0  # second sweep vs. a head or first chunk
+    view[2, :] = -0.0
+    view[2, [100, 7]] = 0.0  # -0.0 ties +0.0: index 0
+    view[3, [140, 64, 33, 1]] = torch.tensor([np.nan, np.inf, np.nan, np.inf])  # the first NaN beats every inf
+
+
+@pytest.mark.parametrize("name", list(row_views()))
+def test_greedy_on_rows_that_start_anywhere(name):
+    """torch.argmax of random rows, then of rows of ties, NaN and inf placed across the kernel's boundaries."""
+    view = row_views()[name]
+    expected = torch.argmax(view, dim=-1).tolist()
+    assert launch(view, 0.0, 0, 1, 2, blocks=4, threads=CHUNK_THREADS).tolist() == expected
+    tie_rows(view)
+    got = launch(view, [0.0, -1.0, 0.0, 0.5], [0, 0, 0, 7], 1, 2, blocks=1, threads=CHUNK_THREADS)
+    assert got.tolist() == torch.argmax(view, dim=-1).tolist() == [3, 2, 0, 33]
+
+
+@pytest.mark.parametrize("name", ["V % 4 == 3", "column slice", "strided"])
+def test_sampled_tokens_on_rows_that_start_anywhere(name):
+    """Unrestricted, radix top-k and window-count top-k rows against the reference."""
+    view = row_views()[name]
+    view[3] *= 0.05  # flat: the whole row in the window
+    temperature, top_k, seeds, steps = [1.0, 0.7, 0.15, 1.0], [0, 3, 40, 9], [3, -4, 5, 2**40], [0, 1, 2, 3]
+    host = view.numpy()
+    x = host * (1 / np.array(temperature, np.float32))[:, None]
+    top = x.max(axis=1)
+    inside = (x >= (top - (21.0 + np.abs(top) * 2.0**-20))[:, None]).sum(axis=1)
+    assert list(inside[1:] > top_k[1:]) == [True, False, True]  # radix select, window shortcut, radix select
+    got = launch(view, temperature, top_k, seeds, steps, blocks=1, threads=CHUNK_THREADS)
+    assert got.tolist() == [reference_token(host[b], temperature[b], top_k[b], seeds[b], steps[b]) for b in range(4)]
+
+
 # ------------------------------------------------------------------ launcher
 
 
@@ -320,13 +420,17 @@ def test_launcher_shape_errors_and_empty_batch():
     Sample(SIM_THREADS)(np.zeros((0, 8), np.float32), *params(0, 1.0, 0, 0, 0), np.zeros(0, np.int32))
 
 
-def test_compiles_for_sm90():
-    """PTX for sm_90 (no float64, checked by compile_for_sm90) and no local memory (no spills, no local arrays)."""
+def test_sample_compiles_for_sm90_with_16_byte_loads():
+    """PTX for sm_90: no float64 (checked by compile_for_sm90), the row passes' 16-byte loads
+    (argmax, window count, radix, Gumbel: UNROLL each), and no local memory (the loaded chunks
+    in registers)."""
     compile_for_sm90("""
-        from executor.kernels.sampler import build_sample_kernel
+        from executor.kernels.sampler import UNROLL, build_sample_kernel
         i32 = arr("int32", 1)
         text = ptx(build_sample_kernel(), arr("float32", 2), arr("float32", 1), i32,
                    types.Array(types.int64, 1, "A"), i32, i32)
+        loads = text.count("ld.global.v4.f32")
+        assert loads >= 4 * UNROLL, f"sample kernel: {loads} 16-byte loads, expected at least {4 * UNROLL}"
         assert ".local" not in text, "sample kernel uses local memory"
     """)
 
@@ -350,11 +454,13 @@ def test_gpu_noise_bits_match_numpy():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("vocab", [151936, 248320])
-def test_gpu_tokens_match_numpy_reference(vocab):
+@pytest.mark.parametrize("vocab,offset", [(151936, 0), (248320, 0), (151935, 1)])
+def test_gpu_tokens_match_numpy_reference(vocab, offset):
+    """Real vocabularies; with V % 4 == 3 and the view ``offset`` logits into its buffer, the rows start
+    at every offset within a 16-byte chunk."""
     gen = torch.Generator(device="cuda").manual_seed(6)
     rows = 8
-    logits = torch.randn(rows, vocab, device="cuda", generator=gen) * 3
+    logits = (torch.randn(rows * vocab + offset, device="cuda", generator=gen) * 3)[offset:].view(rows, vocab)
     logits[1] *= 0.05  # flat: the window holds the whole vocabulary, top-k goes through the radix select
     temperature = torch.tensor([1.0, 0.7, 0.0, 1.2, 0.9, 2.0, 0.6, 1.0], device="cuda")
     top_k = torch.tensor([0, 50, 0, 400, 1, 20, 0, 100], dtype=torch.int32, device="cuda")
