@@ -23,6 +23,15 @@ from executor.numba_cuda import load_cuda
 cuda = load_cuda()
 
 
+@cuda.jit(device=True, inline=True)
+def cache_slot(t, batch_indices, positions, page_indices, page_indptr, page_size):
+    """``(page, slot)`` of row t's K/V in the paged cache (the module docstring's formula); shared
+    with the fused q/k norm + RoPE + KV write (qk_rope_kv.py), so both write the same slots."""
+    p = positions[t]
+    logical = p // page_size
+    return page_indices[page_indptr[batch_indices[t]] + logical], p - logical * page_size
+
+
 @cuda.jit
 def write_kv_kernel(k, v, k_cache, v_cache, batch_indices, positions, page_indices, page_indptr):
     """Grid ``(T, Hkv)``, threads over ``D`` (strided loop, any blockDim).
@@ -34,13 +43,8 @@ def write_kv_kernel(k, v, k_cache, v_cache, batch_indices, positions, page_indic
     """
     t = cuda.blockIdx.x
     head = cuda.blockIdx.y
-    page_size = k_cache.shape[1]
     head_dim = k.shape[2]
-    b = batch_indices[t]
-    p = positions[t]
-    logical = p // page_size
-    page = page_indices[page_indptr[b] + logical]
-    slot = p - logical * page_size
+    page, slot = cache_slot(t, batch_indices, positions, page_indices, page_indptr, k_cache.shape[1])
     for d in range(cuda.threadIdx.x, head_dim, cuda.blockDim.x):
         k_cache[page, slot, head, d] = k[t, head, d]
         v_cache[page, slot, head, d] = v[t, head, d]

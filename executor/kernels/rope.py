@@ -24,7 +24,8 @@ correctly rounded float32 power; torch's CPU powf is off by one ulp for a few
 (theta, r, j) (e.g. theta 1e6, r 128, j 37), which moves an angle by at most
 one float32 ulp of the angle.
 
-q and k are separate launches (different head counts, same kernel). One block
+q and k are separate launches here (different head counts, same kernel);
+qk_rope_kv.py fuses both with the KV write for decode-sized steps. One block
 per (row, head); grid x over rows (grid-stride), y over heads. Pass 1 reads the
 head for the sum of squares and ends in the reduction's barriers; in pass 2 a
 thread reads the pair (j, j + r/2) or the pass-through element it alone writes,
@@ -40,7 +41,9 @@ chunks; the group's sum of squares is a shuffle reduction (reduce.py). A block
 owns a row: its threads first compute the row's cos/sin (rounded as above)
 into shared memory once for every head, from inv_freq computed once per block.
 A thread with one unit keeps it in registers between the passes. Rounding is
-the scalar kernel's; only the order of the float32 sum of squares differs.
+the scalar kernel's; only the order of the float32 sum of squares differs. The
+per-head passes are device functions (``build_vector_head``) that the fused
+q/k norm + RoPE + KV cache write (qk_rope_kv.py) runs too, bit for bit.
 """
 
 from __future__ import annotations
@@ -115,22 +118,51 @@ def build_qk_norm_rope_kernel(codec: Codec, round_before_weight: bool) -> Callab
     return qk_norm_rope_inplace
 
 
-def build_qk_norm_rope_vector_kernel(codec: Codec, round_before_weight: bool) -> Callable[..., Any]:
-    """Kernel ``(x [T,heads,D], norm_weight [D], positions int32 [T], eps f32, weight_offset f32,
-    rotary_dim int32, theta f32, group_threads int32)`` as build_qk_norm_rope_kernel, over 16-byte chunks.
+@cuda.jit(device=True, inline=True)
+def store_inv_freq(shared, inv_freq_at, half, rotary_dim, theta):
+    """The vector kernels' inv_freq table, ``shared[inv_freq_at + j]`` for j < half, once per block.
 
-    Every chunk of x's heads and of norm_weight must be 16-byte aligned and rotary_dim / 2 a whole
-    number of chunks (the launcher checks). blockDim.x is a multiple of group_threads (a power of
-    two <= 32) and of 32 on the GPU. Launch with ``4 * (blockDim.x + 3 * rotary_dim / 2)`` bytes of
-    dynamic shared memory: the simulator's reduction scratch, then inv_freq, cos and sin.
+    Thread tid writes j = tid, tid + blockDim.x, ..., the entries store_cos_sin (build_vector_head)
+    reads back on that thread: no barrier between the two.
+    """
+    for j in range(cuda.threadIdx.x, half, cuda.blockDim.x):
+        shared[inv_freq_at + j] = rope_inv_freq(j, rotary_dim, theta)
+
+
+def build_vector_head(
+    codec: Codec, round_before_weight: bool, put_chunk: Callable[..., Any] | None = None
+) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """Device functions for the 16-byte vector kernels, each run by every thread of a block or of a
+    head's group of ``group_threads`` threads (see the module docstring):
+
+    store_cos_sin(shared, inv_freq_at, cos_at, sin_at, half, position)
+        this row's rounded cos/sin from the block's inv_freq table (all threads; the caller's
+        barrier publishes them)
+    head_squares(x, t, h, lane, group_threads, half, pairs, units, lo, hi) -> float32
+        pass 1: this thread's part of head (t, h)'s sum of squares; with one unit per thread the
+        unit stays in ``lo``/``hi`` for pass 2
+    head_norm_rope(x, norm_weight, t, h, lane, group_threads, half, pairs, units, one_unit, inv_rms,
+                   weight_offset, shared, cos_at, sin_at, lo, hi, w_lo, w_hi, cache, page, slot)
+        pass 2: this thread's units normed and rotated; each finished chunk goes out through
+        ``put_chunk(x, t, h, col, words, cache, page, slot)`` (default: in place in x only,
+        ignoring cache/page/slot), the hook the fused KV-cache kernel (qk_rope_kv.py) uses
+
+    ``half`` = rotary_dim / 2, ``pairs`` = half / lanes and ``units`` = pairs plus the
+    pass-through chunks; lo, hi, w_lo, w_hi are VECTOR_WORDS-word local buffers.
     """
     load, store = codec.load, codec.store
     normalize = build_normalize(codec, round_before_weight)
     load_vector, store_vector = build_vector_access()
     get_lane, put_lane = build_lanes(codec)
-    group_sum = build_group_sum()
     lanes = lanes_for(codec)
-    words = word_type(codec)
+
+    if put_chunk is None:
+
+        @cuda.jit(device=True, inline=True)
+        def put_in_place(x, t, h, col, words, cache, page, slot):
+            store_vector(x, (t, h, col), words, 0)
+
+        put_chunk = put_in_place
 
     @cuda.jit(device=True, inline=True)
     def rounded(value):
@@ -149,6 +181,72 @@ def build_qk_norm_rope_vector_kernel(codec: Codec, round_before_weight: bool) ->
             total += v * v
         return total
 
+    @cuda.jit(device=True, inline=True)
+    def store_cos_sin(shared, inv_freq_at, cos_at, sin_at, half, position):
+        for j in range(cuda.threadIdx.x, half, cuda.blockDim.x):
+            angle = position * shared[inv_freq_at + j]
+            shared[cos_at + j] = rounded(float32(math.cos(angle)))
+            shared[sin_at + j] = rounded(float32(math.sin(angle)))
+
+    @cuda.jit(device=True, inline=True)
+    def head_squares(x, t, h, lane, group_threads, half, pairs, units, lo, hi):
+        partial = float32(0.0)
+        for unit in range(lane, units, group_threads):
+            if unit < pairs:
+                load_vector(x, (t, h, unit * lanes), lo, 0)
+                load_vector(x, (t, h, half + unit * lanes), hi, 0)
+                partial += squares(lo) + squares(hi)
+            else:
+                load_vector(x, (t, h, half + unit * lanes), lo, 0)  # rotary_dim + (unit - pairs) * lanes
+                partial += squares(lo)
+        return partial
+
+    @cuda.jit(device=True, inline=True)
+    def head_norm_rope(x, norm_weight, t, h, lane, group_threads, half, pairs, units, one_unit, inv_rms,
+                       weight_offset, shared, cos_at, sin_at, lo, hi, w_lo, w_hi, cache, page, slot):
+        for unit in range(lane, units, group_threads):
+            if unit < pairs:
+                if not one_unit:
+                    load_vector(x, (t, h, unit * lanes), lo, 0)
+                    load_vector(x, (t, h, half + unit * lanes), hi, 0)
+                load_vector(norm_weight, (unit * lanes,), w_lo, 0)
+                load_vector(norm_weight, (half + unit * lanes,), w_hi, 0)
+                for k in range(lanes):
+                    j = unit * lanes + k
+                    a = normed(get_lane(lo, k), get_lane(w_lo, k), inv_rms, weight_offset)
+                    b = normed(get_lane(hi, k), get_lane(w_hi, k), inv_rms, weight_offset)
+                    cos = shared[cos_at + j]
+                    sin = shared[sin_at + j]
+                    put_lane(lo, k, store(rounded(a * cos) - rounded(b * sin)))
+                    put_lane(hi, k, store(rounded(b * cos) + rounded(a * sin)))
+                put_chunk(x, t, h, unit * lanes, lo, cache, page, slot)
+                put_chunk(x, t, h, half + unit * lanes, hi, cache, page, slot)
+            else:
+                if not one_unit:
+                    load_vector(x, (t, h, half + unit * lanes), lo, 0)
+                load_vector(norm_weight, (half + unit * lanes,), w_lo, 0)
+                for k in range(lanes):
+                    v = normalize(load(get_lane(lo, k)), inv_rms, load(get_lane(w_lo, k)), weight_offset)
+                    put_lane(lo, k, store(v))
+                put_chunk(x, t, h, half + unit * lanes, lo, cache, page, slot)
+
+    return store_cos_sin, head_squares, head_norm_rope
+
+
+def build_qk_norm_rope_vector_kernel(codec: Codec, round_before_weight: bool) -> Callable[..., Any]:
+    """Kernel ``(x [T,heads,D], norm_weight [D], positions int32 [T], eps f32, weight_offset f32,
+    rotary_dim int32, theta f32, group_threads int32)`` as build_qk_norm_rope_kernel, over 16-byte chunks.
+
+    Every chunk of x's heads and of norm_weight must be 16-byte aligned and rotary_dim / 2 a whole
+    number of chunks (the launcher checks). blockDim.x is a multiple of group_threads (a power of
+    two <= 32) and of 32 on the GPU. Launch with ``4 * (blockDim.x + 3 * rotary_dim / 2)`` bytes of
+    dynamic shared memory: the simulator's reduction scratch, then inv_freq, cos and sin.
+    """
+    store_cos_sin, head_squares, head_norm_rope = build_vector_head(codec, round_before_weight)
+    group_sum = build_group_sum()
+    lanes = lanes_for(codec)
+    words = word_type(codec)
+
     @cuda.jit
     def qk_norm_rope_inplace_vector(x, norm_weight, positions, eps, weight_offset, rotary_dim, theta, group_threads):
         shared = cuda.shared.array(0, float32)  # dynamic: see norm.py
@@ -162,22 +260,15 @@ def build_qk_norm_rope_vector_kernel(codec: Codec, round_before_weight: bool) ->
         pairs = half // lanes
         units = pairs + (head_dim - rotary_dim) // lanes
         tid = cuda.threadIdx.x
-        step = cuda.blockDim.x
         lane = tid % group_threads
-        groups = step // group_threads
+        groups = cuda.blockDim.x // group_threads
         one_unit = units <= group_threads  # then a thread's unit stays in registers between the passes
-        inv_freq_at = step
-        cos_at = step + half
-        sin_at = step + 2 * half
-        # A thread reads back only the inv_freq entries it wrote (same j loop): no barrier needed.
-        for j in range(tid, half, step):
-            shared[inv_freq_at + j] = rope_inv_freq(j, rotary_dim, theta)
+        inv_freq_at = cuda.blockDim.x
+        cos_at = inv_freq_at + half
+        sin_at = cos_at + half
+        store_inv_freq(shared, inv_freq_at, half, rotary_dim, theta)
         for t in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
-            position = float32(positions[t])
-            for j in range(tid, half, step):
-                angle = position * shared[inv_freq_at + j]
-                shared[cos_at + j] = rounded(float32(math.cos(angle)))
-                shared[sin_at + j] = rounded(float32(math.sin(angle)))
+            store_cos_sin(shared, inv_freq_at, cos_at, sin_at, half, float32(positions[t]))
             cuda.syncthreads()
             # Every thread runs every head round (group_sum needs the whole block / warp).
             for first_head in range(0, heads, groups):
@@ -185,41 +276,12 @@ def build_qk_norm_rope_vector_kernel(codec: Codec, round_before_weight: bool) ->
                 active = h < heads
                 partial = float32(0.0)
                 if active:
-                    for unit in range(lane, units, group_threads):
-                        if unit < pairs:
-                            load_vector(x, (t, h, unit * lanes), lo, 0)
-                            load_vector(x, (t, h, half + unit * lanes), hi, 0)
-                            partial += squares(lo) + squares(hi)
-                        else:
-                            load_vector(x, (t, h, half + unit * lanes), lo, 0)  # rotary_dim + (unit - pairs) * lanes
-                            partial += squares(lo)
+                    partial = head_squares(x, t, h, lane, group_threads, half, pairs, units, lo, hi)
                 inv_rms = inv_rms_from_sum(group_sum(shared, partial, group_threads), head_dim, eps)
                 if active:
-                    for unit in range(lane, units, group_threads):
-                        if unit < pairs:
-                            if not one_unit:
-                                load_vector(x, (t, h, unit * lanes), lo, 0)
-                                load_vector(x, (t, h, half + unit * lanes), hi, 0)
-                            load_vector(norm_weight, (unit * lanes,), w_lo, 0)
-                            load_vector(norm_weight, (half + unit * lanes,), w_hi, 0)
-                            for k in range(lanes):
-                                j = unit * lanes + k
-                                a = normed(get_lane(lo, k), get_lane(w_lo, k), inv_rms, weight_offset)
-                                b = normed(get_lane(hi, k), get_lane(w_hi, k), inv_rms, weight_offset)
-                                cos = shared[cos_at + j]
-                                sin = shared[sin_at + j]
-                                put_lane(lo, k, store(rounded(a * cos) - rounded(b * sin)))
-                                put_lane(hi, k, store(rounded(b * cos) + rounded(a * sin)))
-                            store_vector(x, (t, h, unit * lanes), lo, 0)
-                            store_vector(x, (t, h, half + unit * lanes), hi, 0)
-                        else:
-                            if not one_unit:
-                                load_vector(x, (t, h, half + unit * lanes), lo, 0)
-                            load_vector(norm_weight, (half + unit * lanes,), w_lo, 0)
-                            for k in range(lanes):
-                                v = normalize(load(get_lane(lo, k)), inv_rms, load(get_lane(w_lo, k)), weight_offset)
-                                put_lane(lo, k, store(v))
-                            store_vector(x, (t, h, half + unit * lanes), lo, 0)
+                    # No KV cache here: put_chunk ignores the (x, 0, 0) passed as cache, page, slot.
+                    head_norm_rope(x, norm_weight, t, h, lane, group_threads, half, pairs, units, one_unit, inv_rms,
+                                   weight_offset, shared, cos_at, sin_at, lo, hi, w_lo, w_hi, x, 0, 0)
             cuda.syncthreads()  # every head has read this row's cos/sin before the next row's overwrite them
 
     return qk_norm_rope_inplace_vector
@@ -231,9 +293,16 @@ def vector_group_threads(head_dim: int, rotary_dim: int, lanes: int) -> int:
     return min(MAX_GROUP_THREADS, 1 << max(0, math.ceil(math.log2(units))))
 
 
-def _check_shape(name: str, a: Any, expected: tuple[int, ...]) -> None:
+def check_shape(name: str, a: Any, expected: tuple[int, ...]) -> None:
+    """A launcher's shape check: ValueError naming the array, its shape and the expected one."""
     if tuple(a.shape) != expected:
         raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {expected}")
+
+
+def check_rotary_dim(rotary_dim: int, head_dim: int) -> None:
+    """ValueError unless rotary_dim is even and in [2, head_dim]."""
+    if rotary_dim < 2 or rotary_dim > head_dim or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
 
 
 class QkNormRopeInplace:
@@ -275,10 +344,9 @@ class QkNormRopeInplace:
         stream: Any = 0,
     ) -> None:
         rows, heads, head_dim = x.shape
-        _check_shape("norm_weight", norm_weight, (head_dim,))
-        _check_shape("positions", positions, (rows,))
-        if rotary_dim < 2 or rotary_dim > head_dim or rotary_dim % 2:
-            raise ValueError(f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
+        check_shape("norm_weight", norm_weight, (head_dim,))
+        check_shape("positions", positions, (rows,))
+        check_rotary_dim(rotary_dim, head_dim)
         if rows == 0 or heads == 0:
             return
         if self.uses_vector(x, norm_weight, rotary_dim):

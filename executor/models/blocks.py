@@ -24,8 +24,8 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
 
 
 class FullAttention:
-    """GQA attention over the paged KV cache: fused QKV GEMM, q/k norm + RoPE,
-    KV write, paged attention, optional sigmoid output gate (Qwen3.5), o_proj."""
+    """GQA attention over the paged KV cache: fused QKV GEMM, q/k norm + RoPE with the
+    KV write (one launch), paged attention, optional sigmoid output gate (Qwen3.5), o_proj."""
 
     def __init__(self, arena: Arena, kernels: Kernels, layer: int, norm: NormStyle, output_gate: bool):
         plan, g = arena.plan, arena.plan.geometry
@@ -49,8 +49,8 @@ class FullAttention:
         self.split_decode = plan.capacity.decode_kv_splits > 1
         # Long prefill chunks (step.gemm_requests) run attention as GEMMs when the plan has their scratch.
         self.gemm_attention = GemmPrefillAttention(
-            kernels.gather_kv, kernels.causal_softmax, self.k_cache, self.v_cache, g.num_kv_heads, g.gqa_group,
-            self.scale) if plan.capacity.prefill_score_elements else None
+            kernels.gather_kv, kernels.causal_softmax, kernels.chunk_copy, self.k_cache, self.v_cache,
+            g.num_kv_heads, g.gqa_group, self.scale) if plan.capacity.prefill_score_elements else None
 
     def __call__(self, step: StepViews) -> None:
         k_ = self.kernels
@@ -66,11 +66,9 @@ class FullAttention:
         k = qkv[:, self.q_rows : self.q_rows + self.kv_rows].view(n, self.kv_heads, d)
         v = qkv[:, self.q_rows + self.kv_rows :].view(n, self.kv_heads, d)
         positions = step.meta("positions")
-        for x, weight in ((q, self.q_norm), (k, self.k_norm)):
-            k_.qk_norm_rope(x, weight, positions, self.eps, self.norm.weight_offset, self.rotary_dim, self.theta,
-                            stream=step.stream)
-        k_.write_kv(k, v, self.k_cache, self.v_cache, step.meta("batch_indices"), positions,
-                    step.meta("page_indices"), step.meta("page_indptr"), stream=step.stream)
+        k_.qk_norm_rope_write_kv(q, k, v, self.q_norm, self.k_norm, positions, self.eps, self.norm.weight_offset,
+                                 self.rotary_dim, self.theta, self.k_cache, self.v_cache, step.meta("batch_indices"),
+                                 step.meta("page_indices"), step.meta("page_indptr"), stream=step.stream)
         attn_out = step.role("attn_out").view(n, self.q_heads, d)
         decode = step.pool == "decode"
         attention = k_.decode_attention if decode else k_.attention

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from executor.kernels.activation import SigmoidMulInplace, SiluMul
 from executor.kernels.attention import PREFILL_ROWS_PER_TILE, PagedAttention
 from executor.kernels.causal_softmax import CausalSoftmax
+from executor.kernels.chunk_copy import ChunkCopy
 from executor.kernels.codec import build_codec
 from executor.kernels.conv1d import CausalConv1d
 from executor.kernels.decode_attention import DecodeAttention
@@ -15,9 +16,8 @@ from executor.kernels.delta_rule import GatedDeltaRule, GdnGates
 from executor.kernels.embedding import Embedding
 from executor.kernels.gated_norm import GatedRmsNorm
 from executor.kernels.gemm_attention import GatherKv
-from executor.kernels.kv_cache import WriteKv
 from executor.kernels.norm import AddRmsNormInplace, RmsNorm
-from executor.kernels.rope import QkNormRopeInplace
+from executor.kernels.qk_rope_kv import QkNormRopeWriteKv
 from executor.kernels.sampler import Sample
 from executor.numba_cuda import simulator_enabled
 from planner.geometry import Geometry
@@ -40,12 +40,12 @@ class Kernels:
     embedding: Embedding
     rms_norm: RmsNorm
     add_rms_norm: AddRmsNormInplace
-    qk_norm_rope: QkNormRopeInplace
-    write_kv: WriteKv
+    qk_norm_rope_write_kv: QkNormRopeWriteKv  # q/k norm + RoPE and the KV cache write, one launch
     attention: PagedAttention  # prefill steps (any rows per request)
     decode_attention: DecodeAttention  # decode steps (one row per request)
     gather_kv: GatherKv  # GEMM prefill attention: a request's KV pages -> contiguous scratch
     causal_softmax: CausalSoftmax  # GEMM prefill attention: scores -> probabilities
+    chunk_copy: ChunkCopy  # GEMM prefill attention: query rows packed by kv head, outputs back
     output_gate: SigmoidMulInplace
     silu_mul: SiluMul
     sample: Sample
@@ -75,12 +75,12 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle) ->
         embedding=Embedding(codec),
         rms_norm=RmsNorm(codec, norm.round_before_weight),
         add_rms_norm=AddRmsNormInplace(codec, norm.round_before_weight),
-        qk_norm_rope=QkNormRopeInplace(codec, norm.round_before_weight),
-        write_kv=WriteKv(),
+        qk_norm_rope_write_kv=QkNormRopeWriteKv(codec, norm.round_before_weight),
         attention=attention,
         decode_attention=DecodeAttention(codec, geometry.head_dim, geometry.gqa_group, attention),
         gather_kv=GatherKv(),
         causal_softmax=CausalSoftmax(codec),
+        chunk_copy=ChunkCopy(),
         output_gate=SigmoidMulInplace(codec),
         silu_mul=SiluMul(codec),
         sample=Sample(max_threads=32) if simulated else Sample(),

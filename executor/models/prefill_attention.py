@@ -5,11 +5,11 @@ chunk of thousands of tokens that is quadratic work at a few percent of the
 GPU's matmul rate. Here a request's attention runs as
 
     keys, values <- its KV pages                     (GatherKv: [Hkv, kv_len, D] scratch)
-    packed        = its query rows, by kv head        (copy: [Hkv, group x rows, D])
+    packed        = its query rows, by kv head        (ChunkCopy: [Hkv, group x rows, D])
     scores        = packed @ keys^T                   (torch.bmm over kv heads, float32 out)
     probs         = causal softmax(scale * scores)    (CausalSoftmax)
     packed        = probs @ values                    (torch.bmm over kv heads)
-    out rows     <- packed                            (copy back to [rows, Hq, D])
+    out rows     <- packed                            (ChunkCopy back to [rows, Hq, D])
 
 over tiles of query rows sized by the plan (step.GemmRequest.rows_per_tile), a
 tile's GEMMs spanning only the keys its last row sees. Packing the GQA group
@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from executor.kernels.causal_softmax import CausalSoftmax
+from executor.kernels.chunk_copy import ChunkCopy
 from executor.kernels.gemm_attention import GatherKv
 from executor.models.context import StepViews
 from executor.step import GemmRequest
@@ -34,9 +35,9 @@ from executor.step import GemmRequest
 class GemmPrefillAttention:
     """One full-attention layer's GEMM attention over its KV cache views."""
 
-    def __init__(self, gather: GatherKv, softmax: CausalSoftmax, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 num_kv_heads: int, group: int, scale: float):
-        self.gather, self.softmax = gather, softmax
+    def __init__(self, gather: GatherKv, softmax: CausalSoftmax, copy: ChunkCopy, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, num_kv_heads: int, group: int, scale: float):
+        self.gather, self.softmax, self.copy = gather, softmax, copy
         self.k_cache, self.v_cache = _as_words(k_cache), _as_words(v_cache)  # [pages, S, Hkv, W]
         self.num_kv_heads, self.group, self.scale = num_kv_heads, group, scale
 
@@ -70,7 +71,7 @@ class GemmPrefillAttention:
         span = slice(request.q_start + first, request.q_start + end)
         # [Hkv, group, rows, D] views of the tile's rows: head h * group + g is the g-th of kv head h.
         by_kv_head = lambda x: x[span].unflatten(1, (heads, group)).permute(1, 2, 0, 3)  # noqa: E731
-        packed.copy_(by_kv_head(q))
+        self.copy(by_kv_head(q), packed, stream=step.stream)
         packed_rows = packed.view(heads, group * rows, head_dim)
         widen = {} if q.dtype == torch.float32 else {"out_dtype": torch.float32}
         torch.bmm(packed_rows, keys[:, :num_keys].transpose(1, 2), out=scores, **widen)
@@ -78,7 +79,7 @@ class GemmPrefillAttention:
         self.softmax(scores.view(-1, num_keys), probs.view(-1, num_keys), rows, first_position, self.scale,
                      stream=step.stream)
         torch.bmm(probs, values[:, :num_keys], out=packed_rows)
-        by_kv_head(out).copy_(packed)
+        self.copy(packed, by_kv_head(out), stream=step.stream)
 
 
 def _as_words(tensor: torch.Tensor) -> torch.Tensor:

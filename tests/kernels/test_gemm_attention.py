@@ -18,6 +18,7 @@ import torch
 from executor.device import open_device
 from executor.kernels.codec import build_codec
 from executor.kernels.causal_softmax import CausalSoftmax
+from executor.kernels.chunk_copy import ChunkCopy
 from executor.kernels.gemm_attention import GatherKv
 from executor.models.prefill_attention import GemmPrefillAttention
 from executor.step import GemmRequest
@@ -91,7 +92,8 @@ def _run_gemm_attention(device, dtype, num_rows, kv_len, rows_per_tile, generato
                            gemm_requests=(request,))
     codec = build_codec("float32" if dtype == torch.float32 else "bfloat16")
     scale = 1 / math.sqrt(HEAD_DIM)
-    attention = GemmPrefillAttention(GatherKv(), CausalSoftmax(codec), k_cache, v_cache, NUM_KV_HEADS, GROUP, scale)
+    attention = GemmPrefillAttention(GatherKv(), CausalSoftmax(codec), ChunkCopy(), k_cache, v_cache, NUM_KV_HEADS,
+                                     GROUP, scale)
     attention(step, q, out)
     reference = _reference_attention(q[2:].cpu(), k_cache.cpu(), v_cache.cpu(), pages.cpu(), kv_len, scale)
     assert out[:2].isnan().all()  # the other request's rows are not touched

@@ -1,4 +1,6 @@
-"""qk_norm_rope_inplace against torch references (simulator at tiny shapes; bf16 GPU tests at real sizes)."""
+"""qk_norm_rope_inplace against torch references, and the fused q/k norm + RoPE + KV cache write
+(qk_rope_kv.py) against the launches it replaces (simulator at tiny shapes; bf16 GPU tests at real
+sizes)."""
 
 from __future__ import annotations
 
@@ -7,10 +9,15 @@ import pytest
 import torch
 
 from executor.kernels.codec import build_codec
+from executor.kernels.kv_cache import WriteKv
+from executor.kernels.qk_rope_kv import QkNormRopeWriteKv, fused_block_threads
 from executor.kernels.rope import QkNormRopeInplace, vector_group_threads
 from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
-from tests.kernels.storage import assert_bf16_close, assert_close_rel, from_storage, to_storage
+from tests.kernels.storage import assert_bf16_close, assert_close_rel, from_storage, poisoned, to_storage
+from tests.kernels.test_kv_cache import make_step
+
+cuda = load_cuda()
 
 EPS = 1e-6
 SIM_THREADS = 32
@@ -246,3 +253,253 @@ def test_gpu_vector_matches_scalar_bf16(heads, head_dim, rotary_dim, theta, roun
     scale = term_scale(hf_rms_norm(buf[..., :head_dim], w, offset, round_before_weight).double(), rotary_dim)
     # Same roundings; only the sum of squares' order differs (an inv_rms ulp flips a rare rounding).
     assert_bf16_close(vector[..., :head_dim].double().cpu(), scalar[..., :head_dim].cpu(), scale.cpu(), exact=0.999)
+
+
+# ---------------------------------------------------------------- fused with the KV cache write (qk_rope_kv.py)
+
+FUSED_Q_HEADS, FUSED_KV_HEADS, FUSED_PAGE_SIZE, FUSED_PAGES = 4, 2, 4, 9
+# Decode at position 6, a 5-row chunk after 3 earlier tokens (crosses a page), a request's first
+# token, a decode row filling the last slot of its page; pages shuffled (test_kv_cache.make_step).
+FUSED_BATCH = [(1, 7), (5, 8), (1, 1), (1, 8)]
+# name: (round_before_weight, weight_offset, head_dim, rotary_dim, theta, gated). Qwen3-like: q a
+# plain view, full rotary. Qwen3.5-like: q strided in a per-head [q | gate] buffer, partial rotary
+# (pass-through chunks after one or two pair chunks).
+FUSED_CASES = {
+    "qwen3": (True, 0.0, 16, 16, 1e6, False),
+    "qwen3_5": (False, 1.0, 32, 16, 1e7, True),
+}
+
+
+def fused_inputs(dtype_name: str, case: str, seed: int) -> dict:
+    """Host storage arrays: a fused qkv output [T, Hq * (D or 2D) + 2 Hkv * D], the two norm
+    weights, and the step's page metadata."""
+    _, offset, head_dim, _, _, gated = FUSED_CASES[case]
+    gen = torch.Generator().manual_seed(seed)
+    step = make_step(FUSED_BATCH, FUSED_PAGE_SIZE, FUSED_PAGES, np.random.default_rng(seed))
+    q_width = (2 if gated else 1) * head_dim
+    rows = len(step["positions"])
+    qkv = torch.randn(rows, FUSED_Q_HEADS * q_width + 2 * FUSED_KV_HEADS * head_dim, generator=gen) * 3
+    weights = [torch.randn(head_dim, generator=gen) * 0.3 + (0.0 if offset else 1.0) for _ in range(2)]
+    return dict(step, qkv=to_storage(qkv, dtype_name), q_weight=to_storage(weights[0], dtype_name),
+                k_weight=to_storage(weights[1], dtype_name))
+
+
+def run_on_views(inputs: dict, dtype_name: str, case: str, launch, cache_shift: int = 0) -> tuple:
+    """``launch(q, k, v, k_cache, v_cache)`` on device copies of the qkv buffer and of a poisoned
+    page-first pool [pages, 2 layers, 2, S, Hkv, D] (layer 1's views; every cache row starts
+    ``cache_shift`` elements past a 16-byte boundary). Returns (qkv, pool) after it, on the host."""
+    head_dim, gated = FUSED_CASES[case][2], FUSED_CASES[case][5]
+    rows = inputs["qkv"].shape[0]
+    q_width = (2 if gated else 1) * head_dim
+    shape = (FUSED_PAGES, 2, 2, FUSED_PAGE_SIZE, FUSED_KV_HEADS, head_dim + cache_shift)
+    # Device arrays: the simulator transfers only contiguous host arrays; views come after.
+    qkv, padded = cuda.to_device(inputs["qkv"]), cuda.to_device(poisoned(shape, dtype_name))
+    q_end = FUSED_Q_HEADS * q_width
+    q = qkv[:, :q_end].reshape(rows, FUSED_Q_HEADS, q_width)[..., :head_dim]
+    kv = qkv[:, q_end:].reshape(rows, 2 * FUSED_KV_HEADS, head_dim)
+    pool = padded[..., cache_shift:]
+    launch(q, kv[:, :FUSED_KV_HEADS], kv[:, FUSED_KV_HEADS:], pool[:, 1, 0], pool[:, 1, 1])
+    return qkv.copy_to_host(), padded.copy_to_host()[..., cache_shift:]
+
+
+def separate_launches(inputs: dict, dtype_name: str, case: str, group: int | None = None):
+    """What the fused launch replaces: the vector qk_norm_rope on q, then on k, then write_kv.
+    ``group``: run the vector kernel with that many threads per head (4 threads a block) instead
+    of the launcher's choice."""
+    round_before_weight, offset, _, rotary_dim, theta, _ = FUSED_CASES[case]
+    rope = QkNormRopeInplace(build_codec(dtype_name), round_before_weight, SIM_THREADS)
+    positions = inputs["positions"]
+
+    def launch(q, k, v, k_cache, v_cache):
+        for x, weight in ((q, inputs["q_weight"]), (k, inputs["k_weight"])):
+            assert rope.uses_vector(x, weight, rotary_dim)
+            if group is None:
+                rope(x, weight, positions, EPS, offset, rotary_dim, theta)
+            else:
+                rope.vector_kernel[x.shape[0], 4, 0, (4 + 3 * rotary_dim // 2) * 4](
+                    x, weight, positions, np.float32(EPS), np.float32(offset), np.int32(rotary_dim),
+                    np.float32(theta), np.int32(group))
+        WriteKv()(k, v, k_cache, v_cache, inputs["batch_indices"], positions, inputs["page_indices"],
+                  inputs["page_indptr"])
+
+    return launch
+
+
+def assert_same_bits(got: tuple, expected: tuple, inputs: dict, dtype_name: str) -> None:
+    """qkv and pool bit-identical; the pool's poison left exactly where no row wrote (layer 1's slots
+    of the step's (page, slot) pairs are written)."""
+    bits = np.int32 if dtype_name == "float32" else np.int16
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a.view(bits), b.view(bits))
+    pool = got[1]
+    written = np.zeros(pool.shape[:4], bool)  # [pages, layers, k/v, S]
+    for b, p in zip(inputs["batch_indices"], inputs["positions"]):
+        written[inputs["page_indices"][inputs["page_indptr"][b] + p // FUSED_PAGE_SIZE], 1, :, p % FUSED_PAGE_SIZE] = True
+    poison = poisoned((1,), dtype_name).view(bits)[0]
+    assert (pool.view(bits)[~written] == poison).all(), "a cache slot the step does not own was written"
+    assert (pool.view(bits)[written] != poison).all(), "a cache slot of the step was not written"
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_fused_matches_separate_launches(dtype_name, case):
+    """One fused launch gives q, k, the KV cache (and the untouched gate and v) bit for bit as the
+    three launches it replaces."""
+    inputs = fused_inputs(dtype_name, case, seed=46)
+    round_before_weight, offset, _, rotary_dim, theta, _ = FUSED_CASES[case]
+    fused = QkNormRopeWriteKv(build_codec(dtype_name), round_before_weight, SIM_THREADS)
+
+    def launch(q, k, v, k_cache, v_cache):
+        assert fused.uses_vector(q, k, v, inputs["q_weight"], inputs["k_weight"], k_cache, v_cache, rotary_dim)
+        fused(q, k, v, inputs["q_weight"], inputs["k_weight"], inputs["positions"], EPS, offset, rotary_dim, theta,
+              k_cache, v_cache, inputs["batch_indices"], inputs["page_indices"], inputs["page_indptr"])
+
+    expected = run_on_views(inputs, dtype_name, case, separate_launches(inputs, dtype_name, case))
+    assert_same_bits(run_on_views(inputs, dtype_name, case, launch), expected, inputs, dtype_name)
+
+
+@pytest.mark.parametrize("dtype_name,case", [("float32", "qwen3_5"), ("bfloat16", "qwen3")])
+def test_fused_misaligned_cache_falls_back(dtype_name, case):
+    """Cache rows one element past a 16-byte boundary: the launcher makes the separate launches,
+    with the fused kernel's results."""
+    inputs = fused_inputs(dtype_name, case, seed=47)
+    round_before_weight, offset, _, rotary_dim, theta, _ = FUSED_CASES[case]
+    fused = QkNormRopeWriteKv(build_codec(dtype_name), round_before_weight, SIM_THREADS)
+
+    def launch(q, k, v, k_cache, v_cache):
+        assert not fused.uses_vector(q, k, v, inputs["q_weight"], inputs["k_weight"], k_cache, v_cache, rotary_dim)
+        fused(q, k, v, inputs["q_weight"], inputs["k_weight"], inputs["positions"], EPS, offset, rotary_dim, theta,
+              k_cache, v_cache, inputs["batch_indices"], inputs["page_indices"], inputs["page_indptr"])
+
+    expected = run_on_views(inputs, dtype_name, case, separate_launches(inputs, dtype_name, case))
+    assert_same_bits(run_on_views(inputs, dtype_name, case, launch, cache_shift=1), expected, inputs, dtype_name)
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_fused_kernel_rounds_and_rows_per_block(dtype_name):
+    """The kernel's other paths: 2 threads per head own several units each (re-read in pass 2), a
+    4-thread block walks the 4 + 2 + 2 heads in 4 rounds, and 3 blocks stride over the 8 rows (the
+    barrier between a block's rows). Against the vector kernel run with the same threads per head."""
+    case, group, threads, blocks = "qwen3_5", 2, 4, 3
+    round_before_weight, offset, _, rotary_dim, theta, _ = FUSED_CASES[case]
+    inputs = fused_inputs(dtype_name, case, seed=48)
+    fused = QkNormRopeWriteKv(build_codec(dtype_name), round_before_weight, SIM_THREADS)
+
+    def launch(q, k, v, k_cache, v_cache):
+        fused.kernel[blocks, threads, 0, (threads + 3 * rotary_dim // 2) * 4](
+            q, k, v, inputs["q_weight"], inputs["k_weight"], inputs["positions"], np.float32(EPS),
+            np.float32(offset), np.int32(rotary_dim), np.float32(theta), np.int32(group), k_cache, v_cache,
+            inputs["batch_indices"], inputs["page_indices"], inputs["page_indptr"])
+
+    expected = run_on_views(inputs, dtype_name, case, separate_launches(inputs, dtype_name, case, group=group))
+    assert_same_bits(run_on_views(inputs, dtype_name, case, launch), expected, inputs, dtype_name)
+
+
+def test_fused_block_threads():
+    if simulator_enabled():
+        assert fused_block_threads(2, 8, 32) == 16  # whole groups in the simulator
+    else:
+        assert fused_block_threads(8, 32 + 2 * 8, 512) == 384  # Qwen3-8B bf16: one round, 12 warps
+        assert fused_block_threads(32, 16 + 2 * 4, 512) == 512  # Qwen3.5-9B bf16: two rounds
+        assert fused_block_threads(2, 8, 512) == 32  # whole warps (the shuffles need them)
+
+
+def test_fused_shape_errors():
+    fused = QkNormRopeWriteKv(build_codec("float32"), True, SIM_THREADS)
+    rows, heads, kv_heads, head_dim = 2, 4, 2, 8
+    q = np.zeros((rows, heads, head_dim), np.float32)
+    kv = np.zeros((rows, kv_heads, head_dim), np.float32)
+    w = np.zeros(head_dim, np.float32)
+    ids = np.zeros(rows, np.int32)
+    cache = np.zeros((3, 4, kv_heads, head_dim), np.float32)
+
+    def call(**changed):
+        args = dict(q=q, k=kv, v=kv, q_weight=w, k_weight=w, positions=ids, eps=EPS, weight_offset=0.0,
+                    rotary_dim=head_dim, theta=1e6, k_cache=cache, v_cache=cache, batch_indices=ids,
+                    page_indices=ids, page_indptr=ids)
+        fused(**(args | changed))
+
+    for name, wrong, match in [
+        ("v", np.zeros((rows, kv_heads + 1, head_dim), np.float32), r"v has shape \(2, 3, 8\), expected \(2, 2, 8\)"),
+        ("k_weight", np.zeros(head_dim - 1, np.float32), r"k_weight has shape \(7,\), expected \(8,\)"),
+        ("batch_indices", np.zeros(rows + 1, np.int32), r"batch_indices has shape \(3,\), expected \(2,\)"),
+        ("k_cache", np.zeros((3, 4, kv_heads + 1, head_dim), np.float32), r"expected \(3, 4, 2, 8\)"),
+        ("k_cache", np.zeros((4, kv_heads, head_dim), np.float32), r"expected \[pages, S, 2, 8\]"),
+        ("v_cache", np.zeros((3, 5, kv_heads, head_dim), np.float32), r"v_cache has shape \(3, 5, 2, 8\)"),
+        ("rotary_dim", 10, "rotary_dim"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call(**{name: wrong})
+
+
+@pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
+def test_fused_compiles_for_sm90():
+    """PTX for sm_90, both codecs: 16-byte global loads and stores, and no local memory but libdevice's
+    sin/cos slow path (its 28-byte argument-reduction buffer, which the unfused kernels have too): no
+    chunk buffer or spill in local memory."""
+    compile_for_sm90(
+        """
+        import re
+        from executor.kernels.qk_rope_kv import build_qk_norm_rope_write_kv_kernel
+        f32, i32, ids = types.float32, types.int32, arr("int32", 1)
+        for name, round_before_weight in (("bfloat16", True), ("float32", False)):
+            kernel = build_qk_norm_rope_write_kv_kernel(build_codec(name), round_before_weight)
+            rows, weight, cache = arr(name, 3), arr(name, 1), arr(name, 4)
+            text = vector_ptx(kernel, rows, rows, rows, weight, weight, ids, f32, f32, i32, f32, i32, cache, cache,
+                              ids, ids, ids, local_ok=True)
+            depots = [int(n) for n in re.findall(r"__local_depot\\d+\\[(\\d+)\\]", text)]
+            assert sum(depots) <= 28, f"{name}: {depots} bytes of local memory"
+            assert ".local.v" not in text, f"{name}: a vector access to local memory"
+        """,
+        allow_f64=True,  # inv_freq's power is taken in float64 on purpose (rope.py's docstring)
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,rotary_dim,theta,round_before_weight,offset,gated", [
+    (32, 8, 128, 128, 1e6, True, 0.0, False),  # Qwen3-8B
+    (16, 4, 256, 64, 1e7, False, 1.0, True),  # Qwen3.5-9B
+])
+@pytest.mark.parametrize("rows", [1, 128, 4099])  # 4099 > MAX_FUSED_ROWS: the separate launches
+def test_gpu_fused_matches_separate_launches_bf16(q_heads, kv_heads, head_dim, rotary_dim, theta,
+                                                   round_before_weight, offset, gated, rows):
+    """Real sizes: a decode row and a prefill chunk, bit for bit against the three launches."""
+    device = torch.device("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(49)
+    page_size = 16
+    pages = -(-rows // page_size) + 2
+    q_width = (2 if gated else 1) * head_dim
+    qkv = (torch.randn(rows, q_heads * q_width + 2 * kv_heads * head_dim, device=device, generator=gen) * 3).bfloat16()
+    weights = [(torch.randn(head_dim, device=device, generator=gen) * 0.3 + (0.0 if offset else 1.0)).bfloat16()
+               for _ in range(2)]
+    # One request whose rows start mid-page, its pages in reverse order (page 0 reserved).
+    positions = torch.arange(5, 5 + rows, device=device, dtype=torch.int32)
+    meta = dict(batch_indices=torch.zeros(rows, device=device, dtype=torch.int32),
+                page_indices=torch.arange(pages - 1, 0, -1, device=device, dtype=torch.int32),
+                page_indptr=torch.tensor([0, pages - 1], device=device, dtype=torch.int32))
+    codec = build_codec("bfloat16")
+    fused = QkNormRopeWriteKv(codec, round_before_weight)
+    outs = []
+    for use_fused in (True, False):
+        buf = qkv.clone()
+        pool = torch.full((pages, 2, 2, page_size, kv_heads, head_dim), float("nan"), device=device,
+                          dtype=torch.bfloat16)
+        q = buf[:, : q_heads * q_width].view(rows, q_heads, q_width)[..., :head_dim].view(torch.int16)
+        kv = buf[:, q_heads * q_width :].view(rows, 2 * kv_heads, head_dim).view(torch.int16)
+        k, v = kv[:, :kv_heads], kv[:, kv_heads:]
+        k_cache, v_cache = pool[:, 1, 0].view(torch.int16), pool[:, 1, 1].view(torch.int16)
+        w = [x.view(torch.int16) for x in weights]
+        if use_fused:
+            assert fused.uses_vector(q, k, v, *w, k_cache, v_cache, rotary_dim)
+            fused(q, k, v, *w, positions, EPS, offset, rotary_dim, theta, k_cache, v_cache, meta["batch_indices"],
+                  meta["page_indices"], meta["page_indptr"])
+        else:
+            for x, weight in ((q, w[0]), (k, w[1])):
+                fused.qk_norm_rope(x, weight, positions, EPS, offset, rotary_dim, theta)
+            fused.write_kv(k, v, k_cache, v_cache, meta["batch_indices"], positions, meta["page_indices"],
+                           meta["page_indptr"])
+        outs.append((buf, pool))
+    torch.cuda.synchronize()
+    (buf, pool), (ref_buf, ref_pool) = outs
+    assert torch.equal(buf.view(torch.int16), ref_buf.view(torch.int16))
+    assert torch.equal(pool.view(torch.int16), ref_pool.view(torch.int16))
