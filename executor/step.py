@@ -21,6 +21,7 @@ import torch
 from executor.arena import Arena
 from executor.kernels.attention import NO_SPLIT_CHUNK, PREFILL_ROWS_PER_TILE, plan_tiles
 from planner.capacity import MIN_KV_CHUNK_TOKENS
+from planner.layout import Buffer, Pool
 from planner.plan import MemoryPlan
 
 
@@ -381,12 +382,12 @@ class StepWriter:
             self.copied.record()
 
 
-def _segment_runs(pool, names: set[str]) -> list[list]:
+def _segment_runs(pool: Pool, names: set[str]) -> list[list[Buffer]]:
     """The buffers ``names`` of ``pool`` in runs by offset: a run's buffers are at most MERGE_GAP_BYTES
     apart and no other buffer or fused view of the pool overlaps the run's byte span."""
     wanted = sorted((b for b in pool.buffers if b.name in names), key=lambda b: b.offset)
     others = [(b.offset, b.offset + b.bytes) for b in (*pool.buffers, *pool.fused) if b.name not in names]
-    runs: list[list] = []
+    runs: list[list[Buffer]] = []
     for buffer in wanted:
         if runs:
             run = runs[-1]
