@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from executor.arena import Arena
-from executor.kernels.attention import NO_SPLIT_CHUNK, PREFILL_ROWS_PER_TILE, plan_tiles
+from executor.kernels.attention import NO_SPLIT_CHUNK, PREFILL_ROWS_PER_TILE, plan_decode_tiles, plan_tiles
 from planner.capacity import MIN_KV_CHUNK_TOKENS
 from planner.layout import Buffer, Pool
 from planner.plan import MemoryPlan
@@ -149,8 +149,7 @@ def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk]) -> StepMetadata:
     page_indptr = _indptr(pages_needed)
     gemm_requests: tuple[GemmRequest, ...] = ()
     if pool == "decode" and len(chunks):
-        tiles = plan_tiles(q_indptr, kv_lens, kv_chunk=decode_kv_chunk(plan, kv_lens),
-                           max_splits=cap.decode_kv_splits)
+        tiles = plan_decode_tiles(kv_lens, decode_kv_chunk(plan, kv_lens), cap.decode_kv_splits)
     else:
         tiles = plan_tiles(q_indptr, kv_lens, rows_per_tile=PREFILL_ROWS_PER_TILE)
         gemm_requests = gemm_attention_requests(plan, q_indptr, kv_lens, page_indptr)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.attention import PagedAttention, plan_tiles
+from executor.kernels.attention import PagedAttention, plan_decode_tiles, plan_tiles
 from executor.kernels.codec import build_codec
 from executor.numba_cuda import load_cuda
 from tests.kernels.compile_check import compile_for_sm90
@@ -237,3 +237,20 @@ def test_paged_attention_gpu_bf16(num_q_heads, num_kv_heads, head_dim, kv_chunk,
         assert torch.isfinite(got).all()
         error = (got - expected).abs().max().item() / expected.abs().max().item()
         assert error <= 1e-2, (b, error)
+
+
+def test_decode_tiles_are_plan_tiles_of_one_row_per_request():
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        batch = int(rng.integers(1, 9))
+        kv_lens = rng.integers(1, 300, batch).astype(np.int64)
+        chunk = int(rng.choice([1, 7, 64, 512]))
+        splits = int(((kv_lens - 1) // np.minimum(chunk, kv_lens) + 1).max())
+        q_indptr = np.arange(batch + 1)
+        expected = plan_tiles(q_indptr, kv_lens, kv_chunk=chunk, max_splits=splits)
+        got = plan_decode_tiles(kv_lens, chunk, splits)
+        for want, have in zip(expected, got):
+            assert have.dtype == np.int32 and np.array_equal(want, have)
+        if splits > 1:
+            with pytest.raises(ValueError, match="kv splits"):
+                plan_decode_tiles(kv_lens, chunk, splits - 1)
