@@ -351,10 +351,7 @@ def plan_tiles(
     if (chunk < 1).any():
         raise ValueError(f"plan_tiles: kv_chunk must be >= 1, got {kv_chunk}")
     splits = np.where(rows > 0, (kv_lens - 1) // chunk + 1, 1)
-    if num_requests and splits.max() > max_splits:
-        raise ValueError(
-            f"attention kv splits: need {int(splits.max())}, planned {max_splits} (request {int(splits.argmax())})"
-        )
+    _check_splits(splits, max_splits)
     # Query tiles: per request ceil(n_b / R); the last row of tile qo has position
     # kv_len - n_b + min((qo + 1) R, n_b) - 1, which bounds the tile's kv chunks.
     qo_per_request = -(-rows // rows_per_tile)
@@ -393,15 +390,20 @@ def plan_decode_tiles(kv_lens: np.ndarray, kv_chunk: int,
     checks and query-tile bookkeeping cost ~0.1 ms of it at batch 1. kv_lens int64 [B] >= 1."""
     chunk = np.minimum(np.int64(kv_chunk), kv_lens)
     splits = (kv_lens - 1) // chunk + 1
-    if splits.size and splits.max() > max_splits:
-        raise ValueError(
-            f"attention kv splits: need {int(splits.max())}, planned {max_splits} (request {int(splits.argmax())})"
-        )
+    _check_splits(splits, max_splits)
     num_tiles = int(splits.sum())
     request_indices = np.repeat(np.arange(kv_lens.shape[0], dtype=np.int32), splits)
     starts = np.repeat(np.cumsum(splits) - splits, splits)
     kv_tile_indices = (np.arange(num_tiles) - starts).astype(np.int32)
     return request_indices, np.zeros(num_tiles, np.int32), kv_tile_indices, chunk.astype(np.int32)
+
+
+def _check_splits(splits: np.ndarray, max_splits: int) -> None:
+    """Each request's kv chunks [B] fit the split scratch depth, or a ValueError naming the request."""
+    if splits.size and splits.max() > max_splits:
+        raise ValueError(
+            f"attention kv splits: need {int(splits.max())}, planned {max_splits} (request {int(splits.argmax())})"
+        )
 
 
 class PagedAttention:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from executor.kernels.launch import Kernel
@@ -34,8 +33,8 @@ UNROLL = 4
 
 
 def build_chunk_copy() -> Any:
-    """Kernel ``(src, dst, chunks_per_row)``: ``dst[a, b, c, :] = src[a, b, c, :]`` for 4-D views of one
-    shape and element type, in 16-byte chunks (``chunks_per_row`` of them per last-axis row).
+    """Kernel ``(src, dst)``: ``dst[a, b, c, :] = src[a, b, c, :]`` for 4-D uint8 views of one shape whose
+    last axis is whole 16-byte chunks.
 
     Grid (row tiles, d1, d0): block (x, b, a) copies rows c of its tile; threads (tx, ty): thread
     (i, j) takes chunks i, i + tx, ... of rows j, j + ty, ... (UNROLL of them). Indices come from the
@@ -46,21 +45,21 @@ def build_chunk_copy() -> Any:
     buffer_words = UNROLL * VECTOR_WORDS  # a compile-time constant for the local array
 
     @cuda.jit
-    def chunk_copy_kernel(src, dst, chunks_per_row):
+    def chunk_copy_kernel(src, dst):
         a, b = cuda.blockIdx.z, cuda.blockIdx.y
         rows = dst.shape[2]
-        lanes = dst.shape[3] // chunks_per_row  # elements per chunk
+        chunks_per_row = dst.shape[3] // VECTOR_BYTES
         words = cuda.local.array(buffer_words, int32)
         first = cuda.blockIdx.x * cuda.blockDim.y * UNROLL + cuda.threadIdx.y
         for k in range(cuda.threadIdx.x, chunks_per_row, cuda.blockDim.x):
             for u in range(UNROLL):  # every load before any store: UNROLL chunks in flight
                 c = first + u * cuda.blockDim.y
                 if c < rows:
-                    load_vector(src, (a, b, c, k * lanes), words, u * VECTOR_WORDS)
+                    load_vector(src, (a, b, c, k * VECTOR_BYTES), words, u * VECTOR_WORDS)
             for u in range(UNROLL):
                 c = first + u * cuda.blockDim.y
                 if c < rows:
-                    store_vector(dst, (a, b, c, k * lanes), words, u * VECTOR_WORDS)
+                    store_vector(dst, (a, b, c, k * VECTOR_BYTES), words, u * VECTOR_WORDS)
 
     return chunk_copy_kernel
 
@@ -80,7 +79,8 @@ class ChunkCopy:
         if not vector_aligned(src, dst):
             dst.copy_(src)
             return
-        src_bytes, dst_bytes = src.view(torch.uint8), dst.view(torch.uint8)  # bf16 is no Numba type
+        # As bytes, a chunk is 16 elements whatever the dtype: one kernel build serves every dtype.
+        src_bytes, dst_bytes = src.view(torch.uint8), dst.view(torch.uint8)
         chunks_per_row = dst_bytes.shape[3] // VECTOR_BYTES
         d0, d1, rows = dst.shape[:3]
         if d0 * d1 * rows * chunks_per_row == 0:
@@ -88,4 +88,4 @@ class ChunkCopy:
         tx = min(chunks_per_row, self.threads)
         ty = max(1, self.threads // tx)
         grid = (-(-rows // (ty * UNROLL)), d1, d0)
-        self.kernel[grid, (tx, ty), stream](src_bytes, dst_bytes, np.int32(chunks_per_row))
+        self.kernel[grid, (tx, ty), stream](src_bytes, dst_bytes)

@@ -48,7 +48,7 @@ def test_chunk_copy_compiles_for_sm90():
         """
         from executor.kernels.chunk_copy import build_chunk_copy
         raw = types.Array(types.uint8, 4, "A")
-        text = ptx(build_chunk_copy(), raw, raw, types.int32)
+        text = ptx(build_chunk_copy(), raw, raw)
         assert "ld.global.v4" in text and "st.global.v4" in text, "16-byte loads and stores"
         assert ".local" not in text, "chunk buffers in local memory"
         """
