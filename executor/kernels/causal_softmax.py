@@ -5,40 +5,32 @@ activation dtype, ``exp(scale * s - m) / l`` over the keys the row's query may
 see (``j <= position``) and 0 beyond it (the tile's later rows see more keys,
 so its GEMM spans them all).
 
-The softmax is bound by memory traffic. A warp per row sweeping its row three
-times (max, sum, write) with 4-byte loads moved about 1 TB/s of useful traffic
-on an H200, which copies at ~4 TB/s: 189 us of each 16384 x 2304 tile, a third
-of a 4096-token Qwen3-8B prefill. So each score is read from DRAM once, in
-16-byte accesses (vector.py), by one of two kernels (on the H200: 105 us for
-that tile, torch.softmax of the same float32 scores 162 us; the read and
-write alone would take 55 us at the copy bandwidth):
+The softmax is bound by memory traffic: each float32 score is read once and
+each probability written once, in 16-byte accesses (vector.py). Two kernels:
 
-- Cached (rows of up to ~12,000 keys): a block owns ``rows_per_block`` rows
-  (8, 4, 2 or 1: a build each, threads // rows_per_block >= 32 threads a row)
-  and copies their visible scores into dynamic shared memory, tracking the
-  maximum on the way; the sum of exponentials and the probabilities then read
-  shared memory. The launcher picks the most rows whose cache fits
-  SHARED_BUDGET_BYTES, under the 48 KiB a block gets without opting in to more.
+- Register (rows of up to 8192 keys): a row's threads hold its scores in
+  registers, four 8-score groups a thread, all loaded before any is used; the
+  row's maximum and sum are reduced across its threads and the probabilities
+  written from the same registers, each exponential computed once. Builds of
+  128 threads hold 1, 2 or 4 rows a block (rows of up to 4096, 2048 or 1024
+  keys), one of 256 threads rows of up to 8192.
 - Streaming (longer rows): a block per row sweeps the row twice in DRAM, an
   online (max, sum) and then the probabilities.
 
-Rows are ``K`` scores long and K is arbitrary, so a row starts anywhere within
-a 16-byte chunk: each pass takes the elements before the row's first 16-byte
-boundary one at a time (the head), then whole chunks, then the scalar tail.
-The launcher only requires both base addresses 16-byte aligned and the rows
-contiguous; otherwise the streaming kernel's scalar build runs. Both rows start
-at element row * K, so a probability chunk (4 float32 or 8 bf16 elements, its
-offset a multiple of 4 or 8) starts where a score chunk does: it is 1 or 2
-whole score chunks.
+On the H200 the register kernel took a 4096-token Qwen3-8B prefill's eight
+tiles of 16384 score rows (512 to 4096 keys) in 611 us, where the shared
+memory row cache it replaced took 897 us and the streaming kernel 1182 us;
+past 8192 keys the streaming kernel was the fastest build measured
+(.gpu sweep of builds of 128-512 threads and 1-8 groups a thread, 2026-11-29).
 
-The row cache is four planes of ``K // 4 + 2`` words: score ``j`` lies in plane
-``(j + skew) % 4`` at ``(j + skew) // 4``, skew being the row start's offset in
-its chunk. A thread's 16-byte load lands as four words at one index of the four
-planes, so a warp's stores are 32 consecutive words a plane, free of bank
-conflicts; stored as they lie in DRAM (4 words a thread) they would conflict 4
-ways, and the bf16 write pass's reads (8 consecutive words a thread) 8 ways
-(with planes: 2). The exponentials are computed again in the write pass rather
-than written back: the arithmetic units idle here, shared memory does not.
+Rows are ``K`` scores long and K is arbitrary, so a row starts anywhere within
+a 16-byte chunk: each pass takes the elements before the row's first aligned
+boundary one at a time (the head), then whole chunks or groups, then the
+scalar tail. The launcher only requires both base addresses 16-byte aligned and
+the rows contiguous; otherwise the streaming kernel's scalar build runs. Both
+rows start at element row * K, so a bf16 probability chunk (8 elements, its
+offset a multiple of 8) starts where a score chunk does: an 8-score group,
+from an 8-element boundary, is two whole score chunks and one probability chunk.
 """
 
 from __future__ import annotations
@@ -49,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from executor.kernels.codec import Codec
-from executor.kernels.launch import SHARED_LIMIT_BYTES, Kernel
+from executor.kernels.launch import Kernel
 from executor.kernels.reduce import build_group_max, build_group_sum
 from executor.kernels.vector import (
     VECTOR_BYTES, VECTOR_WORDS, array_layout, build_lanes, build_vector_access, lanes_for, word_type,
@@ -57,27 +49,26 @@ from executor.kernels.vector import (
 from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
-from numba import float32, uint64  # noqa: E402  (after load_cuda's numpy fix)
+from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
 
-#: Softmax block size and warp on the GPU; in the simulator, where every thread is a Python thread, a
-#: block of 16 threads in "warps" of 4 still gives rows of several warps (1 or 2 rows a block) and of
-#: part of one (8 rows).
+#: The warp on the GPU, and the streaming kernel's block. In the simulator, where every thread is a
+#: Python thread, blocks of 8-16 threads in "warps" of 4 still give rows of several warps and of
+#: part of one.
 SOFTMAX_THREADS, SOFTMAX_WARP = 256, 32
 SIMULATOR_THREADS, SIMULATOR_WARP = 16, 4
-#: Rows per block of the cached kernel's builds, the most first.
-CACHED_ROWS = (8, 4, 2, 1)
-#: The cached kernel's budget under the launch limit: the KiB of margin is for static shared memory the
-#: kernels may gain.
-SHARED_BUDGET_BYTES = SHARED_LIMIT_BYTES - 1024
-#: The streaming kernel's rows per block. Its rows are long (> ~12,000 keys, > 3,000 chunks: a dozen a
-#: thread), and few rows in flight leave its second sweep's re-reads a chance in the H200's 50 MB of L2:
-#: 64 KB rows of a warp each (64 an SM) are ~540 MB in flight, of a block of 256 each (4 an SM at 56
-#: registers a thread) ~35 MB. An estimate, not measured.
+#: The streaming kernel's rows per block. Its rows are long (> 8192 keys), and few rows in flight leave
+#: its second sweep's re-reads a chance in the H200's 50 MB of L2.
 STREAMING_ROWS_PER_BLOCK = 1
-#: 16-byte score loads each softmax thread issues together. On the H200 (16384 x 2304, 4096 x 8448 and
-#: 4096 x 15000 bf16 tiles) unrolls of 2, 4 and 8 at 128, 256 and 512 threads a block: 4 x 256 within 2%
-#: of the best everywhere; 512 threads 35-45% slower, an unroll of 2 up to 10%.
+#: 16-byte score loads each streaming thread issues together (on the H200, 4 x 256 threads within 2%
+#: of the best of unrolls 2, 4, 8 at 128-512 threads).
 SOFTMAX_UNROLL = 4
+#: The register kernel: a thread holds REGISTER_GROUPS groups of GROUP scores (two 16-byte score chunks,
+#: whose probabilities are one 16-byte bf16 chunk), all loaded before any is used.
+GROUP, REGISTER_GROUPS = 8, 4
+#: Its builds, (threads a block, rows a block), fewest keys first: a build holds rows of up to
+#: threads // rows x REGISTER_GROUPS x GROUP keys (1024, 2048, 4096, 8192 on the GPU).
+REGISTER_BUILDS = ((128, 4), (128, 2), (128, 1), (256, 1))
+SIMULATOR_REGISTER_BUILDS = ((8, 4), (8, 2), (8, 1), (16, 1))
 
 
 @cuda.jit(device=True, inline=True)
@@ -130,12 +121,6 @@ def reduction_bytes(threads: int, warp: int) -> int:
     return 4 * (threads // warp + (threads if simulator_enabled() else 0))
 
 
-def cached_shared_bytes(rows_per_block: int, num_keys: int, threads: int, warp: int) -> int:
-    """Dynamic shared memory of a cached softmax block: ``rows_per_block`` row caches of 4 planes of
-    ``num_keys // 4 + 2`` float32 (a row shifted by its skew of up to 3), then the reduction scratch."""
-    return rows_per_block * VECTOR_WORDS * (num_keys // VECTOR_WORDS + 2) * 4 + reduction_bytes(threads, warp)
-
-
 @cuda.jit(device=True, inline=True)
 def _softmax_row(scores, rows_per_head, first_position, rows_per_block, per_row):
     """(slot of the row in the block, row, its visible keys) of this thread."""
@@ -158,15 +143,6 @@ def aligned_split(row, length, row_length, lanes):
 
 
 @cuda.jit(device=True, inline=True)
-def _cache_word(cache, plane, index, which):
-    """The shared memory word of a row cache at ``cache`` (planes of ``plane`` words) at ``index`` of
-    plane ``which``: score j's is ``(j + skew) // 4`` of plane ``(j + skew) % 4`` (module docstring).
-    Unsigned: indexing with a signed integer adds Numba's negative-index wraparound (ptxas for sm_90:
-    72 registers a thread with it, 48 without)."""
-    return uint64(cache + which * plane + index)
-
-
-@cuda.jit(device=True, inline=True)
 def _term(x, scale, largest):
     """exp(scale x - max): a score's term of the sum."""
     return float32(math.exp(x * scale - largest))
@@ -181,98 +157,102 @@ def _online(largest, total, value):
     return largest, total + float32(math.exp(value - largest))
 
 
-def build_cached_softmax(codec: Codec, threads: int, rows_per_block: int, warp: int) -> Any:
-    """Kernel ``(scores [R, K] f32, probs [R, K] storage, rows_per_head, first_position, scale f32)``
-    through the shared row cache (module docstring).
+def register_keys(threads: int, rows_per_block: int) -> int:
+    """The longest row a register build holds."""
+    return threads // rows_per_block * REGISTER_GROUPS * GROUP
+
+
+def build_register_softmax(codec: Codec, threads: int, rows_per_block: int, warp: int) -> Any:
+    """Kernel ``(scores [R, K] f32, probs [R, K] storage, rows_per_head, first_position, scale f32)`` for
+    rows of K <= register_keys(threads, rows_per_block), each score read from DRAM once into registers.
 
     Row i is query row ``t = i % rows_per_head`` of its (kv head, group member) block, at position
-    ``first_position + t``; it sees keys ``0 .. first_position + t``. Both arrays C-contiguous at
-    16-byte aligned addresses; ``scale`` > 0 (max(scale x) = scale max(x)). Launch ceil(R /
-    rows_per_block) blocks of ``threads`` (a multiple of ``warp``) with ``cached_shared_bytes(
-    rows_per_block, K, threads, warp)`` bytes of dynamic shared memory; a row's threads are
-    consecutive.
+    ``first_position + t``; it sees keys ``0 .. first_position + t``. ``scale`` > 0 (max(scale x) =
+    scale max(x)).
+
+    A row's ``threads // rows_per_block`` threads split it into 8-score groups from its first
+    8-element boundary (16-byte aligned in both arrays); thread l holds groups l, l + per_row, ...
+    The up to 7 scores before that boundary and after the last whole group are read one at a time
+    (again from L1 in the later passes). Each exponential is computed once and kept in its register.
+    Both arrays C-contiguous at 16-byte aligned addresses. Launch ceil(R / rows_per_block) blocks of
+    ``threads`` with ``reduction_bytes(threads, warp)`` bytes of dynamic shared memory.
     """
     store = codec.store
     load_vector, store_vector = build_vector_access()
     _, put_lane = build_lanes(codec)
     out_lanes, out_word = lanes_for(codec), word_type(codec)
-    chunk = VECTOR_WORDS  # float32 scores to a 16-byte chunk
+    chunk = VECTOR_WORDS
     per_row = threads // rows_per_block
-    sweep = SOFTMAX_UNROLL * per_row
-    buffer_words = SOFTMAX_UNROLL * chunk
+    held = REGISTER_GROUPS * GROUP
     row_max, row_sum = build_row_reductions(threads, rows_per_block, warp)
 
     @cuda.jit
-    def cached_causal_softmax_kernel(scores, probs, rows_per_head, first_position, scale):
-        shared = cuda.shared.array(0, float32)
-        words = cuda.local.array(buffer_words, float32)  # registers: the loads in flight
+    def register_causal_softmax_kernel(scores, probs, rows_per_head, first_position, scale):
+        shared = cuda.shared.array(0, float32)  # the reductions' scratch
+        x = cuda.local.array(held, float32)  # registers: the thread's groups, scores then exponentials
         out = cuda.local.array(VECTOR_WORDS, out_word)
         num_keys = scores.shape[1]
-        slot, row, visible = _softmax_row(scores, rows_per_head, first_position, rows_per_block, per_row)
+        _, row, visible = _softmax_row(scores, rows_per_head, first_position, rows_per_block, per_row)
         lane = cuda.threadIdx.x % per_row
-        plane = num_keys // chunk + 2  # cached_shared_bytes's layout
-        cache = slot * chunk * plane
-        partials = rows_per_block * chunk * plane
-        skew = row * num_keys % chunk
+        head, groups = aligned_split(row, visible, num_keys, GROUP)
+        tail = head + GROUP * groups
 
-        # The visible scores into the cache, and this thread's maximum of them.
+        for i in range(REGISTER_GROUPS):
+            c = lane + i * per_row
+            if c < groups:
+                for h in range(GROUP // chunk):
+                    load_vector(scores, (row, head + c * GROUP + h * chunk), x, i * GROUP + h * chunk)
         largest = float32(-math.inf)
-        head, chunks = aligned_split(row, visible, num_keys, chunk)
-        tail = head + chunk * chunks
-        for e in range(lane, head + visible - tail, per_row):  # the head and the tail, a score a thread
-            j = e if e < head else tail + e - head
-            x = scores[row, j]
-            shared[_cache_word(cache, plane, (j + skew) // chunk, (j + skew) % chunk)] = x
-            largest = max(largest, x)
-        for c in range(lane, chunks, sweep):
-            for u in range(SOFTMAX_UNROLL):
-                if c + u * per_row < chunks:
-                    load_vector(scores, (row, head + (c + u * per_row) * chunk), words, u * chunk)
-            for u in range(SOFTMAX_UNROLL):
-                if c + u * per_row < chunks:
-                    index = (head + skew) // chunk + c + u * per_row
-                    for k in range(chunk):
-                        shared[_cache_word(cache, plane, index, k)] = words[u * chunk + k]
-                        largest = max(largest, words[u * chunk + k])
-        cuda.syncthreads()  # the whole row cached before its threads read each other's scores
-        largest = row_max(shared, partials, largest) * scale
+        for e in range(lane, head + visible - tail, per_row):  # the scalar head and tail
+            largest = max(largest, scores[row, e if e < head else tail + e - head])
+        for i in range(REGISTER_GROUPS):
+            if lane + i * per_row < groups:
+                for k in range(GROUP):
+                    largest = max(largest, x[i * GROUP + k])
+        largest = row_max(shared, 0, largest) * scale
 
         total = float32(0.0)
-        for index in range(lane, (skew + visible + chunk - 1) // chunk, per_row):
-            for k in range(chunk):
-                j = index * chunk + k - skew
-                if j >= 0 and j < visible:
-                    total += _term(shared[_cache_word(cache, plane, index, k)], scale, largest)
-        total = row_sum(shared, partials, total)
+        for e in range(lane, head + visible - tail, per_row):
+            total += _term(scores[row, e if e < head else tail + e - head], scale, largest)
+        for i in range(REGISTER_GROUPS):
+            if lane + i * per_row < groups:
+                for k in range(GROUP):
+                    p = _term(x[i * GROUP + k], scale, largest)
+                    x[i * GROUP + k] = p
+                    total += p
+        total = row_sum(shared, 0, total)
 
         if row < scores.shape[0]:  # visible >= 1: the row's maximum adds exp(0) = 1 to its sum
             inverse = float32(1.0) / total
-            head, chunks = aligned_split(row, num_keys, num_keys, out_lanes)
-            tail = head + out_lanes * chunks
+            # The whole row's split: the same head as the visible one whenever groups > 0.
+            head, all_groups = aligned_split(row, num_keys, num_keys, GROUP)
+            tail = head + GROUP * all_groups
             for e in range(lane, head + num_keys - tail, per_row):
                 j = e if e < head else tail + e - head
                 p = float32(0.0)
                 if j < visible:
-                    x = shared[_cache_word(cache, plane, (j + skew) // chunk, (j + skew) % chunk)]
-                    p = _term(x, scale, largest) * inverse
+                    p = _term(scores[row, j], scale, largest) * inverse
                 probs[row, j] = store(p)
-            for c in range(lane, chunks, per_row):
-                first = head + c * out_lanes
-                index = (first + skew) // chunk  # first + skew is a multiple of chunk (module docstring)
-                for k in range(out_lanes):
-                    p = float32(0.0)
-                    if first + k < visible:
-                        x = shared[_cache_word(cache, plane, index + k // chunk, k % chunk)]
-                        p = _term(x, scale, largest) * inverse
-                    put_lane(out, k, store(p))
-                store_vector(probs, (row, first), out, 0)
+            for i in range(REGISTER_GROUPS):
+                c = lane + i * per_row
+                if c < all_groups:
+                    first = head + c * GROUP
+                    for k in range(GROUP):
+                        p = float32(0.0)
+                        if c < groups:
+                            p = x[i * GROUP + k] * inverse
+                        elif first + k < visible:  # the visible scalar tail, in this group of the whole row
+                            p = _term(scores[row, first + k], scale, largest) * inverse
+                        put_lane(out, k % out_lanes, store(p))
+                        if k % out_lanes == out_lanes - 1:
+                            store_vector(probs, (row, first + k + 1 - out_lanes), out, 0)
 
-    return cached_causal_softmax_kernel
+    return register_causal_softmax_kernel
 
 
 def build_streaming_softmax(codec: Codec, threads: int, rows_per_block: int, warp: int, vector: bool) -> Any:
     """Kernel ``(scores [R, K] f32, probs [R, K] storage, rows_per_head, first_position, scale f32)`` as
-    build_cached_softmax's, for rows of any length: two sweeps of the row in DRAM.
+    build_register_softmax's, for rows of any length: two sweeps of the row in DRAM.
 
     Sweep 1 keeps each thread's online (max m, sum l of exp(scale x - m)), l rescaled by exp(m_old -
     m_new) when m grows (once per SOFTMAX_UNROLL chunks); the row's max M is reduced, then the sum of
@@ -389,32 +369,33 @@ class CausalSoftmax:
       (row t sees keys 0 .. first_position + t, which must be < K + 1).
     - scale: > 0.
 
-    The cached kernel runs when ``cached_rows(K)`` > 0 and ``uses_vector``, else the streaming one
-    (16-byte accesses when ``uses_vector``). ``shared_budget``: the cached kernel's most dynamic shared
-    memory, in bytes (tests lower it to reach every build at small K).
+    With ``uses_vector``, the first of ``register_builds`` (threads, rows a block) that holds K keys
+    runs, else the streaming kernel (16-byte accesses when ``uses_vector``). The default builds are
+    REGISTER_BUILDS (SIMULATOR_REGISTER_BUILDS in the simulator); tests pass one build, or none, to
+    reach each kernel at small K.
     """
 
-    def __init__(self, codec: Codec, shared_budget: int = SHARED_BUDGET_BYTES) -> None:
-        if not 0 <= shared_budget <= SHARED_LIMIT_BYTES:
-            raise ValueError(f"causal_softmax: shared_budget must be in [0, {SHARED_LIMIT_BYTES}] bytes, "
-                             f"got {shared_budget}")
+    def __init__(self, codec: Codec, register_builds: tuple[tuple[int, int], ...] | None = None) -> None:
         simulated = simulator_enabled()
         self.threads, self.warp = (SIMULATOR_THREADS, SIMULATOR_WARP) if simulated else (SOFTMAX_THREADS, SOFTMAX_WARP)
-        self.shared_budget = shared_budget
-        self.cached = {rows: Kernel(build_cached_softmax(codec, self.threads, rows, self.warp)) for rows in CACHED_ROWS}
+        if register_builds is None:
+            register_builds = SIMULATOR_REGISTER_BUILDS if simulated else REGISTER_BUILDS
+        for threads, rows in register_builds:
+            if threads % self.warp or threads % rows or threads > 1024:
+                raise ValueError(f"causal_softmax: a register build of {threads} threads and {rows} rows a block; "
+                                 f"threads must be a multiple of the {self.warp}-thread warp and of rows, <= 1024")
+        self.register = [(register_keys(threads, rows), threads, rows,
+                          Kernel(build_register_softmax(codec, threads, rows, self.warp)))
+                         for threads, rows in sorted(register_builds, key=lambda build: register_keys(*build))]
         self.streaming = {
             vector: Kernel(build_streaming_softmax(codec, self.threads, STREAMING_ROWS_PER_BLOCK, self.warp, vector))
             for vector in (True, False)
         }
 
-    def shared_bytes(self, rows_per_block: int, num_keys: int) -> int:
-        """Dynamic shared memory of a cached block of ``rows_per_block`` rows of ``num_keys`` keys."""
-        return cached_shared_bytes(rows_per_block, num_keys, self.threads, self.warp)
-
-    def cached_rows(self, num_keys: int) -> int:
-        """Rows per block of the cached kernel for rows of ``num_keys`` keys: the most in CACHED_ROWS
-        whose shared memory fits the budget, or 0 when not even one row's does (streaming kernel)."""
-        return next((rows for rows in CACHED_ROWS if self.shared_bytes(rows, num_keys) <= self.shared_budget), 0)
+    def register_build(self, num_keys: int) -> tuple[int, int] | None:
+        """(threads, rows a block) of the register build that runs rows of ``num_keys`` keys, or None
+        (the streaming kernel)."""
+        return next(((threads, rows) for keys, threads, rows, _ in self.register if keys >= num_keys), None)
 
     @staticmethod
     def uses_vector(scores: Any, probs: Any) -> bool:
@@ -435,10 +416,10 @@ class CausalSoftmax:
             return
         args = (scores, probs, np.int32(rows_per_head), np.int32(first_position), np.float32(scale))
         vector = self.uses_vector(scores, probs)
-        rows_per_block = self.cached_rows(keys) if vector else 0
-        if rows_per_block:
-            blocks = -(-rows // rows_per_block)
-            self.cached[rows_per_block][blocks, self.threads, stream, self.shared_bytes(rows_per_block, keys)](*args)
-        else:
-            blocks = -(-rows // STREAMING_ROWS_PER_BLOCK)
-            self.streaming[vector][blocks, self.threads, stream, reduction_bytes(self.threads, self.warp)](*args)
+        if vector:
+            for most_keys, threads, rows_per_block, kernel in self.register:
+                if keys <= most_keys:
+                    kernel[-(-rows // rows_per_block), threads, stream, reduction_bytes(threads, self.warp)](*args)
+                    return
+        blocks = -(-rows // STREAMING_ROWS_PER_BLOCK)
+        self.streaming[vector][blocks, self.threads, stream, reduction_bytes(self.threads, self.warp)](*args)

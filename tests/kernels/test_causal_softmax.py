@@ -1,9 +1,9 @@
 """The causal softmax of GEMM prefill attention against float64 torch.softmax.
 
-Each kernel runs at tiny K by lowering the shared memory budget (CausalSoftmax's
-shared_budget): the cached kernel at 8, 4, 2 and 1 rows a block, and the
-streaming one (budget 0). Rows of odd K start at every offset within a 16-byte
-chunk, of scores and of bf16 probabilities alike.
+Each kernel runs at tiny K in the simulator: every register build alone (CausalSoftmax's
+register_builds), up to rows that fill all its threads' groups, and the streaming kernel (no
+register build). Rows of odd K start at every offset within a 16-byte chunk, of scores and of
+bf16 probabilities alike.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from executor.device import open_device
-from executor.kernels.causal_softmax import CACHED_ROWS, CausalSoftmax
+from executor.kernels.causal_softmax import REGISTER_BUILDS, SIMULATOR_REGISTER_BUILDS, CausalSoftmax, register_keys
 from executor.kernels.codec import build_codec
-from executor.kernels.launch import SHARED_LIMIT_BYTES
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import DTYPES, TOL, assert_close_rel, from_storage, poisoned
 
@@ -64,22 +63,23 @@ def _softmax_matches_float64(softmax: CausalSoftmax, dtype_name: str, rows_per_h
 
 @pytest.mark.parametrize("dtype_name", DTYPES)
 def test_causal_softmax_matches_float64(dtype_name):
-    """The default budget: the cached kernel at 8 rows a block."""
+    """The default builds: the register kernel at 4 rows a block."""
     softmax = CausalSoftmax(build_codec(dtype_name))
-    assert softmax.cached_rows(9) == 8 and softmax.uses_vector(_aligned((9, 9), np.float32), _aligned((9, 9), np.int16))
+    assert softmax.register_build(9) == SIMULATOR_REGISTER_BUILDS[0]
+    assert softmax.uses_vector(_aligned((9, 9), np.float32), _aligned((9, 9), np.int16))
     _softmax_matches_float64(softmax, dtype_name, 3, 6, 9, 3)  # rows see 7, 8, 9 keys
 
 
-@pytest.mark.parametrize("rows_per_block", [*CACHED_ROWS, 0])
+@pytest.mark.parametrize("build", [*SIMULATOR_REGISTER_BUILDS, None])
 @pytest.mark.parametrize("dtype_name", DTYPES)
-def test_causal_softmax_kernels_match_float64(dtype_name, rows_per_block):
-    """Each kernel (rows_per_block 0: streaming), forced by a budget that just fits its shared memory."""
-    codec = build_codec(dtype_name)
-    probe = CausalSoftmax(codec)
-    for rows_per_head, first_position, num_keys, heads in SOFTMAX_CASES:
-        budget = probe.shared_bytes(rows_per_block, num_keys) if rows_per_block else 0
-        softmax = CausalSoftmax(codec, shared_budget=budget)
-        assert softmax.cached_rows(num_keys) == rows_per_block
+def test_causal_softmax_kernels_match_float64(dtype_name, build):
+    """Each register build alone on the cases it holds, the last filling every group of its threads
+    (nearly its most keys), and the streaming kernel (build None) on them all."""
+    softmax = CausalSoftmax(build_codec(dtype_name), register_builds=() if build is None else (build,))
+    most_keys = 299 if build is None else register_keys(*build)
+    cases = [case for case in SOFTMAX_CASES if case[2] <= most_keys] + [(2, most_keys - 5, most_keys - 3, 2)]
+    for rows_per_head, first_position, num_keys, heads in cases:
+        assert softmax.register_build(num_keys) == build
         _softmax_matches_float64(softmax, dtype_name, rows_per_head, first_position, num_keys, heads)
 
 
@@ -95,13 +95,13 @@ def test_causal_softmax_without_16_byte_alignment_runs_scalar(dtype_name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_keys, rows_per_block", [(1000, 8), (2304, 4), (5000, 2), (9000, 1), (12500, 0)])
-def test_causal_softmax_matches_float64_on_gpu(num_keys, rows_per_block):
-    """bf16 on the H200 under the default budget: 4 heads of 64 query rows ending at key num_keys run the
-    cached kernel at 8, 4, 2 and 1 rows a block, and past ~12,000 keys the streaming one."""
+@pytest.mark.parametrize("num_keys, build", [(1000, 0), (2001, 1), (4093, 2), (8190, 3), (9000, None)])
+def test_causal_softmax_matches_float64_on_gpu(num_keys, build):
+    """bf16 on the H200 with the default builds: 4 heads of 64 query rows ending at key num_keys run
+    each register build (rows of up to 1024, 2048, 4096 and 8192 keys), and past them the streaming one."""
     device = open_device("cuda")
     softmax = CausalSoftmax(build_codec("bfloat16"))
-    assert softmax.cached_rows(num_keys) == rows_per_block
+    assert softmax.register_build(num_keys) == (None if build is None else REGISTER_BUILDS[build])
     rows_per_head, heads = 64, 4
     first_position = num_keys - rows_per_head
     values = torch.randn(heads * rows_per_head, num_keys, generator=torch.Generator().manual_seed(4)) * 4
@@ -119,9 +119,9 @@ def test_causal_softmax_matches_float64_on_gpu(num_keys, rows_per_block):
     assert (got[masked] == 0).all()
 
 
-def test_causal_softmax_rejects_a_budget_over_the_limit():
-    with pytest.raises(ValueError, match=str(SHARED_LIMIT_BYTES)):
-        CausalSoftmax(build_codec("float32"), shared_budget=SHARED_LIMIT_BYTES + 1)
+def test_causal_softmax_rejects_a_build_off_the_warp():
+    with pytest.raises(ValueError, match="6 threads and 1 rows"):
+        CausalSoftmax(build_codec("float32"), register_builds=((6, 1),))
 
 
 def test_compiles_for_sm90():
@@ -130,14 +130,14 @@ def test_compiles_for_sm90():
     compile_for_sm90(
         """
         from executor.kernels.causal_softmax import (
-            CACHED_ROWS, SOFTMAX_THREADS, SOFTMAX_WARP, STREAMING_ROWS_PER_BLOCK, build_cached_softmax,
+            REGISTER_BUILDS, SOFTMAX_THREADS, SOFTMAX_WARP, STREAMING_ROWS_PER_BLOCK, build_register_softmax,
             build_streaming_softmax,
         )
         for name in DTYPES:
             codec = build_codec(name)
             args = (arr("float32", 2), arr(name, 2), types.int32, types.int32, types.float32)
-            for rows in CACHED_ROWS:
-                vector_ptx(build_cached_softmax(codec, SOFTMAX_THREADS, rows, SOFTMAX_WARP), *args)
+            for threads, rows in REGISTER_BUILDS:
+                vector_ptx(build_register_softmax(codec, threads, rows, SOFTMAX_WARP), *args)
             for vector in (True, False):
                 build = build_streaming_softmax(codec, SOFTMAX_THREADS, STREAMING_ROWS_PER_BLOCK, SOFTMAX_WARP, vector)
                 (vector_ptx if vector else ptx)(build, *args)
