@@ -122,13 +122,13 @@ def reduction_bytes(threads: int, warp: int) -> int:
 
 
 @cuda.jit(device=True, inline=True)
-def _softmax_row(scores, rows_per_head, first_position, rows_per_block, per_row):
+def _softmax_row(scores, rows_per_head, group, first_position, rows_per_block, per_row):
     """(slot of the row in the block, row, its visible keys) of this thread."""
     slot = cuda.threadIdx.x // per_row
     row = cuda.blockIdx.x * rows_per_block + slot
     visible = 0  # a row past the end still joins the block's barriers and reductions
     if row < scores.shape[0]:
-        visible = min(scores.shape[1], first_position + row % rows_per_head + 1)
+        visible = min(scores.shape[1], first_position + row // group % rows_per_head + 1)
     return slot, row, visible
 
 
@@ -163,12 +163,12 @@ def register_keys(threads: int, rows_per_block: int) -> int:
 
 
 def build_register_softmax(codec: Codec, threads: int, rows_per_block: int, warp: int) -> Any:
-    """Kernel ``(scores [R, K] f32, probs [R, K] storage, rows_per_head, first_position, scale f32)`` for
-    rows of K <= register_keys(threads, rows_per_block), each score read from DRAM once into registers.
+    """Kernel ``(scores [R, K] f32, probs [R, K] storage, rows_per_head, group, first_position, scale f32)``
+    for rows of K <= register_keys(threads, rows_per_block), each score read from DRAM once into registers.
 
-    Row i is query row ``t = i % rows_per_head`` of its (kv head, group member) block, at position
-    ``first_position + t``; it sees keys ``0 .. first_position + t``. ``scale`` > 0 (max(scale x) =
-    scale max(x)).
+    Row i is query row ``t = i // group % rows_per_head`` of its kv head (rows ordered kv head, query
+    row, group member), at position ``first_position + t``; it sees keys ``0 .. first_position + t``.
+    ``scale`` > 0 (max(scale x) = scale max(x)).
 
     A row's ``threads // rows_per_block`` threads split it into 8-score groups from its first
     8-element boundary (16-byte aligned in both arrays); thread l holds groups l, l + per_row, ...
@@ -187,12 +187,12 @@ def build_register_softmax(codec: Codec, threads: int, rows_per_block: int, warp
     row_max, row_sum = build_row_reductions(threads, rows_per_block, warp)
 
     @cuda.jit
-    def register_causal_softmax_kernel(scores, probs, rows_per_head, first_position, scale):
+    def register_causal_softmax_kernel(scores, probs, rows_per_head, group, first_position, scale):
         shared = cuda.shared.array(0, float32)  # the reductions' scratch
         x = cuda.local.array(held, float32)  # registers: the thread's groups, scores then exponentials
         out = cuda.local.array(VECTOR_WORDS, out_word)
         num_keys = scores.shape[1]
-        _, row, visible = _softmax_row(scores, rows_per_head, first_position, rows_per_block, per_row)
+        _, row, visible = _softmax_row(scores, rows_per_head, group, first_position, rows_per_block, per_row)
         lane = cuda.threadIdx.x % per_row
         head, groups = aligned_split(row, visible, num_keys, GROUP)
         tail = head + GROUP * groups
@@ -251,7 +251,7 @@ def build_register_softmax(codec: Codec, threads: int, rows_per_block: int, warp
 
 
 def build_streaming_softmax(codec: Codec, threads: int, rows_per_block: int, warp: int, vector: bool) -> Any:
-    """Kernel ``(scores [R, K] f32, probs [R, K] storage, rows_per_head, first_position, scale f32)`` as
+    """Kernel ``(scores [R, K] f32, probs [R, K] storage, rows_per_head, group, first_position, scale f32)`` as
     build_register_softmax's, for rows of any length: two sweeps of the row in DRAM.
 
     Sweep 1 keeps each thread's online (max m, sum l of exp(scale x - m)), l rescaled by exp(m_old -
@@ -276,12 +276,12 @@ def build_streaming_softmax(codec: Codec, threads: int, rows_per_block: int, war
     row_max, row_sum = build_row_reductions(threads, rows_per_block, warp)
 
     @cuda.jit
-    def streaming_causal_softmax_kernel(scores, probs, rows_per_head, first_position, scale):
+    def streaming_causal_softmax_kernel(scores, probs, rows_per_head, group, first_position, scale):
         shared = cuda.shared.array(0, float32)  # the reductions' scratch
         words = cuda.local.array(buffer_words, float32)  # registers: the loads in flight
         out = cuda.local.array(VECTOR_WORDS, out_word)
         num_keys = scores.shape[1]
-        _, row, visible = _softmax_row(scores, rows_per_head, first_position, rows_per_block, per_row)
+        _, row, visible = _softmax_row(scores, rows_per_head, group, first_position, rows_per_block, per_row)
         lane = cuda.threadIdx.x % per_row
 
         largest, total = float32(-math.inf), float32(0.0)
@@ -363,10 +363,11 @@ def contiguous_aligned(*arrays: Any) -> bool:
 class CausalSoftmax:
     """Launcher: ``probs = causal softmax(scale * scores)`` per row.
 
-    - scores [R', K] float32: rows ordered (kv head, group member, query row of the tile).
+    - scores [R', K] float32: rows ordered (kv head, query row of the tile, group member): ``group``
+      consecutive rows share a query row (GQA heads packed by kv head).
     - probs [R', K] storage dtype (not in place).
     - rows_per_head: query rows of the tile; first_position: the position of its first row
-      (row t sees keys 0 .. first_position + t, which must be < K + 1).
+      (query row t sees keys 0 .. first_position + t, which must be < K + 1).
     - scale: > 0.
 
     With ``uses_vector``, the first of ``register_builds`` (threads, rows a block) that holds K keys
@@ -384,18 +385,20 @@ class CausalSoftmax:
             if threads % self.warp or threads % rows or threads > 1024:
                 raise ValueError(f"causal_softmax: a register build of {threads} threads and {rows} rows a block; "
                                  f"threads must be a multiple of the {self.warp}-thread warp and of rows, <= 1024")
-        self.register = [(register_keys(threads, rows), threads, rows,
+        # (most keys, threads, rows a block, shared bytes, kernel), fewest keys first
+        self.register = [(register_keys(threads, rows), threads, rows, reduction_bytes(threads, self.warp),
                           Kernel(build_register_softmax(codec, threads, rows, self.warp)))
                          for threads, rows in sorted(register_builds, key=lambda build: register_keys(*build))]
         self.streaming = {
             vector: Kernel(build_streaming_softmax(codec, self.threads, STREAMING_ROWS_PER_BLOCK, self.warp, vector))
             for vector in (True, False)
         }
+        self.streaming_shared_bytes = reduction_bytes(self.threads, self.warp)
 
     def register_build(self, num_keys: int) -> tuple[int, int] | None:
         """(threads, rows a block) of the register build that runs rows of ``num_keys`` keys, or None
         (the streaming kernel)."""
-        return next(((threads, rows) for keys, threads, rows, _ in self.register if keys >= num_keys), None)
+        return next(((threads, rows) for keys, threads, rows, _, _ in self.register if keys >= num_keys), None)
 
     @staticmethod
     def uses_vector(scores: Any, probs: Any) -> bool:
@@ -403,23 +406,23 @@ class CausalSoftmax:
         return contiguous_aligned(scores, probs)
 
     def __call__(self, scores: Any, probs: Any, rows_per_head: int, first_position: int, scale: float,
-                 stream: Any = 0) -> None:
+                 group: int = 1, stream: Any = 0) -> None:
         rows, keys = (int(n) for n in scores.shape)
         if tuple(probs.shape) != (rows, keys):
             raise ValueError(f"causal_softmax: probs must be [{rows}, {keys}], got {tuple(probs.shape)}")
-        if rows % rows_per_head or first_position < 0 or first_position + rows_per_head > keys:
-            raise ValueError(f"causal_softmax: {rows} rows of {rows_per_head} per head from position "
-                             f"{first_position} do not fit {keys} keys")
+        if group < 1 or rows % (rows_per_head * group) or first_position < 0 or first_position + rows_per_head > keys:
+            raise ValueError(f"causal_softmax: {rows} rows of {rows_per_head} query rows x {group} per head from "
+                             f"position {first_position} do not fit {keys} keys")
         if not scale > 0:
             raise ValueError(f"causal_softmax: scale must be > 0, got {scale}")
         if rows == 0:
             return
-        args = (scores, probs, np.int32(rows_per_head), np.int32(first_position), np.float32(scale))
+        args = (scores, probs, np.int32(rows_per_head), np.int32(group), np.int32(first_position), np.float32(scale))
         vector = self.uses_vector(scores, probs)
         if vector:
-            for most_keys, threads, rows_per_block, kernel in self.register:
+            for most_keys, threads, rows_per_block, shared_bytes, kernel in self.register:
                 if keys <= most_keys:
-                    kernel[-(-rows // rows_per_block), threads, stream, reduction_bytes(threads, self.warp)](*args)
+                    kernel[-(-rows // rows_per_block), threads, stream, shared_bytes](*args)
                     return
         blocks = -(-rows // STREAMING_ROWS_PER_BLOCK)
-        self.streaming[vector][blocks, self.threads, stream, reduction_bytes(self.threads, self.warp)](*args)
+        self.streaming[vector][blocks, self.threads, stream, self.streaming_shared_bytes](*args)

@@ -23,12 +23,14 @@ from tests.kernels.storage import DTYPES, TOL, assert_close_rel, from_storage, p
 HEAD_DIM = 16  # the simulator cases' scale is 1 / sqrt(HEAD_DIM)
 
 
-#: (rows_per_head, first_position, num_keys, heads) of the softmax cases:
+#: (rows_per_head, first_position, num_keys, heads, group) of the softmax cases:
 #: - 9 rows of 13 keys seeing 11..13: odd K puts row starts at every offset in a chunk, and the
-#:   last block of 8, 4 or 2 rows has rows past the end;
-#: - 8 rows seeing 1..4 of 11 keys: rows shorter than their head, and mostly masked;
-#: - 2 rows seeing 281 and 282 of 299 keys: several sweeps of every kernel's loops.
-SOFTMAX_CASES = [(3, 10, 13, 3), (4, 0, 11, 2), (2, 280, 299, 1)]
+#:   last block of 4 or 2 rows has rows past the end;
+#: - 16 rows (4 query rows x a group of 2, 2 heads) seeing 1..4 of 11 keys: rows shorter than their
+#:   head, and mostly masked;
+#: - 6 rows (2 query rows x a group of 3) seeing 281 and 282 of 299 keys: several sweeps of the
+#:   streaming kernel's loops.
+SOFTMAX_CASES = [(3, 10, 13, 3, 1), (4, 0, 11, 2, 2), (2, 280, 299, 1, 3)]
 
 
 def _aligned(shape: tuple[int, ...], dtype: np.dtype, offset_bytes: int = 0) -> np.ndarray:
@@ -40,11 +42,11 @@ def _aligned(shape: tuple[int, ...], dtype: np.dtype, offset_bytes: int = 0) -> 
 
 
 def _softmax_matches_float64(softmax: CausalSoftmax, dtype_name: str, rows_per_head: int, first_position: int,
-                             num_keys: int, heads: int, offset_bytes: int = 0, seed: int = 1) -> None:
+                             num_keys: int, heads: int, group: int = 1, offset_bytes: int = 0, seed: int = 1) -> None:
     """softmax of random scores (arrays ``offset_bytes`` past 16-byte boundaries) against float64:
     within the dtype's tolerance, exactly 0 past each row's position, every element written."""
     generator = torch.Generator().manual_seed(seed)
-    rows = heads * rows_per_head
+    rows = heads * rows_per_head * group
     values = torch.randn(rows, num_keys, generator=generator) * 4
     scores = _aligned((rows, num_keys), np.float32, offset_bytes)
     scores[:] = values.numpy()
@@ -52,8 +54,8 @@ def _softmax_matches_float64(softmax: CausalSoftmax, dtype_name: str, rows_per_h
     probs = _aligned((rows, num_keys), poison.dtype, offset_bytes)
     probs[:] = poison
     scale = 1 / math.sqrt(HEAD_DIM)
-    softmax(scores, probs, rows_per_head, first_position, scale)
-    visible = first_position + torch.arange(rows) % rows_per_head + 1
+    softmax(scores, probs, rows_per_head, first_position, scale, group=group)
+    visible = first_position + torch.arange(rows) // group % rows_per_head + 1
     masked = torch.arange(num_keys)[None, :] >= visible[:, None]
     reference = (values.double() * scale).masked_fill(masked, -math.inf).softmax(-1)
     got = from_storage(probs, dtype_name)
@@ -77,10 +79,10 @@ def test_causal_softmax_kernels_match_float64(dtype_name, build):
     (nearly its most keys), and the streaming kernel (build None) on them all."""
     softmax = CausalSoftmax(build_codec(dtype_name), register_builds=() if build is None else (build,))
     most_keys = 299 if build is None else register_keys(*build)
-    cases = [case for case in SOFTMAX_CASES if case[2] <= most_keys] + [(2, most_keys - 5, most_keys - 3, 2)]
-    for rows_per_head, first_position, num_keys, heads in cases:
+    cases = [case for case in SOFTMAX_CASES if case[2] <= most_keys] + [(2, most_keys - 5, most_keys - 3, 2, 2)]
+    for rows_per_head, first_position, num_keys, heads, group in cases:
         assert softmax.register_build(num_keys) == build
-        _softmax_matches_float64(softmax, dtype_name, rows_per_head, first_position, num_keys, heads)
+        _softmax_matches_float64(softmax, dtype_name, rows_per_head, first_position, num_keys, heads, group)
 
 
 @pytest.mark.parametrize("dtype_name", DTYPES)
@@ -91,27 +93,29 @@ def test_causal_softmax_without_16_byte_alignment_runs_scalar(dtype_name):
     assert not softmax.uses_vector(_aligned((4, 8), np.float32, 4), _aligned((4, 8), np.int16))
     assert not softmax.uses_vector(_aligned((4, 8), np.float32), _aligned((4, 8), np.int16, 2))
     assert not softmax.uses_vector(_aligned((4, 16), np.float32)[:, :8], _aligned((4, 8), np.int16))
-    _softmax_matches_float64(softmax, dtype_name, 3, 10, 13, 3, offset_bytes=4)
+    _softmax_matches_float64(softmax, dtype_name, 3, 10, 13, 3, group=2, offset_bytes=4)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_keys, build", [(1000, 0), (2001, 1), (4093, 2), (8190, 3), (9000, None)])
 def test_causal_softmax_matches_float64_on_gpu(num_keys, build):
-    """bf16 on the H200 with the default builds: 4 heads of 64 query rows ending at key num_keys run
-    each register build (rows of up to 1024, 2048, 4096 and 8192 keys), and past them the streaming one."""
+    """bf16 on the H200 with the default builds: 2 kv heads of 64 query rows x a group of 4 (Qwen3-8B's)
+    ending at key num_keys run each register build (rows of up to 1024, 2048, 4096 and 8192 keys), and
+    past them the streaming one."""
     device = open_device("cuda")
     softmax = CausalSoftmax(build_codec("bfloat16"))
     assert softmax.register_build(num_keys) == (None if build is None else REGISTER_BUILDS[build])
-    rows_per_head, heads = 64, 4
+    rows_per_head, heads, group = 64, 2, 4
+    rows = heads * rows_per_head * group
     first_position = num_keys - rows_per_head
-    values = torch.randn(heads * rows_per_head, num_keys, generator=torch.Generator().manual_seed(4)) * 4
+    values = torch.randn(rows, num_keys, generator=torch.Generator().manual_seed(4)) * 4
     scores = values.to(device.torch_device)
     probs = torch.full(scores.shape, float("nan"), dtype=torch.bfloat16, device=device.torch_device)
     assert softmax.uses_vector(scores, probs)
     scale = 1 / math.sqrt(128)
-    softmax(scores, probs, rows_per_head, first_position, scale, stream=device.current_stream())
+    softmax(scores, probs, rows_per_head, first_position, scale, group=group, stream=device.current_stream())
     device.synchronize()
-    visible = first_position + torch.arange(heads * rows_per_head) % rows_per_head + 1
+    visible = first_position + torch.arange(rows) // group % rows_per_head + 1
     masked = torch.arange(num_keys)[None, :] >= visible[:, None]
     reference = (values.double() * scale).masked_fill(masked, -math.inf).softmax(-1)
     got = probs.cpu().double()
@@ -135,7 +139,7 @@ def test_compiles_for_sm90():
         )
         for name in DTYPES:
             codec = build_codec(name)
-            args = (arr("float32", 2), arr(name, 2), types.int32, types.int32, types.float32)
+            args = (arr("float32", 2), arr(name, 2), types.int32, types.int32, types.int32, types.float32)
             for threads, rows in REGISTER_BUILDS:
                 vector_ptx(build_register_softmax(codec, threads, rows, SOFTMAX_WARP), *args)
             for vector in (True, False):
