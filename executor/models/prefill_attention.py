@@ -5,7 +5,7 @@ chunk of thousands of tokens that is quadratic work at a few percent of the
 GPU's matmul rate. Here a request's attention runs as
 
     keys, values <- its KV pages                     (GatherKv: [Hkv, kv_len, D] scratch)
-    packed        = its query rows, by kv head        (ChunkCopy: [Hkv, rows, group x D])
+    packed        = its query rows, by kv head        (ChunkCopy: [Hkv, rows, group, D])
     for each tile of query rows:
         scores    = packed tile @ keys^T              (torch.bmm over kv heads, float32 out)
         probs     = causal softmax(scale * scores)    (CausalSoftmax)
@@ -60,19 +60,25 @@ class GemmPrefillAttention:
                         _as_words(keys), _as_words(values), stream=step.stream)
             rows = request.num_rows
             packed = step.scratch("attn_packed").view(-1)[: heads * rows * group * head_dim]
-            packed = packed.view(1, heads, rows, group * head_dim)
+            packed = packed.view(heads, rows, group, head_dim)
             span = slice(request.q_start, request.q_start + rows)
-            # [1, Hkv, rows, group x D] views of the request's rows: kv head h's group is the contiguous
-            # heads h * group .. h * group + group - 1 of a row (4-D for ChunkCopy; long rows keep its
-            # threads busy). view, not reshape: never a silent copy.
-            by_kv_head = lambda x: x[span].view(rows, heads, group * head_dim).transpose(0, 1)[None]  # noqa: E731
-            self.copy(by_kv_head(q), packed, stream=step.stream)
+            # [Hkv, rows, group, D] views of the request's rows: head h * group + g is the g-th of kv head h.
+            by_kv_head = lambda x: x[span].unflatten(1, (heads, group)).transpose(0, 1)  # noqa: E731
+            self._copy(by_kv_head(q), packed, step)
             packed_rows = packed.view(heads, rows * group, head_dim)
             for first in range(0, rows, request.rows_per_tile):
                 end = min(first + request.rows_per_tile, rows)
                 tile_rows = packed_rows[:, first * group:end * group]
                 self._tile(step, request.kv_len - rows + first, end - first, tile_rows, keys, values)
-            self.copy(packed, by_kv_head(out), stream=step.stream)
+            self._copy(packed, by_kv_head(out), step)
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, step: StepViews) -> None:
+        """ChunkCopy of two [Hkv, rows, group, D] views; as [1, Hkv, rows, group x D] when both hold a
+        row's group contiguously (Qwen3's q and attn_out, not Qwen3.5's gated q): ChunkCopy's rows are
+        then long enough to keep its threads busy."""
+        if all(x.stride(3) == 1 and x.stride(2) == x.shape[3] for x in (src, dst)):
+            src, dst = src.flatten(2)[None], dst.flatten(2)[None]  # views: the strides above merge
+        self.copy(src, dst, stream=step.stream)
 
     def _tile(self, step: StepViews, first_position: int, rows: int, packed_rows: torch.Tensor,
               keys: torch.Tensor, values: torch.Tensor) -> None:
