@@ -5,8 +5,10 @@
 
 For each kernel (embedding, RMSNorm, fused add + RMSNorm, q/k norm + RoPE,
 SiLU-mul, sigmoid gate, residual add) at prefill-sized bf16 shapes, the
-delta-rule decode step (64 requests of Qwen3.5-9B's linear heads) and decode
-attention (64 requests x 4096 cached tokens of Qwen3-8B's heads), it reports
+delta-rule decode step (64 requests of Qwen3.5-9B's linear heads), decode
+attention (64 requests x 4096 cached tokens of Qwen3-8B's heads) and GEMM
+prefill attention's causal softmax (the last tile of a 4096-token Qwen3-8B
+prompt: 16384 score rows of 4096 keys), it reports
 the median GPU time of one launch, the bandwidth it achieves (bytes the
 kernel must read plus bytes it must write, over that time), that bandwidth as
 a share of the copy bandwidth measured in the same run (torch ``dst.copy_(src)``
@@ -69,16 +71,17 @@ class Shapes:
     qwen3_kv_heads: int  # decode attention: decode_batch requests of decode_context cached tokens
     decode_context: int
     page_size: int
+    prompt_tokens: int  # causal softmax: the last GEMM-attention tile of a prompt this long (rows score rows)
 
 
 def real_shapes(rows: int) -> Shapes:
-    return Shapes(rows, 4096, QWEN3_VOCAB, 12288, 32, 128, 16, 256, 64, 64, 16, 32, 128, 8, 4096, 16)
+    return Shapes(rows, 4096, QWEN3_VOCAB, 12288, 32, 128, 16, 256, 64, 64, 16, 32, 128, 8, 4096, 16, 4096)
 
 
 SMOKE_SHAPES = Shapes(rows=3, hidden=64, vocab=11, intermediate=32, qwen3_heads=2, qwen3_head_dim=16,
                       qwen3_5_heads=2, qwen3_5_head_dim=32, qwen3_5_rotary_dim=16, decode_batch=2,
                       linear_key_heads=1, linear_value_heads=2, linear_head_dim=8, qwen3_kv_heads=1,
-                      decode_context=8, page_size=4)
+                      decode_context=8, page_size=4, prompt_tokens=13)
 
 
 @dataclass(frozen=True)
@@ -294,6 +297,34 @@ def residual_case(env: Env, s: Shapes) -> Case:
     )
 
 
+def causal_softmax_case(env: Env, s: Shapes) -> Case:
+    """GEMM prefill attention's causal softmax on the last tile of a ``prompt_tokens`` prompt of
+    Qwen3-8B's heads: ``rows`` float32 score rows (kv head, query row, group member) of
+    ``prompt_tokens`` keys in, bf16 probabilities out. Bytes: the visible scores read, every
+    probability written. torch's nearest equivalent (no mask): softmax of the scaled scores."""
+    from executor.kernels.causal_softmax import CausalSoftmax
+    from executor.kernels.codec import build_codec
+
+    torch = env.torch
+    group = s.qwen3_heads // s.qwen3_kv_heads
+    rows_per_head = max(1, s.rows // (s.qwen3_kv_heads * group))
+    rows, keys = s.qwen3_kv_heads * rows_per_head * group, s.prompt_tokens
+    first_position = keys - rows_per_head
+    scores = torch.randn(rows, keys, device=env.device) * 4
+    probs = torch.empty(rows, keys, device=env.device, dtype=torch.bfloat16)
+    scale = s.qwen3_head_dim ** -0.5
+    ours = CausalSoftmax(build_codec("bfloat16"))
+    visible_scores = s.qwen3_kv_heads * group * sum(first_position + t + 1 for t in range(rows_per_head))
+    return Case(
+        "causal_softmax", f"{rows} x {keys}, {rows_per_head} query rows x {group}",
+        visible_scores * 4 + rows * keys * BF16_BYTES,
+        ours.uses_vector(scores, probs),
+        lambda stream: ours(scores, probs, rows_per_head, first_position, scale, group=group, stream=stream),
+        None,
+        lambda stream: probs.copy_(torch.softmax(scores * scale, dim=-1)),
+    )
+
+
 def delta_rule_decode_case(env: Env, s: Shapes) -> Case:
     """One decode step of the gated delta rule: B requests x Hv heads, each reading and writing its
     float32 state [dk, dv]; bytes = that state traffic plus the qkv row read and the output written."""
@@ -388,6 +419,7 @@ CASE_BUILDERS: dict[str, Callable[[Env, Shapes], Case]] = {
     "residual": residual_case,
     "delta_rule_decode": delta_rule_decode_case,
     "decode_attention": decode_attention_case,
+    "causal_softmax": causal_softmax_case,
 }
 
 

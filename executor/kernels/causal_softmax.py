@@ -20,8 +20,9 @@ each probability written once, in 16-byte accesses (vector.py). Two kernels:
 On the H200 the register kernel took a 4096-token Qwen3-8B prefill's eight
 tiles of 16384 score rows (512 to 4096 keys) in 611 us, where the shared
 memory row cache it replaced took 897 us and the streaming kernel 1182 us;
-past 8192 keys the streaming kernel was the fastest build measured
-(.gpu sweep of builds of 128-512 threads and 1-8 groups a thread, 2026-11-29).
+past 8192 keys the streaming kernel was the fastest build measured (a one-off
+sweep of builds of 128-512 threads and 1-8 groups a thread, 2026-11-29, in
+docs/benchmarks.md; bench/kernels.py's causal_softmax case times the last tile).
 
 Rows are ``K`` scores long and K is arbitrary, so a row starts anywhere within
 a 16-byte chunk: each pass takes the elements before the row's first aligned
