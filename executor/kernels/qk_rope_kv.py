@@ -47,8 +47,8 @@ from executor.kernels.rope import (
     build_vector_head,
     check_shape,
     check_rotary_dim,
-    store_inv_freq,
     vector_group_threads,
+    vector_shared_bytes,
 )
 from executor.kernels.vector import VECTOR_WORDS, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda, simulator_enabled
@@ -79,8 +79,8 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
     Every chunk of every array must be 16-byte aligned and rotary_dim / 2 a whole number of
     chunks (the launcher checks). blockDim.x is a multiple of group_threads (a power of two
     <= 32, rope.vector_group_threads for bit-identity with rope.py's vector kernel) and of 32
-    on the GPU. Launch with ``4 * (blockDim.x + 3 * rotary_dim / 2)`` bytes of dynamic shared
-    memory: the simulator's reduction scratch, then inv_freq, cos and sin.
+    on the GPU. Launch with ``rope.vector_shared_bytes(blockDim.x, rotary_dim)`` bytes of dynamic
+    shared memory.
     """
     load_vector, store_vector = build_vector_access()
 
@@ -90,8 +90,8 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
         store_vector(k, (t, h, col), words, 0)
         store_vector(k_cache, (page, slot, h, col), words, 0)
 
-    store_cos_sin, head_squares, q_norm_rope = build_vector_head(codec, round_before_weight)
-    _, _, k_norm_rope = build_vector_head(codec, round_before_weight, put_k_chunk)
+    block_setup, store_cos_sin, head_squares, q_norm_rope = build_vector_head(codec, round_before_weight)
+    k_norm_rope = build_vector_head(codec, round_before_weight, put_k_chunk)[3]
     group_sum = build_group_sum()
     lanes = lanes_for(codec)
     words = word_type(codec)
@@ -112,25 +112,16 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
         head_dim = q.shape[2]
         norm_heads = q_heads + k.shape[1]
         walk_heads = norm_heads + v.shape[1]  # q heads, k heads, then v heads (copied)
-        half = rotary_dim // 2
-        pairs = half // lanes
-        units = pairs + (head_dim - rotary_dim) // lanes
         v_chunks = head_dim // lanes
-        tid = cuda.threadIdx.x
-        lane = tid % group_threads
-        groups = cuda.blockDim.x // group_threads
-        one_unit = units <= group_threads  # then a thread's unit stays in registers between the passes
-        inv_freq_at = cuda.blockDim.x
-        cos_at = inv_freq_at + half
-        sin_at = cos_at + half
-        store_inv_freq(shared, inv_freq_at, half, rotary_dim, theta)
+        half, pairs, units, lane, groups, one_unit, inv_freq_at, cos_at, sin_at = block_setup(
+            shared, head_dim, rotary_dim, theta, group_threads)
         for t in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
             page, slot = cache_slot(t, batch_indices, positions, page_indices, page_indptr, k_cache.shape[1])
             store_cos_sin(shared, inv_freq_at, cos_at, sin_at, half, float32(positions[t]))
             cuda.syncthreads()
             # Every thread runs every head round (group_sum needs the whole block / warp).
             for first_head in range(0, walk_heads, groups):
-                h = first_head + tid // group_threads
+                h = first_head + cuda.threadIdx.x // group_threads
                 partial = float32(0.0)
                 if h < q_heads:
                     partial = head_squares(q, t, h, lane, group_threads, half, pairs, units, lo, hi)
@@ -244,8 +235,7 @@ class QkNormRopeWriteKv:
             return
         group = vector_group_threads(head_dim, rotary_dim, self.lanes)
         threads = fused_block_threads(group, q_heads + 2 * kv_heads, self.max_threads)
-        shared = (threads + 3 * (rotary_dim // 2)) * 4  # float32 scratch, inv_freq, cos, sin
-        self.kernel[rows, threads, stream, shared](
+        self.kernel[rows, threads, stream, vector_shared_bytes(threads, rotary_dim)](
             q,
             k,
             v,

@@ -131,10 +131,16 @@ def store_inv_freq(shared, inv_freq_at, half, rotary_dim, theta):
 
 def build_vector_head(
     codec: Codec, round_before_weight: bool, put_chunk: Callable[..., Any] | None = None
-) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
     """Device functions for the 16-byte vector kernels, each run by every thread of a block or of a
     head's group of ``group_threads`` threads (see the module docstring):
 
+    block_setup(shared, head_dim, rotary_dim, theta, group_threads)
+        -> (half, pairs, units, lane, groups, one_unit, inv_freq_at, cos_at, sin_at)
+        once per block (all threads): a head's units, this thread's lane and the block's head
+        groups, whether a thread's unit stays in registers between the passes, and the shared
+        memory layout after the simulator's reduction scratch (inv_freq, stored here, then cos
+        and sin: ``vector_shared_bytes``)
     store_cos_sin(shared, inv_freq_at, cos_at, sin_at, half, position)
         this row's rounded cos/sin from the block's inv_freq table (all threads; the caller's
         barrier publishes them)
@@ -163,6 +169,17 @@ def build_vector_head(
             store_vector(x, (t, h, col), words, 0)
 
         put_chunk = put_in_place
+
+    @cuda.jit(device=True, inline=True)
+    def block_setup(shared, head_dim, rotary_dim, theta, group_threads):
+        half = rotary_dim // 2
+        pairs = half // lanes
+        units = pairs + (head_dim - rotary_dim) // lanes
+        inv_freq_at = cuda.blockDim.x
+        store_inv_freq(shared, inv_freq_at, half, rotary_dim, theta)
+        one_unit = units <= group_threads
+        return (half, pairs, units, cuda.threadIdx.x % group_threads, cuda.blockDim.x // group_threads, one_unit,
+                inv_freq_at, inv_freq_at + half, inv_freq_at + 2 * half)
 
     @cuda.jit(device=True, inline=True)
     def rounded(value):
@@ -230,7 +247,7 @@ def build_vector_head(
                     put_lane(lo, k, store(v))
                 put_chunk(x, t, h, half + unit * lanes, lo, cache, page, slot)
 
-    return store_cos_sin, head_squares, head_norm_rope
+    return block_setup, store_cos_sin, head_squares, head_norm_rope
 
 
 def build_qk_norm_rope_vector_kernel(codec: Codec, round_before_weight: bool) -> Callable[..., Any]:
@@ -239,12 +256,11 @@ def build_qk_norm_rope_vector_kernel(codec: Codec, round_before_weight: bool) ->
 
     Every chunk of x's heads and of norm_weight must be 16-byte aligned and rotary_dim / 2 a whole
     number of chunks (the launcher checks). blockDim.x is a multiple of group_threads (a power of
-    two <= 32) and of 32 on the GPU. Launch with ``4 * (blockDim.x + 3 * rotary_dim / 2)`` bytes of
-    dynamic shared memory: the simulator's reduction scratch, then inv_freq, cos and sin.
+    two <= 32) and of 32 on the GPU. Launch with ``vector_shared_bytes(blockDim.x, rotary_dim)`` bytes
+    of dynamic shared memory.
     """
-    store_cos_sin, head_squares, head_norm_rope = build_vector_head(codec, round_before_weight)
+    block_setup, store_cos_sin, head_squares, head_norm_rope = build_vector_head(codec, round_before_weight)
     group_sum = build_group_sum()
-    lanes = lanes_for(codec)
     words = word_type(codec)
 
     @cuda.jit
@@ -256,23 +272,14 @@ def build_qk_norm_rope_vector_kernel(codec: Codec, round_before_weight: bool) ->
         w_hi = cuda.local.array(VECTOR_WORDS, words)
         heads = x.shape[1]
         head_dim = x.shape[2]
-        half = rotary_dim // 2
-        pairs = half // lanes
-        units = pairs + (head_dim - rotary_dim) // lanes
-        tid = cuda.threadIdx.x
-        lane = tid % group_threads
-        groups = cuda.blockDim.x // group_threads
-        one_unit = units <= group_threads  # then a thread's unit stays in registers between the passes
-        inv_freq_at = cuda.blockDim.x
-        cos_at = inv_freq_at + half
-        sin_at = cos_at + half
-        store_inv_freq(shared, inv_freq_at, half, rotary_dim, theta)
+        half, pairs, units, lane, groups, one_unit, inv_freq_at, cos_at, sin_at = block_setup(
+            shared, head_dim, rotary_dim, theta, group_threads)
         for t in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
             store_cos_sin(shared, inv_freq_at, cos_at, sin_at, half, float32(positions[t]))
             cuda.syncthreads()
             # Every thread runs every head round (group_sum needs the whole block / warp).
             for first_head in range(0, heads, groups):
-                h = first_head + tid // group_threads
+                h = first_head + cuda.threadIdx.x // group_threads
                 active = h < heads
                 partial = float32(0.0)
                 if active:
@@ -291,6 +298,12 @@ def vector_group_threads(head_dim: int, rotary_dim: int, lanes: int) -> int:
     """Threads per head in the vector kernel: one per unit (pair unit or pass-through chunk), at most a warp."""
     units = rotary_dim // 2 // lanes + (head_dim - rotary_dim) // lanes
     return min(MAX_GROUP_THREADS, 1 << max(0, math.ceil(math.log2(units))))
+
+
+def vector_shared_bytes(threads: int, rotary_dim: int) -> int:
+    """Dynamic shared memory of a vector kernel's block: the simulator's float32 reduction scratch
+    (a word a thread), then inv_freq, cos and sin (rotary_dim / 2 float32 each)."""
+    return (threads + 3 * (rotary_dim // 2)) * 4
 
 
 def check_shape(name: str, a: Any, expected: tuple[int, ...]) -> None:
@@ -352,8 +365,7 @@ class QkNormRopeInplace:
         if self.uses_vector(x, norm_weight, rotary_dim):
             group = vector_group_threads(head_dim, rotary_dim, self.lanes)
             threads = max(group, threads_for(group * heads, self.max_threads))
-            shared = (threads + 3 * (rotary_dim // 2)) * 4  # float32 scratch, inv_freq, cos, sin
-            self.vector_kernel[rows, threads, stream, shared](
+            self.vector_kernel[rows, threads, stream, vector_shared_bytes(threads, rotary_dim)](
                 x,
                 norm_weight,
                 positions,
