@@ -307,6 +307,23 @@ def build_load_group(load_vector: Callable[..., Any]) -> Callable[..., Any]:
     return load_group
 
 
+def build_edge_scan(visit: Callable[..., Any]) -> Callable[..., Any]:
+    """Device function ``edges(logits, b, head, chunks, carry, context) -> carry``: ``visit`` over the
+    scalar head and tail of row b (the logits outside its whole chunks, from row_split), a logit a
+    thread."""
+
+    @cuda.jit(device=True, inline=True)
+    def edges(logits, b, head, chunks, carry, context):
+        nt = cuda.blockDim.x
+        tail = head + chunks * CHUNK
+        for e in range(cuda.threadIdx.x, head + logits.shape[1] - tail, nt):
+            i = e if e < head else tail + e - head
+            carry = visit(carry, float32(logits[b, i]), i, context)
+        return carry
+
+    return edges
+
+
 def build_row_scan(load_group: Callable[..., Any], visit: Callable[..., Any],
                    chunk_may_change: Callable[..., Any]) -> Callable[..., Any]:
     """Device function ``scan(logits, b, head, chunks, words, carry, context) -> carry``: this
@@ -318,17 +335,13 @@ def build_row_scan(load_group: Callable[..., Any], visit: Callable[..., Any],
     loaded chunk whose ``chunk_may_change(carry, words, first_word, context)`` is False is not
     visited: it must be False only where no visit of the chunk's logits would change the carry.
     """
+    edges = build_edge_scan(visit)
 
     @cuda.jit(device=True, **NVVM_INLINE)
     def scan(logits, b, head, chunks, words, carry, context):
-        tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
-        vocab = logits.shape[1]
-        tail = head + chunks * CHUNK
-        for e in range(tid, head + vocab - tail, nt):
-            i = e if e < head else tail + e - head
-            carry = visit(carry, float32(logits[b, i]), i, context)
-        for c in range(tid, chunks, nt * UNROLL):
+        carry = edges(logits, b, head, chunks, carry, context)
+        for c in range(cuda.threadIdx.x, chunks, nt * UNROLL):
             load_group(logits, b, head, chunks, c, words)
             for u in range(UNROLL):
                 if c + u * nt < chunks and chunk_may_change(carry, words, u * CHUNK, context):
@@ -419,18 +432,14 @@ def build_gumbel_scan(load_group: Callable[..., Any]) -> Callable[..., Any]:
     """Device function ``scan(logits, b, head, chunks, words, best, context) -> best``: build_row_scan
     with gumbel_visit, but the hash runs outside the unrolled loop (module docstring, pass 4): the
     loop marks the group's candidates in a mask, then each marked logit is read again and scored."""
+    edges = build_edge_scan(gumbel_visit)
 
     @cuda.jit(device=True, **NVVM_INLINE)
     def scan(logits, b, head, chunks, words, best, context):
-        tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
-        vocab = logits.shape[1]
         inv_t, cut, threshold, _key0, _key1, _step_word = context
-        tail = head + chunks * CHUNK
-        for e in range(tid, head + vocab - tail, nt):
-            i = e if e < head else tail + e - head
-            best = gumbel_visit(best, float32(logits[b, i]), i, context)
-        for c in range(tid, chunks, nt * UNROLL):
+        best = edges(logits, b, head, chunks, best, context)
+        for c in range(cuda.threadIdx.x, chunks, nt * UNROLL):
             load_group(logits, b, head, chunks, c, words)
             marked = int64(0)  # bit u * CHUNK + k: the logit at words[u * CHUNK + k]
             for u in range(UNROLL):
