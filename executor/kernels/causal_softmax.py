@@ -399,7 +399,12 @@ class CausalSoftmax:
     def register_build(self, num_keys: int) -> tuple[int, int] | None:
         """(threads, rows a block) of the register build that runs rows of ``num_keys`` keys, or None
         (the streaming kernel)."""
-        return next(((threads, rows) for keys, threads, rows, _, _ in self.register if keys >= num_keys), None)
+        entry = self._register_entry(num_keys)
+        return None if entry is None else entry[1:3]
+
+    def _register_entry(self, num_keys: int) -> tuple[int, int, int, int, Kernel] | None:
+        """The first register build holding rows of ``num_keys`` keys (``self.register``'s entry)."""
+        return next((entry for entry in self.register if entry[0] >= num_keys), None)
 
     @staticmethod
     def uses_vector(scores: Any, probs: Any) -> bool:
@@ -420,10 +425,10 @@ class CausalSoftmax:
             return
         args = (scores, probs, np.int32(rows_per_head), np.int32(group), np.int32(first_position), np.float32(scale))
         vector = self.uses_vector(scores, probs)
-        if vector:
-            for most_keys, threads, rows_per_block, shared_bytes, kernel in self.register:
-                if keys <= most_keys:
-                    kernel[-(-rows // rows_per_block), threads, stream, shared_bytes](*args)
-                    return
+        entry = self._register_entry(keys) if vector else None
+        if entry is not None:
+            _, threads, rows_per_block, shared_bytes, kernel = entry
+            kernel[-(-rows // rows_per_block), threads, stream, shared_bytes](*args)
+            return
         blocks = -(-rows // STREAMING_ROWS_PER_BLOCK)
         self.streaming[vector][blocks, self.threads, stream, self.streaming_shared_bytes](*args)
