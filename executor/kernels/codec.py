@@ -9,8 +9,15 @@ and built per codec (``build_*(codec)``). Two codecs exist:
   and the simulator runs the very same arithmetic on numpy int16 arrays
   (numba's bf16 type exists on neither path we need).
 
-Only the raw bit cast differs between the GPU (libdevice) and the simulator
-(numpy scalar views), because the simulator's libdevice functions are stubs.
+On the GPU, ``store`` is the hardware's own round-to-nearest-even conversion
+(PTX ``cvt.rn.bf16.f32``, sm_80 and later: one instruction where the integer
+rounding takes eight, and bf16 row kernels that round every product, such as
+q/k norm + RoPE, are bound by those instructions rather than by memory). The
+simulator cannot run PTX, so there ``store`` is the same rounding in integer
+arithmetic on the float's bits; the two agree on every finite value and on
+infinities (tests/kernels/test_codec.py compares them on the GPU). The raw bit
+casts differ too: libdevice on the GPU, numpy scalar views in the simulator
+(whose libdevice functions are stubs).
 """
 
 from __future__ import annotations
@@ -76,6 +83,46 @@ def _build_f32() -> Codec:
     return Codec("f32", "float32", np.float32, load, store)
 
 
+def _integer_bf16_store(float_as_int: Callable[..., Any]) -> Callable[..., Any]:
+    """``store`` for the simulator: round to nearest even on the 16 dropped bits of the float's bits."""
+
+    @cuda.jit(device=True, inline=True)
+    def store(value):
+        bits = int32(float_as_int(float32(value)))
+        # NaN never reaches here (the GPU's cvt would give the canonical NaN).
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+        if rounded >= 0x8000:
+            rounded -= 0x10000
+        return int16(rounded)
+
+    return store
+
+
+def _hardware_bf16_store() -> Callable[..., Any]:
+    """``store`` on the GPU: PTX ``cvt.rn.bf16.f32`` (round to nearest even), its 16 bits as an int16."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core.errors import TypingError
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def cvt_rn_bf16(typingctx, value):
+        if value != types.float32:
+            raise TypingError(f"cvt_rn_bf16 takes a float32, got {value}")
+
+        def codegen(context, builder, signature, args):
+            convert = ir.FunctionType(ir.IntType(16), [ir.FloatType()])
+            return builder.asm(convert, "cvt.rn.bf16.f32 $0, $1;", "=h,f", [args[0]], side_effect=False)
+
+        return types.int16(types.float32), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def store(value):
+        return cvt_rn_bf16(float32(value))
+
+    return store
+
+
 def _build_bf16() -> Codec:
     int_as_float, float_as_int = _bit_casts()
 
@@ -83,15 +130,7 @@ def _build_bf16() -> Codec:
     def load(bits):
         return int_as_float(int32((int32(bits) & 0xFFFF) << 16))
 
-    @cuda.jit(device=True, inline=True)
-    def store(value):
-        bits = int32(float_as_int(float32(value)))
-        # Round to nearest even on the 16 dropped bits (NaN never reaches here).
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
-        if rounded >= 0x8000:
-            rounded -= 0x10000
-        return int16(rounded)
-
+    store = _integer_bf16_store(float_as_int) if simulator_enabled() else _hardware_bf16_store()
     return Codec("bf16", "bfloat16", np.int16, load, store)
 
 
