@@ -66,6 +66,7 @@ from numba import float32, float64  # noqa: E402  (after load_cuda's numpy fix)
 # Size of the shared reduction scratch: the largest block a launcher picks.
 MAX_THREADS = 256
 MAX_GROUP_THREADS = 32  # a head's threads in the vector kernel: at most a warp (shuffle reduction)
+VECTOR_ROWS = 2  # rows the vector kernel's block holds in flight at once
 
 
 @cuda.jit(device=True, inline=True)
@@ -254,10 +255,14 @@ def build_qk_norm_rope_vector_kernel(codec: Codec, round_before_weight: bool) ->
     """Kernel ``(x [T,heads,D], norm_weight [D], positions int32 [T], eps f32, weight_offset f32,
     rotary_dim int32, theta f32, group_threads int32)`` as build_qk_norm_rope_kernel, over 16-byte chunks.
 
+    A block takes VECTOR_ROWS rows at a time (grid-stride over row pairs): a thread loads its
+    unit of both rows before reducing either, so twice the bytes are in flight per thread (the
+    kernel waits on memory latency, not bandwidth, with one row).
+
     Every chunk of x's heads and of norm_weight must be 16-byte aligned and rotary_dim / 2 a whole
     number of chunks (the launcher checks). blockDim.x is a multiple of group_threads (a power of
-    two <= 32) and of 32 on the GPU. Launch with ``vector_shared_bytes(blockDim.x, rotary_dim)`` bytes
-    of dynamic shared memory.
+    two <= 32) and of 32 on the GPU. Launch with ``vector_shared_bytes(blockDim.x, rotary_dim,
+    VECTOR_ROWS)`` bytes of dynamic shared memory.
     """
     block_setup, store_cos_sin, head_squares, head_norm_rope = build_vector_head(codec, round_before_weight)
     group_sum = build_group_sum()
@@ -268,28 +273,47 @@ def build_qk_norm_rope_vector_kernel(codec: Codec, round_before_weight: bool) ->
         shared = cuda.shared.array(0, float32)  # dynamic: see norm.py
         lo = cuda.local.array(VECTOR_WORDS, words)  # a pair unit's first-half chunk, or a pass-through chunk
         hi = cuda.local.array(VECTOR_WORDS, words)  # a pair unit's second-half chunk
+        lo_next = cuda.local.array(VECTOR_WORDS, words)  # the same for the block's second row
+        hi_next = cuda.local.array(VECTOR_WORDS, words)
         w_lo = cuda.local.array(VECTOR_WORDS, words)
         w_hi = cuda.local.array(VECTOR_WORDS, words)
+        rows = x.shape[0]
         heads = x.shape[1]
         head_dim = x.shape[2]
         half, pairs, units, lane, groups, one_unit, inv_freq_at, cos_at, sin_at = block_setup(
             shared, head_dim, rotary_dim, theta, group_threads)
-        for t in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
+        # The second row's cos/sin follow the first's (vector_shared_bytes with 2 rows).
+        next_cos_at = sin_at + half
+        next_sin_at = next_cos_at + half
+        for t in range(VECTOR_ROWS * cuda.blockIdx.x, rows, VECTOR_ROWS * cuda.gridDim.x):
+            t_next = t + 1
+            has_next = t_next < rows
             store_cos_sin(shared, inv_freq_at, cos_at, sin_at, half, float32(positions[t]))
+            if has_next:
+                store_cos_sin(shared, inv_freq_at, next_cos_at, next_sin_at, half, float32(positions[t_next]))
             cuda.syncthreads()
             # Every thread runs every head round (group_sum needs the whole block / warp).
             for first_head in range(0, heads, groups):
                 h = first_head + cuda.threadIdx.x // group_threads
                 active = h < heads
                 partial = float32(0.0)
+                partial_next = float32(0.0)
                 if active:
                     partial = head_squares(x, t, h, lane, group_threads, half, pairs, units, lo, hi)
+                    if has_next:
+                        partial_next = head_squares(x, t_next, h, lane, group_threads, half, pairs, units,
+                                                    lo_next, hi_next)
                 inv_rms = inv_rms_from_sum(group_sum(shared, partial, group_threads), head_dim, eps)
+                inv_rms_next = inv_rms_from_sum(group_sum(shared, partial_next, group_threads), head_dim, eps)
                 if active:
                     # No KV cache here: put_chunk ignores the (x, 0, 0) passed as cache, page, slot.
                     head_norm_rope(x, norm_weight, t, h, lane, group_threads, half, pairs, units, one_unit, inv_rms,
                                    weight_offset, shared, cos_at, sin_at, lo, hi, w_lo, w_hi, x, 0, 0)
-            cuda.syncthreads()  # every head has read this row's cos/sin before the next row's overwrite them
+                    if has_next:
+                        head_norm_rope(x, norm_weight, t_next, h, lane, group_threads, half, pairs, units, one_unit,
+                                       inv_rms_next, weight_offset, shared, next_cos_at, next_sin_at, lo_next,
+                                       hi_next, w_lo, w_hi, x, 0, 0)
+            cuda.syncthreads()  # every head has read these rows' cos/sin before the next rows' overwrite them
 
     return qk_norm_rope_inplace_vector
 
@@ -300,10 +324,11 @@ def vector_group_threads(head_dim: int, rotary_dim: int, lanes: int) -> int:
     return min(MAX_GROUP_THREADS, 1 << max(0, math.ceil(math.log2(units))))
 
 
-def vector_shared_bytes(threads: int, rotary_dim: int) -> int:
+def vector_shared_bytes(threads: int, rotary_dim: int, rows: int = 1) -> int:
     """Dynamic shared memory of a vector kernel's block: the simulator's float32 reduction scratch
-    (a word a thread), then inv_freq, cos and sin (rotary_dim / 2 float32 each)."""
-    return (threads + 3 * (rotary_dim // 2)) * 4
+    (a word a thread), then inv_freq, then cos and sin for each of ``rows`` rows (rotary_dim / 2
+    float32 each)."""
+    return (threads + (1 + 2 * rows) * (rotary_dim // 2)) * 4
 
 
 def check_shape(name: str, a: Any, expected: tuple[int, ...]) -> None:
@@ -365,7 +390,8 @@ class QkNormRopeInplace:
         if self.uses_vector(x, norm_weight, rotary_dim):
             group = vector_group_threads(head_dim, rotary_dim, self.lanes)
             threads = max(group, threads_for(group * heads, self.max_threads))
-            self.vector_kernel[rows, threads, stream, vector_shared_bytes(threads, rotary_dim)](
+            blocks = -(-rows // VECTOR_ROWS)
+            self.vector_kernel[blocks, threads, stream, vector_shared_bytes(threads, rotary_dim, VECTOR_ROWS)](
                 x,
                 norm_weight,
                 positions,

@@ -11,7 +11,7 @@ import torch
 from executor.kernels.codec import build_codec
 from executor.kernels.kv_cache import WriteKv
 from executor.kernels.qk_rope_kv import QkNormRopeWriteKv, fused_block_threads
-from executor.kernels.rope import QkNormRopeInplace, vector_group_threads
+from executor.kernels.rope import VECTOR_ROWS, QkNormRopeInplace, vector_group_threads, vector_shared_bytes
 from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import assert_bf16_close, assert_close_rel, from_storage, poisoned, to_storage
@@ -132,21 +132,23 @@ def test_qk_norm_rope_contiguous_host_array():
 def test_vector_kernel_with_several_units_per_thread(dtype_name):
     """Threads owning several units (re-read in pass 2) and a last head round with idle groups:
     head_dim 32, rotary_dim 16 is 6 (float32) or 3 (bf16) units per head, here 2 threads per head,
-    and 2 rounds of heads plus one head. On the GPU the block is a full warp (the shuffles need one)."""
+    and 2 rounds of heads plus one head. Three rows over three blocks: the first block takes a row
+    pair, the second a row without a second, the third none. On the GPU the block is a full warp
+    (the shuffles need one)."""
     threads, group = (4, 2) if simulator_enabled() else (32, 2)
     gen = torch.Generator().manual_seed(44)
     dt = getattr(torch, dtype_name)
-    rows, head_dim, rotary_dim, theta, offset = 2, 32, 16, 1e7, 1.0
+    rows, head_dim, rotary_dim, theta, offset = 3, 32, 16, 1e7, 1.0
     heads = 2 * (threads // group) + 1
     x = (torch.randn(rows, heads, head_dim, generator=gen) * 3).to(dt)
     w = (torch.randn(head_dim, generator=gen) * 0.3).to(dt)
-    positions = torch.tensor([5, 40959], dtype=torch.int32)
+    positions = torch.tensor([5, 40959, 17], dtype=torch.int32)
     rope = QkNormRopeInplace(build_codec(dtype_name), False, SIM_THREADS)
     buf = load_cuda().to_device(to_storage(x, dtype_name))
     w_store = to_storage(w, dtype_name)
     assert rope.uses_vector(buf, w_store, rotary_dim)
     assert vector_group_threads(head_dim, rotary_dim, rope.lanes) > 2  # the launcher would give one unit each
-    rope.vector_kernel[rows, threads, 0, (threads + 3 * rotary_dim // 2) * 4](
+    rope.vector_kernel[rows, threads, 0, vector_shared_bytes(threads, rotary_dim, VECTOR_ROWS)](
         buf, w_store, positions.numpy(), np.float32(EPS), np.float32(offset), np.int32(rotary_dim),
         np.float32(theta), np.int32(group),
     )
@@ -316,7 +318,7 @@ def separate_launches(inputs: dict, dtype_name: str, case: str, group: int | Non
             if group is None:
                 rope(x, weight, positions, EPS, offset, rotary_dim, theta)
             else:
-                rope.vector_kernel[x.shape[0], 4, 0, (4 + 3 * rotary_dim // 2) * 4](
+                rope.vector_kernel[x.shape[0], 4, 0, vector_shared_bytes(4, rotary_dim, VECTOR_ROWS)](
                     x, weight, positions, np.float32(EPS), np.float32(offset), np.int32(rotary_dim),
                     np.float32(theta), np.int32(group))
         WriteKv()(k, v, k_cache, v_cache, inputs["batch_indices"], positions, inputs["page_indices"],
