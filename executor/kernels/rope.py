@@ -38,9 +38,11 @@ launcher runs a kernel over 16-byte chunks (vector.py). A group of
 group takes the pair units i, i + group_threads, ... (a pair unit is chunk p of
 the first rotary half with chunk p of the second) and then the pass-through
 chunks; the group's sum of squares is a shuffle reduction (reduce.py). A block
-owns a row: its threads first compute the row's cos/sin (rounded as above)
-into shared memory once for every head, from inv_freq computed once per block.
-A thread with one unit keeps it in registers between the passes. Rounding is
+owns VECTOR_ROWS (two) rows at a time: its threads first compute the rows'
+cos/sin (rounded as above) into shared memory once for every head, from
+inv_freq computed once per block, and a thread loads its unit of both rows
+before either reduction, so more bytes are in flight. A thread with one unit
+keeps it in registers between the passes. Rounding is
 the scalar kernel's; only the order of the float32 sum of squares differs. The
 per-head passes are device functions (``build_vector_head``) that the fused
 q/k norm + RoPE + KV cache write (qk_rope_kv.py) runs too, bit for bit.
