@@ -34,6 +34,20 @@ class DeviceError(RuntimeError):
     """The requested device is not available."""
 
 
+#: The oldest GPU the kernels compile for: bf16 stores are PTX ``cvt.rn.bf16.f32`` (executor/kernels/codec.py),
+#: which needs sm_80 (A100 and later).
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+def check_compute_capability(name: str, capability: tuple[int, int]) -> None:
+    """DeviceError unless ``capability`` is at least MIN_COMPUTE_CAPABILITY, naming the GPU and both."""
+    if tuple(capability) < MIN_COMPUTE_CAPABILITY:
+        have = ".".join(map(str, capability))
+        need = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
+        raise DeviceError(f"{name} has compute capability {have}; the kernels need {need} or later "
+                          "(bf16 conversion instructions)")
+
+
 @dataclass(frozen=True)
 class Device:
     """A place to run: ``kind`` is "cuda" or "sim"."""
@@ -122,5 +136,7 @@ def open_device(kind: str = "auto") -> Device:
         raise DeviceError("no CUDA device: use --device sim with a tiny config")
     if simulator_enabled():
         raise DeviceError("NUMBA_ENABLE_CUDASIM=1 is set: unset it to run on the GPU")
+    index = torch.cuda.current_device()
+    check_compute_capability(torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))
     load_cuda()
-    return Device("cuda", torch.device("cuda", torch.cuda.current_device()))
+    return Device("cuda", torch.device("cuda", index))
