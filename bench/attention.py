@@ -1,0 +1,131 @@
+"""Causal prefill attention of one layer: memplan's tensor-core flash kernel vs torch SDPA.
+
+    python3 bench/attention.py [--models qwen3-8b,qwen3.5-9b] [--prompts 4096,16384] [--out FILE]
+    python3 bench/attention.py --smoke     # a tiny shape in the Numba CUDA simulator (checks the script)
+
+For each model's attention heads (Qwen3-8B: 32 q / 8 kv heads of 128; Qwen3.5-9B: 16 / 4 of 256
+with the gated, strided q) and each prompt length, one request's whole prompt attends causally
+to itself, bf16. The script reports:
+
+- memplan: ``executor.kernels.flash_attention.FlashAttention``, which never writes scores.
+- SDPA: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` on
+  the same tensors as [heads, tokens, D]. This is what HF's sdpa attention calls.
+
+Time is the median of ``--repeats`` launches between CUDA events. TFLOP/s counts the causal
+half of 4 x T^2 x Hq x D (QK^T and PV). The largest difference from float64 attention is
+printed for the memplan kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import emit, fmt, int_list, log, markdown_table, open_bench_device, run_info, str_list  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Heads:
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    strided_q: bool  # Qwen3.5: q heads sit 2 x head_dim apart ([q | gate])
+
+
+HEADS = {"qwen3-8b": Heads(32, 8, 128, False), "qwen3.5-9b": Heads(16, 4, 256, True)}
+SMOKE_HEADS = Heads(2, 1, 32, True)
+
+
+def time_us(torch, fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
+
+
+def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, smoke: bool) -> list[str]:
+    from executor.kernels.flash_attention import FlashAttention
+
+    width = 2 * heads.head_dim if heads.strided_q else heads.head_dim
+    q = torch.randn(tokens, heads.q_heads, width, device=device).bfloat16()[..., :heads.head_dim]
+    k = torch.randn(tokens, heads.kv_heads, heads.head_dim, device=device).bfloat16()
+    v = torch.randn(tokens, heads.kv_heads, heads.head_dim, device=device).bfloat16()
+    out = torch.empty(tokens, heads.q_heads, heads.head_dim, device=device).bfloat16()
+    flash = FlashAttention()
+    bits = [t.view(torch.int16) for t in (q, k, v, out)]  # the simulator, too, takes torch tensors as they are
+
+    def ours() -> None:
+        flash(*bits, 0, stream=runtime.current_stream())
+
+    qt, kt, vt = (t.transpose(0, 1) for t in (q, k, v))
+
+    def sdpa() -> None:
+        torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+
+    ours()
+    group = heads.q_heads // heads.kv_heads
+    scores = torch.einsum("thd,shd->hts", q.double(), k.double().repeat_interleave(group, dim=1))
+    scores = scores / math.sqrt(heads.head_dim)
+    scores = scores.masked_fill(torch.ones(tokens, tokens, dtype=torch.bool, device=device).triu(1), -math.inf)
+    expected = torch.einsum("hts,shd->thd", scores.softmax(-1), v.double().repeat_interleave(group, dim=1))
+    error = (out.double() - expected).abs().max().item()
+    del scores, expected
+    flops = 4 * tokens * tokens * heads.q_heads * heads.head_dim / 2
+    if smoke:
+        return [str(tokens), f"{heads.q_heads}/{heads.kv_heads} x {heads.head_dim}", "n/a", "n/a", "n/a", "n/a",
+                "n/a", f"{error:.4f}"]
+    ours_us, sdpa_us = time_us(torch, ours, repeats), time_us(torch, sdpa, repeats)
+    log(f"{tokens} tokens: ours {ours_us:.1f} us, SDPA {sdpa_us:.1f} us")
+    return [f"{tokens:,}", f"{heads.q_heads}/{heads.kv_heads} x {heads.head_dim}", fmt(ours_us, 1),
+            fmt(flops / ours_us / 1e6, 0), fmt(sdpa_us, 1), fmt(flops / sdpa_us / 1e6, 0), fmt(sdpa_us / ours_us),
+            f"{error:.4f}"]
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", type=str_list, default=list(HEADS), help="comma-separated: " + ", ".join(HEADS))
+    parser.add_argument("--prompts", type=int_list, default=[4096, 16384], help="prompt tokens (default 4096,16384)")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--smoke", action="store_true", help="a 70-token prompt of tiny heads in the simulator")
+    parser.add_argument("--out", default=None, help="append the result as a markdown section to this file")
+    args = parser.parse_args()
+    unknown = set(args.models) - set(HEADS)
+    if unknown:
+        parser.error(f"unknown models {sorted(unknown)}; choose from {list(HEADS)}")
+    runtime = open_bench_device(args.smoke)
+    import torch
+
+    torch.manual_seed(0)
+    device = runtime.torch_device
+    rows = []
+    for model in args.models:
+        for tokens in [70] if args.smoke else args.prompts:
+            heads = SMOKE_HEADS if args.smoke else HEADS[model]
+            rows.append(["tiny (smoke)" if args.smoke else model, *measure(torch, device, runtime, heads, tokens, args.repeats, args.smoke)])
+            if args.smoke:
+                break
+        if args.smoke:
+            break
+    table = markdown_table(["model", "prompt tokens", "q/kv heads x D", "memplan us", "memplan TFLOP/s", "SDPA us",
+                            "SDPA TFLOP/s", "SDPA / memplan", "max abs err vs float64"],
+                           rows, [False, True, False, True, True, True, True, True, True])
+    emit("Causal prefill attention of one layer (bench/attention.py)", run_info(device), table, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""Causal prefill attention on tensor cores, without materialized scores (FlashAttention-2's loop).
+
+For one request's chunk of ``rows`` query rows at positions ``first_position + r`` and its
+``kv_len`` keys at positions 0..kv_len-1 (K/V gathered contiguously, as GEMM attention's
+GatherKv leaves them):
+
+    out[r, h] = softmax_k(q[r, h] . k[k, h // group] * D^-0.5, keys k <= first_position + r) @ v[:, h // group]
+
+All tensors are bf16; q and out are [rows, Hq, D], k and v [kv_len, Hkv, D]. The kernel reads
+them as int32 words (two bf16 a word) and accumulates in float32. Like FlashAttention, it rounds
+the probabilities P to bf16 for the P V product. The scores never reach memory: a block keeps
+an online softmax (running row maximum and sum, in exp2 units) across key blocks.
+
+Layout:
+- A block has WARPS warps over 64 query rows of one q head, each warp taking 16 rows.
+- Q's fragments stay in registers for the whole key loop.
+- Per key block of ``keys_per_block`` keys, the block stages K row-major and V transposed in
+  shared memory. Each staged row is padded by 4 words, so a warp's fragment loads touch 32
+  distinct banks.
+- Each warp then runs S = Q K^T, the softmax update and O += P V with ``mma_bf16``
+  (executor/kernels/mma.py). The O accumulators (D / 2 float32 a lane) and S stay in
+  registers: every fragment loop has constant bounds. The sm_90 compile test checks for no
+  local memory.
+
+Not wired into the model yet. Prefill runs GEMM attention (gemm_attention.py), whose score
+buffers the plan reserves. This kernel's GPU speed has not been measured.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from executor.kernels.launch import Kernel
+from executor.kernels.mma import build_mma_bf16, build_pack_bf16x2
+from executor.kernels.reduce import build_group_max, build_group_sum
+from executor.kernels.vector import build_vector_access, vector_aligned
+from executor.numba_cuda import load_cuda
+
+cuda = load_cuda()
+from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
+
+WARPS = 4
+ROWS_PER_BLOCK = 16 * WARPS
+THREADS = 32 * WARPS
+PAD_WORDS = 4  # per staged row: shifts consecutive rows by 4 banks
+LOG2_E = 1.4426950408889634
+#: Shared memory a block may use without the opt-in attribute (launch.py's limit).
+STATIC_SHARED_BYTES = 48 * 1024
+
+
+def keys_per_block(head_dim: int) -> int:
+    """Keys staged per round: 64, or 32 where 64 keys of K and V^T would pass STATIC_SHARED_BYTES."""
+    for keys in (64, 32):
+        if staged_bytes(head_dim, keys) + THREADS * 4 <= STATIC_SHARED_BYTES:
+            return keys
+    raise ValueError(f"flash attention: head_dim {head_dim} does not fit a 32-key block in shared memory")
+
+
+def staged_bytes(head_dim: int, keys: int) -> int:
+    """Shared memory of one staged key block: K [keys, D/2 + pad] and V^T [D, keys/2 + pad] words."""
+    return 4 * (keys * (head_dim // 2 + PAD_WORDS) + head_dim * (keys // 2 + PAD_WORDS))
+
+
+def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[..., Any]:
+    """Kernel ``(q [rows, Hq, D/2], k, v [kv_len, Hkv, D/2], out [rows, Hq, D/2] int32 words,
+    rows, kv_len, first_position int32, scale_log2 f32)``; grid (ceil(rows / 64), Hq), THREADS
+    threads, THREADS * 4 bytes of dynamic shared memory (the simulator's quad reductions).
+
+    head_dim a multiple of 16, keys of 16, q head h reads kv head h // group. scale_log2 is
+    D^-0.5 * log2(e).
+    """
+    assert head_dim % 16 == 0 and keys % 16 == 0
+    D, KB = head_dim, keys
+    K_WORDS = D // 2 + PAD_WORDS           # a staged K row
+    VT_WORDS = KB // 2 + PAD_WORDS         # a staged V^T row (one per d)
+    K_STEPS = D // 16                      # k-steps of Q K^T
+    S_TILES = KB // 8                      # n-tiles of S
+    P_STEPS = KB // 16                     # k-steps of P V
+    O_TILES = D // 8                       # n-tiles of O
+    CHUNKS_PER_ROW = D // 8                # 16-byte chunks of a K or V row
+    Q_WORDS, S_VALUES, P_WORDS, O_VALUES = 4 * K_STEPS, 4 * S_TILES, 4 * P_STEPS, 4 * O_TILES
+    mma = build_mma_bf16()
+    pack = build_pack_bf16x2()
+    load_vector, _ = build_vector_access()
+    quad_max = build_group_max()
+    quad_sum = build_group_sum()
+
+    @cuda.jit(device=True, inline=True)
+    def half_bits(word, high):
+        return (word >> 16) & 0xFFFF if high else word & 0xFFFF
+
+    @cuda.jit(device=True, inline=True)
+    def load_q(q, r0, r1, h, rows, qa, t):
+        for s in range(K_STEPS):
+            qa[4 * s] = q[r0, h, 8 * s + t] if r0 < rows else 0
+            qa[4 * s + 1] = q[r1, h, 8 * s + t] if r1 < rows else 0
+            qa[4 * s + 2] = q[r0, h, 8 * s + t + 4] if r0 < rows else 0
+            qa[4 * s + 3] = q[r1, h, 8 * s + t + 4] if r1 < rows else 0
+
+    @cuda.jit(device=True, inline=True)
+    def stage(k, v, kvh, first_key, kv_len, ks, vts, lo, hi):
+        """K rows into ks; V transposed into vts[d, m] = (V[2m, d], V[2m + 1, d]); zeros past kv_len."""
+        tid = cuda.threadIdx.x
+        for c in range(tid, KB * CHUNKS_PER_ROW, THREADS):
+            key = c // CHUNKS_PER_ROW
+            col = (c % CHUNKS_PER_ROW) * 4
+            for w in range(4):
+                lo[w] = 0
+            if first_key + key < kv_len:
+                load_vector(k, (first_key + key, kvh, col), lo, 0)
+            for w in range(4):
+                ks[key, col + w] = lo[w]
+        for c in range(tid, KB // 2 * CHUNKS_PER_ROW, THREADS):
+            m = c % (KB // 2)  # consecutive threads store consecutive words of a V^T row
+            col = (c // (KB // 2)) * 4
+            for w in range(4):
+                lo[w] = 0
+                hi[w] = 0
+            if first_key + 2 * m < kv_len:
+                load_vector(v, (first_key + 2 * m, kvh, col), lo, 0)
+            if first_key + 2 * m + 1 < kv_len:
+                load_vector(v, (first_key + 2 * m + 1, kvh, col), hi, 0)
+            for w in range(4):
+                vts[2 * (col + w), m] = int32(half_bits(lo[w], 0) | (half_bits(hi[w], 0) << 16))
+                vts[2 * (col + w) + 1, m] = int32(half_bits(lo[w], 1) | (half_bits(hi[w], 1) << 16))
+
+    @cuda.jit(device=True, inline=True)
+    def masked(score, key, position, kv_len):
+        return score if key <= position and key < kv_len else float32(-math.inf)
+
+    @cuda.jit(device=True, inline=True)
+    def scores(qa, ks, sacc, first_key, p0, p1, kv_len, scale_log2, g, t):
+        """sacc <- Q K^T of this warp's 16 rows and the staged keys, scaled to log2 units, masked."""
+        for j in range(S_TILES):
+            c0 = float32(0.0)
+            c1 = float32(0.0)
+            c2 = float32(0.0)
+            c3 = float32(0.0)
+            for s in range(K_STEPS):
+                c0, c1, c2, c3 = mma(qa[4 * s], qa[4 * s + 1], qa[4 * s + 2], qa[4 * s + 3],
+                                     ks[8 * j + g, 8 * s + t], ks[8 * j + g, 8 * s + t + 4], c0, c1, c2, c3)
+            key = first_key + 8 * j + 2 * t
+            sacc[4 * j] = masked(c0 * scale_log2, key, p0, kv_len)
+            sacc[4 * j + 1] = masked(c1 * scale_log2, key + 1, p0, kv_len)
+            sacc[4 * j + 2] = masked(c2 * scale_log2, key, p1, kv_len)
+            sacc[4 * j + 3] = masked(c3 * scale_log2, key + 1, p1, kv_len)
+
+    @cuda.jit(device=True, inline=True)
+    def row_max(sacc, first, start):
+        # first: 0 for row g (values 0, 1 of each tile), 2 for row g + 8
+        best = start
+        for j in range(S_TILES):
+            best = max(best, max(sacc[4 * j + first], sacc[4 * j + first + 1]))
+        return best
+
+    @cuda.jit(device=True, inline=True)
+    def exponentiate(sacc, first, maximum):
+        total = float32(0.0)
+        for j in range(S_TILES):
+            for i in range(2):
+                p = float32(2.0) ** (sacc[4 * j + first + i] - maximum)
+                sacc[4 * j + first + i] = p
+                total += p
+        return total
+
+    @cuda.jit(device=True, inline=True)
+    def accumulate(sacc, pa, vts, o, g, t):
+        """o += P V: P's bf16 A fragments from the S tiles (two n-tiles make one k-step)."""
+        for s in range(P_STEPS):
+            pa[4 * s] = pack(sacc[8 * s], sacc[8 * s + 1])
+            pa[4 * s + 1] = pack(sacc[8 * s + 2], sacc[8 * s + 3])
+            pa[4 * s + 2] = pack(sacc[8 * s + 4], sacc[8 * s + 5])
+            pa[4 * s + 3] = pack(sacc[8 * s + 6], sacc[8 * s + 7])
+        for j in range(O_TILES):
+            c0, c1, c2, c3 = o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]
+            for s in range(P_STEPS):
+                c0, c1, c2, c3 = mma(pa[4 * s], pa[4 * s + 1], pa[4 * s + 2], pa[4 * s + 3],
+                                     vts[8 * j + g, 8 * s + t], vts[8 * j + g, 8 * s + t + 4], c0, c1, c2, c3)
+            o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3] = c0, c1, c2, c3
+
+    @cuda.jit(device=True, inline=True)
+    def rescale(o, first, alpha):
+        for j in range(O_TILES):
+            o[4 * j + first] *= alpha
+            o[4 * j + first + 1] *= alpha
+
+    @cuda.jit
+    def flash_attention(q, k, v, out, rows, kv_len, first_position, scale_log2):
+        scratch = cuda.shared.array(0, float32)  # the simulator's quad reductions
+        ks = cuda.shared.array((KB, K_WORDS), int32)
+        vts = cuda.shared.array((D, VT_WORDS), int32)
+        qa = cuda.local.array(Q_WORDS, int32)
+        sacc = cuda.local.array(S_VALUES, float32)
+        pa = cuda.local.array(P_WORDS, int32)
+        o = cuda.local.array(O_VALUES, float32)
+        lo = cuda.local.array(4, int32)
+        hi = cuda.local.array(4, int32)
+        lane = cuda.threadIdx.x % 32
+        g = lane // 4
+        t = lane % 4
+        h = cuda.blockIdx.y
+        first_row = cuda.blockIdx.x * ROWS_PER_BLOCK
+        r0 = first_row + (cuda.threadIdx.x // 32) * 16 + g
+        r1 = r0 + 8
+        p0 = first_position + r0
+        p1 = first_position + r1
+        load_q(q, r0, r1, h, rows, qa, t)
+        for i in range(O_VALUES):
+            o[i] = float32(0.0)
+        # Finite start: a row whose keys are all masked so far keeps alpha = 1 and sum 0, not NaN.
+        m0 = float32(-1e30)
+        m1 = float32(-1e30)
+        l0 = float32(0.0)
+        l1 = float32(0.0)
+        key_end = min(kv_len, first_position + min(first_row + ROWS_PER_BLOCK, rows))
+        for first_key in range(0, key_end, KB):
+            cuda.syncthreads()  # every warp is done with the previous block's keys
+            stage(k, v, h // group, first_key, kv_len, ks, vts, lo, hi)
+            cuda.syncthreads()
+            scores(qa, ks, sacc, first_key, p0, p1, kv_len, scale_log2, g, t)
+            x0 = quad_max(scratch, row_max(sacc, 0, m0), 4)
+            x1 = quad_max(scratch, row_max(sacc, 2, m1), 4)
+            alpha0 = float32(2.0) ** (m0 - x0)
+            alpha1 = float32(2.0) ** (m1 - x1)
+            m0 = x0
+            m1 = x1
+            l0 = l0 * alpha0 + exponentiate(sacc, 0, m0)
+            l1 = l1 * alpha1 + exponentiate(sacc, 2, m1)
+            rescale(o, 0, alpha0)
+            rescale(o, 2, alpha1)
+            accumulate(sacc, pa, vts, o, g, t)
+        l0 = quad_sum(scratch, l0, 4)
+        l1 = quad_sum(scratch, l1, 4)
+        for j in range(O_TILES):
+            if r0 < rows:
+                out[r0, h, 4 * j + t] = pack(o[4 * j] / l0, o[4 * j + 1] / l0)
+            if r1 < rows:
+                out[r1, h, 4 * j + t] = pack(o[4 * j + 2] / l1, o[4 * j + 3] / l1)
+
+    return flash_attention
+
+
+def _words(a: Any) -> Any:
+    """A bf16-bits array (int16, last axis contiguous and even) seen as int32 words."""
+    if hasattr(a, "data_ptr"):
+        import torch
+
+        return a.view(torch.int32)
+    return a.view(np.int32)
+
+
+class FlashAttention:
+    """Launcher: causal attention of one request's query chunk over its keys, bf16 (int16 bits).
+
+    q, out [rows, Hq, D]; k, v [kv_len, Hkv, D]; Hq a multiple of Hkv; D a multiple of 16; every
+    row's heads 16-byte aligned (a strided q such as Qwen3.5's gated one is fine). Query row r is
+    at position first_position + r and sees keys 0..first_position + r.
+    """
+
+    def __init__(self) -> None:
+        self._kernels: dict[tuple[int, int], tuple[Kernel, int]] = {}
+
+    def kernel(self, head_dim: int, group: int) -> tuple[Kernel, int]:
+        """The kernel for this head size and GQA group, and its keys per block (built once)."""
+        entry = self._kernels.get((head_dim, group))
+        if entry is None:
+            keys = keys_per_block(head_dim)
+            entry = self._kernels[(head_dim, group)] = (Kernel(build_flash_attention(head_dim, keys, group)), keys)
+        return entry
+
+    def __call__(self, q: Any, k: Any, v: Any, out: Any, first_position: int, stream: Any = 0) -> None:
+        rows, q_heads, head_dim = q.shape
+        kv_len, kv_heads, _ = k.shape
+        if tuple(out.shape) != tuple(q.shape) or tuple(v.shape) != tuple(k.shape) or k.shape[2] != head_dim:
+            raise ValueError(f"flash attention: q {tuple(q.shape)}, out {tuple(out.shape)}, k {tuple(k.shape)}, "
+                             f"v {tuple(v.shape)}: q and out must match, k and v must match, one head_dim")
+        if head_dim % 16 or kv_heads == 0 or q_heads % kv_heads:
+            raise ValueError(f"flash attention: head_dim {head_dim} must be a multiple of 16 and q heads {q_heads} "
+                             f"a multiple of kv heads {kv_heads}")
+        if first_position < 0 or first_position + rows > kv_len:
+            raise ValueError(f"flash attention: rows at positions {first_position}..{first_position + rows - 1} "
+                             f"need keys up to there, got kv_len {kv_len}")
+        if not vector_aligned(q, k, v, out):
+            raise ValueError("flash attention: every head of q, k, v and out must be 16-byte aligned and contiguous")
+        if rows == 0:
+            return
+        kernel, _ = self.kernel(head_dim, q_heads // kv_heads)
+        grid = (-(-rows // ROWS_PER_BLOCK), q_heads)
+        scale_log2 = np.float32(LOG2_E / math.sqrt(head_dim))
+        kernel[grid, THREADS, stream, THREADS * 4](
+            _words(q), _words(k), _words(v), _words(out), np.int32(rows), np.int32(kv_len),
+            np.int32(first_position), scale_log2)
+
