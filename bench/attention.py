@@ -19,14 +19,14 @@ printed for the memplan kernel.
 from __future__ import annotations
 
 import math
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import emit, fmt, int_list, log, markdown_table, open_bench_device, run_info, str_list  # noqa: E402
+from bench.common import (  # noqa: E402
+    emit, event_median_us, fmt, int_list, log, markdown_table, open_bench_device, run_info, str_list)
 
 
 @dataclass(frozen=True)
@@ -39,20 +39,6 @@ class Heads:
 
 HEADS = {"qwen3-8b": Heads(32, 8, 128, False), "qwen3.5-9b": Heads(16, 4, 256, True)}
 SMOKE_HEADS = Heads(2, 1, 32, True)
-
-
-def time_us(torch, fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
 
 
 def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, smoke: bool) -> list[str]:
@@ -86,7 +72,8 @@ def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, smo
     if smoke:
         return [str(tokens), f"{heads.q_heads}/{heads.kv_heads} x {heads.head_dim}", "n/a", "n/a", "n/a", "n/a",
                 "n/a", f"{error:.4f}"]
-    ours_us, sdpa_us = time_us(torch, ours, repeats), time_us(torch, sdpa, repeats)
+    sdpa()  # warm-up (ours ran above)
+    ours_us, sdpa_us = event_median_us(ours, repeats), event_median_us(sdpa, repeats)
     log(f"{tokens} tokens: ours {ours_us:.1f} us, SDPA {sdpa_us:.1f} us")
     return [f"{tokens:,}", f"{heads.q_heads}/{heads.kv_heads} x {heads.head_dim}", fmt(ours_us, 1),
             fmt(flops / ours_us / 1e6, 0), fmt(sdpa_us, 1), fmt(flops / sdpa_us / 1e6, 0), fmt(sdpa_us / ours_us),

@@ -124,6 +124,23 @@ def sample_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int, repea
     return samples
 
 
+def event_median_us(fn: Callable[[], Any], repeats: int, calls_per_fn: int = 1) -> float:
+    """Median GPU time of ``fn()`` between CUDA events on the current stream, in microseconds per
+    call (``fn`` issues ``calls_per_fn`` calls); the caller warms ``fn`` up first."""
+    import torch
+
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls_per_fn)
+    return statistics.median(samples)
+
+
 def median(samples: Sequence[float]) -> float:
     return statistics.median(samples) if samples else math.nan
 

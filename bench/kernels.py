@@ -33,7 +33,6 @@ import argparse
 import datetime
 import os
 import shlex
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -449,17 +448,10 @@ def time_us(env: Env, op: Callable[[Any], None], inner: int, repeats: int, graph
             for _ in range(inner):
                 op(stream)
 
+    from bench.common import event_median_us
+
     replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(repeats):
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / inner)
-    return statistics.median(samples)
+    return event_median_us(replay, repeats, calls_per_fn=inner)
 
 
 def copy_bandwidth(env: Env, gib: float, inner: int, repeats: int, graph: bool) -> tuple[float, int]:
