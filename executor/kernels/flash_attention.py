@@ -40,7 +40,7 @@ from executor.kernels.vector import build_vector_access, vector_aligned
 from executor.numba_cuda import load_cuda
 
 cuda = load_cuda()
-from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
+from numba import float32, int32, uint32  # noqa: E402  (after load_cuda's numpy fix)
 
 WARPS = 4
 ROWS_PER_BLOCK = 16 * WARPS
@@ -140,8 +140,9 @@ def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[...,
             c2 = float32(0.0)
             c3 = float32(0.0)
             for s in range(K_STEPS):
+                row, col = uint32(8 * j) + g, uint32(8 * s) + t
                 c0, c1, c2, c3 = mma(qa[4 * s], qa[4 * s + 1], qa[4 * s + 2], qa[4 * s + 3],
-                                     ks[8 * j + g, 8 * s + t], ks[8 * j + g, 8 * s + t + 4], c0, c1, c2, c3)
+                                     ks[row, col], ks[row, col + uint32(4)], c0, c1, c2, c3)
             key = first_key + 8 * j + 2 * t
             sacc[4 * j] = masked(c0 * scale_log2, key, p0, kv_len)
             sacc[4 * j + 1] = masked(c1 * scale_log2, key + 1, p0, kv_len)
@@ -161,7 +162,7 @@ def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[...,
         total = float32(0.0)
         for j in range(S_TILES):
             for i in range(2):
-                p = float32(2.0) ** (sacc[4 * j + first + i] - maximum)
+                p = float32(math.exp2(sacc[4 * j + first + i] - maximum))
                 sacc[4 * j + first + i] = p
                 total += p
         return total
@@ -177,8 +178,9 @@ def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[...,
         for j in range(O_TILES):
             c0, c1, c2, c3 = o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]
             for s in range(P_STEPS):
+                row, col = uint32(8 * j) + g, uint32(8 * s) + t
                 c0, c1, c2, c3 = mma(pa[4 * s], pa[4 * s + 1], pa[4 * s + 2], pa[4 * s + 3],
-                                     vts[8 * j + g, 8 * s + t], vts[8 * j + g, 8 * s + t + 4], c0, c1, c2, c3)
+                                     vts[row, col], vts[row, col + uint32(4)], c0, c1, c2, c3)
             o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3] = c0, c1, c2, c3
 
     @cuda.jit(device=True, inline=True)
@@ -220,25 +222,26 @@ def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[...,
             cuda.syncthreads()  # every warp is done with the previous block's keys
             stage(k, v, h // group, first_key, kv_len, ks, vts, lo, hi)
             cuda.syncthreads()
-            scores(qa, ks, sacc, first_key, p0, p1, kv_len, scale_log2, g, t)
+            # Unsigned fragment indices: Numba then skips its negative-index wraparound on every shared load.
+            scores(qa, ks, sacc, first_key, p0, p1, kv_len, scale_log2, uint32(g), uint32(t))
             x0 = quad_max(scratch, row_max(sacc, 0, m0), 4)
             x1 = quad_max(scratch, row_max(sacc, 2, m1), 4)
-            alpha0 = float32(2.0) ** (m0 - x0)
-            alpha1 = float32(2.0) ** (m1 - x1)
+            alpha0 = float32(math.exp2(m0 - x0))
+            alpha1 = float32(math.exp2(m1 - x1))
             m0 = x0
             m1 = x1
             l0 = l0 * alpha0 + exponentiate(sacc, 0, m0)
             l1 = l1 * alpha1 + exponentiate(sacc, 2, m1)
             rescale(o, 0, alpha0)
             rescale(o, 2, alpha1)
-            accumulate(sacc, pa, vts, o, g, t)
-        l0 = quad_sum(scratch, l0, 4)
-        l1 = quad_sum(scratch, l1, 4)
+            accumulate(sacc, pa, vts, o, uint32(g), uint32(t))
+        inv_l0 = float32(1.0) / quad_sum(scratch, l0, 4)
+        inv_l1 = float32(1.0) / quad_sum(scratch, l1, 4)
         for j in range(O_TILES):
             if r0 < rows:
-                out[r0, h, 4 * j + t] = pack(o[4 * j] / l0, o[4 * j + 1] / l0)
+                out[r0, h, 4 * j + t] = pack(o[4 * j] * inv_l0, o[4 * j + 1] * inv_l0)
             if r1 < rows:
-                out[r1, h, 4 * j + t] = pack(o[4 * j + 2] / l1, o[4 * j + 3] / l1)
+                out[r1, h, 4 * j + t] = pack(o[4 * j + 2] * inv_l1, o[4 * j + 3] * inv_l1)
 
     return flash_attention
 
