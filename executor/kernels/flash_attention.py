@@ -1,8 +1,9 @@
 """Causal prefill attention on tensor cores, without materialized scores (FlashAttention-2's loop).
 
 For one request's chunk of ``rows`` query rows at positions ``first_position + r`` and its
-``kv_len`` keys at positions 0..kv_len-1 (K/V gathered contiguously, as GEMM attention's
-GatherKv leaves them):
+``kv_len`` keys at positions 0..kv_len-1, its K/V contiguous by token (GEMM attention's GatherKv
+writes them head-major, [Hkv, kv_len, D], so wiring this kernel in means gathering token-major or
+indexing head-major here):
 
     out[r, h] = softmax_k(q[r, h] . k[k, h // group] * D^-0.5, keys k <= first_position + r) @ v[:, h // group]
 
