@@ -46,26 +46,26 @@ def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, smo
 
     width = 2 * heads.head_dim if heads.strided_q else heads.head_dim
     q = torch.randn(tokens, heads.q_heads, width, device=device).bfloat16()[..., :heads.head_dim]
-    k = torch.randn(tokens, heads.kv_heads, heads.head_dim, device=device).bfloat16()
-    v = torch.randn(tokens, heads.kv_heads, heads.head_dim, device=device).bfloat16()
+    k = torch.randn(heads.kv_heads, tokens, heads.head_dim, device=device).bfloat16()  # GatherKv's layout
+    v = torch.randn(heads.kv_heads, tokens, heads.head_dim, device=device).bfloat16()
     out = torch.empty(tokens, heads.q_heads, heads.head_dim, device=device).bfloat16()
     flash = FlashAttention()
     bits = [t.view(torch.int16) for t in (q, k, v, out)]  # the simulator, too, takes torch tensors as they are
 
     def ours() -> None:
-        flash(*bits, 0, stream=runtime.current_stream())
+        flash(*bits, tokens, stream=runtime.current_stream())
 
-    qt, kt, vt = (t.transpose(0, 1) for t in (q, k, v))
+    qt = q.transpose(0, 1)
 
     def sdpa() -> None:
-        torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+        torch.nn.functional.scaled_dot_product_attention(qt, k, v, is_causal=True, enable_gqa=True)
 
     ours()
     group = heads.q_heads // heads.kv_heads
-    scores = torch.einsum("thd,shd->hts", q.double(), k.double().repeat_interleave(group, dim=1))
+    scores = torch.einsum("thd,hsd->hts", q.double(), k.double().repeat_interleave(group, dim=0))
     scores = scores / math.sqrt(heads.head_dim)
     scores = scores.masked_fill(torch.ones(tokens, tokens, dtype=torch.bool, device=device).triu(1), -math.inf)
-    expected = torch.einsum("hts,shd->thd", scores.softmax(-1), v.double().repeat_interleave(group, dim=1))
+    expected = torch.einsum("hts,hsd->thd", scores.softmax(-1), v.double().repeat_interleave(group, dim=0))
     error = (out.double() - expected).abs().max().item()
     del scores, expected
     flops = 4 * tokens * tokens * heads.q_heads * heads.head_dim / 2

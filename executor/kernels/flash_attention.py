@@ -1,13 +1,13 @@
 """Causal prefill attention on tensor cores, without materialized scores (FlashAttention-2's loop).
 
-For one request's chunk of ``rows`` query rows at positions ``first_position + r`` and its
-``kv_len`` keys at positions 0..kv_len-1, its K/V contiguous by token (GEMM attention's GatherKv
-writes them head-major, [Hkv, kv_len, D], so wiring this kernel in means gathering token-major or
-indexing head-major here):
+For one request's chunk of ``rows`` query rows, the last rows of its ``kv_len`` tokens (row r
+at position ``first_position + r``, first_position = kv_len - rows), over its keys at positions
+0..kv_len-1, its K/V head-major as GEMM attention's GatherKv writes them ([Hkv, C, D] scratch,
+C >= kv_len: a kv head's keys are one contiguous run, read 16 bytes a thread):
 
-    out[r, h] = softmax_k(q[r, h] . k[k, h // group] * D^-0.5, keys k <= first_position + r) @ v[:, h // group]
+    out[r, h] = softmax_k(q[r, h] . k[h // group, k] * D^-0.5, keys k <= first_position + r) @ v[h // group]
 
-All tensors are bf16; q and out are [rows, Hq, D], k and v [kv_len, Hkv, D]. The kernel reads
+All tensors are bf16; q and out are [rows, Hq, D], k and v [Hkv, >= kv_len, D]. The kernel reads
 them as int32 words (two bf16 a word) and accumulates in float32. Like FlashAttention, it rounds
 the probabilities P to bf16 for the P V product. The scores never reach memory: a block keeps
 an online softmax (running row maximum and sum, in exp2 units) across key blocks.
@@ -66,7 +66,7 @@ def staged_bytes(head_dim: int, keys: int) -> int:
 
 
 def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[..., Any]:
-    """Kernel ``(q [rows, Hq, D/2], k, v [kv_len, Hkv, D/2], out [rows, Hq, D/2] int32 words,
+    """Kernel ``(q [rows, Hq, D/2], k, v [Hkv, >= kv_len, D/2], out [rows, Hq, D/2] int32 words,
     rows, kv_len, first_position int32, scale_log2 f32)``; grid (ceil(rows / 64), Hq), THREADS
     threads, THREADS * 4 bytes of dynamic shared memory (the simulator's quad reductions).
 
@@ -111,7 +111,7 @@ def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[...,
             for w in range(4):
                 lo[w] = 0
             if first_key + key < kv_len:
-                load_vector(k, (first_key + key, kvh, col), lo, 0)
+                load_vector(k, (kvh, first_key + key, col), lo, 0)
             for w in range(4):
                 ks[key, col + w] = lo[w]
         for c in range(tid, KB // 2 * CHUNKS_PER_ROW, THREADS):
@@ -121,9 +121,9 @@ def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[...,
                 lo[w] = 0
                 hi[w] = 0
             if first_key + 2 * m < kv_len:
-                load_vector(v, (first_key + 2 * m, kvh, col), lo, 0)
+                load_vector(v, (kvh, first_key + 2 * m, col), lo, 0)
             if first_key + 2 * m + 1 < kv_len:
-                load_vector(v, (first_key + 2 * m + 1, kvh, col), hi, 0)
+                load_vector(v, (kvh, first_key + 2 * m + 1, col), hi, 0)
             for w in range(4):
                 vts[2 * (col + w), m] = int32(half_bits(lo[w], 0) | (half_bits(hi[w], 0) << 16))
                 vts[2 * (col + w) + 1, m] = int32(half_bits(lo[w], 1) | (half_bits(hi[w], 1) << 16))
@@ -259,9 +259,10 @@ def _words(a: Any) -> Any:
 class FlashAttention:
     """Launcher: causal attention of one request's query chunk over its keys, bf16 (int16 bits).
 
-    q, out [rows, Hq, D]; k, v [kv_len, Hkv, D]; Hq a multiple of Hkv; D a multiple of 16; every
-    row's heads 16-byte aligned (a strided q such as Qwen3.5's gated one is fine). Query row r is
-    at position first_position + r and sees keys 0..first_position + r.
+    q, out [rows, Hq, D]; k, v [Hkv, C, D] with C >= kv_len (GatherKv's scratch; only the first
+    kv_len keys are read); Hq a multiple of Hkv; D a multiple of 16; every row's heads 16-byte
+    aligned (a strided q such as Qwen3.5's gated one is fine). Query row r is at position
+    kv_len - rows + r and sees keys 0..kv_len - rows + r.
     """
 
     def __init__(self) -> None:
@@ -275,18 +276,20 @@ class FlashAttention:
             entry = self._kernels[(head_dim, group)] = (Kernel(build_flash_attention(head_dim, keys, group)), keys)
         return entry
 
-    def __call__(self, q: Any, k: Any, v: Any, out: Any, first_position: int, stream: Any = 0) -> None:
+    def __call__(self, q: Any, k: Any, v: Any, out: Any, kv_len: int, stream: Any = 0) -> None:
+        """Attention of the chunk's rows, the last ``rows`` of the request's ``kv_len`` tokens (query
+        row r at position kv_len - rows + r), over k[:, :kv_len] and v[:, :kv_len]."""
         rows, q_heads, head_dim = q.shape
-        kv_len, kv_heads, _ = k.shape
+        kv_heads, capacity, _ = k.shape
         if tuple(out.shape) != tuple(q.shape) or tuple(v.shape) != tuple(k.shape) or k.shape[2] != head_dim:
             raise ValueError(f"flash attention: q {tuple(q.shape)}, out {tuple(out.shape)}, k {tuple(k.shape)}, "
                              f"v {tuple(v.shape)}: q and out must match, k and v must match, one head_dim")
         if head_dim % 16 or kv_heads == 0 or q_heads % kv_heads:
             raise ValueError(f"flash attention: head_dim {head_dim} must be a multiple of 16 and q heads {q_heads} "
                              f"a multiple of kv heads {kv_heads}")
-        if first_position < 0 or first_position + rows > kv_len:
-            raise ValueError(f"flash attention: rows at positions {first_position}..{first_position + rows - 1} "
-                             f"need keys up to there, got kv_len {kv_len}")
+        if not rows <= kv_len <= capacity:
+            raise ValueError(f"flash attention: kv_len {kv_len} must hold the chunk's {rows} rows and fit the "
+                             f"{capacity} keys of k and v")
         if not vector_aligned(q, k, v, out):
             raise ValueError("flash attention: every head of q, k, v and out must be 16-byte aligned and contiguous")
         if rows == 0:
@@ -296,5 +299,5 @@ class FlashAttention:
         scale_log2 = np.float32(LOG2_E / math.sqrt(head_dim))
         kernel[grid, THREADS, stream, THREADS * 4](
             _words(q), _words(k), _words(v), _words(out), np.int32(rows), np.int32(kv_len),
-            np.int32(first_position), scale_log2)
+            np.int32(kv_len - rows), scale_log2)
 

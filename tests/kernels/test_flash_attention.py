@@ -16,16 +16,17 @@ from tests.kernels.compile_check import compile_for_sm90
 TOLERANCE = 0.02
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_position: int) -> torch.Tensor:
-    """float64 causal attention: query row r at position first_position + r, keys at 0..kv_len-1."""
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """float64 causal attention of q [rows, Hq, D] over k, v [Hkv, >= kv_len, D]: query row r at position
+    kv_len - rows + r, keys at 0..kv_len-1."""
     rows, q_heads, head_dim = q.shape
-    group = q_heads // k.shape[1]
-    keys = k.double().repeat_interleave(group, dim=1)
-    values = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("rhd,khd->hrk", q.double(), keys) / math.sqrt(head_dim)
-    positions = torch.arange(rows, device=q.device)[:, None] + first_position
-    scores = scores.masked_fill(torch.arange(k.shape[0], device=q.device)[None, :] > positions, -math.inf)
-    return torch.einsum("hrk,khd->rhd", scores.softmax(-1), values)
+    group = q_heads // k.shape[0]
+    keys = k[:, :kv_len].double().repeat_interleave(group, dim=0)
+    values = v[:, :kv_len].double().repeat_interleave(group, dim=0)
+    scores = torch.einsum("rhd,hkd->hrk", q.double(), keys) / math.sqrt(head_dim)
+    positions = torch.arange(rows, device=q.device)[:, None] + kv_len - rows
+    scores = scores.masked_fill(torch.arange(kv_len, device=q.device)[None, :] > positions, -math.inf)
+    return torch.einsum("hrk,hkd->rhd", scores.softmax(-1), values)
 
 
 def run_case(rows, kv_len, q_heads, kv_heads, head_dim, device, strided_q=False, seed=0):
@@ -35,17 +36,15 @@ def run_case(rows, kv_len, q_heads, kv_heads, head_dim, device, strided_q=False,
     q = q_buffer[..., :head_dim]
     # Later keys larger: a row's running maximum grows from key block to key block, so the online
     # softmax's rescaling of the earlier blocks' sums and outputs is exercised (alpha < 1).
-    ramp = torch.linspace(1.0, 2.0, kv_len, device=device)[:, None, None]
-    k = (torch.randn(kv_len, kv_heads, head_dim, generator=gen, device=device) * ramp).bfloat16()
-    v = torch.randn(kv_len, kv_heads, head_dim, generator=gen, device=device).bfloat16()
+    # k, v as GatherKv leaves them: [Hkv, capacity, D], the request's keys first, stale ones after.
+    capacity = kv_len + 7
+    ramp = torch.linspace(1.0, 2.0, capacity, device=device)[None, :, None]
+    k = (torch.randn(kv_heads, capacity, head_dim, generator=gen, device=device) * ramp).bfloat16()
+    v = torch.randn(kv_heads, capacity, head_dim, generator=gen, device=device).bfloat16()
+    k[:, kv_len:] = 1e4  # stale keys past kv_len: reading one would swamp the softmax
     out = torch.full((rows, q_heads, head_dim), float("nan"), device=device).bfloat16()
-    first_position = kv_len - rows
-    if device == "cpu":  # the simulator takes numpy views of the same memory
-        args = [t.view(torch.int16).numpy() for t in (q, k, v, out)]
-    else:
-        args = [t.view(torch.int16) for t in (q, k, v, out)]
-    FlashAttention()(*args, first_position)
-    expected = reference(q, k, v, first_position)
+    FlashAttention()(*[t.view(torch.int16) for t in (q, k, v, out)], kv_len)  # the simulator takes torch views too
+    expected = reference(q, k, v, kv_len)
     error = (out.double() - expected).abs().max().item()
     assert error <= TOLERANCE, f"max |out - float64| = {error:.4f} > {TOLERANCE}"
 
@@ -66,14 +65,16 @@ def test_keys_per_block_fit_shared_memory():
 def test_shape_errors_name_the_shapes():
     flash = FlashAttention()
     q = np.zeros((4, 2, 32), np.int16)
-    kv = np.zeros((4, 1, 32), np.int16)
-    with pytest.raises(ValueError, match="kv_len 4"):
-        flash(q, kv, kv, q.copy(), 1)
+    kv = np.zeros((1, 6, 32), np.int16)
+    with pytest.raises(ValueError, match="kv_len 7 .* 6 keys"):
+        flash(q, kv, kv, q.copy(), 7)
+    with pytest.raises(ValueError, match="kv_len 3 .* 4 rows"):
+        flash(q, kv, kv, q.copy(), 3)
     with pytest.raises(ValueError, match="head_dim 24"):
-        flash(np.zeros((4, 2, 24), np.int16), np.zeros((4, 1, 24), np.int16), np.zeros((4, 1, 24), np.int16),
-              np.zeros((4, 2, 24), np.int16), 0)
+        flash(np.zeros((4, 2, 24), np.int16), np.zeros((1, 4, 24), np.int16), np.zeros((1, 4, 24), np.int16),
+              np.zeros((4, 2, 24), np.int16), 4)
     with pytest.raises(ValueError, match="must match"):
-        flash(q, kv, kv, np.zeros((4, 2, 16), np.int16), 0)
+        flash(q, kv, kv, np.zeros((4, 2, 16), np.int16), 4)
 
 
 @pytest.mark.gpu
