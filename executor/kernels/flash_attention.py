@@ -129,11 +129,12 @@ def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[...,
                 vts[2 * (col + w) + 1, m] = int32(half_bits(lo[w], 1) | (half_bits(hi[w], 1) << 16))
 
     @cuda.jit(device=True, inline=True)
-    def masked(score, key, position, kv_len):
-        return score if key <= position and key < kv_len else float32(-math.inf)
+    def masked(score, key, position):
+        # A stored row's position is below kv_len, so this also drops the zero-filled keys past it.
+        return score if key <= position else float32(-math.inf)
 
     @cuda.jit(device=True, inline=True)
-    def scores(qa, ks, sacc, first_key, p0, p1, kv_len, scale_log2, g, t):
+    def scores(qa, ks, sacc, first_key, p0, p1, scale_log2, g, t):
         """sacc <- Q K^T of this warp's 16 rows and the staged keys, scaled to log2 units, masked."""
         for j in range(S_TILES):
             c0 = float32(0.0)
@@ -145,10 +146,10 @@ def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[...,
                 c0, c1, c2, c3 = mma(qa[4 * s], qa[4 * s + 1], qa[4 * s + 2], qa[4 * s + 3],
                                      ks[row, col], ks[row, col + uint32(4)], c0, c1, c2, c3)
             key = first_key + 8 * j + 2 * t
-            sacc[4 * j] = masked(c0 * scale_log2, key, p0, kv_len)
-            sacc[4 * j + 1] = masked(c1 * scale_log2, key + 1, p0, kv_len)
-            sacc[4 * j + 2] = masked(c2 * scale_log2, key, p1, kv_len)
-            sacc[4 * j + 3] = masked(c3 * scale_log2, key + 1, p1, kv_len)
+            sacc[4 * j] = masked(c0 * scale_log2, key, p0)
+            sacc[4 * j + 1] = masked(c1 * scale_log2, key + 1, p0)
+            sacc[4 * j + 2] = masked(c2 * scale_log2, key, p1)
+            sacc[4 * j + 3] = masked(c3 * scale_log2, key + 1, p1)
 
     @cuda.jit(device=True, inline=True)
     def row_max(sacc, first, start):
@@ -218,13 +219,13 @@ def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[...,
         m1 = float32(-1e30)
         l0 = float32(0.0)
         l1 = float32(0.0)
-        key_end = min(kv_len, first_position + min(first_row + ROWS_PER_BLOCK, rows))
+        key_end = first_position + min(first_row + ROWS_PER_BLOCK, rows)  # the block's last row sees up to here
         for first_key in range(0, key_end, KB):
             cuda.syncthreads()  # every warp is done with the previous block's keys
             stage(k, v, h // group, first_key, kv_len, ks, vts, lo, hi)
             cuda.syncthreads()
             # Unsigned fragment indices: Numba then skips its negative-index wraparound on every shared load.
-            scores(qa, ks, sacc, first_key, p0, p1, kv_len, scale_log2, uint32(g), uint32(t))
+            scores(qa, ks, sacc, first_key, p0, p1, scale_log2, uint32(g), uint32(t))
             x0 = quad_max(scratch, row_max(sacc, 0, m0), 4)
             x1 = quad_max(scratch, row_max(sacc, 2, m1), 4)
             alpha0 = float32(math.exp2(m0 - x0))
@@ -266,15 +267,15 @@ class FlashAttention:
     """
 
     def __init__(self) -> None:
-        self._kernels: dict[tuple[int, int], tuple[Kernel, int]] = {}
+        self._kernels: dict[tuple[int, int], Kernel] = {}
 
-    def kernel(self, head_dim: int, group: int) -> tuple[Kernel, int]:
-        """The kernel for this head size and GQA group, and its keys per block (built once)."""
-        entry = self._kernels.get((head_dim, group))
-        if entry is None:
-            keys = keys_per_block(head_dim)
-            entry = self._kernels[(head_dim, group)] = (Kernel(build_flash_attention(head_dim, keys, group)), keys)
-        return entry
+    def kernel(self, head_dim: int, group: int) -> Kernel:
+        """The kernel for this head size and GQA group (built once)."""
+        kernel = self._kernels.get((head_dim, group))
+        if kernel is None:
+            kernel = Kernel(build_flash_attention(head_dim, keys_per_block(head_dim), group))
+            self._kernels[(head_dim, group)] = kernel
+        return kernel
 
     def __call__(self, q: Any, k: Any, v: Any, out: Any, kv_len: int, stream: Any = 0) -> None:
         """Attention of the chunk's rows, the last ``rows`` of the request's ``kv_len`` tokens (query
@@ -294,7 +295,7 @@ class FlashAttention:
             raise ValueError("flash attention: every head of q, k, v and out must be 16-byte aligned and contiguous")
         if rows == 0:
             return
-        kernel, _ = self.kernel(head_dim, q_heads // kv_heads)
+        kernel = self.kernel(head_dim, q_heads // kv_heads)
         grid = (-(-rows // ROWS_PER_BLOCK), q_heads)
         scale_log2 = np.float32(LOG2_E / math.sqrt(head_dim))
         kernel[grid, THREADS, stream, THREADS * 4](

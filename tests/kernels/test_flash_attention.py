@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 
 from executor.kernels.flash_attention import FlashAttention, keys_per_block, staged_bytes
 from executor.numba_cuda import simulator_enabled
+from tests.kernels.attention_reference import causal_attention
 from tests.kernels.compile_check import compile_for_sm90
 
 # P is rounded to bf16 and out is bf16: errors of a few bf16 ulps of |out| <= max |v|.
 TOLERANCE = 0.02
-
-
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """float64 causal attention of q [rows, Hq, D] over k, v [Hkv, >= kv_len, D]: query row r at position
-    kv_len - rows + r, keys at 0..kv_len-1."""
-    rows, q_heads, head_dim = q.shape
-    group = q_heads // k.shape[0]
-    keys = k[:, :kv_len].double().repeat_interleave(group, dim=0)
-    values = v[:, :kv_len].double().repeat_interleave(group, dim=0)
-    scores = torch.einsum("rhd,hkd->hrk", q.double(), keys) / math.sqrt(head_dim)
-    positions = torch.arange(rows, device=q.device)[:, None] + kv_len - rows
-    scores = scores.masked_fill(torch.arange(kv_len, device=q.device)[None, :] > positions, -math.inf)
-    return torch.einsum("hrk,hkd->rhd", scores.softmax(-1), values)
 
 
 def run_case(rows, kv_len, q_heads, kv_heads, head_dim, device, strided_q=False, seed=0):
@@ -44,7 +30,7 @@ def run_case(rows, kv_len, q_heads, kv_heads, head_dim, device, strided_q=False,
     k[:, kv_len:] = 1e4  # stale keys past kv_len: reading one would swamp the softmax
     out = torch.full((rows, q_heads, head_dim), float("nan"), device=device).bfloat16()
     FlashAttention()(*[t.view(torch.int16) for t in (q, k, v, out)], kv_len)  # the simulator takes torch views too
-    expected = reference(q, k, v, kv_len)
+    expected = causal_attention(q, k, v, kv_len)
     error = (out.double() - expected).abs().max().item()
     assert error <= TOLERANCE, f"max |out - float64| = {error:.4f} > {TOLERANCE}"
 
