@@ -8,8 +8,10 @@ with the gated, strided q) and each prompt length, one request's whole prompt at
 to itself, bf16. The script reports:
 
 - memplan: ``executor.kernels.flash_attention.FlashAttention``, which never writes scores.
-- SDPA: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` on
-  the same tensors as [heads, tokens, D]. This is what HF's sdpa attention calls.
+- SDPA: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` on the same q as
+  [1, heads, tokens, D] and K/V repeated to the q heads beforehand (untimed), as HF's sdpa attention
+  calls it after ``repeat_kv``. (Unbatched [heads, tokens, D] inputs with ``enable_gqa=True`` ran at
+  10-15 TFLOP/s on the H200 with torch 2.11: not its flash kernel.)
 
 Time is the median of ``--repeats`` launches between CUDA events. TFLOP/s counts the causal
 half of 4 x T^2 x Hq x D (QK^T and PV). The memplan kernel's largest difference from float64
@@ -55,10 +57,12 @@ def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, smo
     def ours() -> None:
         flash(*bits, tokens, stream=runtime.current_stream())
 
-    qt = q.transpose(0, 1)
+    qt = q.transpose(0, 1)[None]  # [1, Hq, T, D], batched like HF's call
+    group = heads.q_heads // heads.kv_heads
+    k_repeated, v_repeated = (t.repeat_interleave(group, dim=0)[None] for t in (k, v))
 
     def sdpa() -> None:
-        torch.nn.functional.scaled_dot_product_attention(qt, k, v, is_causal=True, enable_gqa=True)
+        torch.nn.functional.scaled_dot_product_attention(qt, k_repeated, v_repeated, is_causal=True)
 
     ours()
     # float64 check on the first and last query rows (all T x T scores would not fit at 16384 tokens).

@@ -35,25 +35,26 @@ from typing import Any, Callable
 import numpy as np
 
 from executor.kernels.launch import Kernel
-from executor.kernels.mma import build_mma_bf16, build_pack_bf16x2
+from executor.kernels.async_copy import build_async_copy, build_shared_address
+from executor.kernels.mma import build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.reduce import build_group_max, build_group_sum
-from executor.kernels.vector import build_vector_access, vector_aligned
-from executor.numba_cuda import load_cuda
+from executor.kernels.vector import vector_aligned
+from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
-from numba import float32, int32, uint32  # noqa: E402  (after load_cuda's numpy fix)
+from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
 WARPS = 4
 ROWS_PER_BLOCK = 16 * WARPS
 THREADS = 32 * WARPS
-PAD_WORDS = 4  # per staged row: shifts consecutive rows by 4 banks
+PAD_WORDS = 4  # per staged row: shifts consecutive rows by 4 banks (16 bytes, keeping rows 16-byte aligned)
 LOG2_E = 1.4426950408889634
 #: Shared memory a block may use without the opt-in attribute (launch.py's limit).
 STATIC_SHARED_BYTES = 48 * 1024
 
 
 def keys_per_block(head_dim: int) -> int:
-    """Keys staged per round: 64, or 32 where 64 keys of K and V^T would pass STATIC_SHARED_BYTES."""
+    """Keys staged per round: 64, or 32 where 64 keys of K and V would pass STATIC_SHARED_BYTES."""
     for keys in (64, 32):
         if staged_bytes(head_dim, keys) + THREADS * 4 <= STATIC_SHARED_BYTES:
             return keys
@@ -61,8 +62,8 @@ def keys_per_block(head_dim: int) -> int:
 
 
 def staged_bytes(head_dim: int, keys: int) -> int:
-    """Shared memory of one staged key block: K [keys, D/2 + pad] and V^T [D, keys/2 + pad] words."""
-    return 4 * (keys * (head_dim // 2 + PAD_WORDS) + head_dim * (keys // 2 + PAD_WORDS))
+    """Shared memory of one staged key block: K and V, each [keys, D/2 + pad] words."""
+    return 2 * 4 * keys * (head_dim // 2 + PAD_WORDS)
 
 
 def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[..., Any]:
@@ -70,28 +71,29 @@ def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[...,
     rows, kv_len, first_position int32, scale_log2 f32)``; grid (ceil(rows / 64), Hq), THREADS
     threads, THREADS * 4 bytes of dynamic shared memory (the simulator's quad reductions).
 
-    head_dim a multiple of 16, keys of 16, q head h reads kv head h // group. scale_log2 is
-    D^-0.5 * log2(e).
+    head_dim a multiple of 32 (a fragment load covers two k-steps of Q K^T), keys of 16, q head h
+    reads kv head h // group. scale_log2 is D^-0.5 * log2(e).
     """
-    assert head_dim % 16 == 0 and keys % 16 == 0
+    assert head_dim % 32 == 0 and keys % 16 == 0
     D, KB = head_dim, keys
-    K_WORDS = D // 2 + PAD_WORDS           # a staged K row
-    VT_WORDS = KB // 2 + PAD_WORDS         # a staged V^T row (one per d)
+    ROW_WORDS = D // 2 + PAD_WORDS         # a staged K or V row
     K_STEPS = D // 16                      # k-steps of Q K^T
     S_TILES = KB // 8                      # n-tiles of S
     P_STEPS = KB // 16                     # k-steps of P V
     O_TILES = D // 8                       # n-tiles of O
     CHUNKS_PER_ROW = D // 8                # 16-byte chunks of a K or V row
+    COPIES = KB * CHUNKS_PER_ROW // THREADS  # chunks a thread stages of K, and of V, per key block
+    assert COPIES * THREADS == KB * CHUNKS_PER_ROW
     Q_WORDS, S_VALUES, P_WORDS, O_VALUES = 4 * K_STEPS, 4 * S_TILES, 4 * P_STEPS, 4 * O_TILES
     mma = build_mma_bf16()
     pack = build_pack_bf16x2()
-    load_vector, _ = build_vector_access()
+    lane_address, load_b_x4, load_b_x4_trans = build_fragment_loads()
+    copy_async, copy_async_wait_all = build_async_copy()
+    shared_address = build_shared_address()
     quad_max = build_group_max()
     quad_sum = build_group_sum()
-
-    @cuda.jit(device=True, inline=True)
-    def half_bits(word, high):
-        return (word >> 16) & 0xFFFF if high else word & 0xFFFF
+    # ldmatrix and cp.async need 16-byte aligned rows; the simulator takes no alignment (and needs none).
+    TILE_ALIGNMENT = None if simulator_enabled() else 16
 
     @cuda.jit(device=True, inline=True)
     def load_q(q, r0, r1, h, rows, qa, t):
@@ -102,54 +104,49 @@ def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[...,
             qa[4 * s + 3] = q[r1, h, 8 * s + t + 4] if r1 < rows else 0
 
     @cuda.jit(device=True, inline=True)
-    def stage(k, v, kvh, first_key, kv_len, ks, vts, lo, hi):
-        """K rows into ks; V transposed into vts[d, m] = (V[2m, d], V[2m + 1, d]); zeros past kv_len."""
+    def stage(src, kvh, first_key, kv_len, tile, tile_address):
+        """Start copying keys first_key.. of one kv head (K or V rows) into tile; zeros past kv_len
+        (V's stale rows could hold NaN bits, and 0 x NaN would reach the output)."""
         tid = cuda.threadIdx.x
-        for c in range(tid, KB * CHUNKS_PER_ROW, THREADS):
+        for i in range(COPIES):
+            c = tid + i * THREADS
             key = c // CHUNKS_PER_ROW
             col = (c % CHUNKS_PER_ROW) * 4
-            for w in range(4):
-                lo[w] = 0
-            if first_key + key < kv_len:
-                load_vector(k, (kvh, first_key + key, col), lo, 0)
-            for w in range(4):
-                ks[key, col + w] = lo[w]
-        for c in range(tid, KB // 2 * CHUNKS_PER_ROW, THREADS):
-            m = c % (KB // 2)  # consecutive threads store consecutive words of a V^T row
-            col = (c // (KB // 2)) * 4
-            for w in range(4):
-                lo[w] = 0
-                hi[w] = 0
-            if first_key + 2 * m < kv_len:
-                load_vector(v, (kvh, first_key + 2 * m, col), lo, 0)
-            if first_key + 2 * m + 1 < kv_len:
-                load_vector(v, (kvh, first_key + 2 * m + 1, col), hi, 0)
-            for w in range(4):
-                vts[2 * (col + w), m] = int32(half_bits(lo[w], 0) | (half_bits(hi[w], 0) << 16))
-                vts[2 * (col + w) + 1, m] = int32(half_bits(lo[w], 1) | (half_bits(hi[w], 1) << 16))
+            valid = first_key + key < kv_len
+            copy_async(tile, tile_address, (key, col), src, (kvh, first_key + key if valid else 0, col), valid)
 
     @cuda.jit(device=True, inline=True)
-    def masked(score, key, position):
-        # A stored row's position is below kv_len, so this also drops the zero-filled keys past it.
-        return score if key <= position else float32(-math.inf)
-
-    @cuda.jit(device=True, inline=True)
-    def scores(qa, ks, sacc, first_key, p0, p1, scale_log2, g, t):
-        """sacc <- Q K^T of this warp's 16 rows and the staged keys, scaled to log2 units, masked."""
+    def scores(qa, ks, k_lane, sacc):
+        """sacc <- Q K^T of this warp's 16 rows and the staged keys (raw dot products)."""
         for j in range(S_TILES):
             c0 = float32(0.0)
             c1 = float32(0.0)
             c2 = float32(0.0)
             c3 = float32(0.0)
-            for s in range(K_STEPS):
-                row, col = uint32(8 * j) + g, uint32(8 * s) + t
-                c0, c1, c2, c3 = mma(qa[4 * s], qa[4 * s + 1], qa[4 * s + 2], qa[4 * s + 3],
-                                     ks[row, col], ks[row, col + uint32(4)], c0, c1, c2, c3)
+            for s in range(0, K_STEPS, 2):
+                b0, b1, b2, b3 = load_b_x4(ks, k_lane, 8 * j, 8 * s)
+                c0, c1, c2, c3 = mma(qa[4 * s], qa[4 * s + 1], qa[4 * s + 2], qa[4 * s + 3], b0, b1, c0, c1, c2, c3)
+                c0, c1, c2, c3 = mma(qa[4 * s + 4], qa[4 * s + 5], qa[4 * s + 6], qa[4 * s + 7], b2, b3,
+                                     c0, c1, c2, c3)
+            sacc[4 * j] = c0
+            sacc[4 * j + 1] = c1
+            sacc[4 * j + 2] = c2
+            sacc[4 * j + 3] = c3
+
+    @cuda.jit(device=True, inline=True)
+    def mask(sacc, first_key, p0, p1, t):
+        """Keys after a row's position to -inf. A stored row's position is below kv_len, so this also
+        drops the zero-filled keys past it."""
+        for j in range(S_TILES):
             key = first_key + 8 * j + 2 * t
-            sacc[4 * j] = masked(c0 * scale_log2, key, p0)
-            sacc[4 * j + 1] = masked(c1 * scale_log2, key + 1, p0)
-            sacc[4 * j + 2] = masked(c2 * scale_log2, key, p1)
-            sacc[4 * j + 3] = masked(c3 * scale_log2, key + 1, p1)
+            if key > p0:
+                sacc[4 * j] = -math.inf
+            if key + 1 > p0:
+                sacc[4 * j + 1] = -math.inf
+            if key > p1:
+                sacc[4 * j + 2] = -math.inf
+            if key + 1 > p1:
+                sacc[4 * j + 3] = -math.inf
 
     @cuda.jit(device=True, inline=True)
     def row_max(sacc, first, start):
@@ -160,30 +157,34 @@ def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[...,
         return best
 
     @cuda.jit(device=True, inline=True)
-    def exponentiate(sacc, first, maximum):
+    def exponentiate(sacc, first, scale_log2, max_log2):
+        """p = 2^(score * scale_log2 - max_log2), one FMA and one exp2 a score; returns the row's partial sum."""
         total = float32(0.0)
         for j in range(S_TILES):
             for i in range(2):
-                p = float32(math.exp2(sacc[4 * j + first + i] - maximum))
+                p = float32(math.exp2(sacc[4 * j + first + i] * scale_log2 - max_log2))
                 sacc[4 * j + first + i] = p
                 total += p
         return total
 
     @cuda.jit(device=True, inline=True)
-    def accumulate(sacc, pa, vts, o, g, t):
-        """o += P V: P's bf16 A fragments from the S tiles (two n-tiles make one k-step)."""
+    def accumulate(sacc, pa, vs, v_lane, o):
+        """o += P V: P's bf16 A fragments from the S tiles (two n-tiles make one k-step); V's B
+        fragments transposed out of the key-major tile, two output n-tiles a load."""
         for s in range(P_STEPS):
             pa[4 * s] = pack(sacc[8 * s], sacc[8 * s + 1])
             pa[4 * s + 1] = pack(sacc[8 * s + 2], sacc[8 * s + 3])
             pa[4 * s + 2] = pack(sacc[8 * s + 4], sacc[8 * s + 5])
             pa[4 * s + 3] = pack(sacc[8 * s + 6], sacc[8 * s + 7])
-        for j in range(O_TILES):
-            c0, c1, c2, c3 = o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]
+        for j in range(0, O_TILES, 2):
             for s in range(P_STEPS):
-                row, col = uint32(8 * j) + g, uint32(8 * s) + t
-                c0, c1, c2, c3 = mma(pa[4 * s], pa[4 * s + 1], pa[4 * s + 2], pa[4 * s + 3],
-                                     vts[row, col], vts[row, col + uint32(4)], c0, c1, c2, c3)
-            o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3] = c0, c1, c2, c3
+                b0, b1, b2, b3 = load_b_x4_trans(vs, v_lane, 16 * s, 4 * j)
+                o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3] = mma(
+                    pa[4 * s], pa[4 * s + 1], pa[4 * s + 2], pa[4 * s + 3], b0, b1,
+                    o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3])
+                o[4 * j + 4], o[4 * j + 5], o[4 * j + 6], o[4 * j + 7] = mma(
+                    pa[4 * s], pa[4 * s + 1], pa[4 * s + 2], pa[4 * s + 3], b2, b3,
+                    o[4 * j + 4], o[4 * j + 5], o[4 * j + 6], o[4 * j + 7])
 
     @cuda.jit(device=True, inline=True)
     def rescale(o, first, alpha):
@@ -194,19 +195,25 @@ def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[...,
     @cuda.jit
     def flash_attention(q, k, v, out, rows, kv_len, first_position, scale_log2):
         scratch = cuda.shared.array(0, float32)  # the simulator's quad reductions
-        ks = cuda.shared.array((KB, K_WORDS), int32)
-        vts = cuda.shared.array((D, VT_WORDS), int32)
+        ks = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
+        vs = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
+        # Shared addresses taken once: each copy and fragment load then adds a constant offset.
+        ks_address = shared_address(ks, (0, 0))
+        vs_address = shared_address(vs, (0, 0))
+        k_lane = lane_address(ks, False)
+        v_lane = lane_address(vs, True)
         qa = cuda.local.array(Q_WORDS, int32)
         sacc = cuda.local.array(S_VALUES, float32)
         pa = cuda.local.array(P_WORDS, int32)
         o = cuda.local.array(O_VALUES, float32)
-        lo = cuda.local.array(4, int32)
-        hi = cuda.local.array(4, int32)
         lane = cuda.threadIdx.x % 32
         g = lane // 4
         t = lane % 4
         h = cuda.blockIdx.y
-        first_row = cuda.blockIdx.x * ROWS_PER_BLOCK
+        kvh = h // group
+        # Causal blocks differ in work: the last query rows see the most keys. Launch them first so
+        # the short blocks fill the tail of the grid.
+        first_row = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * ROWS_PER_BLOCK
         r0 = first_row + (cuda.threadIdx.x // 32) * 16 + g
         r1 = r0 + 8
         p0 = first_position + r0
@@ -214,29 +221,38 @@ def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[...,
         load_q(q, r0, r1, h, rows, qa, t)
         for i in range(O_VALUES):
             o[i] = float32(0.0)
-        # Finite start: a row whose keys are all masked so far keeps alpha = 1 and sum 0, not NaN.
+        # Running maxima in raw score units. Finite start: a row whose keys are all masked so far
+        # keeps alpha = 1 and sum 0, not NaN.
         m0 = float32(-1e30)
         m1 = float32(-1e30)
         l0 = float32(0.0)
         l1 = float32(0.0)
+        unmasked_end = first_position + first_row + 1  # keys below this are visible to every row of the block
         key_end = first_position + min(first_row + ROWS_PER_BLOCK, rows)  # the block's last row sees up to here
+        # Pipeline: V of a key block lands during its Q K^T and softmax, K of the next during its P V.
+        stage(k, kvh, 0, kv_len, ks, ks_address)
         for first_key in range(0, key_end, KB):
-            cuda.syncthreads()  # every warp is done with the previous block's keys
-            stage(k, v, h // group, first_key, kv_len, ks, vts, lo, hi)
-            cuda.syncthreads()
-            # Unsigned fragment indices: Numba then skips its negative-index wraparound on every shared load.
-            scores(qa, ks, sacc, first_key, p0, p1, scale_log2, uint32(g), uint32(t))
+            copy_async_wait_all()
+            cuda.syncthreads()  # K landed for every thread; every warp is done with the last block's V
+            stage(v, kvh, first_key, kv_len, vs, vs_address)
+            scores(qa, ks, k_lane, sacc)
+            if first_key + KB > unmasked_end:
+                mask(sacc, first_key, p0, p1, t)
             x0 = quad_max(scratch, row_max(sacc, 0, m0), 4)
             x1 = quad_max(scratch, row_max(sacc, 2, m1), 4)
-            alpha0 = float32(math.exp2(m0 - x0))
-            alpha1 = float32(math.exp2(m1 - x1))
+            alpha0 = float32(math.exp2((m0 - x0) * scale_log2))
+            alpha1 = float32(math.exp2((m1 - x1) * scale_log2))
             m0 = x0
             m1 = x1
-            l0 = l0 * alpha0 + exponentiate(sacc, 0, m0)
-            l1 = l1 * alpha1 + exponentiate(sacc, 2, m1)
+            l0 = l0 * alpha0 + exponentiate(sacc, 0, scale_log2, m0 * scale_log2)
+            l1 = l1 * alpha1 + exponentiate(sacc, 2, scale_log2, m1 * scale_log2)
             rescale(o, 0, alpha0)
             rescale(o, 2, alpha1)
-            accumulate(sacc, pa, vts, o, uint32(g), uint32(t))
+            copy_async_wait_all()
+            cuda.syncthreads()  # V landed for every thread; every warp is done with this block's K
+            if first_key + KB < key_end:
+                stage(k, kvh, first_key + KB, kv_len, ks, ks_address)
+            accumulate(sacc, pa, vs, v_lane, o)
         inv_l0 = float32(1.0) / quad_sum(scratch, l0, 4)
         inv_l1 = float32(1.0) / quad_sum(scratch, l1, 4)
         for j in range(O_TILES):
@@ -285,8 +301,8 @@ class FlashAttention:
         if tuple(out.shape) != tuple(q.shape) or tuple(v.shape) != tuple(k.shape) or k.shape[2] != head_dim:
             raise ValueError(f"flash attention: q {tuple(q.shape)}, out {tuple(out.shape)}, k {tuple(k.shape)}, "
                              f"v {tuple(v.shape)}: q and out must match, k and v must match, one head_dim")
-        if head_dim % 16 or kv_heads == 0 or q_heads % kv_heads:
-            raise ValueError(f"flash attention: head_dim {head_dim} must be a multiple of 16 and q heads {q_heads} "
+        if head_dim % 32 or kv_heads == 0 or q_heads % kv_heads:
+            raise ValueError(f"flash attention: head_dim {head_dim} must be a multiple of 32 and q heads {q_heads} "
                              f"a multiple of kv heads {kv_heads}")
         if not rows <= kv_len <= capacity:
             raise ValueError(f"flash attention: kv_len {kv_len} must hold the chunk's {rows} rows and fit the "

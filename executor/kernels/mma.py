@@ -39,7 +39,7 @@ from executor.kernels.codec import build_codec
 from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
-from numba import float32, int32, types  # noqa: E402  (after load_cuda's numpy fix)
+from numba import float32, int32, types, uint32  # noqa: E402  (after load_cuda's numpy fix)
 
 #: Warps a simulated block may hold (the emulation's shared scratch is sized for a full 1024-thread block).
 SIM_MAX_WARPS = 32
@@ -148,3 +148,114 @@ def _simulated_mma() -> Callable[..., Any]:
         return float32(d[0]), float32(d[1]), float32(d[2]), float32(d[3])
 
     return mma_bf16
+
+
+
+def build_fragment_loads() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """Device functions loading four B fragments from a shared tile of int32 words (two bf16 a word),
+    ``tile`` [rows, row_words], 16-byte aligned rows:
+
+        lane_address(tile, transposed) -> uint32
+            this lane's ldmatrix row address for the fragments at (0, 0) (0 in the simulator):
+            computed once, so that every load below is one instruction at a constant offset.
+        load_b_x4(tile, address, row0, word0) -> (r0, r1, r2, r3)
+            register m = the 8x8 matrix at rows row0..row0+7, words word0+4m..word0+4m+3, as
+            ``ldmatrix`` deals it: lane (g, t) gets tile[row0 + g, word0 + 4m + t]. For a
+            tile of K rows (key-major), r0, r1 are the b0, b1 of the k-step at word0 and
+            r2, r3 those of the next k-step.
+        load_b_x4_trans(tile, address, row0, word0) -> (r0, r1, r2, r3)
+            register m = the transposed 8x8 matrix at rows row0 + 8 (m % 2) .., words
+            word0 + 4 (m // 2) ..: lane (g, t) gets the element pair (tile row row0 + 8 (m % 2)
+            + 2t, then the row after it) of column g of that matrix. For a tile of V rows
+            (key-major), r0, r1 are the b0, b1 of the 16 keys at row0 for the 8 output
+            columns at word0, r2, r3 those of the next 8 columns: no transposed copy of V.
+
+    ``address`` is lane_address(tile, False) for load_b_x4 and lane_address(tile, True) for
+    load_b_x4_trans. Every lane of the warp must call the loads together. On the GPU each is one
+    ``ldmatrix.sync.aligned.m8n8.x4`` (lanes 8m..8m+7 give matrix m's row addresses); in the
+    simulator each lane reads its own words from ``tile``.
+    """
+    if simulator_enabled():
+        return _simulated_fragment_loads()
+    from executor.kernels.async_copy import build_shared_address
+
+    shared_address = build_shared_address()
+    ldmatrix_x4 = _ldmatrix_intrinsic(transposed=False)
+    ldmatrix_x4_trans = _ldmatrix_intrinsic(transposed=True)
+
+    @cuda.jit(device=True, inline=True)
+    def lane_address(tile, transposed):
+        lane = cuda.threadIdx.x % 32
+        matrix = lane // 8
+        if transposed:
+            return shared_address(tile, (8 * (matrix % 2) + lane % 8, 4 * (matrix // 2)))
+        return shared_address(tile, (lane % 8, 4 * matrix))
+
+    @cuda.jit(device=True, inline=True)
+    def offset_bytes(tile, row0, word0):
+        return uint32(4 * (row0 * tile.shape[1] + word0))
+
+    @cuda.jit(device=True, inline=True)
+    def load_b_x4(tile, address, row0, word0):
+        return ldmatrix_x4(address + offset_bytes(tile, row0, word0))
+
+    @cuda.jit(device=True, inline=True)
+    def load_b_x4_trans(tile, address, row0, word0):
+        return ldmatrix_x4_trans(address + offset_bytes(tile, row0, word0))
+
+    return lane_address, load_b_x4, load_b_x4_trans
+
+
+def _ldmatrix_intrinsic(transposed: bool) -> Callable[..., Any]:
+    """``ldmatrix_x4(address uint32) -> 4 x int32`` from this lane's shared-memory row address."""
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    layout = ".trans" if transposed else ""
+    asm = f"ldmatrix.sync.aligned.m8n8.x4{layout}.shared.b16 {{$0, $1, $2, $3}}, [$4];"
+
+    @intrinsic
+    def ldmatrix_x4(typingctx, address):
+        result = types.UniTuple(types.int32, 4)
+
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            function = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32])
+            # side_effect: the load must stay between the barriers that order it against the staging.
+            value = builder.asm(function, asm, "=r,=r,=r,=r,r", list(args), side_effect=True)
+            return context.make_tuple(builder, result, [builder.extract_value(value, i) for i in range(4)])
+
+        return result(types.uint32), codegen
+
+    return ldmatrix_x4
+
+
+def _simulated_fragment_loads() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    @cuda.jit(device=True)
+    def lane_address(tile, transposed):
+        return uint32(0)
+
+    @cuda.jit(device=True)
+    def load_b_x4(tile, address, row0, word0):
+        lane = cuda.threadIdx.x % 32
+        g, t = lane // 4, lane % 4
+        row = tile[row0 + g]
+        return int32(row[word0 + t]), int32(row[word0 + 4 + t]), int32(row[word0 + 8 + t]), int32(row[word0 + 12 + t])
+
+    @cuda.jit(device=True)
+    def pair(tile, row, word, high):
+        """Column ``high`` (0 or 1) of the word in rows ``row`` and ``row + 1``: (that of row) | (that of row + 1) << 16."""
+        shift = 16 * high
+        first = (int(tile[row, word]) >> shift) & 0xFFFF
+        second = (int(tile[row + 1, word]) >> shift) & 0xFFFF
+        return int32(np.uint32(first | (second << 16)).view(np.int32))
+
+    @cuda.jit(device=True)
+    def load_b_x4_trans(tile, address, row0, word0):
+        lane = cuda.threadIdx.x % 32
+        g, t = lane // 4, lane % 4
+        word, high = word0 + g // 2, g % 2
+        return (pair(tile, row0 + 2 * t, word, high), pair(tile, row0 + 8 + 2 * t, word, high),
+                pair(tile, row0 + 2 * t, word + 4, high), pair(tile, row0 + 8 + 2 * t, word + 4, high))
+
+    return lane_address, load_b_x4, load_b_x4_trans

@@ -86,6 +86,9 @@ def test_compiles_to_unrolled_mmas_in_registers_on_sm90():
                        types.int32, types.int32, types.int32, types.float32)
             mmas = text.count("mma.sync.aligned")
             assert mmas == 2 * head_dim * keys // 128, (head_dim, mmas)
+            # One ldmatrix.x4 feeds two MMAs; K and V arrive by cp.async, 16 bytes a copy.
+            assert text.count("ldmatrix.sync.aligned.m8n8.x4") == mmas // 2, (head_dim, text.count("ldmatrix"))
+            assert "cp.async.cg.shared.global" in text and "cp.async.wait_all" in text
             assert ".local" not in text, f"head_dim {head_dim}: local memory"
         """
     )

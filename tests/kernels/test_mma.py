@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.mma import build_mma_bf16, build_pack_bf16x2
+from executor.kernels.async_copy import build_async_copy, build_shared_address
+from executor.kernels.mma import build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
 
@@ -47,6 +48,56 @@ def build_pack_kernel():
     return pack_all
 
 
+def build_fragment_kernel():
+    """Kernel ``(src [16, 20] int32, valid_rows, plain [32, 4], transposed [32, 4])``: one warp stages
+    src's first valid_rows rows (zeros after) into a shared tile by cp.async, then each lane
+    stores what load_b_x4(tile, 8, 4) and load_b_x4_trans(tile, 0, 8) dealt it."""
+    lane_address, load_b_x4, load_b_x4_trans = build_fragment_loads()
+    copy_async, copy_async_wait_all = build_async_copy()
+    shared_address = build_shared_address()
+    alignment = None if simulator_enabled() else 16
+
+    @cuda.jit
+    def fragments(src, valid_rows, plain, transposed):
+        tile = cuda.shared.array((16, 20), np.int32, alignment=alignment)
+        lane = cuda.threadIdx.x
+        tile_address = shared_address(tile, (0, 0))
+        for chunk in range(lane, 16 * 5, 32):
+            row, col = chunk // 5, (chunk % 5) * 4
+            valid = row < valid_rows
+            copy_async(tile, tile_address, (row, col), src, (row if valid else 0, col), valid)
+        copy_async_wait_all()
+        cuda.syncthreads()
+        plain[lane, 0], plain[lane, 1], plain[lane, 2], plain[lane, 3] = load_b_x4(tile, lane_address(tile, False), 8, 4)
+        r0, r1, r2, r3 = load_b_x4_trans(tile, lane_address(tile, True), 0, 8)
+        transposed[lane, 0], transposed[lane, 1], transposed[lane, 2], transposed[lane, 3] = r0, r1, r2, r3
+
+    return fragments
+
+
+def test_fragment_loads_deal_ldmatrix_fragments_from_an_async_staged_tile():
+    """Expected values from the bf16 matrix (the tile as [16, 40] bf16), not from the words: lane
+    (g, t) gets row g of a matrix at bf16 columns 2t, 2t + 1 (plain) or column g at rows 2t, 2t + 1
+    (transposed). Rows 12.. were not valid: cp.async must zero them."""
+    rng = np.random.default_rng(5)
+    src = rng.integers(-2**31, 2**31, size=(16, 20), dtype=np.int64).astype(np.int32)
+    plain = np.zeros((32, 4), np.int32)
+    transposed = np.zeros((32, 4), np.int32)
+    build_fragment_kernel()[1, 32](src, 12, plain, transposed)
+    tile = src.copy()
+    tile[12:] = 0
+    halves = tile.view(np.uint16).astype(np.uint32)  # [16, 40]: little-endian, a word's low half first
+    lane = np.arange(32)
+    g, t = lane // 4, lane % 4
+    for m in range(4):
+        row, col = 8 + g, 8 + 8 * m + 2 * t  # words 4.. are bf16 columns 8..
+        expected = (halves[row, col] | halves[row, col + 1] << 16).astype(np.uint32).view(np.int32)
+        np.testing.assert_array_equal(plain[:, m], expected, err_msg=f"plain register {m}")
+        row, col = 8 * (m % 2) + 2 * t, 16 + 8 * (m // 2) + g  # words 8.. are bf16 columns 16..
+        expected = (halves[row, col] | halves[row + 1, col] << 16).astype(np.uint32).view(np.int32)
+        np.testing.assert_array_equal(transposed[:, m], expected, err_msg=f"transposed register {m}")
+
+
 def test_mma_tiles_of_two_warps_match_float64():
     """Two warps, each its own tile: a lane that reads another lane's fragment, or a warp another
     warp's, gives a wrong tile."""
@@ -75,7 +126,7 @@ def test_pack_rounds_both_halves_like_torch():
 
 
 @pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
-def test_mma_and_pack_are_single_instructions_on_sm90():
+def test_tensor_core_building_blocks_are_single_instructions_on_sm90():
     compile_for_sm90(
         """
         from tests.kernels.test_mma import build_pack_kernel, build_tiles_kernel
@@ -83,5 +134,10 @@ def test_mma_and_pack_are_single_instructions_on_sm90():
         assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 1, "no tensor-core MMA in PTX"
         text = ptx(build_pack_kernel(), arr("float32", 1), arr("float32", 1), arr("int32", 1))
         assert "cvt.rn.bf16x2.f32" in text, "no packed conversion in PTX"
+        from tests.kernels.test_mma import build_fragment_kernel
+        text = ptx(build_fragment_kernel(), arr("int32", 2), types.int64, arr("int32", 2), arr("int32", 2))
+        assert text.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 1, "no plain ldmatrix in PTX"
+        assert text.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 1, "no transposed ldmatrix in PTX"
+        assert "cp.async.cg.shared.global" in text and "cp.async.wait_all" in text, "no cp.async in PTX"
         """
     )
