@@ -77,10 +77,10 @@ def staged_bytes(head_dim: int, keys: int) -> int:
     return 2 * 4 * keys * (head_dim // 2 + PAD_WORDS)
 
 
-def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[..., Any]:
+def build_flash_attention(head_dim: int, keys: int, group: int, warps: int = WARPS) -> Callable[..., Any]:
     """Kernel ``(q [rows, Hq, D/2], k, v [Hkv, >= kv_len, D/2], out [rows, Hq, D/2] int32 words,
-    rows, kv_len, first_position int32, scale_log2 f32)``; grid (ceil(rows / 64), Hq), THREADS
-    threads, THREADS * 4 bytes of dynamic shared memory (the simulator's quad reductions).
+    rows, kv_len, first_position int32, scale_log2 f32)``; grid (ceil(rows / (16 warps)), Hq),
+    32 warps threads, 128 warps bytes of dynamic shared memory (the simulator's quad reductions).
 
     head_dim a multiple of 32 (a fragment load covers two k-steps of Q K^T), keys of 16, q head h
     reads kv head h // group. scale_log2 is D^-0.5 * log2(e).
@@ -93,6 +93,7 @@ def build_flash_attention(head_dim: int, keys: int, group: int) -> Callable[...,
     P_STEPS = KB // 16                     # k-steps of P V
     O_TILES = D // 8                       # n-tiles of O
     CHUNKS_PER_ROW = D // 8                # 16-byte chunks of a K or V row
+    THREADS, ROWS_PER_BLOCK = 32 * warps, 16 * warps
     COPIES = KB * CHUNKS_PER_ROW // THREADS  # chunks a thread stages of K, and of V, per key block
     assert COPIES * THREADS == KB * CHUNKS_PER_ROW
     Q_WORDS, S_VALUES, P_WORDS, O_VALUES = 4 * K_STEPS, 4 * S_TILES, 4 * P_STEPS, 4 * O_TILES
