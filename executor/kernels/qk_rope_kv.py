@@ -11,7 +11,8 @@ all three in one launch, and reads k once instead of twice:
 
 with (page, slot) of row t from ``kv_cache.cache_slot`` (as write_kv). The results are
 bit-identical to the three separate launches (rope.py's vector kernel on q, then on k, then
-write_kv): the q and k heads run rope.py's very device functions (``build_vector_head``)
+write_kv; from 256 rows rope.py's launcher takes its specialized kernel, which sums squares in
+the same order): the q and k heads run rope.py's very device functions (``build_vector_head``)
 with the same threads per head, so the same sum-of-squares order and roundings; the cache
 receives the chunks stored into k and the bits of v.
 

@@ -11,7 +11,16 @@ import torch
 from executor.kernels.codec import build_codec
 from executor.kernels.kv_cache import WriteKv
 from executor.kernels.qk_rope_kv import QkNormRopeWriteKv, fused_block_threads
-from executor.kernels.rope import VECTOR_ROWS, QkNormRopeInplace, vector_group_threads, vector_shared_bytes
+from executor.kernels.norm import SCRATCH_BYTES_PER_THREAD
+from executor.kernels.rope import (
+    VECTOR_ROWS,
+    QkNormRopeInplace,
+    SpecializedLaunch,
+    build_qk_norm_rope_specialized_kernel,
+    specialized_launch,
+    vector_group_threads,
+    vector_shared_bytes,
+)
 from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import assert_bf16_close, assert_close_rel, from_storage, poisoned, to_storage
@@ -84,9 +93,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("vectorize", [True, False], ids=["vector", "scalar"])
+@pytest.mark.parametrize("path", ["specialized", "vector", "scalar"])
 @pytest.mark.parametrize("dtype_name,round_before_weight,offset,head_dim,rotary_dim,theta", CASES)
-def test_qk_norm_rope_inplace(dtype_name, round_before_weight, offset, head_dim, rotary_dim, theta, vectorize):
+def test_qk_norm_rope_inplace(dtype_name, round_before_weight, offset, head_dim, rotary_dim, theta, path):
     gen = torch.Generator().manual_seed(41)
     dt = getattr(torch, dtype_name)
     rows, heads = len(POSITIONS), 2
@@ -98,10 +107,15 @@ def test_qk_norm_rope_inplace(dtype_name, round_before_weight, offset, head_dim,
     # Device arrays: the simulator transfers only contiguous host arrays.
     buf = load_cuda().to_device(to_storage(q_gate, dtype_name))
     codec = build_codec(dtype_name)
-    rope = QkNormRopeInplace(codec, round_before_weight, SIM_THREADS, vectorize=vectorize)
+    vectorize = path != "scalar"
+    specialized_min_rows = 1 if path == "specialized" else None
+    rope = QkNormRopeInplace(codec, round_before_weight, SIM_THREADS, vectorize, specialized_min_rows)
     w_store = to_storage(w, dtype_name)
     chunk_half = (rotary_dim // 2) * np.dtype(codec.storage_numpy_dtype).itemsize % 16 == 0
     assert rope.uses_vector(buf[:, :, :head_dim], w_store, rotary_dim) == (vectorize and chunk_half)
+    # The specialized kernel is bf16 only; float32 keeps the vector kernel.
+    specialized = path == "specialized" and chunk_half and dtype_name == "bfloat16"
+    assert rope.uses_specialized(buf[:, :, :head_dim], w_store, rotary_dim) == specialized
     rope(buf[:, :, :head_dim], w_store, positions.numpy(), EPS, offset, rotary_dim, theta)
     after = buf.copy_to_host()
     np.testing.assert_array_equal(after[..., head_dim:], to_storage(q_gate[..., head_dim:], dtype_name))
@@ -181,6 +195,223 @@ def test_shape_errors():
         rope(x, np.zeros(8, np.float32), pos, EPS, 0.0, 5, 1e6)
 
 
+# ---------------------------------------------------------------- the specialized bf16 kernel
+
+# (round_before_weight, weight_offset, head_dim, rotary_dim, heads, strided, theta). Qwen3-like: one pair
+# unit a head (a 1-thread group). Qwen3.5-like: q strided in a per-head [q | gate] buffer, one pair unit
+# and two pass-through chunks (3 units on a 4-thread group, one lane idle). Full rotary over two pair
+# units, strided.
+SPECIALIZED_CASES = [
+    (True, 0.0, 16, 16, 4, False, 1e6),
+    (False, 1.0, 32, 16, 2, True, 1e7),
+    (True, 0.0, 32, 32, 2, True, 1e6),
+]
+SPECIALIZED_POSITIONS = [0, 1, 40959, 262143, 17]  # an odd row count
+REVEALING_HEADS = 4  # heads of the inputs whose rounded norm shows the sum-of-squares order
+
+
+def spread_bf16(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """bf16 values of many exponents (|x| in [2^-10, 2^5)): float32 sums of their squares round, so
+    the order they are summed in can move inv_rms (randn * 3 values often sum exactly)."""
+    magnitude = torch.exp2(torch.rand(shape, generator=gen) * 14 - 10) * (1 + torch.rand(shape, generator=gen))
+    sign = torch.where(torch.rand(shape, generator=gen) < 0.5, -1.0, 1.0)
+    return (sign * magnitude).bfloat16()
+
+
+def chain_sums(squares: np.ndarray) -> np.ndarray:
+    """float32 sums over the last axis, one element after another."""
+    return np.cumsum(squares, axis=-1, dtype=np.float32)[..., -1]
+
+
+def kernel_order_sums(squares: np.ndarray, rotary_dim: int, group: int) -> np.ndarray:
+    """Heads' float32 sums of squares [N] from their squares [N, D] in rope.py's documented order
+    (the vector and specialized kernels'): a unit lane's 8-square chain per chunk, a pair unit's
+    first-half chunk plus its second-half chunk, then reduce.py's xor tree over the group's lanes."""
+    lanes, half, head_dim = 8, rotary_dim // 2, squares.shape[-1]
+    pairs = half // lanes
+    partial = np.zeros((squares.shape[0], group), np.float32)
+    for unit in range(pairs + (head_dim - rotary_dim) // lanes):
+        partial[:, unit] = chain_sums(squares[:, half + unit * lanes:half + (unit + 1) * lanes])
+        if unit < pairs:
+            partial[:, unit] = chain_sums(squares[:, unit * lanes:(unit + 1) * lanes]) + partial[:, unit]
+    width = group // 2
+    while width:  # lane i takes lane i + width's value: lane 0 ends with the tree's sum
+        partial[:, :width] = partial[:, :width] + partial[:, width:2 * width]
+        width //= 2
+    return partial[:, 0]
+
+
+def normed_bits(x: np.ndarray, sums: np.ndarray, w: np.ndarray, offset: float, round_before_weight: bool):
+    """HF's q_norm output [N, D] (bf16 values, as the bits of their float32) from float32 heads x [N, D],
+    their sums of squares and the weight, in the kernels' float32 arithmetic (norm.inv_rms_from_sum,
+    norm.build_normalize)."""
+    def bf16(a: np.ndarray) -> np.ndarray:
+        return torch.from_numpy(np.ascontiguousarray(a, np.float32)).bfloat16().float().numpy()
+
+    inv_rms = np.float32(1.0) / np.sqrt(sums / np.float32(x.shape[-1]) + np.float32(EPS))
+    scaled = x * inv_rms[:, None]
+    weight = np.float32(offset) + w
+    normed = bf16(bf16(scaled) * weight) if round_before_weight else bf16(scaled * weight)
+    return normed.view(np.int32)
+
+
+def order_revealing_heads(case: tuple, group: int, w: torch.Tensor, count: int, seed: int) -> torch.Tensor:
+    """``count`` bf16 heads [count, D] whose rounded q_norm output changes when their squares are
+    summed in one chain instead of rope.py's order: a kernel summing in another order gets other
+    bits on them (tiny random inputs hardly ever show an order: an inv_rms ulp flips about one
+    rounding in 2^15)."""
+    round_before_weight, offset, head_dim, rotary_dim = case[:4]
+    gen = torch.Generator().manual_seed(seed)
+    found: list[torch.Tensor] = []
+    for _ in range(64):  # batches of candidates until enough are found (about 1 in 20,000 reveals)
+        heads = spread_bf16((1 << 14, head_dim), gen)
+        x, w32 = heads.float().numpy(), w.float().numpy()
+        squares = x * x  # exact: a bf16 square has 16 significant bits
+        ours = normed_bits(x, kernel_order_sums(squares, rotary_dim, group), w32, offset, round_before_weight)
+        chained = normed_bits(x, chain_sums(squares), w32, offset, round_before_weight)
+        found += list(heads[torch.from_numpy(np.flatnonzero((ours != chained).any(axis=-1)))])
+        if len(found) >= count:
+            return torch.stack(found[:count])
+    raise AssertionError(f"only {len(found)} order-revealing heads")
+
+
+def specialized_inputs(case: tuple, heads: int, group: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """(buffer [T, heads, D or 2D] with x its [..., :D], norm weight [D], positions [T]), bf16 / int32;
+    the first rows' heads are order-revealing (order_revealing_heads)."""
+    _, offset, head_dim, _, _, strided, _ = case
+    gen = torch.Generator().manual_seed(seed)
+    rows = len(SPECIALIZED_POSITIONS)
+    buf = spread_bf16((rows, heads, (2 if strided else 1) * head_dim), gen)
+    w = (torch.randn(head_dim, generator=gen) * 0.3 + (0.0 if offset else 1.0)).bfloat16()
+    x = buf[..., :head_dim].reshape(rows * heads, head_dim)  # a copy when strided
+    x[:REVEALING_HEADS] = order_revealing_heads(case, group, w, REVEALING_HEADS, seed)
+    buf[..., :head_dim] = x.view(rows, heads, head_dim)
+    return buf, w, torch.tensor(SPECIALIZED_POSITIONS, dtype=torch.int32)
+
+
+def run_in_place(launch, buf: torch.Tensor, head_dim: int) -> np.ndarray:
+    """``launch(x)`` on a device copy of buf's bits, x its [..., :head_dim] view; buf's bits after."""
+    device = cuda.to_device(to_storage(buf, "bfloat16"))
+    launch(device[:, :, :head_dim])
+    return device.copy_to_host()
+
+
+@pytest.mark.parametrize("case", SPECIALIZED_CASES)
+def test_specialized_matches_vector_and_hf(case):
+    """The launcher's specialized kernel on order-sensitive inputs: bit for bit the vector kernel (the
+    same sum-of-squares order and roundings), within the HF and float64 references, gate untouched."""
+    round_before_weight, offset, head_dim, rotary_dim, heads, _, theta = case
+    buf, w, positions = specialized_inputs(case, heads, vector_group_threads(head_dim, rotary_dim, 8), seed=50)
+    x = buf[..., :head_dim]
+    codec, w_bits = build_codec("bfloat16"), to_storage(w, "bfloat16")
+    args = (w_bits, positions.numpy(), EPS, offset, rotary_dim, theta)
+    outs = []
+    for min_rows in (1, None):
+        rope = QkNormRopeInplace(codec, round_before_weight, SIM_THREADS, specialized_min_rows=min_rows)
+
+        def launch(view):
+            assert rope.uses_specialized(view, w_bits, rotary_dim) == (min_rows is not None)
+            rope(view, *args)
+
+        outs.append(run_in_place(launch, buf, head_dim))
+    specialized, vector = outs
+    np.testing.assert_array_equal(specialized, vector)
+    np.testing.assert_array_equal(specialized[..., head_dim:], to_storage(buf[..., head_dim:], "bfloat16"))
+    got = from_storage(specialized[..., :head_dim], "bfloat16")
+    scale = term_scale(hf_rms_norm(x, w, offset, round_before_weight).double(), rotary_dim)
+    hf = hf_reference(x, w, positions, offset, round_before_weight, rotary_dim, theta)
+    assert_bf16_close(got, hf, scale, exact=0.95)
+    assert_close_rel(got, ref64(x, w, positions, offset, rotary_dim, theta), 2e-2)
+
+
+# (case, heads, group_threads, heads_per_thread, threads, blocks), 5 rows each.
+SPECIALIZED_LAYOUTS = [
+    # 4 heads in one 1-thread slot; 2 blocks stride over the rows (3 and 2 rows).
+    (SPECIALIZED_CASES[0], 4, 1, 4, 1, 2),
+    # 2 head slots of 4 threads plus an idle slot (12 threads, 2 heads a thread); 7 blocks for 5 rows.
+    (SPECIALIZED_CASES[1], 4, 4, 2, 12, 7),
+    # A 4-thread group over 2 units (2 lanes idle, a wider xor tree than the vector kernel's); 3 blocks.
+    (SPECIALIZED_CASES[2], 2, 4, 1, 8, 3),
+]
+
+
+@pytest.mark.parametrize("case,heads,group,per_thread,threads,blocks", SPECIALIZED_LAYOUTS)
+def test_specialized_kernel_layouts(case, heads, group, per_thread, threads, blocks):
+    """Layouts the simulator's launcher does not pick: several heads a thread, idle slots and lanes,
+    grids smaller and larger than the row count. Against the vector kernel, bit for bit (idle lanes
+    add zeros, which leave the xor tree's sum as it is)."""
+    round_before_weight, offset, head_dim, rotary_dim, _, _, theta = case
+    buf, w, positions = specialized_inputs(case, heads, group, seed=51)
+    codec, w_bits = build_codec("bfloat16"), to_storage(w, "bfloat16")
+    vector = QkNormRopeInplace(codec, round_before_weight, SIM_THREADS, specialized_min_rows=None)
+    expected = run_in_place(lambda x: vector(x, w_bits, positions.numpy(), EPS, offset, rotary_dim, theta), buf,
+                            head_dim)
+    kernel = build_qk_norm_rope_specialized_kernel(codec, round_before_weight, head_dim, rotary_dim, heads, group,
+                                                   per_thread)
+
+    def launch(x):
+        kernel[blocks, threads, 0, threads * SCRATCH_BYTES_PER_THREAD](
+            x, w_bits, positions.numpy(), np.float32(EPS), np.float32(offset), np.float32(theta))
+
+    np.testing.assert_array_equal(run_in_place(launch, buf, head_dim), expected)
+
+
+def test_specialized_launch():
+    assert specialized_launch(32, 128, 128) == SpecializedLaunch(8, 4, 64, 8)  # Qwen3-8B q: the H200's best
+    assert specialized_launch(8, 128, 128) == SpecializedLaunch(8, 1, 64, 32)  # its k: NH 1 keeps two warps
+    assert specialized_launch(16, 256, 64) == SpecializedLaunch(32, 2, 256, 4)  # Qwen3.5 q: the H200's best
+    assert specialized_launch(4, 256, 64) == SpecializedLaunch(32, 2, 64, 16)  # its k
+    assert specialized_launch(2, 16, 16) == SpecializedLaunch(1, 1, 32, 32)  # whole warps on the GPU
+    assert specialized_launch(2, 16, 16, whole_warps=False) == SpecializedLaunch(1, 1, 2, 32)
+    assert specialized_launch(16, 512, 64) is None  # 4 pair units + 56 pass-through chunks: over a warp
+    assert specialized_launch(64, 256, 64) is None  # 1024 threads over MAX_THREADS
+
+
+def test_specialized_only_for_bf16_prefill_rows():
+    """Which calls take the specialized kernel (no launch): bf16, vector-aligned, from
+    specialized_min_rows rows; float32 and misfit shapes keep the vector kernel."""
+    bf16 = QkNormRopeInplace(build_codec("bfloat16"), True, SIM_THREADS)
+    w = np.zeros(16, np.int16)
+    few, many = np.zeros((bf16.specialized_min_rows - 1, 2, 16), np.int16), np.zeros((256, 2, 16), np.int16)
+    assert bf16.specialized_min_rows == 256
+    assert bf16.uses_vector(few, w, 16) and not bf16.uses_specialized(few, w, 16)
+    assert bf16.uses_specialized(many, w, 16)
+    assert not bf16.uses_specialized(many, w, 8)  # a 4-element rotary half: the scalar kernel
+    f32 = QkNormRopeInplace(build_codec("float32"), True, SIM_THREADS)
+    many_f32 = np.zeros((256, 2, 16), np.float32)
+    assert f32.uses_vector(many_f32, np.zeros(16, np.float32), 16)
+    assert not f32.uses_specialized(many_f32, np.zeros(16, np.float32), 16)
+    no_vector = QkNormRopeInplace(build_codec("bfloat16"), True, SIM_THREADS, vectorize=False)
+    assert not no_vector.uses_specialized(many, w, 16)
+
+
+@pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
+def test_specialized_compiles_for_sm90():
+    """PTX for sm_90 at Qwen3-8B's and Qwen3.5's q shapes, with the launcher's configurations:
+    16-byte global loads and stores, pair conversions, no block barrier, and no local memory but
+    libdevice's sin/cos slow path (28 bytes, as in the other kernels): every buffer in registers."""
+    compile_for_sm90(
+        """
+        import re
+        from executor.kernels.rope import build_qk_norm_rope_specialized_kernel, specialized_launch
+        f32 = types.float32
+        for round_before_weight, heads, head_dim, rotary_dim in ((True, 32, 128, 128), (False, 16, 256, 64)):
+            launch = specialized_launch(heads, head_dim, rotary_dim)
+            kernel = build_qk_norm_rope_specialized_kernel(build_codec("bfloat16"), round_before_weight, head_dim,
+                                                           rotary_dim, heads, launch.group_threads,
+                                                           launch.heads_per_thread)
+            text = vector_ptx(kernel, arr("bfloat16", 3), arr("bfloat16", 1), arr("int32", 1), f32, f32, f32,
+                              local_ok=True)
+            depots = [int(n) for n in re.findall(r"__local_depot\\d+\\[(\\d+)\\]", text)]
+            assert sum(depots) <= 28, f"{heads} x {head_dim}: {depots} bytes of local memory"
+            assert ".local.v" not in text, f"{heads} x {head_dim}: a vector access to local memory"
+            assert "cvt.rn.bf16x2.f32" in text, f"{heads} x {head_dim}: no pair conversion"
+            assert "bar.sync" not in text and "barrier" not in text, f"{heads} x {head_dim}: a block barrier"
+        """,
+        allow_f64=True,  # inv_freq's power is taken in float64 on purpose (rope.py's docstring)
+    )
+
+
 @pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
 def test_compiles_for_sm90():
     compile_for_sm90(
@@ -209,8 +440,9 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("specialized", [True, False], ids=["specialized", "vector"])
 @pytest.mark.parametrize("heads,head_dim,rotary_dim,theta,round_before_weight,offset,strided", GPU_CASES)
-def test_gpu_qk_norm_rope_bf16(heads, head_dim, rotary_dim, theta, round_before_weight, offset, strided):
+def test_gpu_qk_norm_rope_bf16(heads, head_dim, rotary_dim, theta, round_before_weight, offset, strided, specialized):
     gen = torch.Generator(device="cuda").manual_seed(43)
     rows = 1031
     width = 2 * head_dim if strided else head_dim
@@ -222,14 +454,44 @@ def test_gpu_qk_norm_rope_bf16(heads, head_dim, rotary_dim, theta, round_before_
     expected = hf_reference(x, w, positions, offset, round_before_weight, rotary_dim, theta)
     scale = term_scale(hf_rms_norm(x, w, offset, round_before_weight).double(), rotary_dim)
     before_gate = buf[..., head_dim:].clone()
-    rope = QkNormRopeInplace(build_codec("bfloat16"), round_before_weight)
+    reference = ref64(x, w, positions, offset, rotary_dim, theta)
+    rope = QkNormRopeInplace(build_codec("bfloat16"), round_before_weight,
+                             specialized_min_rows=rows if specialized else None)
     assert rope.uses_vector(x.view(torch.int16), w.view(torch.int16), rotary_dim)
+    assert rope.uses_specialized(x.view(torch.int16), w.view(torch.int16), rotary_dim) == specialized
     rope(x.view(torch.int16), w.view(torch.int16), positions, EPS, offset, rotary_dim, theta)
     torch.cuda.synchronize()
     assert torch.equal(buf[..., head_dim:], before_gate)
     # HF's CPU powf is one ulp off for a few inv_freq entries (rope.py's docstring); at large
     # positions that flips some bf16 cos/sin roundings of those frequencies: >= 99% exact.
     assert_bf16_close(x.double().cpu(), expected.cpu(), scale.cpu(), exact=0.99)
+    assert_close_rel(x.double().cpu(), reference.cpu(), 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,head_dim,rotary_dim,theta,round_before_weight,offset,strided", GPU_CASES)
+def test_gpu_specialized_matches_vector_bf16(heads, head_dim, rotary_dim, theta, round_before_weight, offset,
+                                             strided):
+    """A prefill of 16384 rows (each block strides over 4 to 31 rows on an H200): the specialized
+    kernel gives the vector kernel's bits, as it sums squares in the vector kernel's order (rope.py)."""
+    gen = torch.Generator(device="cuda").manual_seed(47)
+    rows = 16384
+    width = 2 * head_dim if strided else head_dim
+    buf = (torch.randn(rows, heads, width, device="cuda", generator=gen) * 3).bfloat16()
+    w = (torch.randn(head_dim, device="cuda", generator=gen) * 0.3 + (0.0 if offset else 1.0)).bfloat16()
+    positions = torch.randint(0, 262144, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+    outs = []
+    for min_rows in (rows, None):
+        copy = buf.clone()
+        x = copy[..., :head_dim].view(torch.int16)
+        rope = QkNormRopeInplace(build_codec("bfloat16"), round_before_weight, specialized_min_rows=min_rows)
+        assert rope.uses_specialized(x, w.view(torch.int16), rotary_dim) == (min_rows is not None)
+        rope(x, w.view(torch.int16), positions, EPS, offset, rotary_dim, theta)
+        outs.append(copy.view(torch.int16))
+    torch.cuda.synchronize()
+    specialized, vector = outs
+    differ = (specialized != vector).sum().item()
+    assert differ == 0, f"{differ} of {specialized.numel()} bf16 values differ from the vector kernel's"
 
 
 @pytest.mark.gpu
@@ -245,7 +507,8 @@ def test_gpu_vector_matches_scalar_bf16(heads, head_dim, rotary_dim, theta, roun
     for vectorize in (True, False):
         copy = buf.clone()
         x = copy[..., :head_dim].view(torch.int16)
-        rope = QkNormRopeInplace(build_codec("bfloat16"), round_before_weight, vectorize=vectorize)
+        rope = QkNormRopeInplace(build_codec("bfloat16"), round_before_weight, vectorize=vectorize,
+                                 specialized_min_rows=None)
         assert rope.uses_vector(x, w.view(torch.int16), rotary_dim) == vectorize
         rope(x, w.view(torch.int16), positions, EPS, offset, rotary_dim, theta)
         outs.append(copy)
