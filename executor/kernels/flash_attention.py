@@ -13,10 +13,10 @@ the probabilities P to bf16 for the P V product. The scores never reach memory: 
 an online softmax (running row maximum and sum, in exp2 units) across key blocks.
 
 Layout:
-- A block has WARPS warps over 64 query rows of one q head, each warp taking 16 rows. Blocks
+- A block has ``block_shape(D).warps`` warps over one q head's query rows, 16 rows a warp. Blocks
   of the last rows (the most keys under the causal mask) are launched first.
 - Q's fragments stay in registers for the whole key loop.
-- Per key block of ``keys_per_block`` keys, the block stages K and V key-major in shared memory
+- Per key block of ``block_shape(D).keys`` keys, the block stages K and V key-major in shared memory
   by cp.async (executor/kernels/async_copy.py), each row padded by 4 words so that the 8 rows
   an ldmatrix phase reads fall in 32 distinct banks. V of a key block is copied while the warps
   compute its scores, K of the next while they compute P V: one K and one V buffer.
@@ -35,6 +35,7 @@ register allocation are the limits here).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -49,27 +50,39 @@ from executor.numba_cuda import load_cuda, simulator_enabled
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
-WARPS = 4
-ROWS_PER_BLOCK = 16 * WARPS
-THREADS = 32 * WARPS
 PAD_WORDS = 4  # per staged row: shifts consecutive rows by 4 banks (16 bytes, keeping rows 16-byte aligned)
 LOG2_E = 1.4426950408889634
 #: Shared memory a block may use without the opt-in attribute (launch.py's limit).
 STATIC_SHARED_BYTES = 48 * 1024
 
 
-def keys_per_block(head_dim: int) -> int:
-    """Keys staged per round: 64 where K and V of 64 keys fit STATIC_SHARED_BYTES, else 16.
+@dataclass(frozen=True)
+class BlockShape:
+    """A block's work: ``warps`` warps of 16 query rows each, ``keys`` keys staged a round."""
 
-    Measured on the H200 (2026-11-30, one layer at 4096 / 16384 tokens): D 128 ran at 210 / 274
-    TFLOP/s with 64 keys and 177 / 227 with 32. For D 256, 64 keys do not fit, and 16 beat 32
-    (154 / 209 against 147 / 201): next to its 128 O accumulators a thread's registers are full,
-    and a smaller S tile frees some.
+    warps: int
+    keys: int
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+def block_shape(head_dim: int) -> BlockShape:
+    """4 warps and 64 keys where K and V of 64 keys fit STATIC_SHARED_BYTES, else 8 warps and 32 keys.
+
+    Measured on the H200 (2026-11-30, one layer at 4096 / 16384 tokens, TFLOP/s): D 128 with 4
+    warps ran at 211 / 277 with 64 keys, 177 / 227 with 32; 8 warps and 64 keys 189 / 250. For
+    D 256, 64 keys do not fit: 8 warps and 32 keys 160 / 224, 4 warps and 16 keys 151 / 206.
     """
-    for keys in (64, 16):
-        if staged_bytes(head_dim, keys) + THREADS * 4 <= STATIC_SHARED_BYTES:
-            return keys
-    raise ValueError(f"flash attention: head_dim {head_dim} does not fit a 16-key block in shared memory")
+    for shape in (BlockShape(4, 64), BlockShape(8, 32)):
+        if staged_bytes(head_dim, shape.keys) + shape.threads * 4 <= STATIC_SHARED_BYTES:
+            return shape
+    raise ValueError(f"flash attention: head_dim {head_dim} does not fit a 32-key block in shared memory")
 
 
 def staged_bytes(head_dim: int, keys: int) -> int:
@@ -77,7 +90,7 @@ def staged_bytes(head_dim: int, keys: int) -> int:
     return 2 * 4 * keys * (head_dim // 2 + PAD_WORDS)
 
 
-def build_flash_attention(head_dim: int, keys: int, group: int, warps: int = WARPS) -> Callable[..., Any]:
+def build_flash_attention(head_dim: int, keys: int, group: int, warps: int) -> Callable[..., Any]:
     """Kernel ``(q [rows, Hq, D/2], k, v [Hkv, >= kv_len, D/2], out [rows, Hq, D/2] int32 words,
     rows, kv_len, first_position int32, scale_log2 f32)``; grid (ceil(rows / (16 warps)), Hq),
     32 warps threads, 128 warps bytes of dynamic shared memory (the simulator's quad reductions).
@@ -301,7 +314,8 @@ class FlashAttention:
         """The kernel for this head size and GQA group (built once)."""
         kernel = self._kernels.get((head_dim, group))
         if kernel is None:
-            kernel = Kernel(build_flash_attention(head_dim, keys_per_block(head_dim), group))
+            shape = block_shape(head_dim)
+            kernel = Kernel(build_flash_attention(head_dim, shape.keys, group, shape.warps))
             self._kernels[(head_dim, group)] = kernel
         return kernel
 
@@ -324,9 +338,10 @@ class FlashAttention:
         if rows == 0:
             return
         kernel = self.kernel(head_dim, q_heads // kv_heads)
-        grid = (-(-rows // ROWS_PER_BLOCK), q_heads)
+        shape = block_shape(head_dim)
+        grid = (-(-rows // shape.rows), q_heads)
         scale_log2 = np.float32(LOG2_E / math.sqrt(head_dim))
-        kernel[grid, THREADS, stream, THREADS * 4](
+        kernel[grid, shape.threads, stream, shape.threads * 4](
             _words(q), _words(k), _words(v), _words(out), np.int32(rows), np.int32(kv_len),
             np.int32(kv_len - rows), scale_log2)
 

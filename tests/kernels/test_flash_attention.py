@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.flash_attention import FlashAttention, keys_per_block, staged_bytes
+from executor.kernels.flash_attention import BlockShape, FlashAttention, block_shape, staged_bytes
 from executor.numba_cuda import simulator_enabled
 from tests.kernels.attention_reference import causal_attention
 from tests.kernels.compile_check import compile_for_sm90
@@ -43,8 +43,8 @@ def test_matches_float64_in_the_simulator(rows, kv_len):
     run_case(rows, kv_len, q_heads=2, kv_heads=1, head_dim=32, device="cpu" if simulator_enabled() else "cuda")
 
 
-def test_keys_per_block_fit_shared_memory():
-    assert keys_per_block(32) == keys_per_block(128) == 64 and keys_per_block(256) == 16
+def test_block_shapes_fit_shared_memory():
+    assert block_shape(32) == block_shape(128) == BlockShape(4, 64) and block_shape(256) == BlockShape(8, 32)
     assert staged_bytes(256, 64) > 48 * 1024 - 512  # why D 256 stages fewer keys
 
 
@@ -79,10 +79,10 @@ def test_compiles_to_unrolled_mmas_in_registers_on_sm90():
     an O or S accumulator indexed at run time would spill to local memory."""
     compile_for_sm90(
         """
-        from executor.kernels.flash_attention import build_flash_attention, keys_per_block
+        from executor.kernels.flash_attention import block_shape, build_flash_attention
         for head_dim, group in ((128, 4), (256, 4)):
-            keys = keys_per_block(head_dim)
-            text = ptx(build_flash_attention(head_dim, keys, group), *[arr("int32", 3)] * 4,
+            keys = block_shape(head_dim).keys
+            text = ptx(build_flash_attention(head_dim, keys, group, block_shape(head_dim).warps), *[arr("int32", 3)] * 4,
                        types.int32, types.int32, types.int32, types.float32)
             mmas = text.count("mma.sync.aligned")
             assert mmas == 2 * head_dim * keys // 128, (head_dim, mmas)
