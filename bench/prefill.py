@@ -1,6 +1,7 @@
 """Prefill throughput: memplan vs HF transformers (eager SDPA), and memplan's GEMM rate vs the device's.
 
     python3 bench/prefill.py [--models qwen3-8b,qwen3.5-9b] [--prompts 512,4096,16384] [--out FILE]
+    python3 bench/prefill.py --prefill-attention gemm,flash   # both long-chunk attention backends, side by side
     python3 bench/prefill.py --smoke     # tiny configs in the Numba CUDA simulator: proves the code paths, no GPU
 
 One request per prompt length, random ids, random bf16 weights of the real shapes.
@@ -8,7 +9,12 @@ One request per prompt length, random ids, random bf16 weights of the real shape
 - memplan: the prompt in steps of the plan's max_prefill_tokens (one step when the prompt fits; the plan
   asks for max_prefill_tokens = the longest prompt), each ``model.step(plan_step(plan, [chunk]))``; the
   recurrent slot is reset between repeats. Time = the whole prefill, median of ``--repeats``.
-- HF eager (SDPA): one forward of the prompt into a fresh DynamicCache, logits of the last row only.
+- ``--prefill-attention``: the serving prefill_attention backend(s) of chunks of >= gemm_attention_min_tokens
+  tokens: gemm (two batched GEMMs over a score tile, the default) and/or flash (one FlashAttention launch a
+  chunk; bf16 models with head_dim a multiple of 32, so not the float32 --smoke configs). One plan, arena
+  and row set per backend, run one after the other in the same process.
+- HF eager (SDPA): one forward of the prompt into a fresh DynamicCache, logits of the last row only (once
+  per model and prompt, shown on every backend's row).
 - GEMM rate: FLOPs of every GEMM of the prefill = 2 x tokens x (elements of every weight matrix but the
   embedding and lm_head) + 2 x (lm_head elements) per step (lm_head runs on each step's last row), over
   the memplan prefill time, compared with ``torch.matmul`` of two ``--matmul-size``^2 bf16 matrices
@@ -26,14 +32,15 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (  # noqa: E402
     add_plan_arguments, bench_parser, build_hf, build_memplan, emit, fmt, free_device_memory, hf_dynamic_cache,
     hf_forward, int_list, log, markdown_table, matmul_flops_per_s, median, open_bench_device, reset_slots,
-    resolve_plan_arguments, run_info, sample_ms, sized_plan,
+    resolve_plan_arguments, run_info, sample_ms, sized_plan, str_list,
 )
+from planner.config import PrefillAttention  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +64,7 @@ def is_gemm_kernel(name: str) -> bool:
 @dataclass
 class Cell:
     model: str
+    prefill_attention: str  # the plan's serving prefill_attention backend
     prompt_tokens: int
     num_steps: int = 0
     gemm_flops: int = 0
@@ -65,6 +73,7 @@ class Cell:
     hf_ms: float = math.nan
     gemm_kernel_ms: float = math.nan
     softmax_kernel_ms: float = math.nan
+    flash_kernel_ms: float = math.nan
     kernel_ms: float = math.nan
     notes: list[str] = field(default_factory=list)
 
@@ -97,9 +106,10 @@ def run_prefill(model: DecoderModel, chunks: list[RequestChunk]) -> None:
         model.step(plan_step(model.arena.plan, [chunk]))
 
 
-def kernel_times_ms(model: DecoderModel, chunks: list[RequestChunk]) -> tuple[float, float, float]:
-    """(GEMM kernel ms, causal-softmax kernel ms, all kernel ms) of one prefill under torch.profiler (CUPTI
-    sees the Numba kernels too). The GEMMs include attention's two per tile, not only the weights'."""
+def kernel_times_ms(model: DecoderModel, chunks: list[RequestChunk]) -> tuple[float, float, float, float]:
+    """(GEMM kernel ms, causal-softmax kernel ms, FlashAttention kernel ms, all kernel ms) of one prefill under
+    torch.profiler (CUPTI sees the Numba kernels too). The GEMMs include GEMM attention's two per tile, not
+    only the weights'."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -109,7 +119,7 @@ def kernel_times_ms(model: DecoderModel, chunks: list[RequestChunk]) -> tuple[fl
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run_prefill(model, chunks)
         torch.cuda.synchronize()
-    gemm_us = softmax_us = total_us = 0.0
+    gemm_us = softmax_us = flash_us = total_us = 0.0
     for event in prof.events():
         if event.device_type != DeviceType.CUDA:
             continue
@@ -119,7 +129,9 @@ def kernel_times_ms(model: DecoderModel, chunks: list[RequestChunk]) -> tuple[fl
             gemm_us += duration_us
         elif "causal_softmax" in event.name:
             softmax_us += duration_us
-    return gemm_us / 1e3, softmax_us / 1e3, total_us / 1e3
+        elif "flash_attention" in event.name:
+            flash_us += duration_us
+    return gemm_us / 1e3, softmax_us / 1e3, flash_us / 1e3, total_us / 1e3
 
 
 def run_memplan(plan: MemoryPlan, cells: list[Cell], args: argparse.Namespace, device: Device) -> None:
@@ -146,12 +158,13 @@ def run_memplan(plan: MemoryPlan, cells: list[Cell], args: argparse.Namespace, d
                 host_ms.append((time.perf_counter() - start) * 1e3)
             cell.plan_step_ms = median(host_ms)
             if args.profile and not device.is_sim:
-                cell.gemm_kernel_ms, cell.softmax_kernel_ms, cell.kernel_ms = kernel_times_ms(model, chunks)
+                (cell.gemm_kernel_ms, cell.softmax_kernel_ms, cell.flash_kernel_ms,
+                 cell.kernel_ms) = kernel_times_ms(model, chunks)
         except Exception as error:
             cell.notes.append(f"memplan error: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
             traceback.print_exc()
-        log(f"{cell.model} prompt {cell.prompt_tokens}: memplan {fmt(cell.memplan_ms, 2)} ms "
-            f"in {cell.num_steps} step(s)")
+        log(f"{cell.model} ({cell.prefill_attention}) prompt {cell.prompt_tokens}: memplan "
+            f"{fmt(cell.memplan_ms, 2)} ms in {cell.num_steps} step(s)")
     del arena, model
     free_device_memory(device.torch_device)
 
@@ -176,47 +189,60 @@ def run_hf(plan: MemoryPlan, cells: list[Cell], args: argparse.Namespace, device
     free_device_memory(device)
 
 
-def prefill_plan(model_name: str, args: argparse.Namespace) -> MemoryPlan:
-    """One request of the longest prompt; max_prefill_tokens = that prompt (one step) unless given."""
+def prefill_plan(model_name: str, prefill_attention: str, args: argparse.Namespace) -> MemoryPlan:
+    """One request of the longest prompt; max_prefill_tokens = that prompt (one step) unless given; long
+    chunks' attention in the ``prefill_attention`` backend."""
     longest = max(args.prompts)
-    overrides = {"max_batch": 1, "max_context": longest,
-                 "max_prefill_tokens": args.max_prefill_tokens or longest}
+    overrides = {"max_batch": 1, "max_context": longest, "max_prefill_tokens": args.max_prefill_tokens or longest,
+                 "prefill_attention": prefill_attention}
     return sized_plan(model_name, args.hardware, args.serving, overrides, num_requests=1,
                       utilization=args.gpu_memory_utilization)
 
 
 def table(cells: list[Cell], matmul_flops_per_s: float) -> str:
-    headers = ["model", "prompt tokens", "memplan steps", "memplan ms", "memplan tok/s", "plan_step ms (host)",
-               "HF eager ms", "HF tok/s", "HF / memplan", "GEMM TFLOP", "GEMM TFLOP/s over the prefill",
-               "share of matmul peak", "GEMM kernel ms", "GEMM share of prefill time", "GEMM share of kernel time",
-               "kernel time / prefill time", "TFLOP/s inside GEMM kernels", "softmax kernel ms"]
+    headers = ["model", "prefill attention", "prompt tokens", "memplan steps", "memplan ms", "memplan tok/s",
+               "plan_step ms (host)", "HF eager ms", "HF tok/s", "HF / memplan", "GEMM TFLOP",
+               "GEMM TFLOP/s over the prefill", "share of matmul peak", "GEMM kernel ms", "GEMM share of prefill time",
+               "GEMM share of kernel time", "kernel time / prefill time", "TFLOP/s inside GEMM kernels",
+               "softmax kernel ms", "flash kernel ms"]
     rows = []
     for c in cells:
         rate = c.gemm_flops / (c.memplan_ms * 1e-3)
         rows.append([
-            c.model, str(c.prompt_tokens), str(c.num_steps), fmt(c.memplan_ms, 2),
+            c.model, c.prefill_attention, str(c.prompt_tokens), str(c.num_steps), fmt(c.memplan_ms, 2),
             fmt(c.prompt_tokens / c.memplan_ms * 1e3, 0), fmt(c.plan_step_ms, 2), fmt(c.hf_ms, 2),
             fmt(c.prompt_tokens / c.hf_ms * 1e3, 0), fmt(c.hf_ms / c.memplan_ms, 2), fmt(c.gemm_flops / 1e12, 2),
             fmt(rate / 1e12, 1), fmt(rate / matmul_flops_per_s, 2), fmt(c.gemm_kernel_ms, 2),
             fmt(c.gemm_kernel_ms / c.memplan_ms, 2), fmt(c.gemm_kernel_ms / c.kernel_ms, 2),
             fmt(c.kernel_ms / c.memplan_ms, 2), fmt(c.gemm_flops / (c.gemm_kernel_ms * 1e-3) / 1e12, 1),
-            fmt(c.softmax_kernel_ms, 2),
+            fmt(c.softmax_kernel_ms, 2), fmt(c.flash_kernel_ms, 2),
         ])
-    return markdown_table(headers, rows, [False] + [True] * (len(headers) - 1))
+    return markdown_table(headers, rows, [False, False] + [True] * (len(headers) - 2))
 
 
-def notes(cells: list[Cell], plans: dict[str, MemoryPlan], matmul_rate: float, args: argparse.Namespace) -> str:
+def notes(cells: list[Cell], plans: dict[tuple[str, str], MemoryPlan], matmul_rate: float,
+          args: argparse.Namespace) -> str:
     lines = [f"{args.matmul_dtype} matmul peak: {matmul_rate / 1e12:,.0f} TFLOP/s (`torch.matmul` of two "
              f"{args.matmul_size}^2 matrices, median)."]
-    for name, plan in plans.items():
-        lines.append(f"{name}: plan max_prefill_tokens {plan.capacity.max_prefill_tokens}, max_context "
-                     f"{plan.capacity.max_context}, gpu_memory_utilization {plan.serving.gpu_memory_utilization}; "
-                     f"chunks of >= {plan.serving.gemm_attention_min_tokens} tokens run attention as GEMMs over "
-                     f"{plan.capacity.prefill_score_elements:,} planned score elements per tile.")
+    for (name, backend), plan in plans.items():
+        lines.append(f"{name} ({backend}): plan max_prefill_tokens {plan.capacity.max_prefill_tokens}, max_context "
+                     f"{plan.capacity.max_context}, gpu_memory_utilization {plan.serving.gpu_memory_utilization}, "
+                     f"prefill pool {plan.pool('prefill').bytes / 2**20:,.1f} MiB; {_long_chunks(plan)}")
     if not args.profile:
         lines.append("Profiler off: no kernel-time columns.")
-    lines += [f"{c.model} prompt {c.prompt_tokens}: {note}" for c in cells for note in c.notes]
+    lines += [f"{c.model} ({c.prefill_attention}) prompt {c.prompt_tokens}: {note}" for c in cells for note in c.notes]
     return "\n".join(f"- {line}" for line in lines)
+
+
+def _long_chunks(plan: MemoryPlan) -> str:
+    """What the plan does with chunks of >= gemm_attention_min_tokens tokens."""
+    threshold = f"chunks of >= {plan.serving.gemm_attention_min_tokens} tokens"
+    if not plan.capacity.prefill_gather_tokens:
+        return f"no {threshold} fit a step: every chunk runs the paged kernel."
+    if plan.serving.prefill_attention == "flash":
+        return f"{threshold} run FlashAttention, one launch a chunk, no score scratch."
+    return (f"{threshold} run attention as GEMMs over {plan.capacity.prefill_score_elements:,} planned score "
+            "elements per tile.")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -231,9 +257,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-profile", dest="profile", action="store_false", help="skip the torch.profiler run")
     parser.add_argument("--matmul-size", type=int, default=8192)
+    parser.add_argument("--prefill-attention", type=str_list, default=["gemm"],
+                        help="comma-separated serving prefill_attention backends to run side by side: gemm, flash "
+                             "(default gemm)")
     add_plan_arguments(parser, "default: the smallest that holds the longest prompt",
                        "tiny configs in the simulator, prompts 8,24 in chunks of 16, HF on CPU")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.prefill_attention) - set(get_args(PrefillAttention)))
+    if unknown or not args.prefill_attention:
+        parser.error(f"--prefill-attention {','.join(args.prefill_attention)}: each must be one of "
+                     f"{', '.join(get_args(PrefillAttention))}")
     resolve_plan_arguments(args)
     if args.smoke:
         args.prompts = args.prompts or [8, 24]
@@ -256,12 +289,18 @@ def main(argv: list[str] | None = None) -> None:
     log(f"{args.matmul_dtype} matmul {args.matmul_size}^3: {matmul_rate / 1e12:,.1f} TFLOP/s")
     all_cells, plans = [], {}
     for model_name in args.models:
-        plan = plans[model_name] = prefill_plan(model_name, args)
-        cells = [Cell(plan.model.name, n) for n in sorted(args.prompts)]
-        run_memplan(plan, cells, args, device)
-        if not args.no_hf:
-            run_hf(plan, cells, args, device.torch_device)
-        all_cells += cells
+        by_backend = {}
+        for backend in args.prefill_attention:
+            plan = plans[(model_name, backend)] = prefill_plan(model_name, backend, args)
+            cells = by_backend[backend] = [Cell(plan.model.name, backend, n) for n in sorted(args.prompts)]
+            run_memplan(plan, cells, args, device)
+            all_cells += cells
+        if not args.no_hf:  # once per model: the same HF forward is every backend's reference
+            first, *others = by_backend.values()
+            run_hf(plan, first, args, device.torch_device)
+            for cells in others:
+                for cell, measured in zip(cells, first):
+                    cell.hf_ms = measured.hf_ms
     body = table(all_cells, matmul_rate) + "\n\n" + notes(all_cells, plans, matmul_rate, args)
     emit("Prefill throughput and GEMM rate (bench/prefill.py)", info, body, args.out)
 

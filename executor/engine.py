@@ -129,10 +129,11 @@ def warm_up(model: DecoderModel) -> None:
     """Run one prefill step and one decode step on scratch data before serving, so that first-call
     work (Numba compilation, cuBLAS set-up) is not charged to the first requests' latencies.
 
-    The prefill step feeds a chunk long enough for GEMM attention (serving gemm_attention_min_tokens,
-    when the KV pool has the pages) beside a one-token chunk for the paged kernel; the decode step
-    continues the long one. It writes KV pages from 1 and recurrent slots from 0 and leaves them:
-    no request owns a page yet, the prefix cache is empty, and a slot is zeroed on admission.
+    The prefill step feeds a chunk long enough for the long-chunk attention backend (serving
+    gemm_attention_min_tokens and prefill_attention, when the KV pool has the pages) beside a
+    one-token chunk for the paged kernel; the decode step continues the long one. It writes KV pages
+    from 1 and recurrent slots from 0 and leaves them: no request owns a page yet, the prefix cache
+    is empty, and a slot is zeroed on admission.
     """
     plan = model.arena.plan
     cap = plan.capacity

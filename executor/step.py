@@ -59,16 +59,19 @@ class RequestChunk:
 
 
 @dataclass(frozen=True)
-class GemmRequest:
-    """A prefill chunk whose attention runs as two GEMMs (executor.models.prefill_attention).
+class LongPrefillRequest:
+    """A prefill chunk long enough (serving gemm_attention_min_tokens) that its attention runs over its
+    keys and values gathered from the KV pages, in the plan's prefill_attention backend
+    (executor.models.prefill_attention: GEMMs; executor.models.flash_prefill_attention: FlashAttention)
+    rather than the paged kernel.
 
     request        its index in the step
     q_start        its first row in the step
     num_rows       its rows (new tokens); their positions are kv_len - num_rows .. kv_len - 1
     kv_len         its tokens in the KV cache after this step
     page_start     its first entry in the step's page_indices
-    rows_per_tile  query rows per GEMM tile: Hq x rows_per_tile x kv_len scores fit the
-                   plan's prefill_score_elements
+    rows_per_tile  query rows per attention pass. gemm: a tile whose Hq x rows_per_tile x kv_len scores
+                   fit the plan's prefill_score_elements; flash: num_rows (one launch, no score buffer)
     """
 
     request: int
@@ -103,7 +106,7 @@ class StepMetadata:
     top_k: np.ndarray  # [requests] int32
     seeds: np.ndarray  # [requests] int64
     sample_steps: np.ndarray  # [requests] int32
-    gemm_requests: tuple[GemmRequest, ...] = ()  # prefill chunks whose attention runs as GEMMs (host only)
+    long_prefill_requests: tuple[LongPrefillRequest, ...] = ()  # the prefill_attention backend's (host only)
 
     @property
     def num_tiles(self) -> int:
@@ -147,15 +150,15 @@ def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk]) -> StepMetadata:
             raise ValueError(f"recurrent slots of a step must be distinct and >= 0, got {slots.tolist()}")
     q_indptr = _indptr(new_tokens)
     page_indptr = _indptr(pages_needed)
-    gemm_requests: tuple[GemmRequest, ...] = ()
+    long_requests: tuple[LongPrefillRequest, ...] = ()
     if pool == "decode" and len(chunks):
         tiles = plan_decode_tiles(kv_lens, decode_kv_chunk(plan, kv_lens), cap.decode_kv_splits)
     else:
         tiles = plan_tiles(q_indptr, kv_lens, rows_per_tile=PREFILL_ROWS_PER_TILE)
-        gemm_requests = gemm_attention_requests(plan, q_indptr, kv_lens, page_indptr)
-        if gemm_requests:  # their rows get no paged-attention tile
+        long_requests = long_prefill_requests(plan, q_indptr, kv_lens, page_indptr)
+        if long_requests:  # their rows get no paged-attention tile
             routed = np.zeros(len(chunks), dtype=bool)
-            routed[[r.request for r in gemm_requests]] = True
+            routed[[r.request for r in long_requests]] = True
             keep = ~routed[tiles[0]]
             tiles = (tiles[0][keep], tiles[1][keep], tiles[2][keep], tiles[3])
     _check("tiles", int(tiles[0].shape[0]), cap.tiles)
@@ -183,32 +186,39 @@ def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk]) -> StepMetadata:
         top_k=_i32([c.top_k for c in chunks]),
         seeds=np.array([c.seed for c in chunks], dtype=np.int64),
         sample_steps=_i32([c.sample_step for c in chunks]),
-        gemm_requests=gemm_requests,
+        long_prefill_requests=long_requests,
     )
 
 
-def gemm_attention_requests(plan: MemoryPlan, q_indptr: np.ndarray, kv_lens: np.ndarray,
-                            page_indptr: np.ndarray) -> tuple[GemmRequest, ...]:
+def long_prefill_requests(plan: MemoryPlan, q_indptr: np.ndarray, kv_lens: np.ndarray,
+                          page_indptr: np.ndarray) -> tuple[LongPrefillRequest, ...]:
     """The requests of a prefill step whose chunk is long enough (serving gemm_attention_min_tokens)
-    for GEMM attention, when the plan has its scratch (capacity.prefill_score_elements > 0).
-
-    A tile of R query rows needs Hq x R x kv_len scores at most (its last row sees kv_len keys);
-    the planner made prefill_score_elements >= Hq x max_context, so R >= 1.
-    """
-    score_elements = plan.capacity.prefill_score_elements
-    if not score_elements:
+    for the plan's prefill_attention backend, when the plan has its gather scratch
+    (capacity.prefill_gather_tokens > 0)."""
+    if not plan.capacity.prefill_gather_tokens:
         return ()
     min_rows = plan.serving.gemm_attention_min_tokens
-    num_q_heads = plan.geometry.num_q_heads
     requests = []
     for index, rows in enumerate(np.diff(q_indptr).tolist()):
         if rows >= min_rows:
             kv_len = int(kv_lens[index])
-            rows_per_tile = min(rows, score_elements // (num_q_heads * kv_len))
-            assert rows_per_tile >= 1, "the planner sizes prefill_score_elements >= Hq x max_context"
-            requests.append(GemmRequest(index, int(q_indptr[index]), rows, kv_len, int(page_indptr[index]),
-                                        rows_per_tile))
+            requests.append(LongPrefillRequest(index, int(q_indptr[index]), rows, kv_len, int(page_indptr[index]),
+                                               _rows_per_tile(plan, rows, kv_len)))
     return tuple(requests)
+
+
+def _rows_per_tile(plan: MemoryPlan, rows: int, kv_len: int) -> int:
+    """Query rows per attention pass of a chunk of ``rows`` rows over ``kv_len`` keys.
+
+    flash: all of them, one launch (the kernel keeps its scores on chip). gemm: the most whose
+    scores fit the score tile; a tile of R rows needs Hq x R x kv_len scores at most (its last row
+    sees kv_len keys), and the planner made prefill_score_elements >= Hq x max_context, so R >= 1.
+    """
+    if plan.capacity.prefill_attention == "flash":
+        return rows
+    rows_per_tile = min(rows, plan.capacity.prefill_score_elements // (plan.geometry.num_q_heads * kv_len))
+    assert rows_per_tile >= 1, "the planner sizes prefill_score_elements >= Hq x max_context"
+    return rows_per_tile
 
 
 def pad_decode(plan: MemoryPlan, meta: StepMetadata, bucket: int) -> StepMetadata:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner import checked
 from planner.checked import I32
+from planner.config import PrefillAttention
 
 #: Split-KV decode: a decode row's attention may be cut into kv chunks of at least
 #: this many tokens, computed by separate blocks and merged (long contexts at small
@@ -38,8 +39,16 @@ class Capacity(BaseModel):
     tiles: int = Field(description="N = max(T x gqa_group, B x decode_kv_splits): attention work tiles of a step")
     decode_kv_splits: int = Field(1, description="most kv chunks a decode row's attention is split into: "
                                   "min(32, ceil(C / 64)), the depth of the decode pool's split scratch")
+    prefill_attention: PrefillAttention = Field("gemm", description="backend of long prefill chunks' attention: "
+                                                "serving prefill_attention, with auto decided (flash where the "
+                                                "kernel takes the model and dtypes)")
+    prefill_gather_tokens: int = Field(0, description="keys (and values) of one request that the prefill pool's "
+                                       "attn_keys / attn_values [Hkv, this, D] scratch holds for long-chunk attention "
+                                       "(serving gemm_attention_min_tokens), either backend: C, or 0 when no chunk "
+                                       "is that long or the model has no full-attention layer")
     prefill_score_elements: int = Field(0, description="scores of one GEMM prefill-attention tile (0: no GEMM "
-                                        "attention): min(Hq x T x C, max(2^26, Hq x C))")
+                                        "attention, e.g. serving prefill_attention flash): "
+                                        "min(Hq x T x C, max(2^26, Hq x C))")
     recurrent_slots: int = Field(0, description="recurrent-state slots: B x states_per_slot (Qwen3.5)")
     kv_pages: int = Field(0, description="KV pages allocated, page 0 (padding) included")
     kv_tokens: int = Field(0, description="tokens the usable KV pages hold: (kv_pages - 1) x S")
@@ -48,15 +57,18 @@ class Capacity(BaseModel):
 def build_capacity(
     *, max_batch: int, max_context: int, page_size: int, max_prefill_tokens: int, gqa_group: int,
     recurrent_slots_per_request: int, num_q_heads: int = 0, gemm_attention_min_tokens: int = 1,
+    prefill_attention: PrefillAttention = "gemm",
 ) -> Capacity:
     """Capacities before the KV pool is sized (kv_pages and kv_tokens stay 0). ``num_q_heads`` 0
     (no full-attention layer) or ``gemm_attention_min_tokens`` above ``max_prefill_tokens``: no
-    GEMM prefill attention."""
+    long-chunk prefill attention, so no gather scratch and no score tile. ``prefill_attention``
+    "flash" gathers keys too, but its kernel keeps the scores on chip: no score tile."""
     tokens = max(checked.add("max_tokens_per_step", max_prefill_tokens, max_batch - 1, width=I32), max_batch)
     pages_per_request = checked.ceil_div("pages_per_request", max_context, page_size, width=I32)
     kv_splits = min(MAX_DECODE_KV_SPLITS, checked.ceil_div("decode_kv_splits", max_context, MIN_KV_CHUNK_TOKENS))
+    long_chunks = bool(num_q_heads) and gemm_attention_min_tokens <= max_prefill_tokens
     score_elements = 0
-    if num_q_heads and gemm_attention_min_tokens <= max_prefill_tokens:
+    if long_chunks and prefill_attention == "gemm":
         one_row = checked.mul("prefill scores of one row", num_q_heads, max_context, width=I32)
         whole_step = checked.mul("prefill scores of a step", one_row, tokens, width=checked.I64)
         score_elements = min(whole_step, max(MAX_PREFILL_SCORE_ELEMENTS, one_row))
@@ -71,6 +83,8 @@ def build_capacity(
         tiles=max(checked.mul("tiles", tokens, gqa_group, width=I32),
                   checked.mul("decode tiles", max_batch, kv_splits, width=I32)),
         decode_kv_splits=kv_splits,
+        prefill_attention=prefill_attention,
+        prefill_gather_tokens=max_context if long_chunks else 0,
         prefill_score_elements=score_elements,
         recurrent_slots=checked.mul("recurrent_slots", max_batch, recurrent_slots_per_request, width=I32),
     )

@@ -29,6 +29,7 @@ SERVING_FLAGS = {
     "kv_cache_dtype": ("--kv-cache-dtype", None, str),
     "dtype": ("--dtype", None, str),
     "gemm_attention_min_tokens": ("--gemm-attention-min-tokens", None, int),
+    "prefill_attention": ("--prefill-attention", None, str),
 }
 
 
@@ -49,13 +50,14 @@ def serving_overrides(args: argparse.Namespace) -> dict[str, object]:
 
 def plan_from_args(args: argparse.Namespace):
     """Load the three configs named by ``args`` and build the plan."""
-    from planner.loader import load_hardware, load_model, load_serving
+    from planner.loader import load_hardware, load_model, load_serving, serving_source
     from planner.plan import build_plan
 
     model = load_model(args.model)
     hardware = load_hardware(args.hardware)
-    serving = load_serving(args.serving or "default", serving_overrides(args))
-    return build_plan(model, hardware, serving)
+    spec, overrides = args.serving or "default", serving_overrides(args)
+    serving = load_serving(spec, overrides)
+    return build_plan(model, hardware, serving, serving_source=serving_source(spec, overrides))
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

@@ -17,6 +17,8 @@ from planner.dtypes import ActivationDtype
 from planner.errors import ConfigError
 
 LayerType = Literal["full_attention", "linear_attention"]
+#: Backends of long prefill chunks' attention (the plan's, after serving prefill_attention "auto").
+PrefillAttention = Literal["gemm", "flash"]
 
 # Bounds that keep every count a kernel indexes with inside i32 by a margin,
 # and reject typos (a hidden size of 4e9) at the config instead of deep inside
@@ -155,6 +157,13 @@ class HardwareConfig(_Frozen):
         return self
 
 
+#: prefill_attention "flash": the kernel loads Q K^T operands 32 head dimensions at a time (two MMA k-steps a
+#: fragment load; tests/executor/test_flash_prefill.py holds this to executor/kernels/flash_attention.py)...
+FLASH_HEAD_DIM_MULTIPLE = 32
+#: ... and reads q, k, v and writes its output as bf16 only.
+FLASH_DTYPE = "bfloat16"
+
+
 class ServingConfig(_Frozen):
     """How the model is served: batch, context, paging and memory share (vLLM names in parentheses)."""
 
@@ -187,9 +196,16 @@ class ServingConfig(_Frozen):
         1, description="Recurrent states kept per decode slot (Qwen3.5); 2 lets a prefill run beside a graph slot."
     )
     gemm_attention_min_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = Field(
-        256, description="A prefill chunk of at least this many tokens computes attention as two batched GEMMs "
-        "(cuBLAS) over a planned score scratch; shorter chunks and decode rows use the paged attention kernel. "
-        "Above max_prefill_tokens: never, and no scratch is planned."
+        256, description="A prefill chunk of at least this many tokens computes attention over its keys and values "
+        "gathered from the KV pages, with the prefill_attention backend; shorter chunks and decode rows use the "
+        "paged attention kernel. Above max_prefill_tokens: never, and no gather or score scratch is planned."
+    )
+    prefill_attention: Literal["auto", "gemm", "flash"] = Field(
+        "auto", description="Backend of those long prefill chunks' attention. gemm: two batched GEMMs (cuBLAS) "
+        "with a causal softmax between them, over a planned float32 score tile. flash: one tensor-core "
+        "FlashAttention-2 kernel launch per chunk, no score scratch; needs bfloat16 activations and KV cache "
+        f"and a head_dim that is a multiple of {FLASH_HEAD_DIM_MULTIPLE}. auto: flash where the model and dtypes "
+        "allow it (faster on the H200: docs/benchmarks.md), else gemm; the plan's capacity says which."
     )
     decode_graph_batch_sizes: tuple[Annotated[int, Field(ge=1, le=1 << 16)], ...] = Field(
         (1, 2, 4, 8, 16, 32, 64), description="Batch buckets captured as decode CUDA graphs; each <= max_batch."
@@ -207,8 +223,15 @@ class ServingConfig(_Frozen):
         return self
 
 
+def resolved_dtypes(model: ModelConfig, serving: ServingConfig) -> tuple[str, str]:
+    """(activation dtype, KV cache dtype) after "auto": the model's dtype, then the activations'."""
+    activations = model.dtype if serving.dtype == "auto" else serving.dtype
+    return activations, activations if serving.kv_cache_dtype == "auto" else serving.kv_cache_dtype
+
+
 def check_compatible(model: ModelConfig, serving: ServingConfig, source: str = "serving") -> None:
-    """Rules that involve both the model and the serving config; raises ConfigError."""
+    """Rules that involve both the model and the serving config; raises ConfigError naming ``source``
+    (the serving config's file, when the caller knows it)."""
     if serving.max_context is not None and serving.max_context > model.max_position_embeddings:
         raise ConfigError(
             source, "max_context", serving.max_context,
@@ -232,3 +255,35 @@ def check_compatible(model: ModelConfig, serving: ServingConfig, source: str = "
             source, "tensor_parallel_size", tp,
             f"must divide num_key_value_heads ({kv}) or be a multiple of it (KV heads are split or replicated)",
         )
+    if serving.prefill_attention == "flash":
+        _check_flash_attention(model, serving, source)
+
+
+def resolve_prefill_attention(model: ModelConfig, serving: ServingConfig) -> PrefillAttention:
+    """serving prefill_attention with "auto" decided: flash when the kernel takes this model and these
+    dtypes, else gemm. An explicit choice stands (check_compatible refuses a flash it cannot run)."""
+    if serving.prefill_attention != "auto":
+        return serving.prefill_attention
+    return "flash" if _flash_refusal(model, serving) is None else "gemm"
+
+
+def _flash_refusal(model: ModelConfig, serving: ServingConfig) -> str | None:
+    """Why the FlashAttention kernel cannot run this model and dtypes, or None when it can."""
+    if model.head_dim % FLASH_HEAD_DIM_MULTIPLE:
+        return (f"needs head_dim a multiple of {FLASH_HEAD_DIM_MULTIPLE} (the kernel's Q K^T fragment loads); model "
+                f"{model.name} has head_dim {model.head_dim}; use prefill_attention: gemm or auto")
+    activations, kv_cache = resolved_dtypes(model, serving)
+    if (activations, kv_cache) != (FLASH_DTYPE, FLASH_DTYPE):
+        return (f"needs {FLASH_DTYPE} activations and KV cache (the kernel is bf16 only); dtype {serving.dtype!r} and "
+                f"kv_cache_dtype {serving.kv_cache_dtype!r} over model {model.name} ({model.dtype}) give {activations} "
+                f"and {kv_cache}; set dtype: {FLASH_DTYPE} and kv_cache_dtype: auto, or use prefill_attention: gemm "
+                "or auto")
+    return None
+
+
+def _check_flash_attention(model: ModelConfig, serving: ServingConfig, source: str) -> None:
+    """The FlashAttention kernel's limits: head_dim a multiple of FLASH_HEAD_DIM_MULTIPLE, bf16 activations
+    and KV cache."""
+    refusal = _flash_refusal(model, serving)
+    if refusal is not None:
+        raise ConfigError(source, "prefill_attention", serving.prefill_attention, refusal)

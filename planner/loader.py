@@ -44,6 +44,17 @@ def load_hardware(spec: str) -> HardwareConfig:
 
 def load_serving(spec: str | None, overrides: dict[str, Any] | None = None) -> ServingConfig:
     """Serving from a YAML path or shipped name (defaults when None), with flag overrides applied."""
+    data, source = _serving_data(spec, overrides)
+    return validate(ServingConfig, data, source)
+
+
+def serving_source(spec: str | None, overrides: dict[str, Any] | None = None) -> str:
+    """What errors about the serving config of ``load_serving(spec, overrides)`` name: its file
+    ("defaults" when None), with " + flags" when overrides are given."""
+    return _serving_data(spec, overrides)[1]
+
+
+def _serving_data(spec: str | None, overrides: dict[str, Any] | None) -> tuple[dict[str, Any], str]:
     source = "defaults"
     data: dict[str, Any] = {}
     if spec is not None:
@@ -58,7 +69,7 @@ def load_serving(spec: str | None, overrides: dict[str, Any] | None = None) -> S
             given["decode_graph_batch_sizes"] = [b for b in buckets if b <= given["max_batch"]] or [1]
         data = {**data, **given}
         source = f"{source} + flags"
-    return validate(ServingConfig, data, source)
+    return data, source
 
 
 def validate(model_type: type[T], data: Any, source: str) -> T:

@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from planner import checked
 from planner.attention_plan import build_attention_plan
 from planner.capacity import Capacity, build_capacity, with_kv_pages
-from planner.config import HardwareConfig, ModelConfig, ServingConfig, check_compatible
+from planner.config import (
+    HardwareConfig, ModelConfig, ServingConfig, check_compatible, resolve_prefill_attention, resolved_dtypes)
 from planner.errors import PlanDoesNotFit
 from planner.geometry import Geometry, build_geometry
 from planner.kv_cache import build_kv_cache, build_recurrent_state, kv_page_bytes
@@ -83,19 +84,19 @@ class MemoryPlan(BaseModel):
 
 
 def resolve_dtypes(model: ModelConfig, serving: ServingConfig) -> Dtypes:
-    activations = model.dtype if serving.dtype == "auto" else serving.dtype
-    kv = activations if serving.kv_cache_dtype == "auto" else serving.kv_cache_dtype
+    activations, kv = resolved_dtypes(model, serving)
     return Dtypes(weights=activations, activations=activations, kv_cache=kv)
 
 
-def build_plan(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig) -> MemoryPlan:
+def build_plan(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig, *,
+               serving_source: str = "serving") -> MemoryPlan:
     """Lay out every buffer, size the KV pool from what is left, and return the plan.
 
-    Raises ConfigError for inconsistent configs, CheckedOverflowError when a
-    quantity leaves its width, PlanDoesNotFit when fewer than
-    ``serving.min_kv_pages`` KV pages remain.
+    Raises ConfigError for inconsistent configs (naming ``serving_source``, the serving config's
+    file, for a serving field the model rules out), CheckedOverflowError when a quantity leaves
+    its width, PlanDoesNotFit when fewer than ``serving.min_kv_pages`` KV pages remain.
     """
-    draft = _draft(model, hardware, serving)
+    draft = _draft(model, hardware, serving, serving_source)
     page_bytes = kv_page_bytes(draft.geometry, serving.page_size, draft.dtypes.kv_cache)
     if not _leaves_min_kv_pages(draft, page_bytes, serving):
         from planner.fit import explain_does_not_fit  # local: fit calls plan_fits
@@ -144,8 +145,9 @@ class _Draft(BaseModel):
     available_bytes: int  # usable - non_kv; negative when even the non-KV pools do not fit
 
 
-def _draft(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig) -> _Draft:
-    check_compatible(model, serving)
+def _draft(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig,
+           serving_source: str = "serving") -> _Draft:
+    check_compatible(model, serving, serving_source)
     dtypes = resolve_dtypes(model, serving)
     geometry = build_geometry(model, serving)
     capacity = build_capacity(
@@ -156,6 +158,7 @@ def _draft(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig)
         gqa_group=geometry.gqa_group,
         num_q_heads=geometry.num_q_heads if geometry.num_full_layers else 0,
         gemm_attention_min_tokens=serving.gemm_attention_min_tokens,
+        prefill_attention=resolve_prefill_attention(model, serving),
         recurrent_slots_per_request=serving.states_per_slot if geometry.num_linear_layers else 0,
     )
     act = dtypes.activations
@@ -166,7 +169,7 @@ def _draft(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig)
         build_attention_plan(capacity),
         build_step_pool("decode", geometry, capacity.max_batch, act, capacity.decode_kv_splits),
         build_step_pool("prefill", geometry, capacity.max_tokens_per_step, act,
-                        score_elements=capacity.prefill_score_elements, max_context=capacity.max_context),
+                        gather_tokens=capacity.prefill_gather_tokens, score_elements=capacity.prefill_score_elements),
         build_sampling(geometry, capacity.max_batch, act),
         budget_pool("runtime", _runtime_lines(hardware, serving)),
     ]

@@ -48,14 +48,16 @@ def _live(first: str, last: str) -> tuple[int, int]:
     return (_STAGE[first], _STAGE[last])
 
 
-def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0, score_elements: int = 0,
-                  max_context: int = 0) -> list[BufferRequest]:
+def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0, gather_tokens: int = 0,
+                  score_elements: int = 0) -> list[BufferRequest]:
     """Role buffers of a step of ``rows`` token rows (B for decode, T for prefill). ``kv_splits`` > 1
     adds the split-KV attention scratch (decode): float32 partial outputs and log-sum-exps of
-    up to ``kv_splits`` kv chunks per row, merged into attn_out. ``score_elements`` > 0 adds the
-    GEMM attention scratch (prefill): one request's keys and values gathered from their pages
-    [Hkv, C, D], one tile's queries (then outputs) packed by kv head [Hkv, group x rows, D], and
-    its float32 scores and their probabilities."""
+    up to ``kv_splits`` kv chunks per row, merged into attn_out. ``gather_tokens`` > 0 adds the
+    long-chunk attention scratch (prefill, either backend): one request's keys and values gathered
+    from their pages, [Hkv, gather_tokens, D] each. ``score_elements`` > 0 adds GEMM attention's
+    own scratch: the chunk's queries (then outputs) packed by kv head [Hkv, group x rows, D], and
+    one tile's float32 scores and their probabilities (FlashAttention keeps both on chip)."""
+    assert gather_tokens or not score_elements, "GEMM attention reads the gathered keys"
     g = geometry
     requests = [
         BufferRequest("token_ids", "int32", (rows,), _live("embed", "embed")),
@@ -76,12 +78,15 @@ def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0,
                 BufferRequest("attn_partial_out", "float32", (rows, kv_splits, g.num_q_heads, g.head_dim), attention),
                 BufferRequest("attn_partial_lse", "float32", (rows, kv_splits, g.num_q_heads), attention),
             ]
-        if score_elements:
-            gathered = (g.num_kv_heads, max_context, g.head_dim)
+        if gather_tokens:
+            gathered = (g.num_kv_heads, gather_tokens, g.head_dim)
             requests += [
-                BufferRequest("attn_packed", dtype, (rows, g.num_q_heads, g.head_dim), attention),
                 BufferRequest("attn_keys", dtype, gathered, attention),
                 BufferRequest("attn_values", dtype, gathered, attention),
+            ]
+        if score_elements:
+            requests += [
+                BufferRequest("attn_packed", dtype, (rows, g.num_q_heads, g.head_dim), attention),
                 BufferRequest("attn_scores", "float32", (score_elements,), attention),
                 BufferRequest("attn_probs", dtype, (score_elements,), attention),
             ]
@@ -99,6 +104,6 @@ def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0,
 
 
 def build_step_pool(name: str, geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0,
-                    score_elements: int = 0, max_context: int = 0) -> Pool:
+                    gather_tokens: int = 0, score_elements: int = 0) -> Pool:
     """A transient pool (``decode`` or ``prefill``) packed by live range."""
-    return pack_by_lifetime(name, step_requests(geometry, rows, dtype, kv_splits, score_elements, max_context))
+    return pack_by_lifetime(name, step_requests(geometry, rows, dtype, kv_splits, gather_tokens, score_elements))

@@ -302,7 +302,7 @@ class FlashAttention:
     """Launcher: causal attention of one request's query chunk over its keys, bf16 (int16 bits).
 
     q, out [rows, Hq, D]; k, v [Hkv, C, D] with C >= kv_len (GatherKv's scratch; only the first
-    kv_len keys are read); Hq a multiple of Hkv; D a multiple of 16; every row's heads 16-byte
+    kv_len keys are read); Hq a multiple of Hkv; D a multiple of 32; every row's heads 16-byte
     aligned (a strided q such as Qwen3.5's gated one is fine). Query row r is at position
     kv_len - rows + r and sees keys 0..kv_len - rows + r.
     """

@@ -14,6 +14,7 @@ import torch
 
 from executor.arena import Arena
 from executor.models.context import StepViews
+from executor.models.flash_prefill_attention import FlashPrefillAttention
 from executor.models.kernels import Kernels, NormStyle
 from executor.models.prefill_attention import GemmPrefillAttention
 
@@ -47,10 +48,8 @@ class FullAttention:
         # Decode splits long kv ranges over several blocks (step.decode_kv_chunk) when the plan
         # has split scratch; one fixed choice per plan, so eager decode and its graphs agree.
         self.split_decode = plan.capacity.decode_kv_splits > 1
-        # Long prefill chunks (step.gemm_requests) run attention as GEMMs when the plan has their scratch.
-        self.gemm_attention = GemmPrefillAttention(
-            kernels.gather_kv, kernels.causal_softmax, kernels.chunk_copy, self.k_cache, self.v_cache,
-            g.num_kv_heads, g.gqa_group, self.scale) if plan.capacity.prefill_score_elements else None
+        # Long prefill chunks (step.long_prefill_requests) run in the plan's backend, chosen once here.
+        self.long_prefill_attention = _long_prefill_attention(arena, kernels, self.k_cache, self.v_cache, self.scale)
 
     def __call__(self, step: StepViews) -> None:
         k_ = self.kernels
@@ -74,18 +73,31 @@ class FullAttention:
         attention = k_.decode_attention if decode else k_.attention
         split = (step.role("attn_partial_out"), step.role("attn_partial_lse")) if (
             self.split_decode and decode) else (None, None)
-        if step.num_tiles:  # none when every chunk of the step runs GEMM attention
+        if step.num_tiles:  # none when every chunk of the step is a long one (long_prefill_attention)
             attention(
                 q, self.k_cache, self.v_cache, *(step.meta(name) for name in (
                     "page_indices", "page_indptr", "last_page_len", "q_indptr", "batch_indices", "positions",
                     "request_indices", "qo_tile_indices", "kv_tile_indices", "kv_chunk_size", "total_num_rows")),
                 attn_out, self.scale, *split, stream=step.stream,
             )
-        if step.gemm_requests:  # the long prefill chunks, which got no paged-attention tile
-            self.gemm_attention(step, q, attn_out)
+        if step.long_prefill_requests:  # the long prefill chunks, which got no paged-attention tile
+            self.long_prefill_attention(step, q, attn_out)
         if self.output_gate:
             k_.output_gate(attn_out, gate, stream=step.stream)
         _gemm(step.role("attn_out"), self.o_weight, step.role("proj_out"))
+
+
+def _long_prefill_attention(arena: Arena, kernels: Kernels, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            scale: np.float32) -> GemmPrefillAttention | FlashPrefillAttention | None:
+    """The plan's prefill_attention backend (capacity) of long prefill chunks, or None when the plan has no
+    gather scratch for them (no chunk reaches gemm_attention_min_tokens: none is ever routed there)."""
+    plan, g = arena.plan, arena.plan.geometry
+    if not plan.capacity.prefill_gather_tokens:
+        return None
+    if plan.capacity.prefill_attention == "flash":
+        return FlashPrefillAttention(kernels.gather_kv, kernels.flash_attention, k_cache, v_cache)
+    return GemmPrefillAttention(kernels.gather_kv, kernels.causal_softmax, kernels.chunk_copy, k_cache, v_cache,
+                                g.num_kv_heads, g.gqa_group, scale)
 
 
 class LinearAttention:

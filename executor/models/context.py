@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from executor.arena import Arena
-from executor.step import GemmRequest, StepMetadata
+from executor.step import LongPrefillRequest, StepMetadata
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class StepViews:
     pool: str
     arena: Arena
     stream: Any  # the Numba stream kernels launch on: torch's current stream (device.current_stream())
-    gemm_requests: tuple[GemmRequest, ...] = ()  # prefill chunks whose attention runs as GEMMs
+    long_prefill_requests: tuple[LongPrefillRequest, ...] = ()  # chunks the prefill_attention backend runs
 
     def scratch(self, name: str) -> torch.Tensor:
         """A whole planned buffer of the step's pool (scratch not laid out by row)."""
@@ -67,7 +67,7 @@ def step_views(arena: Arena, meta: StepMetadata) -> StepViews:
         pool=meta.pool,
         arena=arena,
         stream=arena.device.current_stream(),
-        gemm_requests=meta.gemm_requests,
+        long_prefill_requests=meta.long_prefill_requests,
     )
 
 

@@ -14,6 +14,7 @@ from executor.kernels.conv1d import CausalConv1d
 from executor.kernels.decode_attention import DecodeAttention
 from executor.kernels.delta_rule import GatedDeltaRule, GdnGates
 from executor.kernels.embedding import Embedding
+from executor.kernels.flash_attention import FlashAttention
 from executor.kernels.gated_norm import GatedRmsNorm
 from executor.kernels.gemm_attention import GatherKv
 from executor.kernels.norm import AddRmsNormInplace, RmsNorm
@@ -46,6 +47,7 @@ class Kernels:
     gather_kv: GatherKv  # GEMM prefill attention: a request's KV pages -> contiguous scratch
     causal_softmax: CausalSoftmax  # GEMM prefill attention: scores -> probabilities
     chunk_copy: ChunkCopy  # GEMM prefill attention: query rows packed by kv head, outputs back
+    flash_attention: FlashAttention  # FlashAttention prefill (compiled on first use: flash plans only)
     output_gate: SigmoidMulInplace
     silu_mul: SiluMul
     sample: Sample
@@ -81,6 +83,7 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle) ->
         gather_kv=GatherKv(),
         causal_softmax=CausalSoftmax(codec),
         chunk_copy=ChunkCopy(),
+        flash_attention=FlashAttention(),
         output_gate=SigmoidMulInplace(codec),
         silu_mul=SiluMul(codec),
         sample=Sample(max_threads=32) if simulated else Sample(),

@@ -12,7 +12,7 @@ GPU's matmul rate. Here a request's attention runs as
         packed tile = probs @ values                  (torch.bmm over kv heads, in place of the tile's q)
     out rows     <- packed                            (ChunkCopy back to [rows, Hq, D])
 
-over tiles of query rows sized by the plan (step.GemmRequest.rows_per_tile), a
+over tiles of query rows sized by the plan (step.LongPrefillRequest.rows_per_tile), a
 tile's GEMMs spanning only the keys its last row sees. Packing the GQA group
 into the GEMM's rows makes one GEMM per tile cover every head (M = group x rows,
 a batch of Hkv): P V has a short output and a long reduction, and per-head
@@ -43,11 +43,11 @@ class GemmPrefillAttention:
     def __init__(self, gather: GatherKv, softmax: CausalSoftmax, copy: ChunkCopy, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, num_kv_heads: int, group: int, scale: float):
         self.gather, self.softmax, self.copy = gather, softmax, copy
-        self.k_cache, self.v_cache = _as_words(k_cache), _as_words(v_cache)  # [pages, S, Hkv, W]
+        self.k_cache, self.v_cache = as_words(k_cache), as_words(v_cache)  # [pages, S, Hkv, W]
         self.num_kv_heads, self.group, self.scale = num_kv_heads, group, scale
 
     def __call__(self, step: StepViews, q: torch.Tensor, out: torch.Tensor) -> None:
-        """Attention of ``step.gemm_requests`` into their rows of ``out``.
+        """Attention of ``step.long_prefill_requests`` into their rows of ``out``.
 
         q [T, Hq, D] (a strided view of qkv), out [T, Hq, D] (attn_out), activation dtype; the KV
         pages already hold this step's keys and values.
@@ -55,9 +55,9 @@ class GemmPrefillAttention:
         keys, values = step.scratch("attn_keys"), step.scratch("attn_values")  # [Hkv, C, D]
         page_indices = step.meta("page_indices")
         heads, group, head_dim = self.num_kv_heads, self.group, q.shape[2]
-        for request in step.gemm_requests:
+        for request in step.long_prefill_requests:
             self.gather(self.k_cache, self.v_cache, page_indices, request.page_start, request.kv_len,
-                        _as_words(keys), _as_words(values), stream=step.stream)
+                        as_words(keys), as_words(values), stream=step.stream)
             rows = request.num_rows
             packed = step.scratch("attn_packed").view(-1)[: heads * rows * group * head_dim]
             packed = packed.view(heads, rows, group, head_dim)
@@ -96,6 +96,7 @@ class GemmPrefillAttention:
         torch.bmm(probs, values[:, :num_keys], out=packed_rows)
 
 
-def _as_words(tensor: torch.Tensor) -> torch.Tensor:
-    """The same bytes as 4-byte words (bf16 pairs): the gather copies half as many elements."""
+def as_words(tensor: torch.Tensor) -> torch.Tensor:
+    """The same bytes as 4-byte words (bf16 pairs): the gather copies half as many elements.
+    (FlashPrefillAttention's gather too.)"""
     return tensor.view(torch.int32)

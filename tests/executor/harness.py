@@ -14,6 +14,7 @@ from executor.models.context import StepViews
 from executor.models.decoder import DecoderModel
 from executor.step import RequestChunk, plan_step
 from executor.weights import load_state_dict
+from planner.config import ModelConfig
 from planner.loader import load_hardware, load_model, load_serving
 from planner.plan import MemoryPlan, build_plan
 from tests.hf_reference import hf_model
@@ -27,16 +28,17 @@ class Loaded:
     hf: torch.nn.Module
 
 
-def load_tiny(name: str, seed: int = 0, **serving) -> Loaded:
+def load_tiny(name: str | ModelConfig, seed: int = 0, **serving) -> Loaded:
     """Plan ``name`` for the simulator, materialize it and load a random HF model's weights."""
     return load_with_hf(name, "cpu-sim", "sim", seed=seed, **serving)
 
 
-def load_with_hf(name: str, hardware: str, serving_name: str, *, seed: int = 0, dtype: str | None = None,
-                 **serving) -> Loaded:
-    """Plan ``name`` on ``hardware``, materialize it on the available device, and load the
-    weights of a randomly initialised HF model of the same shape (built on that device)."""
-    config = load_model(name)
+def load_with_hf(name: str | ModelConfig, hardware: str, serving_name: str, *, seed: int = 0,
+                 dtype: str | None = None, **serving) -> Loaded:
+    """Plan ``name`` (a shipped name, a file, or a config built by the test) on ``hardware``, materialize
+    it on the available device, and load the weights of a randomly initialised HF model of the same
+    shape (built on that device)."""
+    config = load_model(name) if isinstance(name, str) else name
     if dtype is not None:
         serving["dtype"] = dtype
     plan = build_plan(config, load_hardware(hardware), load_serving(serving_name, serving))

@@ -74,12 +74,18 @@ def test_pointers_stay_and_nothing_allocates_after_warm_up(name):
     assert arena.allocated_bytes == materialized
 
 
-@pytest.mark.parametrize("name", ["qwen3-0.6b", "tiny-qwen3-g5"])
-def test_qwen3_hf_golden_bf16(name):
+#: serving prefill_attention flash, with chunks of >= 64 tokens (most prompts here) on it rather than >= 256.
+FLASH = {"prefill_attention": "flash", "gemm_attention_min_tokens": 64}
+
+
+@pytest.mark.parametrize("name, serving", [("qwen3-0.6b", {}), ("qwen3-0.6b", FLASH), ("tiny-qwen3-g5", {})],
+                         ids=["qwen3-0.6b", "qwen3-0.6b-flash", "tiny-qwen3-g5"])
+def test_qwen3_hf_golden_bf16(name, serving):
     loaded = load_with_hf(name, "h200", "default", max_batch=64, max_context=512, max_prefill_tokens=16384,
-                          gpu_memory_utilization=0.25)
+                          gpu_memory_utilization=0.25, **serving)
     sequences, lengths = _prompts(loaded.plan.model.vocab_size, 64, 256, 16, seed=0)
-    _gate(_logprob_deltas(loaded, sequences, lengths), 0.06, 0.2, f"{name} bf16")
+    _gate(_logprob_deltas(loaded, sequences, lengths), 0.06, 0.2,
+          f"{name} {loaded.plan.serving.prefill_attention} bf16")
 
 
 def test_qwen3_hf_golden_float32():
@@ -90,10 +96,14 @@ def test_qwen3_hf_golden_float32():
     _gate(_logprob_deltas(loaded, sequences, lengths), 1e-3, 1e-3, "qwen3-0.6b float32")
 
 
-@pytest.mark.parametrize("name", ["qwen3.5-0.8b", "tiny-qwen3.5-g6"])
-def test_qwen3_5_hf_golden_bf16(name):
+@pytest.mark.parametrize("name, serving", [("qwen3.5-0.8b", {}), ("qwen3.5-0.8b", FLASH), ("tiny-qwen3.5-g6", {})],
+                         ids=["qwen3.5-0.8b", "qwen3.5-0.8b-flash", "tiny-qwen3.5-g6"])
+def test_qwen3_5_hf_golden_bf16(name, serving):
+    """The two 4097-token prompts prefill in chunks of 2048, 2048 and 1: long chunks after cached tokens
+    (flash: the chunk's rows are the last of kv_len, over a gated, strided q)."""
     long_prompts = 0 if name.startswith("tiny") else 2  # tiny models stop at 512 positions
     loaded = load_with_hf(name, "h200", "default", max_batch=34, max_context=4200 if long_prompts else 512,
-                          max_prefill_tokens=2048, gpu_memory_utilization=0.25)
+                          max_prefill_tokens=2048, gpu_memory_utilization=0.25, **serving)
     sequences, lengths = _prompts(loaded.plan.model.vocab_size, 32, 256, 8, seed=2, long_prompts=long_prompts)
-    _gate(_logprob_deltas(loaded, sequences, lengths, chunk=2048), 0.06, 0.2, f"{name} bf16")
+    _gate(_logprob_deltas(loaded, sequences, lengths, chunk=2048), 0.06, 0.2,
+          f"{name} {loaded.plan.serving.prefill_attention} bf16")

@@ -73,14 +73,14 @@ def test_long_prefill_chunks_route_to_gemm_attention_in_tiles_that_fit_the_score
     chunks = [RequestChunk([7], 6, [3, 9], slot=0), RequestChunk([1, 2, 3], 0, [5], slot=1),
               RequestChunk([1, 2, 3, 4, 5], 4, [3, 4, 6], slot=2)]
     meta = plan_step(plan, chunks)
-    (routed,) = meta.gemm_requests
+    (routed,) = meta.long_prefill_requests
     assert (routed.request, routed.q_start, routed.num_rows, routed.kv_len, routed.page_start) == (2, 4, 5, 9, 3)
     assert set(meta.request_indices.tolist()) == {0, 1}  # the paged kernel has the other two
     heads = plan.geometry.num_q_heads
     assert routed.rows_per_tile == 5 and heads * 5 * 9 <= plan.capacity.prefill_score_elements
     tight = plan.model_copy(update={"capacity": plan.capacity.model_copy(
         update={"prefill_score_elements": heads * 9 * 2 + heads * 9 - 1})})  # 2 rows fit, 3 do not
-    assert plan_step(tight, chunks).gemm_requests[0].rows_per_tile == 2
+    assert plan_step(tight, chunks).long_prefill_requests[0].rows_per_tile == 2
 
 
 def test_a_full_batch_at_full_context_uses_every_logical_page(arena):
@@ -137,3 +137,18 @@ def test_writer_never_refills_a_mirror_the_gpu_has_not_read(arena):
     torch.cuda.synchronize()
     assert delivered.tolist() == first.positions.tolist() == [6]
     assert positions[:1].tolist() == second.positions.tolist() == [9]
+
+
+@pytest.mark.parametrize("backend, rows_per_tile", [("gemm", (1 << 26) // (32 * 40960)), ("flash", 4096)])
+def test_a_long_chunk_runs_in_score_tiles_with_gemm_and_in_one_launch_with_flash(backend, rows_per_tile):
+    """Qwen3-8B at C = 40960: a 4096-token chunk ending at 40960 tokens is one long-chunk request either
+    way; GEMM attention tiles its rows so that 32 heads x rows x 40960 scores fit the 2^26-element tile,
+    FlashAttention keeps no scores and takes all of them in one launch."""
+    plan = build_plan(load_model("qwen3-8b"), load_hardware("h200"),
+                      load_serving("default", {"max_context": 40960, "max_prefill_tokens": 4096, "max_batch": 8,
+                                               "prefill_attention": backend}))
+    pages = list(range(1, 1 + plan.capacity.pages_per_request))
+    meta = plan_step(plan, [RequestChunk([1] * 4096, 40960 - 4096, pages)])
+    (routed,) = meta.long_prefill_requests
+    assert (routed.num_rows, routed.kv_len, routed.rows_per_tile) == (4096, 40960, rows_per_tile)
+    assert meta.num_tiles == 0  # no paged-attention tile

@@ -21,7 +21,7 @@ from executor.kernels.causal_softmax import CausalSoftmax
 from executor.kernels.chunk_copy import ChunkCopy
 from executor.kernels.gemm_attention import GatherKv
 from executor.models.prefill_attention import GemmPrefillAttention
-from executor.step import GemmRequest
+from executor.step import LongPrefillRequest
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import DTYPES, TOL, assert_close_rel
 
@@ -85,11 +85,11 @@ def _run_gemm_attention(device, dtype, num_rows, kv_len, rows_per_tile, generato
         "attn_scores": torch.empty(score_elements, dtype=torch.float32, device=device.torch_device),
         "attn_probs": torch.empty(score_elements, dtype=dtype, device=device.torch_device),
     }
-    request = GemmRequest(request=1, q_start=2, num_rows=num_rows, kv_len=kv_len, page_start=1,
-                          rows_per_tile=rows_per_tile)
+    request = LongPrefillRequest(request=1, q_start=2, num_rows=num_rows, kv_len=kv_len, page_start=1,
+                                 rows_per_tile=rows_per_tile)
     step = SimpleNamespace(scratch=scratch.__getitem__, meta={"page_indices": page_indices}.__getitem__,
                            arena=SimpleNamespace(device=device), stream=device.current_stream(),
-                           gemm_requests=(request,))
+                           long_prefill_requests=(request,))
     codec = build_codec("float32" if dtype == torch.float32 else "bfloat16")
     scale = 1 / math.sqrt(HEAD_DIM)
     attention = GemmPrefillAttention(GatherKv(), CausalSoftmax(codec), ChunkCopy(), k_cache, v_cache, NUM_KV_HEADS,

@@ -6,7 +6,7 @@ import jsonschema
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.config import HardwareConfig, ModelConfig, ServingConfig
+from planner.config import FLASH_HEAD_DIM_MULTIPLE, HardwareConfig, ModelConfig, ServingConfig
 from planner.errors import PlanDoesNotFit
 from planner.layout import ALIGNMENT_BYTES
 from planner.plan import build_plan
@@ -43,7 +43,10 @@ def configs(draw):
         page_size=draw(st.sampled_from([1, 4, 16, 64])), max_prefill_tokens=draw(st.integers(1, 16384)),
         gpu_memory_utilization=draw(st.floats(0.5, 1.0)), min_kv_pages=1, decode_graph_batch_sizes=(1,),
         states_per_slot=draw(st.integers(1, 2)),
+        gemm_attention_min_tokens=draw(st.sampled_from([1, 256, 1 << 20])),
     )
+    if head_dim % FLASH_HEAD_DIM_MULTIPLE == 0 and model["dtype"] == "bfloat16":  # what the flash kernel runs
+        serving["prefill_attention"] = draw(st.sampled_from(["gemm", "flash"]))
     hardware = dict(name="random", device_memory_bytes=draw(st.integers(1 << 30, 1 << 38)),
                     hbm_bandwidth_bytes_per_s=10**12, num_sms=100, compute_capability="9.0")
     return ModelConfig.model_validate(model), HardwareConfig.model_validate(hardware), ServingConfig.model_validate(serving)
