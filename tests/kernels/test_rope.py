@@ -468,18 +468,25 @@ def test_gpu_qk_norm_rope_bf16(heads, head_dim, rotary_dim, theta, round_before_
     assert_close_rel(x.double().cpu(), reference.cpu(), 2e-2)
 
 
+def gpu_inputs(seed, rows, heads, head_dim, offset, strided):
+    """bf16 rows [rows, heads, head_dim or 2 head_dim] (strided: q beside its gate), a norm weight
+    (near 0 with a weight offset, near 1 without) and int32 positions, on the GPU."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    width = 2 * head_dim if strided else head_dim
+    buf = (torch.randn(rows, heads, width, device="cuda", generator=gen) * 3).bfloat16()
+    w = (torch.randn(head_dim, device="cuda", generator=gen) * 0.3 + (0.0 if offset else 1.0)).bfloat16()
+    positions = torch.randint(0, 262144, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+    return buf, w, positions
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,head_dim,rotary_dim,theta,round_before_weight,offset,strided", GPU_CASES)
 def test_gpu_specialized_matches_vector_bf16(heads, head_dim, rotary_dim, theta, round_before_weight, offset,
                                              strided):
     """A prefill of 16384 rows (each block strides over 4 to 31 rows on an H200): the specialized
     kernel gives the vector kernel's bits, as it sums squares in the vector kernel's order (rope.py)."""
-    gen = torch.Generator(device="cuda").manual_seed(47)
     rows = 16384
-    width = 2 * head_dim if strided else head_dim
-    buf = (torch.randn(rows, heads, width, device="cuda", generator=gen) * 3).bfloat16()
-    w = (torch.randn(head_dim, device="cuda", generator=gen) * 0.3 + (0.0 if offset else 1.0)).bfloat16()
-    positions = torch.randint(0, 262144, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+    buf, w, positions = gpu_inputs(47, rows, heads, head_dim, offset, strided)
     outs = []
     for min_rows in (rows, None):
         copy = buf.clone()
@@ -497,12 +504,7 @@ def test_gpu_specialized_matches_vector_bf16(heads, head_dim, rotary_dim, theta,
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,head_dim,rotary_dim,theta,round_before_weight,offset,strided", GPU_CASES)
 def test_gpu_vector_matches_scalar_bf16(heads, head_dim, rotary_dim, theta, round_before_weight, offset, strided):
-    gen = torch.Generator(device="cuda").manual_seed(45)
-    rows = 4099
-    width = 2 * head_dim if strided else head_dim
-    buf = (torch.randn(rows, heads, width, device="cuda", generator=gen) * 3).bfloat16()
-    w = (torch.randn(head_dim, device="cuda", generator=gen) * 0.3 + (0.0 if offset else 1.0)).bfloat16()
-    positions = torch.randint(0, 262144, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+    buf, w, positions = gpu_inputs(45, 4099, heads, head_dim, offset, strided)
     outs = []
     for vectorize in (True, False):
         copy = buf.clone()
