@@ -45,6 +45,11 @@ def format_table(plan: MemoryPlan) -> str:
         f"step capacity: batch {capacity.max_batch}, tokens {capacity.max_tokens_per_step:,}, "
         f"logical pages {capacity.logical_pages:,}, tiles {capacity.tiles:,}, context {capacity.max_context:,}",
     ]
+    if capacity.prefill_gather_tokens:
+        tile = (f", score tile {capacity.prefill_score_elements:,} elements" if capacity.prefill_score_elements
+                else ", no score scratch")
+        lines.append(f"prefill attention of chunks >= {plan.serving.gemm_attention_min_tokens:,} tokens: "
+                     f"{capacity.prefill_attention} (serving {plan.serving.prefill_attention}){tile}")
     if capacity.recurrent_slots:
         lines.append(f"recurrent-state slots: {capacity.recurrent_slots}")
     transient = sorted(
