@@ -43,14 +43,14 @@ from executor.kernels.launch import Kernel
 from executor.kernels.norm import inv_rms_from_sum
 from executor.kernels.reduce import build_group_sum, check_max_threads
 from executor.kernels.rope import (
-    MAX_THREADS as ROPE_MAX_THREADS,
     QkNormRopeInplace,
     build_vector_head,
-    check_shape,
     check_rotary_dim,
-    vector_group_threads,
+    check_shape,
     vector_shared_bytes,
 )
+from executor.kernels.rope_layout import MAX_THREADS as ROPE_MAX_THREADS
+from executor.kernels.rope_layout import vector_group_threads
 from executor.kernels.vector import VECTOR_WORDS, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda, simulator_enabled
 

@@ -12,14 +12,12 @@ from executor.kernels.codec import build_codec
 from executor.kernels.kv_cache import WriteKv
 from executor.kernels.qk_rope_kv import QkNormRopeWriteKv, fused_block_threads
 from executor.kernels.norm import SCRATCH_BYTES_PER_THREAD
-from executor.kernels.rope import (
-    VECTOR_ROWS,
-    QkNormRopeInplace,
+from executor.kernels.rope import VECTOR_ROWS, QkNormRopeInplace, vector_shared_bytes
+from executor.kernels.rope_layout import vector_group_threads
+from executor.kernels.rope_specialized import (
     SpecializedLaunch,
     build_qk_norm_rope_specialized_kernel,
     specialized_launch,
-    vector_group_threads,
-    vector_shared_bytes,
 )
 from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
@@ -393,7 +391,7 @@ def test_specialized_compiles_for_sm90():
     compile_for_sm90(
         """
         import re
-        from executor.kernels.rope import build_qk_norm_rope_specialized_kernel, specialized_launch
+        from executor.kernels.rope_specialized import build_qk_norm_rope_specialized_kernel, specialized_launch
         f32 = types.float32
         for round_before_weight, heads, head_dim, rotary_dim in ((True, 32, 128, 128), (False, 16, 256, 64)):
             launch = specialized_launch(heads, head_dim, rotary_dim)
