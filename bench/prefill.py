@@ -239,7 +239,7 @@ def _long_chunks(plan: MemoryPlan) -> str:
     threshold = f"chunks of >= {plan.serving.gemm_attention_min_tokens} tokens"
     if not plan.capacity.prefill_gather_tokens:
         return f"no {threshold} fit a step: every chunk runs the paged kernel."
-    if plan.serving.prefill_attention == "flash":
+    if plan.capacity.prefill_attention == "flash":
         return f"{threshold} run FlashAttention, one launch a chunk, no score scratch."
     return (f"{threshold} run attention as GEMMs over {plan.capacity.prefill_score_elements:,} planned score "
             "elements per tile.")

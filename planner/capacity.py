@@ -47,7 +47,7 @@ class Capacity(BaseModel):
                                        "(serving gemm_attention_min_tokens), either backend: C, or 0 when no chunk "
                                        "is that long or the model has no full-attention layer")
     prefill_score_elements: int = Field(0, description="scores of one GEMM prefill-attention tile (0: no GEMM "
-                                        "attention, e.g. serving prefill_attention flash): "
+                                        "attention, e.g. prefill_attention flash): "
                                         "min(Hq x T x C, max(2^26, Hq x C))")
     recurrent_slots: int = Field(0, description="recurrent-state slots: B x states_per_slot (Qwen3.5)")
     kv_pages: int = Field(0, description="KV pages allocated, page 0 (padding) included")

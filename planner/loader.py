@@ -44,32 +44,31 @@ def load_hardware(spec: str) -> HardwareConfig:
 
 def load_serving(spec: str | None, overrides: dict[str, Any] | None = None) -> ServingConfig:
     """Serving from a YAML path or shipped name (defaults when None), with flag overrides applied."""
-    data, source = _serving_data(spec, overrides)
-    return validate(ServingConfig, data, source)
+    return validate(ServingConfig, _serving_data(spec, overrides), serving_source(spec, overrides))
 
 
 def serving_source(spec: str | None, overrides: dict[str, Any] | None = None) -> str:
     """What errors about the serving config of ``load_serving(spec, overrides)`` name: its file
     ("defaults" when None), with " + flags" when overrides are given."""
-    return _serving_data(spec, overrides)[1]
+    source = "defaults" if spec is None else str(_resolve(spec, "serving"))
+    return f"{source} + flags" if _given(overrides) else source
 
 
-def _serving_data(spec: str | None, overrides: dict[str, Any] | None) -> tuple[dict[str, Any], str]:
-    source = "defaults"
-    data: dict[str, Any] = {}
-    if spec is not None:
-        path = _resolve(spec, "serving")
-        source = str(path)
-        data = _read_yaml(path)
-    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+def _given(overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """The flag overrides actually given (None: the flag was not passed)."""
+    return {k: v for k, v in (overrides or {}).items() if v is not None}
+
+
+def _serving_data(spec: str | None, overrides: dict[str, Any] | None) -> dict[str, Any]:
+    data: dict[str, Any] = {} if spec is None else _read_yaml(_resolve(spec, "serving"))
+    given = _given(overrides)
     if given:
         if "max_batch" in given and "decode_graph_batch_sizes" not in given:
             # Like vLLM's capture sizes: buckets above a lowered batch limit are dropped.
             buckets = data.get("decode_graph_batch_sizes", ServingConfig().decode_graph_batch_sizes)
             given["decode_graph_batch_sizes"] = [b for b in buckets if b <= given["max_batch"]] or [1]
         data = {**data, **given}
-        source = f"{source} + flags"
-    return data, source
+    return data
 
 
 def validate(model_type: type[T], data: Any, source: str) -> T:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from executor.kernels.vector import element_pointer
 from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
@@ -68,15 +69,6 @@ def _simulated() -> tuple[Callable[..., Any], Callable[..., Any]]:
     return copy_async, copy_async_wait_all
 
 
-def _element_pointer(context: Any, builder: Any, array_type: Any, array: Any, index_type: Any, index: Any) -> Any:
-    from numba.cuda import cgutils
-
-    values = cgutils.unpack_tuple(builder, index, count=len(index_type))
-    indices = [context.cast(builder, value, ty, types.intp) for ty, value in zip(index_type, values)]
-    struct = context.make_array(array_type)(context, builder, value=array)
-    return cgutils.get_item_pointer(context, builder, array_type, struct, indices)
-
-
 def _shared_address_intrinsic() -> Callable[..., Any]:
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
@@ -84,7 +76,7 @@ def _shared_address_intrinsic() -> Callable[..., Any]:
     @intrinsic
     def shared_address(typingctx, tile, index):
         def codegen(context, builder, signature, args):
-            pointer = _element_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+            pointer = element_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
             function = ir.FunctionType(ir.IntType(32), [pointer.type])
             # The tile's data pointer is generic: convert it to the shared window's 32-bit address.
             return builder.asm(function, "{ .reg .u64 window; cvta.to.shared.u64 window, $1; cvt.u32.u64 $0, window; }",
@@ -107,7 +99,7 @@ def _intrinsics() -> tuple[Callable[..., Any], Callable[..., Any]]:
         def codegen(context, builder, signature, args):
             _, src_type, src_index_type, _ = signature.args
             to_value, src_value, src_index_value, valid_value = args
-            source = _element_pointer(context, builder, src_type, src_value, src_index_type, src_index_value)
+            source = element_pointer(context, builder, src_type, src_value, src_index_type, src_index_value)
             i32 = ir.IntType(32)
             source_bytes = builder.select(valid_value, i32(4 * CHUNK_WORDS), i32(0))
             function = ir.FunctionType(ir.VoidType(), [i32, source.type, i32])

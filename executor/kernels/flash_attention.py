@@ -44,7 +44,7 @@ from executor.kernels.launch import Kernel
 from executor.kernels.async_copy import build_async_copy, build_shared_address
 from executor.kernels.mma import build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.reduce import build_group_max, build_group_sum
-from executor.kernels.vector import vector_aligned
+from executor.kernels.vector import as_words, vector_aligned
 from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
@@ -289,17 +289,8 @@ def build_flash_attention(head_dim: int, keys: int, group: int, warps: int) -> C
     return flash_attention
 
 
-def _words(a: Any) -> Any:
-    """A bf16-bits array (int16, last axis contiguous and even) seen as int32 words."""
-    if hasattr(a, "data_ptr"):
-        import torch
-
-        return a.view(torch.int32)
-    return a.view(np.int32)
-
-
 class FlashAttention:
-    """Launcher: causal attention of one request's query chunk over its keys, bf16 (int16 bits).
+    """Launcher: causal attention of one request's query chunk over its keys, bf16 (or its int16 bits).
 
     q, out [rows, Hq, D]; k, v [Hkv, C, D] with C >= kv_len (GatherKv's scratch; only the first
     kv_len keys are read); Hq a multiple of Hkv; D a multiple of 32; every row's heads 16-byte
@@ -308,16 +299,16 @@ class FlashAttention:
     """
 
     def __init__(self) -> None:
-        self._kernels: dict[tuple[int, int], Kernel] = {}
+        self._kernels: dict[tuple[int, int], tuple[BlockShape, Kernel]] = {}
 
-    def kernel(self, head_dim: int, group: int) -> Kernel:
-        """The kernel for this head size and GQA group (built once)."""
-        kernel = self._kernels.get((head_dim, group))
-        if kernel is None:
+    def kernel(self, head_dim: int, group: int) -> tuple[BlockShape, Kernel]:
+        """The block shape and kernel for this head size and GQA group (built once)."""
+        entry = self._kernels.get((head_dim, group))
+        if entry is None:
             shape = block_shape(head_dim)
-            kernel = Kernel(build_flash_attention(head_dim, shape.keys, group, shape.warps))
-            self._kernels[(head_dim, group)] = kernel
-        return kernel
+            entry = self._kernels[(head_dim, group)] = (
+                shape, Kernel(build_flash_attention(head_dim, shape.keys, group, shape.warps)))
+        return entry
 
     def __call__(self, q: Any, k: Any, v: Any, out: Any, kv_len: int, stream: Any = 0) -> None:
         """Attention of the chunk's rows, the last ``rows`` of the request's ``kv_len`` tokens (query
@@ -337,11 +328,10 @@ class FlashAttention:
             raise ValueError("flash attention: every head of q, k, v and out must be 16-byte aligned and contiguous")
         if rows == 0:
             return
-        kernel = self.kernel(head_dim, q_heads // kv_heads)
-        shape = block_shape(head_dim)
+        shape, kernel = self.kernel(head_dim, q_heads // kv_heads)
         grid = (-(-rows // shape.rows), q_heads)
         scale_log2 = np.float32(LOG2_E / math.sqrt(head_dim))
         kernel[grid, shape.threads, stream, shape.threads * 4](
-            _words(q), _words(k), _words(v), _words(out), np.int32(rows), np.int32(kv_len),
+            as_words(q), as_words(k), as_words(v), as_words(out), np.int32(rows), np.int32(kv_len),
             np.int32(kv_len - rows), scale_log2)
 

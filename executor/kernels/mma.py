@@ -1,6 +1,7 @@
-"""Tensor-core building blocks for Numba kernels: the bf16 ``mma.sync`` tile and bf16x2 packing.
+"""Tensor-core building blocks for Numba kernels: the bf16 ``mma.sync`` tile, bf16x2 packing, and
+the ``ldmatrix`` fragment loads (``build_fragment_loads``).
 
-Numba exposes no tensor-core instruction, so on the GPU both are PTX through
+Numba exposes no tensor-core instruction, so on the GPU these are PTX through
 llvmlite inline asm (as codec.py's bf16 store is):
 
     mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)
@@ -148,7 +149,6 @@ def _simulated_mma() -> Callable[..., Any]:
         return float32(d[0]), float32(d[1]), float32(d[2]), float32(d[3])
 
     return mma_bf16
-
 
 
 def build_fragment_loads() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:

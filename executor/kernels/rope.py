@@ -332,7 +332,6 @@ def build_qk_norm_rope_vector_kernel(codec: Codec, round_before_weight: bool) ->
     return qk_norm_rope_inplace_vector
 
 
-
 def vector_shared_bytes(threads: int, rotary_dim: int, rows: int = 1) -> int:
     """Dynamic shared memory of a vector kernel's block: the simulator's float32 reduction scratch
     (a word a thread), then inv_freq, then cos and sin for each of ``rows`` rows (rotary_dim / 2
@@ -384,6 +383,7 @@ class QkNormRopeInplace:
         self.simulated = simulator_enabled()
         # (heads, head_dim, rotary_dim) -> (launch, kernel) or None (the shape does not fit): built once.
         self._specialized: dict[tuple[int, int, int], tuple[SpecializedLaunch, Kernel] | None] = {}
+        self._num_sms: int | None = None  # the device's, asked at the first specialized launch
 
     def uses_vector(self, x: Any, norm_weight: Any, rotary_dim: int) -> bool:
         """Whether a call with these arrays and rotary_dim runs a 16-byte kernel (vector or specialized)."""
@@ -410,13 +410,14 @@ class QkNormRopeInplace:
 
     def uses_specialized(self, x: Any, norm_weight: Any, rotary_dim: int) -> bool:
         """Whether a call with these arrays and rotary_dim runs the specialized kernel."""
+        return self._specialized_for(x, rotary_dim, self.uses_vector(x, norm_weight, rotary_dim)) is not None
+
+    def _specialized_for(self, x: Any, rotary_dim: int, vector: bool) -> tuple[SpecializedLaunch, Kernel] | None:
+        """The specialized kernel a call on ``x`` runs, given whether it may run a 16-byte kernel, or None."""
         rows, heads, head_dim = x.shape
-        return (
-            self.specialized_min_rows is not None
-            and rows >= self.specialized_min_rows
-            and self.uses_vector(x, norm_weight, rotary_dim)
-            and self.specialized(heads, head_dim, rotary_dim) is not None
-        )
+        if not vector or self.specialized_min_rows is None or rows < self.specialized_min_rows:
+            return None
+        return self.specialized(heads, head_dim, rotary_dim)
 
     def __call__(
         self,
@@ -435,16 +436,20 @@ class QkNormRopeInplace:
         check_rotary_dim(rotary_dim, head_dim)
         if rows == 0 or heads == 0:
             return
-        if self.uses_specialized(x, norm_weight, rotary_dim):
-            launch, kernel = self.specialized(heads, head_dim, rotary_dim)
-            blocks = min(rows, multiprocessor_count() * launch.blocks_per_sm)
+        vector = self.uses_vector(x, norm_weight, rotary_dim)
+        specialized = self._specialized_for(x, rotary_dim, vector)
+        if specialized is not None:
+            launch, kernel = specialized
+            if self._num_sms is None:
+                self._num_sms = multiprocessor_count()
+            blocks = min(rows, self._num_sms * launch.blocks_per_sm)
             # Dynamic shared memory only for the simulator's group_sum (the GPU's shuffles need none).
             scratch = launch.threads * SCRATCH_BYTES_PER_THREAD if self.simulated else 0
             kernel[blocks, launch.threads, stream, scratch](
                 x, norm_weight, positions, np.float32(eps), np.float32(weight_offset), np.float32(theta)
             )
             return
-        if self.uses_vector(x, norm_weight, rotary_dim):
+        if vector:
             group = vector_group_threads(head_dim, rotary_dim, self.lanes)
             threads = max(group, threads_for(group * heads, self.max_threads))
             blocks = -(-rows // VECTOR_ROWS)

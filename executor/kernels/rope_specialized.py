@@ -29,8 +29,8 @@ rare rounding; tests/kernels/test_rope.py has inputs that show it.
 Launch rule (``specialized_launch``): NH is the largest of 4, 2, 1 that divides heads,
 keeps NH * GT <= 64 and leaves the block at least 64 threads (else 1); the grid is
 blocks_per_sm = 2048 / (heads * GT) blocks (at most 32) per SM, an SM holding 2048
-(thread, head) units of rows, and at most one block per row; the SM count is asked once
-per process. That reproduces the best of a sweep on the H200 for both q shapes: Qwen3-8B
+(thread, head) units of rows, and at most one block per row; the launcher asks the SM count
+once. That reproduces the best of a sweep on the H200 for both q shapes: Qwen3-8B
 (GT 8, NH 4, 64 threads, 8 blocks an SM: 85.6 us) and Qwen3.5's strided q (GT 32, NH 2,
 256 threads, 4 blocks an SM: about 255 us; NH 4 was not measured). ptxas (CUDA 13.0,
 sm_90) gives those two 101 and 84 registers, no spills: 8 resident blocks an SM for
@@ -41,7 +41,6 @@ of copy bandwidth) and 191.5 us on Qwen3.5's strided q.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -305,9 +304,8 @@ def specialized_launch(
     return SpecializedLaunch(group, per_thread, threads, blocks_per_sm)
 
 
-@functools.cache
 def multiprocessor_count() -> int:
-    """The current device's SM count, asked once per process (SIM_MULTIPROCESSORS in the simulator)."""
+    """The current device's SM count (SIM_MULTIPROCESSORS in the simulator); a launcher asks once."""
     if simulator_enabled():
         return SIM_MULTIPROCESSORS
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)

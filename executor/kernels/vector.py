@@ -148,6 +148,16 @@ def vector_aligned(*arrays: Any) -> bool:
     return True
 
 
+def as_words(a: Any) -> Any:
+    """The same bytes as int32 words (torch or numpy; last axis contiguous): a word packs two bf16
+    (or int16 bits; the last axis then of even length) or holds one float32."""
+    if hasattr(a, "data_ptr"):
+        import torch
+
+        return a.view(torch.int32)
+    return a.view(np.int32)
+
+
 # ---------------------------------------------------------------- device side
 
 
@@ -201,14 +211,19 @@ def _check_vector_signature(name: str, array: Any, index: Any, words: Any, start
         raise TypingError(f"{name}: index and start must be integers, got {index}, {start}")
 
 
-def _chunk_pointer(context: Any, builder: Any, array_type: Any, array: Any, index_type: Any, index: Any) -> Any:
-    """A ``<4 x i32> addrspace(1)*`` to the chunk at ``array[index]`` (kernel arrays are in global memory)."""
+def element_pointer(context: Any, builder: Any, array_type: Any, array: Any, index_type: Any, index: Any) -> Any:
+    """In an intrinsic's codegen: the (generic) pointer to ``array[index]``, ``index`` a tuple of integers."""
     from numba.cuda import cgutils
 
     values = cgutils.unpack_tuple(builder, index, count=len(index_type))
     indices = [context.cast(builder, value, ty, types.intp) for ty, value in zip(index_type, values)]
     struct = context.make_array(array_type)(context, builder, value=array)
-    element = cgutils.get_item_pointer(context, builder, array_type, struct, indices)
+    return cgutils.get_item_pointer(context, builder, array_type, struct, indices)
+
+
+def _chunk_pointer(context: Any, builder: Any, array_type: Any, array: Any, index_type: Any, index: Any) -> Any:
+    """A ``<4 x i32> addrspace(1)*`` to the chunk at ``array[index]`` (kernel arrays are in global memory)."""
+    element = element_pointer(context, builder, array_type, array, index_type, index)
     vector = ir.VectorType(ir.IntType(32), VECTOR_WORDS)
     return builder.addrspacecast(builder.bitcast(element, vector.as_pointer()), vector.as_pointer(1))
 

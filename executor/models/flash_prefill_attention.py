@@ -21,8 +21,8 @@ import torch
 
 from executor.kernels.flash_attention import FlashAttention
 from executor.kernels.gemm_attention import GatherKv
+from executor.kernels.vector import as_words
 from executor.models.context import StepViews
-from executor.models.prefill_attention import as_words
 
 
 class FlashPrefillAttention:
@@ -41,16 +41,9 @@ class FlashPrefillAttention:
         keys, values = step.scratch("attn_keys"), step.scratch("attn_values")  # [Hkv, C, D]
         page_indices = step.meta("page_indices")
         key_words, value_words = as_words(keys), as_words(values)  # what the gather writes
-        key_bits, value_bits = _bits(keys), _bits(values)  # what the kernel reads
-        q_bits, out_bits = _bits(q), _bits(out)
         for request in step.long_prefill_requests:
             self.gather(self.k_cache, self.v_cache, page_indices, request.page_start, request.kv_len,
                         key_words, value_words, stream=step.stream)
             # The chunk's rows are the last num_rows of its kv_len tokens, as the kernel assumes.
             span = slice(request.q_start, request.q_start + request.num_rows)
-            self.flash(q_bits[span], key_bits, value_bits, out_bits[span], request.kv_len, stream=step.stream)
-
-
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """A bf16 view as its int16 bits, the kernel's storage type (same bytes, same strides)."""
-    return tensor.view(torch.int16)
+            self.flash(q[span], keys, values, out[span], request.kv_len, stream=step.stream)

@@ -34,6 +34,7 @@ import torch
 from executor.kernels.causal_softmax import CausalSoftmax
 from executor.kernels.chunk_copy import ChunkCopy
 from executor.kernels.gemm_attention import GatherKv
+from executor.kernels.vector import as_words
 from executor.models.context import StepViews
 
 
@@ -94,9 +95,3 @@ class GemmPrefillAttention:
         self.softmax(scores.view(-1, num_keys), probs.view(-1, num_keys), rows, first_position, self.scale,
                      group=group, stream=step.stream)
         torch.bmm(probs, values[:, :num_keys], out=packed_rows)
-
-
-def as_words(tensor: torch.Tensor) -> torch.Tensor:
-    """The same bytes as 4-byte words (bf16 pairs): the gather copies half as many elements.
-    (FlashPrefillAttention's gather too.)"""
-    return tensor.view(torch.int32)
