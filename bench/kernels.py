@@ -14,7 +14,8 @@ kernel must read plus bytes it must write, over that time), that bandwidth as
 a share of the copy bandwidth measured in the same run (torch ``dst.copy_(src)``
 of a ``--copy-gib`` buffer: read + write bytes over time), the time of the
 scalar kernel (``vectorize=False``; for decode attention the general paged
-kernel it falls back to) and of torch's nearest equivalent.
+kernel it falls back to, for the delta-rule decode step delta_rule.py's
+general kernel) and of torch's nearest equivalent.
 
 Timing: every case is warmed up (the Numba compile happens there), then
 ``--inner`` launches are captured in one CUDA graph (``--no-graph``: launched
@@ -326,9 +327,12 @@ def causal_softmax_case(env: Env, s: Shapes) -> Case:
 
 def delta_rule_decode_case(env: Env, s: Shapes) -> Case:
     """One decode step of the gated delta rule: B requests x Hv heads, each reading and writing its
-    float32 state [dk, dv]; bytes = that state traffic plus the qkv row read and the output written."""
+    float32 state [dk, dv]; bytes = that state traffic plus the qkv row read and the output written.
+    Ours is the decode kernel (delta_rule_decode.py); "scalar" is the general kernel it falls back to
+    (delta_rule.py, which also runs prefill)."""
     from executor.kernels.codec import build_codec
     from executor.kernels.delta_rule import GatedDeltaRule
+    from executor.kernels.delta_rule_decode import GatedDeltaRuleDecode
 
     torch = env.torch
     b, hk, hv, d = s.decode_batch, s.linear_key_heads, s.linear_value_heads, s.linear_head_dim
@@ -339,7 +343,9 @@ def delta_rule_decode_case(env: Env, s: Shapes) -> Case:
     q_indptr = torch.arange(b + 1, dtype=torch.int32, device=env.device)
     slots = torch.arange(b, dtype=torch.int32, device=env.device)
     out = env.randn(b, hv, d)
-    ours = GatedDeltaRule(build_codec("bfloat16"), d, **({"dk_split": 1} if env.smoke else {}))
+    codec = build_codec("bfloat16")
+    general = GatedDeltaRule(codec, d, **({"dk_split": 1} if env.smoke else {}))
+    ours = GatedDeltaRuleDecode(codec, d, general)
     args = (qkv, g, beta, state, q_indptr, slots, out)
     repeat = hv // hk
 
@@ -357,9 +363,9 @@ def delta_rule_decode_case(env: Env, s: Shapes) -> Case:
     return Case(
         "delta_rule decode", f"{b} x {hv} x {d} x {d} (f32 state)",
         state_bytes + b * qkv.shape[1] * BF16_BYTES + b * hv * d * BF16_BYTES + 2 * b * hv * 4,
-        False,
+        ours.uses_vector(state),
         lambda stream: ours(*args, stream=stream),
-        None,
+        lambda stream: general(*args, stream=stream),
         torch_op,
     )
 

@@ -1,31 +1,37 @@
 """Paged attention for decode steps: one query row per request, bound by reading the KV cache.
 
 A decode step reads every cached key and value once and does a few FLOPs per
-byte, so the kernel is built around moving K/V rows at full bandwidth. It
-serves the decode pool only, with attention.py's metadata and tile scheme
-(``plan_tiles``: tile = request ``b`` and kv chunk ``c``; split tiles write
-partials that attention.py's ``merge_kernel`` combines).
+byte, so the kernel is built around keeping K/V bytes in flight. It serves the
+decode pool only, with attention.py's metadata and tile scheme (``plan_tiles``:
+tile = request ``b`` and kv chunk ``c``; split tiles write partials that
+attention.py's ``merge_kernel`` combines).
 
 - Block (tile, kv head h), ``NT`` threads. A K/V row of D elements is
   ``D / E`` 16-byte chunks (E = 8 bf16 or 4 float32); a group of ``L`` lanes
   owns one key at a time, lane ``l`` its chunk(s) ``l, l + L, ...``, so a group
-  reads a whole row with one 16-byte load per lane (vector.py) and the block
-  has ``KPP = NT / L`` keys in flight, each group ``UNROLL_KEYS`` deep.
+  reads a whole row with one 16-byte load per lane (vector.py).
 - q stays in registers: each lane holds its chunks' q elements of the
-  G = Hq / Hkv heads that share h (scaled once). A score is the lane's partial
-  dot, summed over the group with xor shuffles.
-- Keys go in rounds of ``round_keys``: the round's page ids are looked up once
-  into shared memory, its scores stay in shared memory, and one warp per head
-  folds them into the running (max, sum) with shuffles, so the softmax rescales
-  once per round and needs two barriers, not a block-wide tree per key.
-- P @ V reads V the way scores read K (one 16-byte chunk per lane); each lane
-  accumulates its chunks for all G heads, and the KPP groups' partial outputs
-  meet once, at the end, in shared memory.
+  G = Hq / Hkv heads that share h, scaled once by D^-0.5 log2(e) (scores in log2
+  units: every exponent is one exp2). A score is the lane's partial dot, summed
+  over the group with xor shuffles, so every lane of the group holds it.
+- Online softmax per lane group ("streaming"): a group takes keys gid, gid +
+  KPP, ... (KPP = NT / L groups), ``UNROLL_KEYS`` at a time, and issues the K
+  *and* V loads of those keys together before using any; it keeps its own
+  running (max, sum) per head and its output elements in registers, and never
+  waits for another group. The groups meet once, at the end, in shared memory.
+  Page ids come through shared memory in rounds of ``ROUND_KEYS`` keys (one
+  runtime division per key, not per lane; two barriers a round).
+- Residency: the kernel wants about 160 registers a thread; held to 128 by
+  ``launch_bounds`` (NT threads, 4 blocks an SM) where q and the output take
+  at most 64 of them, ptxas spills nothing and an SM keeps 16 warps.
 
-On the H200 (Qwen3-8B heads, context 512) a layer's decode attention went from
-29.9 to 10.7 us at batch 1 and from 222 to 40 us at batch 32 with this design;
-64 requests x 4096 tokens read their K/V at 63% of the copy bandwidth
-(bench/kernels.py).
+On the H200 (Qwen3-8B heads, bench-shaped calls in a CUDA graph, .gpu sweep of
+2026-11-30): 64 requests x 4096 tokens 347 us (3.09 TB/s; the earlier
+round-based kernel, which kept a round's scores in shared memory and loaded V
+only after a block-wide softmax, took 390 us), 32 x 4096 184 us (206), batch 1
+at 4096 tokens 20 us (22) and at 512 tokens 12.6 us (13.1). Without the register
+cap the streaming kernel ran at 164 registers and took 496 us; capping harder
+(5 or 6 blocks an SM) spilled and was slower.
 
 The launcher falls back to attention.py's general kernel (which handles one
 row per request too) when the cache rows are not whole, aligned 16-byte chunks
@@ -43,15 +49,19 @@ import numpy as np
 from executor.kernels.attention import NEG_INF, PagedAttention, build_kv_staging, check_heads
 from executor.kernels.codec import Codec
 from executor.kernels.launch import SHARED_LIMIT_BYTES, Kernel
-from executor.kernels.reduce import build_group_max, build_group_sum, threads_for
+from executor.kernels.reduce import build_group_sum, threads_for
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
-ROUND_KEYS = 256  # scores kept per softmax round
-UNROLL_KEYS = 4  # keys each lane group loads before using them: 4 x 16 bytes in flight per lane
+ROUND_KEYS = 256  # keys whose page ids a round stages in shared memory
+UNROLL_KEYS = 4  # keys each lane group loads before using them: 4 x 2 x 16 bytes (K and V) in flight per lane
+MIN_BLOCKS_PER_SM = 4  # launch_bounds: 128 registers a thread at 128 threads
+CAPPED_REGISTER_VALUES = 64  # q and output registers a lane may hold for the cap to spill nothing
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
 WARP = 32
 
 
@@ -66,16 +76,25 @@ def key_lanes(codec: Codec, head_dim: int) -> int | None:
 
 
 def shared_bytes(codec: Codec, head_dim: int, group_size: int, threads: int, round_keys: int) -> int:
-    """Static shared memory of one block: the round's scores, page ids and offsets, the softmax
-    state, the groups' partial outputs and the simulator's reduction scratch (all 4-byte words)."""
+    """Static shared memory of one block: the round's page ids and offsets, the groups' (max, sum)
+    and partial outputs, the merged softmax state and the simulator's reduction scratch (4-byte words)."""
     groups = threads // key_lanes(codec, head_dim)
-    words = group_size * round_keys + 2 * round_keys + 3 * group_size + groups * group_size * head_dim + threads
+    words = 2 * round_keys + 2 * groups * group_size + groups * group_size * head_dim + 3 * group_size + threads
     return 4 * words
 
 
+def min_blocks_per_sm(codec: Codec, head_dim: int, group_size: int) -> int | None:
+    """The launch bound's blocks per SM: MIN_BLOCKS_PER_SM where a lane's q and output elements fit
+    CAPPED_REGISTER_VALUES registers (the measured shapes), else None (no cap: it would spill)."""
+    lane_elements = head_dim // key_lanes(codec, head_dim)
+    return MIN_BLOCKS_PER_SM if 2 * group_size * lane_elements <= CAPPED_REGISTER_VALUES else None
+
+
 def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads: int,
-                           round_keys: int = ROUND_KEYS) -> tuple[Any, Any]:
+                           round_keys: int = ROUND_KEYS, unroll_keys: int = UNROLL_KEYS,
+                           blocks_per_sm: int | None = None) -> tuple[Any, Any]:
     """(direct kernel, split kernel) for one codec and head shape; D, G and NT size registers and shared memory.
+    ``blocks_per_sm``: the launch bound (None: none).
 
     Direct: ``(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
     request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale)``, every tile
@@ -93,18 +112,21 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     assert L is not None and NT % L == 0 and NT & (NT - 1) == 0, "lane groups tile the block"
     CPL = D // E // L  # chunks per lane of a row
     KPP = NT // L  # keys in flight per pass: one per lane group
-    W = min(WARP, NT)  # lanes per softmax group (a warp on the GPU)
-    HPP = NT // W  # heads whose softmax state one pass updates
     LANE_ELEMENTS = CPL * E  # elements of a row a lane owns
     ACC = G * LANE_ELEMENTS  # q and accumulator registers per lane (constant extents)
-    BUFFER_WORDS = UNROLL_KEYS * CPL * VECTOR_WORDS
+    U = unroll_keys
+    BUFFER_WORDS = U * CPL * VECTOR_WORDS
+    SCORES = U * G  # a batch's scores, one per key and head
+    GROUP_STATES = KPP * G  # (max, sum) of every lane group and head, where the groups meet
+    # The simulator's jit takes no launch_bounds; on the GPU they cap registers for residency.
+    launch_options = {} if simulator_enabled() or blocks_per_sm is None else {"launch_bounds": (NT, blocks_per_sm)}
     stage_pages = build_kv_staging(load, D, NT)[0]
-    group_max, group_sum = build_group_max(), build_group_sum()
+    group_sum = build_group_sum()
 
     @cuda.jit(device=True, inline=True)
     def load_rows(cache, h, base, n, gid, lane, page_sh, offset_sh, buffer):
-        """The lane's chunks of keys base + u * KPP + gid (u < UNROLL_KEYS; clamped into the round)."""
-        for u in range(UNROLL_KEYS):
+        """The lane's chunks of keys base + u * KPP + gid (u < U; clamped into the round)."""
+        for u in range(U):
             key = min(base + u * KPP + gid, n - 1)
             for ci in range(CPL):
                 load_vector(cache, (page_sh[key], offset_sh[key], h, (lane + ci * L) * E), buffer,
@@ -112,11 +134,13 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
 
     @cuda.jit(device=True, inline=True)
     def attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
-               request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale,
-               s_sh, page_sh, offset_sh, state_sh, part_sh, scratch):
+                         request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale,
+                         s_sh, page_sh, offset_sh, state_sh, part_sh, scratch):
         """Leave the tile's normalised output of head g, element d in ``part_sh[0, g, d]`` and its
-        (max, sum) in ``state_sh[0, g]``, ``state_sh[1, g]``. Returns (row, chunk index, chunks of
-        the row); row -1: nothing to do (uniform per block, decided before any barrier)."""
+        (max, sum) in ``state_sh[0, g]``, ``state_sh[1, g]`` (natural-log units). Returns (row,
+        chunk index, chunks of the row); row -1: nothing to do (uniform per block, decided before
+        any barrier). Scores are in log2 units inside (q scaled by scale * log2(e)): every
+        exponent is one exp2."""
         tile = cuda.blockIdx.x
         h = cuda.blockIdx.y
         tid = cuda.threadIdx.x
@@ -140,80 +164,68 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         gid = tid // L
         q_lane = cuda.local.array(ACC, float32)
         acc = cuda.local.array(ACC, float32)
-        key_f = cuda.local.array(LANE_ELEMENTS, float32)
-        buffer = cuda.local.array(BUFFER_WORDS, words)
+        row_f = cuda.local.array(LANE_ELEMENTS, float32)
+        k_buffer = cuda.local.array(BUFFER_WORDS, words)
+        v_buffer = cuda.local.array(BUFFER_WORDS, words)
+        scores = cuda.local.array(SCORES, float32)
+        # The group's running maximum (finite start: a group with no key yet keeps alpha = 1) and sum.
+        top = cuda.local.array(G, float32)
+        total = cuda.local.array(G, float32)
+        q_scale = scale * float32(LOG2_E)
         for g in range(G):
+            top[g] = float32(-1e30)
+            total[g] = float32(0.0)
             for ci in range(CPL):
                 for e in range(E):
-                    q_lane[(g * CPL + ci) * E + e] = load(q[row, h * G + g, (lane + ci * L) * E + e]) * scale
+                    q_lane[(g * CPL + ci) * E + e] = load(q[row, h * G + g, (lane + ci * L) * E + e]) * q_scale
                     acc[(g * CPL + ci) * E + e] = float32(0.0)
-        if tid < G:
-            state_sh[0, tid] = NEG_INF
-            state_sh[1, tid] = float32(0.0)
 
         for r0 in range(k0, k1, SUB):
             n = min(SUB, k1 - r0)
+            cuda.syncthreads()  # every group is done with the last round's pages
             stage_pages(page_indices, page_base, page_size, r0, n, page_sh, offset_sh, tid)
             cuda.syncthreads()
-            # Scores: every thread runs the same trips (the simulator's reductions have barriers).
-            for base in range(0, n, KPP * UNROLL_KEYS):
-                load_rows(k_cache, h, base, n, gid, lane, page_sh, offset_sh, buffer)
-                for u in range(UNROLL_KEYS):
+            # Every thread runs the same trips (the simulator's reductions have barriers).
+            for base in range(0, n, KPP * U):
+                load_rows(k_cache, h, base, n, gid, lane, page_sh, offset_sh, k_buffer)
+                load_rows(v_cache, h, base, n, gid, lane, page_sh, offset_sh, v_buffer)
+                for u in range(U):
                     for i in range(LANE_ELEMENTS):
-                        key_f[i] = load(get_lane(buffer, u * LANE_ELEMENTS + i))
-                    key = base + u * KPP + gid
+                        row_f[i] = load(get_lane(k_buffer, u * LANE_ELEMENTS + i))
+                    valid = base + u * KPP + gid < n
                     for g in range(G):
                         dot = float32(0.0)
                         for i in range(LANE_ELEMENTS):
-                            dot += q_lane[g * LANE_ELEMENTS + i] * key_f[i]
+                            dot += q_lane[g * LANE_ELEMENTS + i] * row_f[i]
                         dot = group_sum(scratch, dot, L)
-                        if lane == 0 and key < n:
-                            s_sh[g, key] = dot
-            cuda.syncthreads()
-            # Fold the round into each head's running (max, sum); scores become exp(s - max).
-            for g0 in range(0, G, HPP):
-                g = g0 + tid // W
-                wl = tid % W
-                top = NEG_INF
-                if g < G:
-                    for kk in range(wl, n, W):
-                        top = max(top, s_sh[g, kk])
-                top = group_max(scratch, top, W)
-                old = state_sh[0, g] if g < G else NEG_INF
-                new = max(old, top)
-                total = float32(0.0)
-                if g < G:
-                    for kk in range(wl, n, W):
-                        p = float32(math.exp(s_sh[g, kk] - new))
-                        s_sh[g, kk] = p
-                        total += p
-                total = group_sum(scratch, total, W)
-                if g < G and wl == 0:
-                    alpha = float32(math.exp(old - new)) if old > NEG_INF else float32(0.0)
-                    state_sh[0, g] = new
-                    state_sh[1, g] = state_sh[1, g] * alpha + total
-                    state_sh[2, g] = alpha
-            cuda.syncthreads()
-            # P @ V for the round.
-            for g in range(G):
-                alpha = state_sh[2, g]
-                for i in range(LANE_ELEMENTS):
-                    acc[g * LANE_ELEMENTS + i] *= alpha
-            for base in range(0, n, KPP * UNROLL_KEYS):
-                load_rows(v_cache, h, base, n, gid, lane, page_sh, offset_sh, buffer)
-                for u in range(UNROLL_KEYS):
-                    key = base + u * KPP + gid
-                    if key < n:
+                        scores[u * G + g] = dot if valid else NEG_INF
+                for g in range(G):
+                    best = top[g]
+                    for u in range(U):
+                        best = max(best, scores[u * G + g])
+                    alpha = float32(math.exp2(top[g] - best))
+                    top[g] = best
+                    part = float32(0.0)
+                    for u in range(U):
+                        p = float32(math.exp2(scores[u * G + g] - best))
+                        scores[u * G + g] = p
+                        part += p
+                    total[g] = total[g] * alpha + part
+                    for i in range(LANE_ELEMENTS):
+                        acc[g * LANE_ELEMENTS + i] *= alpha
+                for u in range(U):
+                    for i in range(LANE_ELEMENTS):
+                        row_f[i] = load(get_lane(v_buffer, u * LANE_ELEMENTS + i))
+                    for g in range(G):
+                        p = scores[u * G + g]
                         for i in range(LANE_ELEMENTS):
-                            key_f[i] = load(get_lane(buffer, u * LANE_ELEMENTS + i))
-                        for g in range(G):
-                            p = s_sh[g, key]
-                            for i in range(LANE_ELEMENTS):
-                                acc[g * LANE_ELEMENTS + i] += p * key_f[i]
-            cuda.syncthreads()  # the next round restages pages and rewrites scores
+                            acc[g * LANE_ELEMENTS + i] += p * row_f[i]
 
-        # The groups' partial outputs meet in shared memory; each element is then one thread's.
+        # The groups meet: group k's (max, sum) in s_sh[0 / 1, k * G + g], its output in part_sh[k].
         for g in range(G):
+            if lane == 0:
+                s_sh[0, gid * G + g] = top[g]
+                s_sh[1, gid * G + g] = total[g]
             for ci in range(CPL):
                 for e in range(E):
                     part_sh[gid, g, (lane + ci * L) * E + e] = acc[(g * CPL + ci) * E + e]
@@ -221,25 +233,35 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         for j in range(tid, G * D, NT):
             g = j // D
             d = j - g * D
-            total = float32(0.0)
+            best = float32(-1e30)
             for k in range(KPP):
-                total += part_sh[k, g, d]
-            part_sh[0, g, d] = total / state_sh[1, g]
+                best = max(best, s_sh[0, k * G + g])
+            out_sum = float32(0.0)
+            weight_sum = float32(0.0)
+            for k in range(KPP):
+                w = float32(math.exp2(s_sh[0, k * G + g] - best))
+                out_sum += w * part_sh[k, g, d]
+                weight_sum += w * s_sh[1, k * G + g]
+            part_sh[0, g, d] = out_sum / weight_sum
+            if d == 0:  # attend's contract: natural-log maximum and the sum under it
+                state_sh[0, g] = best * float32(LN_2)
+                state_sh[1, g] = weight_sum
         cuda.syncthreads()
         return row, c, last // chunk + 1
 
-    @cuda.jit
+
+    @cuda.jit(**launch_options)
     def direct_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                       request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale):
-        s_sh = cuda.shared.array((G, SUB), float32)
+        s_sh = cuda.shared.array((2, GROUP_STATES), float32)
         page_sh = cuda.shared.array(SUB, int32)
         offset_sh = cuda.shared.array(SUB, int32)
         state_sh = cuda.shared.array((3, G), float32)
         part_sh = cuda.shared.array((KPP, G, D), float32)
         scratch = cuda.shared.array(NT, float32)  # the simulator's group reductions
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
-                                    positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
-                                    scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
+                             positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
+                             scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
         if row < 0:
             return
         h = cuda.blockIdx.y
@@ -248,19 +270,19 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
             d = j - g * D
             out[row, h * G + g, d] = store(part_sh[0, g, d])
 
-    @cuda.jit
+    @cuda.jit(**launch_options)
     def split_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                      request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, partial_out,
                      partial_lse, scale):
-        s_sh = cuda.shared.array((G, SUB), float32)
+        s_sh = cuda.shared.array((2, GROUP_STATES), float32)
         page_sh = cuda.shared.array(SUB, int32)
         offset_sh = cuda.shared.array(SUB, int32)
         state_sh = cuda.shared.array((3, G), float32)
         part_sh = cuda.shared.array((KPP, G, D), float32)
         scratch = cuda.shared.array(NT, float32)
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
-                                    positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
-                                    scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
+                             positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
+                             scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
         if row < 0:
             return
         h = cuda.blockIdx.y
@@ -298,7 +320,8 @@ class DecodeAttention:
                 raise ValueError(f"decode attention: D={head_dim}, G={group_size}, {self.threads} threads, "
                                  f"rounds of {round_keys} keys need {needed} bytes of shared memory, "
                                  f"limit {SHARED_LIMIT_BYTES}")
-            direct, split = build_decode_attention(codec, head_dim, group_size, self.threads, round_keys)
+            direct, split = build_decode_attention(codec, head_dim, group_size, self.threads, round_keys,
+                                                   blocks_per_sm=min_blocks_per_sm(codec, head_dim, group_size))
             self.kernels = (Kernel(direct), Kernel(split))
 
     def uses_vector(self, k_cache: Any, v_cache: Any) -> bool:

@@ -13,6 +13,7 @@ from executor.kernels.codec import build_codec
 from executor.kernels.conv1d import CausalConv1d
 from executor.kernels.decode_attention import DecodeAttention
 from executor.kernels.delta_rule import GatedDeltaRule, GdnGates
+from executor.kernels.delta_rule_decode import GatedDeltaRuleDecode
 from executor.kernels.embedding import Embedding
 from executor.kernels.flash_attention import FlashAttention
 from executor.kernels.gated_norm import GatedRmsNorm
@@ -53,7 +54,8 @@ class Kernels:
     sample: Sample
     conv1d: CausalConv1d | None = None
     gdn_gates: GdnGates | None = None
-    delta_rule: GatedDeltaRule | None = None
+    delta_rule: GatedDeltaRule | None = None  # prefill steps (any rows per request)
+    delta_rule_decode: GatedDeltaRuleDecode | None = None  # decode steps (one row per request)
     gated_norm: GatedRmsNorm | None = None
 
 
@@ -65,10 +67,12 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle) ->
     simulated = simulator_enabled()
     linear = {}
     if geometry.num_linear_layers:
+        delta_rule = GatedDeltaRule(codec, geometry.linear_key_head_dim, **({"dk_split": 1} if simulated else {}))
         linear = dict(
             conv1d=CausalConv1d(codec, geometry.conv_kernel_size),
             gdn_gates=GdnGates(codec, build_codec("float32")),
-            delta_rule=GatedDeltaRule(codec, geometry.linear_key_head_dim, **({"dk_split": 1} if simulated else {})),
+            delta_rule=delta_rule,
+            delta_rule_decode=GatedDeltaRuleDecode(codec, geometry.linear_key_head_dim, delta_rule),
             gated_norm=GatedRmsNorm(codec),
         )
     attention = PagedAttention(codec, geometry.head_dim, geometry.gqa_group, rows_per_tile=PREFILL_ROWS_PER_TILE,

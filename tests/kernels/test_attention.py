@@ -83,7 +83,7 @@ def run_case(dtype_name, group, rows_per_tile=1, kv_chunk=None, strided=False, s
     k_cache, v_cache = pool_device[:, 1, 0], pool_device[:, 1, 1]
     qproj = to_storage(torch.randn(num_rows, num_q_heads, 2 * HEAD_DIM, generator=gen), dtype_name)
     q_host = qproj[..., :HEAD_DIM] if strided else np.ascontiguousarray(qproj[..., HEAD_DIM:])
-    q = cuda.to_device(qproj)[..., :HEAD_DIM] if strided else cuda.to_device(q_host)
+    q = cuda.to_device(qproj)[:, :, :HEAD_DIM] if strided else cuda.to_device(q_host)  # no Ellipsis on device arrays
     out = cuda.to_device(poisoned((num_rows, num_q_heads, HEAD_DIM), dtype_name))
     scale = HEAD_DIM**-0.5
 

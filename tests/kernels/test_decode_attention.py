@@ -35,10 +35,10 @@ def run_decode(dtype_name: str, group: int, kv_chunk: int | None, seed: int, mis
     padded = to_storage(torch.randn(NUM_PAGES, 2, 2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM + shift, generator=gen),
                         dtype_name)
     pool = np.ascontiguousarray(padded[..., shift:])
-    pool_device = cuda.to_device(padded)[..., shift:]
+    pool_device = cuda.to_device(padded)[:, :, :, :, :, shift:]  # device arrays take no Ellipsis
     k_cache, v_cache = pool_device[:, 1, 0], pool_device[:, 1, 1]
     qproj = to_storage(torch.randn(num_rows, num_q_heads, 2 * HEAD_DIM, generator=gen), dtype_name)
-    q = cuda.to_device(qproj)[..., :HEAD_DIM]  # strided, as the q part of the fused qkv buffer
+    q = cuda.to_device(qproj)[:, :, :HEAD_DIM]  # strided, as the q part of the fused qkv buffer
     out = cuda.to_device(poisoned((num_rows, num_q_heads, HEAD_DIM), dtype_name))
     scale = HEAD_DIM**-0.5
     codec = build_codec(dtype_name)
