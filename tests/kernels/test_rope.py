@@ -4,19 +4,27 @@ sizes)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
 from executor.kernels.codec import build_codec
 from executor.kernels.kv_cache import WriteKv
+from executor.kernels.launch import Kernel
 from executor.kernels.qk_rope_kv import QkNormRopeWriteKv, fused_block_threads
 from executor.kernels.norm import SCRATCH_BYTES_PER_THREAD
 from executor.kernels.rope import VECTOR_ROWS, QkNormRopeInplace, vector_shared_bytes
 from executor.kernels.rope_layout import vector_group_threads
 from executor.kernels.rope_specialized import (
     SpecializedLaunch,
+    block_threads,
     build_qk_norm_rope_specialized_kernel,
+    chunk_layout_fits,
+    chunk_span,
+    default_chunks_per_thread,
+    multiprocessor_count,
     specialized_launch,
 )
 from executor.numba_cuda import load_cuda, simulator_enabled
@@ -221,10 +229,13 @@ def chain_sums(squares: np.ndarray) -> np.ndarray:
     return np.cumsum(squares, axis=-1, dtype=np.float32)[..., -1]
 
 
-def kernel_order_sums(squares: np.ndarray, rotary_dim: int, group: int) -> np.ndarray:
+def kernel_order_sums(squares: np.ndarray, rotary_dim: int, group: int, adjacent_slots: int = 1) -> np.ndarray:
     """Heads' float32 sums of squares [N] from their squares [N, D] in rope.py's documented order
     (the vector and specialized kernels'): a unit lane's 8-square chain per chunk, a pair unit's
-    first-half chunk plus its second-half chunk, then reduce.py's xor tree over the group's lanes."""
+    first-half chunk plus its second-half chunk, then reduce.py's xor tree over the group's lanes.
+    ``adjacent_slots`` > 1: a wrong order instead, as a chunk-layout thread holding units u + m *
+    group / adjacent_slots (m < adjacent_slots) would get by adding its adjacent slots first (its
+    own tree in the wrong level order) before the xor tree over its lanes."""
     lanes, half, head_dim = 8, rotary_dim // 2, squares.shape[-1]
     pairs = half // lanes
     partial = np.zeros((squares.shape[0], group), np.float32)
@@ -232,6 +243,15 @@ def kernel_order_sums(squares: np.ndarray, rotary_dim: int, group: int) -> np.nd
         partial[:, unit] = chain_sums(squares[:, half + unit * lanes:half + (unit + 1) * lanes])
         if unit < pairs:
             partial[:, unit] = chain_sums(squares[:, unit * lanes:(unit + 1) * lanes]) + partial[:, unit]
+    if adjacent_slots > 1:  # [N, slot m, lane u] -> [N, lane u]: the slots' tree over m, m + 1 first
+        slots = partial.reshape(squares.shape[0], adjacent_slots, group // adjacent_slots)
+        width = 1
+        while width < adjacent_slots:
+            for m in range(0, adjacent_slots, 2 * width):
+                slots[:, m] = slots[:, m] + slots[:, m + width]
+            width *= 2
+        partial = np.ascontiguousarray(slots[:, 0])
+        group //= adjacent_slots
     width = group // 2
     while width:  # lane i takes lane i + width's value: lane 0 ends with the tree's sum
         partial[:, :width] = partial[:, :width] + partial[:, width:2 * width]
@@ -253,11 +273,12 @@ def normed_bits(x: np.ndarray, sums: np.ndarray, w: np.ndarray, offset: float, r
     return normed.view(np.int32)
 
 
-def order_revealing_heads(case: tuple, group: int, w: torch.Tensor, count: int, seed: int) -> torch.Tensor:
+def order_revealing_heads(case: tuple, group: int, w: torch.Tensor, count: int, seed: int,
+                          other: Any = chain_sums) -> torch.Tensor:
     """``count`` bf16 heads [count, D] whose rounded q_norm output changes when their squares are
-    summed in one chain instead of rope.py's order: a kernel summing in another order gets other
-    bits on them (tiny random inputs hardly ever show an order: an inv_rms ulp flips about one
-    rounding in 2^15)."""
+    summed in the order ``other`` (squares [N, D] -> sums [N]; default one chain) instead of rope.py's
+    order: a kernel summing in that order gets other bits on them (tiny random inputs hardly ever
+    show an order: an inv_rms ulp flips about one rounding in 2^15)."""
     round_before_weight, offset, head_dim, rotary_dim = case[:4]
     gen = torch.Generator().manual_seed(seed)
     found: list[torch.Tensor] = []
@@ -266,25 +287,30 @@ def order_revealing_heads(case: tuple, group: int, w: torch.Tensor, count: int, 
         x, w32 = heads.float().numpy(), w.float().numpy()
         squares = x * x  # exact: a bf16 square has 16 significant bits
         ours = normed_bits(x, kernel_order_sums(squares, rotary_dim, group), w32, offset, round_before_weight)
-        chained = normed_bits(x, chain_sums(squares), w32, offset, round_before_weight)
+        chained = normed_bits(x, other(squares), w32, offset, round_before_weight)
         found += list(heads[torch.from_numpy(np.flatnonzero((ours != chained).any(axis=-1)))])
         if len(found) >= count:
             return torch.stack(found[:count])
     raise AssertionError(f"only {len(found)} order-revealing heads")
 
 
-def specialized_inputs(case: tuple, heads: int, group: int, seed: int) -> tuple[torch.Tensor, ...]:
+def specialized_inputs(case: tuple, heads: int, group: int, seed: int, positions: list[int] = SPECIALIZED_POSITIONS,
+                       other: Any = None) -> tuple[torch.Tensor, ...]:
     """(buffer [T, heads, D or 2D] with x its [..., :D], norm weight [D], positions [T]), bf16 / int32;
-    the first rows' heads are order-revealing (order_revealing_heads)."""
+    the first rows' heads are order-revealing (order_revealing_heads). ``other``: an order to reveal
+    besides one chain: then one head of each row past those heads (head REVEALING_HEADS + k * heads)
+    reveals that one, in the rows of both of a pipelined block's buffers."""
     _, offset, head_dim, _, _, strided, _ = case
     gen = torch.Generator().manual_seed(seed)
-    rows = len(SPECIALIZED_POSITIONS)
+    rows = len(positions)
     buf = spread_bf16((rows, heads, (2 if strided else 1) * head_dim), gen)
     w = (torch.randn(head_dim, generator=gen) * 0.3 + (0.0 if offset else 1.0)).bfloat16()
     x = buf[..., :head_dim].reshape(rows * heads, head_dim)  # a copy when strided
     x[:REVEALING_HEADS] = order_revealing_heads(case, group, w, REVEALING_HEADS, seed)
+    if other is not None:
+        x[REVEALING_HEADS::heads] = order_revealing_heads(case, group, w, len(x[REVEALING_HEADS::heads]), seed, other)
     buf[..., :head_dim] = x.view(rows, heads, head_dim)
-    return buf, w, torch.tensor(SPECIALIZED_POSITIONS, dtype=torch.int32)
+    return buf, w, torch.tensor(positions, dtype=torch.int32)
 
 
 def run_in_place(launch, buf: torch.Tensor, head_dim: int) -> np.ndarray:
@@ -322,7 +348,7 @@ def test_specialized_matches_vector_and_hf(case):
     assert_close_rel(got, ref64(x, w, positions, offset, rotary_dim, theta), 2e-2)
 
 
-# (case, heads, group_threads, heads_per_thread, threads, blocks), 5 rows each.
+# (case, heads, group_threads, heads_per_thread, threads, blocks), 5 rows each: the unit layout.
 SPECIALIZED_LAYOUTS = [
     # 4 heads in one 1-thread slot; 2 blocks stride over the rows (3 and 2 rows).
     (SPECIALIZED_CASES[0], 4, 1, 4, 1, 2),
@@ -333,11 +359,14 @@ SPECIALIZED_LAYOUTS = [
 ]
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["one_row", "pipelined"])
 @pytest.mark.parametrize("case,heads,group,per_thread,threads,blocks", SPECIALIZED_LAYOUTS)
-def test_specialized_kernel_layouts(case, heads, group, per_thread, threads, blocks):
-    """Layouts the simulator's launcher does not pick: several heads a thread, idle slots and lanes,
-    grids smaller and larger than the row count. Against the vector kernel, bit for bit (idle lanes
-    add zeros, which leave the xor tree's sum as it is)."""
+def test_specialized_kernel_layouts(case, heads, group, per_thread, threads, blocks, pipelined):
+    """Unit layouts the simulator's launcher does not pick: several heads a thread, idle slots and
+    lanes, grids smaller and larger than the row count (pipelined: a block's rows alternate between
+    its two buffers, its last trip with one row or two, a block with one row, blocks with none).
+    Against the vector kernel, bit for bit (idle lanes add zeros, which leave the xor tree's sum as
+    it is)."""
     round_before_weight, offset, head_dim, rotary_dim, _, _, theta = case
     buf, w, positions = specialized_inputs(case, heads, group, seed=51)
     codec, w_bits = build_codec("bfloat16"), to_storage(w, "bfloat16")
@@ -345,7 +374,67 @@ def test_specialized_kernel_layouts(case, heads, group, per_thread, threads, blo
     expected = run_in_place(lambda x: vector(x, w_bits, positions.numpy(), EPS, offset, rotary_dim, theta), buf,
                             head_dim)
     kernel = build_qk_norm_rope_specialized_kernel(codec, round_before_weight, head_dim, rotary_dim, heads, group,
-                                                   per_thread)
+                                                   per_thread, chunks_per_thread=0, pipelined=pipelined)
+
+    def launch(x):
+        kernel[blocks, threads, 0, threads * SCRATCH_BYTES_PER_THREAD](
+            x, w_bits, positions.numpy(), np.float32(EPS), np.float32(offset), np.float32(theta))
+
+    np.testing.assert_array_equal(run_in_place(launch, buf, head_dim), expected)
+
+
+# Chunk-layout heads (round_before_weight, weight_offset, head_dim, rotary_dim, heads, strided, theta):
+# Qwen3.5-like, 8 chunks of which 2 rotary (7 units on 8 vector lanes, as Qwen3.5's 28 on 32); 6
+# chunks in a span of 8 (chunk slots past the head); 2 pair units on 4-lane groups (a lane's partner
+# sum from the next lane's next slot).
+CHUNK_CASES = [
+    (False, 1.0, 64, 16, 4, True, 1e7),
+    (False, 1.0, 48, 16, 2, True, 1e7),
+    (True, 0.0, 64, 32, 2, False, 1e6),
+]
+PIPELINE_POSITIONS = [0, 1, 40959, 262143, 17, 5, 99]  # 7 rows: 3 blocks take 3, 2 and 2
+# (case, heads, chunks_per_thread, heads_per_thread, pipelined, blocks).
+CHUNK_LAYOUTS = [
+    # As the launcher's Qwen3.5 q: 4 chunks a thread, every lane a rotary one on slot 0; a block's
+    # rows alternate between its buffers, block 0's last trip has one row, the others' two.
+    (CHUNK_CASES[0], 4, 4, 1, True, 3),
+    (CHUNK_CASES[0], 4, 4, 1, False, 3),
+    # 2 chunks a thread, 2 heads (lanes 0-1 rotary, 2-3 pass-through); one block over all 7 rows.
+    (CHUNK_CASES[0], 4, 2, 2, True, 1),
+    # One chunk a lane, 4 heads a thread; more blocks than rows (blocks with no row).
+    (CHUNK_CASES[0], 4, 1, 4, True, 9),
+    (CHUNK_CASES[1], 2, 2, 1, True, 3),
+    (CHUNK_CASES[2], 2, 2, 1, True, 3),
+    # Lanes over 4 chunks for 2 units (the chunk tree wider than the vector kernel's, its top level zeros).
+    (SPECIALIZED_CASES[2], 2, 1, 2, False, 2),
+]
+
+
+@pytest.mark.parametrize("case,heads,per_thread,heads_per_thread,pipelined,blocks", CHUNK_LAYOUTS)
+def test_specialized_chunk_layouts(case, heads, per_thread, heads_per_thread, pipelined, blocks):
+    """The chunk layout (a lane a 16-byte chunk, chunks_per_thread a thread) on order-revealing
+    inputs, strided and partial-rotary shapes, one row and two in flight: bit for bit the vector
+    kernel. With 4 chunks a thread, a head of each later row also reveals the order a thread adding
+    its adjacent slots first would give (rope_specialized.py: the slots' tree is the xor tree's first
+    levels, slots m and m + 2 first)."""
+    round_before_weight, offset, head_dim, rotary_dim, _, _, theta = case
+    assert chunk_layout_fits(head_dim, rotary_dim, per_thread)
+    span = chunk_span(head_dim)
+    group = span // per_thread
+    other = None
+    if per_thread > 2:  # with 2 slots, adding them first is the tree's own order
+        other = lambda squares: kernel_order_sums(squares, rotary_dim, span, per_thread)  # noqa: E731
+    buf, w, positions = specialized_inputs(case, heads, vector_group_threads(head_dim, rotary_dim, 8), 52,
+                                           PIPELINE_POSITIONS, other)
+    codec, w_bits = build_codec("bfloat16"), to_storage(w, "bfloat16")
+    vector = QkNormRopeInplace(codec, round_before_weight, SIM_THREADS, specialized_min_rows=None)
+    expected = run_in_place(lambda x: vector(x, w_bits, positions.numpy(), EPS, offset, rotary_dim, theta), buf,
+                            head_dim)
+    kernel = build_qk_norm_rope_specialized_kernel(codec, round_before_weight, head_dim, rotary_dim, heads, group,
+                                                   heads_per_thread, chunks_per_thread=per_thread,
+                                                   pipelined=pipelined)
+    # Whole groups covering the frequency lanes (the first rotary_dim / 2 threads), as the launcher's.
+    threads = -(-max(heads // heads_per_thread * group, rotary_dim // 2) // group) * group
 
     def launch(x):
         kernel[blocks, threads, 0, threads * SCRATCH_BYTES_PER_THREAD](
@@ -357,12 +446,26 @@ def test_specialized_kernel_layouts(case, heads, group, per_thread, threads, blo
 def test_specialized_launch():
     assert specialized_launch(32, 128, 128) == SpecializedLaunch(8, 4, 64, 8)  # Qwen3-8B q: the H200's best
     assert specialized_launch(8, 128, 128) == SpecializedLaunch(8, 1, 64, 32)  # its k: NH 1 keeps two warps
-    assert specialized_launch(16, 256, 64) == SpecializedLaunch(32, 2, 256, 4)  # Qwen3.5 q: the H200's best
-    assert specialized_launch(4, 256, 64) == SpecializedLaunch(32, 2, 64, 16)  # its k
+    # Qwen3.5 q and k: the chunk layout, 4 chunks a thread on 8-lane groups, pipelined, 128 registers.
+    assert specialized_launch(16, 256, 64) == SpecializedLaunch(8, 1, 128, 4, 4, True)
+    assert specialized_launch(4, 256, 64) == SpecializedLaunch(8, 1, 32, 16, 4, True)
     assert specialized_launch(2, 16, 16) == SpecializedLaunch(1, 1, 32, 32)  # whole warps on the GPU
     assert specialized_launch(2, 16, 16, whole_warps=False) == SpecializedLaunch(1, 1, 2, 32)
+    # The simulator: whole 2-lane groups covering the 8 frequency lanes.
+    assert specialized_launch(2, 32, 16, whole_warps=False) == SpecializedLaunch(2, 1, 8, 16, 2, True)
     assert specialized_launch(16, 512, 64) is None  # 4 pair units + 56 pass-through chunks: over a warp
-    assert specialized_launch(64, 256, 64) is None  # 1024 threads over MAX_THREADS
+    assert specialized_launch(64, 256, 64) is None  # 512 threads over MAX_THREADS
+
+
+def test_default_chunks_per_thread():
+    """A builder call without chunks_per_thread (rope.py's launcher passes the launch's GT and NH only)
+    builds the layout specialized_launch picked."""
+    for heads, head_dim, rotary_dim in ((32, 128, 128), (8, 128, 128), (16, 256, 64), (4, 256, 64)):
+        launch = specialized_launch(heads, head_dim, rotary_dim)
+        assert default_chunks_per_thread(head_dim, rotary_dim, launch.group_threads) == launch.chunks_per_thread
+    assert default_chunks_per_thread(256, 64, 32) == 0  # Qwen3.5's unit layout (the sweeps before the chunk one)
+    assert not chunk_layout_fits(128, 128, 1)  # Qwen3-8B: 64 frequencies, more than a warp's lanes
+    assert not chunk_layout_fits(128, 64, 4)  # 4-lane groups cannot hold 8 rotary chunks on their slot 0
 
 
 def test_specialized_only_for_bf16_prefill_rows():
@@ -383,29 +486,69 @@ def test_specialized_only_for_bf16_prefill_rows():
     assert not no_vector.uses_specialized(many, w, 16)
 
 
+# Builds a GPU sweep of the specialized kernel compares (rope_specialized.py's docstring), beside the
+# launcher's: (shape, build_qk_norm_rope_specialized_kernel's options). Qwen3-8B's unit layout pipelined;
+# Qwen3.5's chunk layout one row at a time, without launch bounds, with 2 chunks and 1 chunk a thread,
+# and its unit layout as measured before the chunk layout (32-thread groups, 4 heads a thread).
+SPECIALIZED_VARIANTS = [
+    ("qwen3", dict(group_threads=8, heads_per_thread=4, pipelined=True)),
+    ("qwen3_5", dict(group_threads=8, heads_per_thread=1, pipelined=False)),
+    ("qwen3_5", dict(group_threads=8, heads_per_thread=1, min_blocks_per_sm=0)),
+    ("qwen3_5", dict(group_threads=16, heads_per_thread=2, chunks_per_thread=2)),
+    ("qwen3_5", dict(group_threads=16, heads_per_thread=1, chunks_per_thread=2)),
+    ("qwen3_5", dict(group_threads=32, heads_per_thread=4, chunks_per_thread=1)),
+    ("qwen3_5", dict(group_threads=32, heads_per_thread=2, chunks_per_thread=1)),
+    ("qwen3_5", dict(group_threads=32, heads_per_thread=4, chunks_per_thread=0)),
+]
+
+
 @pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
 def test_specialized_compiles_for_sm90():
-    """PTX for sm_90 at Qwen3-8B's and Qwen3.5's q shapes, with the launcher's configurations:
-    16-byte global loads and stores, pair conversions, no block barrier, and no local memory but
-    libdevice's sin/cos slow path (28 bytes, as in the other kernels): every buffer in registers."""
+    """PTX for sm_90 at Qwen3-8B's and Qwen3.5's q shapes, with the launcher's configurations and the
+    variants a sweep builds (SPECIALIZED_VARIANTS): 16-byte global loads and stores, pair
+    conversions, no block barrier, and no local memory but libdevice's sin/cos slow path (28 bytes,
+    as in the other kernels): every buffer in registers. Where a ptxas is on the PATH, it also
+    compiles each PTX under the kernel's launch bounds: no spills (ptxas's 32-byte frame is that
+    slow path's buffer)."""
     compile_for_sm90(
         """
-        import re
+        import re, shutil, subprocess, tempfile
         from executor.kernels.rope_specialized import build_qk_norm_rope_specialized_kernel, specialized_launch
         f32 = types.float32
-        for round_before_weight, heads, head_dim, rotary_dim in ((True, 32, 128, 128), (False, 16, 256, 64)):
+        argtypes = (arr("bfloat16", 3), arr("bfloat16", 1), arr("int32", 1), f32, f32, f32)
+        shapes = {"qwen3": (True, 32, 128, 128), "qwen3_5": (False, 16, 256, 64)}
+        configs = [(name, None) for name in shapes] + VARIANTS
+        for name, options in configs:
+            round_before_weight, heads, head_dim, rotary_dim = shapes[name]
             launch = specialized_launch(heads, head_dim, rotary_dim)
+            options = options or dict(group_threads=launch.group_threads, heads_per_thread=launch.heads_per_thread)
             kernel = build_qk_norm_rope_specialized_kernel(build_codec("bfloat16"), round_before_weight, head_dim,
-                                                           rotary_dim, heads, launch.group_threads,
-                                                           launch.heads_per_thread)
-            text = vector_ptx(kernel, arr("bfloat16", 3), arr("bfloat16", 1), arr("int32", 1), f32, f32, f32,
-                              local_ok=True)
+                                                           rotary_dim, heads, **options)
+            what = f"{name} {options}"
+            bounds = kernel.targetoptions.get("launch_bounds")
+            text = cuda.compile_ptx(kernel.py_func, argtypes, cc=(9, 0), launch_bounds=bounds)[0]
+            assert "ld.global.v4" in text and "st.global.v4" in text, f"{what}: no 16-byte global access"
             depots = [int(n) for n in re.findall(r"__local_depot\\d+\\[(\\d+)\\]", text)]
-            assert sum(depots) <= 28, f"{heads} x {head_dim}: {depots} bytes of local memory"
-            assert ".local.v" not in text, f"{heads} x {head_dim}: a vector access to local memory"
-            assert "cvt.rn.bf16x2.f32" in text, f"{heads} x {head_dim}: no pair conversion"
-            assert "bar.sync" not in text and "barrier" not in text, f"{heads} x {head_dim}: a block barrier"
-        """,
+            assert sum(depots) <= 28, f"{what}: {depots} bytes of local memory"
+            assert ".local.v" not in text, f"{what}: a vector access to local memory"
+            assert "cvt.rn.bf16x2.f32" in text, f"{what}: no pair conversion"
+            assert "bar.sync" not in text and "barrier" not in text, f"{what}: a block barrier"
+            if shutil.which("ptxas") is None:
+                continue
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+                # NVVM's PTX ISA may be newer than this ptxas; the kernels use nothing past ISA 8.0.
+                f.write(re.sub(r"^\\.version \\d+\\.\\d+", ".version 8.0", text, flags=re.M))
+                f.flush()
+                out = subprocess.run(["ptxas", "-arch=sm_90", "-v", f.name, "-o", "/dev/null"], capture_output=True,
+                                     text=True)
+            if out.returncode:
+                print(f"{what}: ptxas could not compile the PTX, no spill check:", out.stderr[-300:])
+                continue
+            spills = [int(n) for n in re.findall(r"(\\d+) bytes spill stores", out.stderr)]
+            frames = [int(n) for n in re.findall(r"(\\d+) bytes stack frame", out.stderr)]
+            assert spills and not any(spills), f"{what}: ptxas spills {spills} bytes"
+            assert max(frames) <= 32, f"{what}: {frames}-byte stack frames"
+        """.replace("VARIANTS", repr(SPECIALIZED_VARIANTS)),
         allow_f64=True,  # inv_freq's power is taken in float64 on purpose (rope.py's docstring)
     )
 
@@ -492,6 +635,35 @@ def test_gpu_specialized_matches_vector_bf16(heads, head_dim, rotary_dim, theta,
         rope = QkNormRopeInplace(build_codec("bfloat16"), round_before_weight, specialized_min_rows=min_rows)
         assert rope.uses_specialized(x, w.view(torch.int16), rotary_dim) == (min_rows is not None)
         rope(x, w.view(torch.int16), positions, EPS, offset, rotary_dim, theta)
+        outs.append(copy.view(torch.int16))
+    torch.cuda.synchronize()
+    specialized, vector = outs
+    differ = (specialized != vector).sum().item()
+    assert differ == 0, f"{differ} of {specialized.numel()} bf16 values differ from the vector kernel's"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,options", SPECIALIZED_VARIANTS)
+def test_gpu_specialized_variants_match_vector_bf16(shape, options):
+    """The variants a sweep builds (SPECIALIZED_VARIANTS), each at 16384 rows of its q: the vector
+    kernel's bits (grid-stride over many rows a block, both buffers of a pipelined block)."""
+    heads, head_dim, rotary_dim, theta, round_before_weight, offset, strided = GPU_CASES[0 if shape == "qwen3" else 2]
+    rows = 16384
+    buf, w, positions = gpu_inputs(53, rows, heads, head_dim, offset, strided)
+    kernel = Kernel(build_qk_norm_rope_specialized_kernel(build_codec("bfloat16"), round_before_weight, head_dim,
+                                                          rotary_dim, heads, **options))
+    threads = block_threads(heads // options["heads_per_thread"] * options["group_threads"])
+    blocks = multiprocessor_count() * (options.get("min_blocks_per_sm") or 4)
+    outs = []
+    for specialized in (True, False):
+        copy = buf.clone()
+        x = copy[..., :head_dim].view(torch.int16)
+        if specialized:
+            kernel[blocks, threads, 0, 0](x, w.view(torch.int16), positions, np.float32(EPS), np.float32(offset),
+                                          np.float32(theta))
+        else:
+            rope = QkNormRopeInplace(build_codec("bfloat16"), round_before_weight, specialized_min_rows=None)
+            rope(x, w.view(torch.int16), positions, EPS, offset, rotary_dim, theta)
         outs.append(copy.view(torch.int16))
     torch.cuda.synchronize()
     specialized, vector = outs
