@@ -50,10 +50,9 @@ import math
 from typing import Any, Callable
 
 from executor.kernels.codec import Codec
-from executor.kernels.launch import Kernel
+from executor.kernels.launch import Kernel, multiprocessor_count
 from executor.kernels.reduce import check_max_threads, threads_for
 from executor.kernels.residual import MAX_COLUMN_BLOCKS, UNROLL, VECTOR_UNROLL, elementwise_grid
-from executor.kernels.rope_specialized import multiprocessor_count
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda, simulator_enabled
 

@@ -186,3 +186,15 @@ def _numba_argument(a: Any, simulated: bool) -> Any:
 
         return FakeCUDAArray(a.numpy())
     return load_cuda().as_cuda_array(a, sync=False)
+
+
+#: The simulator has no SM count; a small grid keeps its Python threads few.
+SIM_MULTIPROCESSORS = 2
+
+
+def multiprocessor_count() -> int:
+    """The current device's SM count (SIM_MULTIPROCESSORS in the simulator); a launcher that sizes its
+    grid by SMs asks once and keeps the answer."""
+    if simulator_enabled():
+        return SIM_MULTIPROCESSORS
+    return int(load_cuda().get_current_device().MULTIPROCESSOR_COUNT)

@@ -61,7 +61,7 @@ from typing import Any, Callable
 import numpy as np
 
 from executor.kernels.codec import Codec
-from executor.kernels.launch import Kernel
+from executor.kernels.launch import Kernel, multiprocessor_count
 from executor.kernels.norm import SCRATCH_BYTES_PER_THREAD, block_limit, build_normalize, inv_rms_from_sum
 from executor.kernels.reduce import block_sum, build_group_sum, threads_for
 from executor.kernels.rope_layout import MAX_THREADS, rope_inv_freq, vector_group_threads
@@ -69,7 +69,6 @@ from executor.kernels.rope_specialized import (
     SPECIALIZED_MIN_ROWS,
     SpecializedLaunch,
     build_qk_norm_rope_specialized_kernel,
-    multiprocessor_count,
     specialized_launch,
 )
 from executor.kernels.vector import (

@@ -6,7 +6,10 @@ shape fits (``specialized_launch``), and builds it once per shape: head_dim, rot
 layout and its thread counts are compile-time constants (no integer division; every loop over
 chunks, heads and rows' buffers unrolls into registers). On the H200 the vector kernel took 251.9
 us on Qwen3-8B's q (16384 x 32 x 128), 26% of copy bandwidth, waiting on latency and instructions;
-this one drops its shared cos/sin tables and barriers. Both layouts below:
+this one drops its shared cos/sin tables and barriers. This module holds the entry point
+(``build_qk_norm_rope_specialized_kernel``) and the launch rule; the two layouts' kernels are
+rope_unit_layout.py's and rope_chunk_layout.py's, their shared bf16 functions rope_bf16.py's.
+Both layouts:
 
 - a head's G threads (``group_threads``, GT) own it, and a thread holds its part of NH heads of a
   row, heads ``slot + n * SLOTS`` (n < NH; SLOTS = heads / NH head slots of G threads; blockDim =
@@ -102,22 +105,16 @@ from typing import Any, Callable
 import numpy as np
 
 from executor.kernels.codec import Codec
-from executor.kernels.mma import build_pack_bf16x2
-from executor.kernels.norm import inv_rms_from_sum
-from executor.kernels.reduce import build_group_sum
-from executor.kernels.rope_layout import MAX_GROUP_THREADS, MAX_THREADS, rope_inv_freq, vector_group_threads
-from executor.kernels.vector import VECTOR_BYTES, VECTOR_WORDS, build_vector_access
-from executor.numba_cuda import load_cuda, simulator_enabled
-
-cuda = load_cuda()
-from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
+from executor.kernels.rope_bf16 import BF16_LANES
+from executor.kernels.rope_chunk_layout import build_chunk_kernel
+from executor.kernels.rope_layout import MAX_GROUP_THREADS, MAX_THREADS, vector_group_threads
+from executor.kernels.rope_unit_layout import build_unit_kernel
+from executor.numba_cuda import simulator_enabled
 
 # Specialized kernel (module docstring). Rows from which a call takes it: prefill chunks; decode
 # steps (at most qk_rope_kv.MAX_FUSED_ROWS rows) take the fused kernel, and the few-row calls left
 # keep the vector kernel's wider blocks (the specialized kernel was measured at 16384 rows only).
 SPECIALIZED_MIN_ROWS = 256
-BF16_LANES = VECTOR_BYTES // 2  # bf16 elements in a 16-byte chunk: the specialized kernel is bf16 only
-UNIT_WORDS = 2 * VECTOR_WORDS  # a thread's unit of one head: two chunks (a pass-through unit uses the first)
 MAX_HEADS_PER_THREAD = 4  # NH is 4, 2 or 1 (the unit layout spells out four heads' buffers)
 MIN_SPECIALIZED_THREADS = 64  # NH shrinks before the block gets smaller than two warps
 MAX_SLOT_UNITS = 64  # unit layout: NH * GT at most (NH 4 for Qwen3's 8-thread groups)
@@ -128,13 +125,6 @@ CHUNK_THREAD_REGISTERS = 128  # chunk layout: registers a thread (launch bounds)
 REGISTERS_PER_SM = 65536  # sm_90's register file
 MAX_BLOCKS_PER_SM = 32  # sm_90's resident blocks per SM
 WARP = 32
-SIGN_BIT = -(1 << 31)  # 0x80000000 as an int32: the sign bit of a word's upper bf16
-SIM_MULTIPROCESSORS = 2  # the simulator has no SM count; a small grid keeps its Python threads few
-# The specialized kernel's device functions are inlined by NVVM (alwaysinline), as sampler.py's: Numba's
-# IR inlining copies the callee's IR at every call, and the nested calls took the sm_90 compile of
-# Qwen3-8B's q kernel to about a minute. Inlined somewhere they must be, for the buffers to stay in
-# registers. The simulator's jit takes no forceinline.
-NVVM_INLINE = {} if simulator_enabled() else {"forceinline": True}
 
 
 def build_qk_norm_rope_specialized_kernel(
@@ -194,460 +184,16 @@ def build_qk_norm_rope_specialized_kernel(
     launch_options = {} if simulator_enabled() or not min_blocks_per_sm else {
         "launch_bounds": (threads, min_blocks_per_sm)}
     if chunks_per_thread == 0:
-        return _build_unit_kernel(codec, round_before_weight, head_dim, rotary_dim, heads, group_threads, nh,
-                                  pipelined, launch_options)
+        return build_unit_kernel(codec, round_before_weight, head_dim, rotary_dim, heads, group_threads, nh,
+                              pipelined, launch_options)
     if not chunk_layout_fits(head_dim, rotary_dim, chunks_per_thread):
         raise ValueError(f"head_dim {head_dim}, rotary_dim {rotary_dim}: no chunk layout with "
                          f"{chunks_per_thread} chunks a thread")
     if group_threads * chunks_per_thread != chunk_span(head_dim):
         raise ValueError(f"group_threads {group_threads} x chunks_per_thread {chunks_per_thread} must be "
                          f"{chunk_span(head_dim)}")
-    return _build_chunk_kernel(codec, round_before_weight, head_dim, rotary_dim, heads, group_threads, nh,
-                               chunks_per_thread, pipelined, launch_options)
-
-
-def _bf16_functions(codec: Codec, round_before_weight: bool) -> tuple[Callable[..., Any], ...]:
-    """Device functions both layouts use: ``(element, rounded_pair, chunk_squares, normalized_pair)``
-    (each documented below)."""
-    load = codec.load
-    pack = build_pack_bf16x2()
-    lanes = BF16_LANES
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def element(words, k):
-        """Element k of a buffer of chunks as float32: k < 8 in the first chunk (words 0-3), 8 <= k < 16
-        in the second (words 4-7), ...; the element at the lower address is a word's low half."""
-        word = words[k // 2]
-        return load(word >> 16) if k % 2 else load(word)
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def rounded_pair(a, b):
-        """a and b rounded to bf16 and back, as HF's separate ops round them: one cvt.rn.bf16x2."""
-        word = pack(a, b)
-        return load(word), load(word >> 16)
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def chunk_squares(words, first):
-        """Sum of the squares of the chunk's 8 elements from element ``first``, in element order
-        (build_vector_head's squares)."""
-        total = float32(0.0)
-        for k in range(lanes):
-            v = element(words, first + k)
-            total += v * v
-        return total
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def normalized_pair(x0, x1, w0, w1, inv_rms, weight_offset):
-        """Two norm outputs before their final rounding: norm.build_normalize two at a time (with
-        round_before_weight, norm(x) rounded in between, one cvt for both)."""
-        if round_before_weight:
-            n0, n1 = rounded_pair(x0 * inv_rms, x1 * inv_rms)
-            return n0 * (weight_offset + w0), n1 * (weight_offset + w1)
-        return x0 * inv_rms * (weight_offset + w0), x1 * inv_rms * (weight_offset + w1)
-
-    return element, rounded_pair, chunk_squares, normalized_pair
-
-
-def _build_unit_kernel(
-    codec: Codec,
-    round_before_weight: bool,
-    head_dim: int,
-    rotary_dim: int,
-    heads: int,
-    group_threads: int,
-    nh: int,
-    pipelined: bool,
-    launch_options: dict,
-) -> Callable[..., Any]:
-    """The unit layout's kernel (module docstring); arguments as build_qk_norm_rope_specialized_kernel's."""
-    lanes = BF16_LANES
-    half = rotary_dim // 2
-    pairs = half // lanes
-    units = pairs + (head_dim - rotary_dim) // lanes
-    slots = heads // nh
-    gt = group_threads
-    if not units <= gt <= MAX_GROUP_THREADS or gt & (gt - 1):
-        raise ValueError(f"group_threads {gt} must be a power of two in [{units} units, {MAX_GROUP_THREADS}]")
-
-    pack = build_pack_bf16x2()
-    load_vector, store_vector = build_vector_access()
-    group_sum = build_group_sum()
-    element, rounded_pair, chunk_squares, normalized_pair = _bf16_functions(codec, round_before_weight)
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def head_inv_rms(scratch, words, active, pair, eps):
-        """The head's inv_rms on every thread of its group, from each thread's unit in ``words``;
-        the partial sum is build_vector_head's: first-half chunk, plus second-half chunk."""
-        partial = float32(0.0)
-        if active:
-            partial = chunk_squares(words, 0)
-            if pair:
-                partial = partial + chunk_squares(words, lanes)
-        return inv_rms_from_sum(group_sum(scratch, partial, gt), head_dim, eps)
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def normed_pair(words, w, k, inv_rms, weight_offset):
-        """Unit elements k, k + 1 of HF's q_norm output (rounded) from ``words`` and the weights ``w``."""
-        v0, v1 = normalized_pair(element(words, k), element(words, k + 1), element(w, k), element(w, k + 1),
-                                 inv_rms, weight_offset)
-        return rounded_pair(v0, v1)
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def rotated(a, b, cos, sin):
-        """(a cos - b sin, b cos + a sin) for a = n[j], b = n[j + r/2], each product rounded (HF); the
-        caller's store rounds the sums."""
-        a_cos, b_sin = rounded_pair(a * cos, b * sin)
-        b_cos, a_sin = rounded_pair(b * cos, a * sin)
-        return a_cos - b_sin, b_cos + a_sin
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def unit_cos_sin(position, inv_freq, cos, sin):
-        """A pair unit's 8 cos/sin at ``position``, rounded (HF casts them to the activation dtype)."""
-        for k in range(lanes):
-            angle = position * inv_freq[k]
-            cos[k], sin[k] = rounded_pair(math.cos(angle), math.sin(angle))
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def unit_norm_rope(words, w, pair, cos, sin, inv_rms, weight_offset):
-        """Pass 2 on a unit, in place in its buffer: normed, rotated for a pair unit, rounded. Each
-        step reads word k / 2 of a chunk before it writes it."""
-        if pair:
-            for k in range(0, lanes, 2):
-                a0, a1 = normed_pair(words, w, k, inv_rms, weight_offset)  # n[j], n[j + 1]
-                b0, b1 = normed_pair(words, w, lanes + k, inv_rms, weight_offset)  # n[j + r/2], n[j + 1 + r/2]
-                lo0, hi0 = rotated(a0, b0, cos[k], sin[k])
-                lo1, hi1 = rotated(a1, b1, cos[k + 1], sin[k + 1])
-                words[k // 2] = pack(lo0, lo1)
-                words[VECTOR_WORDS + k // 2] = pack(hi0, hi1)
-        else:
-            for k in range(0, lanes, 2):
-                v0, v1 = normalized_pair(element(words, k), element(words, k + 1), element(w, k),
-                                         element(w, k + 1), inv_rms, weight_offset)
-                words[k // 2] = pack(v0, v1)
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def load_unit(x, t, h, col_lo, col_hi, pair, words):
-        load_vector(x, (t, h, col_lo), words, 0)
-        if pair:
-            load_vector(x, (t, h, col_hi), words, VECTOR_WORDS)
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def store_unit(x, t, h, col_lo, col_hi, pair, words):
-        store_vector(x, (t, h, col_lo), words, 0)
-        if pair:
-            store_vector(x, (t, h, col_hi), words, VECTOR_WORDS)
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def load_row(x, t, slot, col_lo, col_hi, active, pair, head0, head1, head2, head3):
-        """This thread's unit of each of its heads of row t: every load before any reduction."""
-        if active:
-            load_unit(x, t, slot, col_lo, col_hi, pair, head0)
-            if nh > 1:
-                load_unit(x, t, slot + slots, col_lo, col_hi, pair, head1)
-            if nh > 2:
-                load_unit(x, t, slot + 2 * slots, col_lo, col_hi, pair, head2)
-                load_unit(x, t, slot + 3 * slots, col_lo, col_hi, pair, head3)
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def finish_row(x, positions, t, scratch, eps, weight_offset, slot, col_lo, col_hi, active, pair, w, inv_freq,
-                   cos, sin, head0, head1, head2, head3):
-        """Row t from its loaded units: cos/sin (while the loads are in flight), the heads' inv_rms,
-        pass 2, the stores."""
-        if active and pair:
-            unit_cos_sin(float32(positions[t]), inv_freq, cos, sin)
-        # Every thread reduces nh times (whole warps on the GPU, the block's barriers in the simulator).
-        inv_rms0 = head_inv_rms(scratch, head0, active, pair, eps)
-        inv_rms1 = head_inv_rms(scratch, head1, active, pair, eps) if nh > 1 else inv_rms0
-        inv_rms2 = head_inv_rms(scratch, head2, active, pair, eps) if nh > 2 else inv_rms0
-        inv_rms3 = head_inv_rms(scratch, head3, active, pair, eps) if nh > 2 else inv_rms0
-        if active:
-            unit_norm_rope(head0, w, pair, cos, sin, inv_rms0, weight_offset)
-            store_unit(x, t, slot, col_lo, col_hi, pair, head0)
-            if nh > 1:
-                unit_norm_rope(head1, w, pair, cos, sin, inv_rms1, weight_offset)
-                store_unit(x, t, slot + slots, col_lo, col_hi, pair, head1)
-            if nh > 2:
-                unit_norm_rope(head2, w, pair, cos, sin, inv_rms2, weight_offset)
-                store_unit(x, t, slot + 2 * slots, col_lo, col_hi, pair, head2)
-                unit_norm_rope(head3, w, pair, cos, sin, inv_rms3, weight_offset)
-                store_unit(x, t, slot + 3 * slots, col_lo, col_hi, pair, head3)
-
-    @cuda.jit(**launch_options)
-    def qk_norm_rope_specialized(x, norm_weight, positions, eps, weight_offset, theta):
-        scratch = cuda.shared.array(0, float32)  # group_sum's, in the simulator only
-        unit = cuda.threadIdx.x % gt
-        slot = cuda.threadIdx.x // gt  # heads slot, slot + slots, ...
-        active = unit < units and slot < slots
-        pair = unit < pairs
-        # A pair unit: chunk `unit` of each rotary half. A pass-through unit: the chunk at
-        # rotary_dim + (unit - pairs) * lanes, which is half + unit * lanes too.
-        col_lo = unit * lanes if pair else half + unit * lanes
-        col_hi = half + unit * lanes
-        w = cuda.local.array(UNIT_WORDS, int32)
-        inv_freq = cuda.local.array(lanes, float32)
-        cos = cuda.local.array(lanes, float32)
-        sin = cuda.local.array(lanes, float32)
-        head0 = cuda.local.array(UNIT_WORDS, int32)  # this thread's unit of head slot + n * slots
-        head1 = cuda.local.array(UNIT_WORDS, int32)
-        head2 = cuda.local.array(UNIT_WORDS, int32)
-        head3 = cuda.local.array(UNIT_WORDS, int32)
-        next0 = cuda.local.array(UNIT_WORDS, int32)  # the same for the block's next row (pipelined)
-        next1 = cuda.local.array(UNIT_WORDS, int32)
-        next2 = cuda.local.array(UNIT_WORDS, int32)
-        next3 = cuda.local.array(UNIT_WORDS, int32)
-        if active:
-            load_vector(norm_weight, (col_lo,), w, 0)
-            if pair:
-                load_vector(norm_weight, (col_hi,), w, VECTOR_WORDS)
-                for k in range(lanes):
-                    inv_freq[k] = rope_inv_freq(unit * lanes + k, rotary_dim, theta)
-        rows = x.shape[0]
-        if pipelined:
-            # Two rows a trip, each buffer set loaded a row ahead of its finish: one row's loads are
-            # in flight while the other row computes (the row index is the block's, so every branch
-            # here is uniform over the block).
-            t = cuda.blockIdx.x
-            if t < rows:
-                load_row(x, t, slot, col_lo, col_hi, active, pair, head0, head1, head2, head3)
-            while t < rows:
-                t_next = t + cuda.gridDim.x
-                if t_next < rows:
-                    load_row(x, t_next, slot, col_lo, col_hi, active, pair, next0, next1, next2, next3)
-                finish_row(x, positions, t, scratch, eps, weight_offset, slot, col_lo, col_hi, active, pair, w,
-                           inv_freq, cos, sin, head0, head1, head2, head3)
-                if t_next >= rows:
-                    break
-                t = t_next + cuda.gridDim.x
-                if t < rows:
-                    load_row(x, t, slot, col_lo, col_hi, active, pair, head0, head1, head2, head3)
-                finish_row(x, positions, t_next, scratch, eps, weight_offset, slot, col_lo, col_hi, active, pair,
-                           w, inv_freq, cos, sin, next0, next1, next2, next3)
-        else:
-            for t in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
-                load_row(x, t, slot, col_lo, col_hi, active, pair, head0, head1, head2, head3)
-                finish_row(x, positions, t, scratch, eps, weight_offset, slot, col_lo, col_hi, active, pair, w,
-                           inv_freq, cos, sin, head0, head1, head2, head3)
-
-    return qk_norm_rope_specialized
-
-
-def build_lane_exchange() -> Callable[..., Any]:
-    """Device function ``exchange(scratch, value, source) -> value``: the ``value`` of thread ``source``
-    of the block (in this thread's warp on the GPU), every thread of the block calling it. GPU: one
-    ``shfl.sync.idx`` (int32 or float32). Simulator: through ``scratch`` (blockDim.x words of shared
-    memory of value's type) between two barriers."""
-    if simulator_enabled():
-
-        @cuda.jit(device=True)
-        def exchange_shared(scratch, value, source):
-            scratch[cuda.threadIdx.x] = value
-            cuda.syncthreads()
-            got = scratch[source]
-            cuda.syncthreads()
-            return got
-
-        return exchange_shared
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def exchange_shuffle(scratch, value, source):
-        return cuda.shfl_sync(0xFFFFFFFF, value, source & (WARP - 1))
-
-    return exchange_shuffle
-
-
-def _build_chunk_kernel(
-    codec: Codec,
-    round_before_weight: bool,
-    head_dim: int,
-    rotary_dim: int,
-    heads: int,
-    group: int,
-    nh: int,
-    per_thread: int,
-    pipelined: bool,
-    launch_options: dict,
-) -> Callable[..., Any]:
-    """The chunk layout's kernel (module docstring); arguments as build_qk_norm_rope_specialized_kernel's,
-    ``group`` its group_threads and ``per_thread`` its chunks_per_thread."""
-    lanes = BF16_LANES
-    half = rotary_dim // 2
-    pairs = half // lanes
-    chunks = head_dim // lanes
-    units = chunks - pairs  # the vector kernel's: pair units, then pass-through chunks
-    slots = heads // nh
-    # Local array sizes (numba wants each a constant, not an expression).
-    stage_words = nh * per_thread * VECTOR_WORDS  # a row's chunks of this thread
-    weight_words = per_thread * VECTOR_WORDS
-    head_chunks = nh * per_thread
-    heads_words = nh * VECTOR_WORDS
-    rotary_everywhere = 2 * pairs == group  # every lane's slot-0 chunk is a rotary one
-
-    load = codec.load
-    pack = build_pack_bf16x2()
-    load_vector, store_vector = build_vector_access()
-    group_sum = build_group_sum()
-    exchange = build_lane_exchange()
-    element, rounded_pair, chunk_squares, normalized_pair = _bf16_functions(codec, round_before_weight)
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def chunk_valid(active, lane, m):
-        """Whether this thread's chunk slot m (chunk lane + m * group of a head) is one of the head's."""
-        return active and lane + m * group < chunks
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def load_stage(x, positions, t, slot, lane, active, buf):
-        """This thread's chunks of its heads of row t into ``buf`` (chunk slot m of head n at words
-        (n * per_thread + m) * 4), and the row's position as float32."""
-        for n in range(nh):
-            for m in range(per_thread):
-                if chunk_valid(active, lane, m):
-                    load_vector(x, (t, slot + n * slots, (lane + m * group) * lanes), buf,
-                                (n * per_thread + m) * VECTOR_WORDS)
-        return float32(positions[t])
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def finish_stage(x, t, position, buf, w, inv_freq, scratch, word_scratch, eps, weight_offset, slot, lane,
-                     active, frequency_lane, cos_sin_source, sin_sign, partner, sum_source, carry, rotary):
-        """Row t from its loaded chunks in ``buf``: cos/sin, the heads' inv_rms, pass 2, the stores."""
-        # The row's rounded (cos, sin) of frequency j in one word (cos the low half), computed on the
-        # warp's lane j < rotary_dim / 2; a rotary lane gathers its chunk's 8, the sin negated for a
-        # first-half chunk (a - b sin is a + b (-sin), bit for bit).
-        word = int32(0)
-        if frequency_lane:
-            angle = position * inv_freq
-            word = pack(math.cos(angle), math.sin(angle))
-        cos_sin = cuda.local.array(BF16_LANES, int32)
-        for k in range(lanes):
-            cos_sin[k] = exchange(word_scratch, word, cos_sin_source + k) ^ sin_sign
-        # Sums of squares in the vector kernel's order (module docstring): each chunk's 8 squares,
-        # then unit v's partial on chunk slot m (v = lane + m * group): chunk v's sum plus chunk
-        # v + pairs's for a pair unit, chunk v + pairs's for a pass-through one (gathered from lane
-        # (lane + pairs) % group, its slot m or m + 1), zero past the units; then the xor tree's
-        # first levels over the slots here, its last over the group's lanes.
-        squares = cuda.local.array(head_chunks, float32)
-        for n in range(nh):
-            for m in range(per_thread):
-                s = chunk_squares(buf, (n * per_thread + m) * lanes)
-                squares[n * per_thread + m] = s if chunk_valid(active, lane, m) else float32(0.0)
-        inv_rms = cuda.local.array(nh, float32)
-        received = cuda.local.array(per_thread, float32)
-        partial = cuda.local.array(per_thread, float32)
-        for n in range(nh):
-            for m in range(per_thread):
-                received[m] = exchange(scratch, squares[n * per_thread + m], sum_source)
-            for m in range(per_thread):
-                moved = received[m]
-                if m + 1 < per_thread:
-                    if carry:
-                        moved = received[m + 1]
-                elif carry:
-                    moved = float32(0.0)  # chunk v + pairs is past the head
-                v = lane + m * group
-                own = squares[n * per_thread + m]
-                unit_sum = own + moved if v < pairs else moved
-                partial[m] = unit_sum if v < units else float32(0.0)
-            width = per_thread // 2
-            while width > 0:
-                for m in range(width):
-                    partial[m] = partial[m] + partial[m + width]
-                width //= 2
-            inv_rms[n] = inv_rms_from_sum(group_sum(scratch, partial[0], group), head_dim, eps)
-        # Pass 2: every chunk normed and rounded in place (a pass-through chunk's output, a rotary
-        # chunk's HF q_norm output).
-        for n in range(nh):
-            for m in range(per_thread):
-                first = (n * per_thread + m) * lanes
-                for k in range(0, lanes, 2):
-                    v0, v1 = normalized_pair(element(buf, first + k), element(buf, first + k + 1),
-                                             element(w, m * lanes + k), element(w, m * lanes + k + 1),
-                                             inv_rms[n], weight_offset)
-                    buf[(first + k) // 2] = pack(v0, v1)
-        # Rotary chunks (chunk slot 0 of lanes < 2 pairs): out = round(n cos) + round(partner (+-sin)),
-        # the partner chunk (the other rotary half of the pair unit) from its lane.
-        partner_words = cuda.local.array(heads_words, int32)
-        for n in range(nh):
-            for k in range(VECTOR_WORDS):
-                partner_words[n * VECTOR_WORDS + k] = exchange(word_scratch, buf[n * per_thread * VECTOR_WORDS + k],
-                                                               partner)
-        if rotary:
-            for n in range(nh):
-                first = n * per_thread * lanes
-                for k in range(0, lanes, 2):
-                    n_cos0, n_cos1 = rounded_pair(element(buf, first + k) * load(cos_sin[k]),
-                                                  element(buf, first + k + 1) * load(cos_sin[k + 1]))
-                    p_sin0, p_sin1 = rounded_pair(element(partner_words, n * lanes + k) * load(cos_sin[k] >> 16),
-                                                  element(partner_words, n * lanes + k + 1)
-                                                  * load(cos_sin[k + 1] >> 16))
-                    buf[(first + k) // 2] = pack(n_cos0 + p_sin0, n_cos1 + p_sin1)
-        for n in range(nh):
-            for m in range(per_thread):
-                if chunk_valid(active, lane, m):
-                    store_vector(x, (t, slot + n * slots, (lane + m * group) * lanes), buf,
-                                 (n * per_thread + m) * VECTOR_WORDS)
-
-    @cuda.jit(**launch_options)
-    def qk_norm_rope_specialized_chunks(x, norm_weight, positions, eps, weight_offset, theta):
-        scratch = cuda.shared.array(0, float32)  # the simulator's group_sum and exchanges (float32 values)
-        word_scratch = cuda.shared.array(0, int32)  # the same memory, for the exchanges of int32 words
-        tid = cuda.threadIdx.x
-        lane = tid % group
-        slot = tid // group  # heads slot, slot + slots, ...
-        active = slot < slots
-        group_first = tid - lane
-        warp_lane = tid % WARP
-        frequency_lane = warp_lane < half
-        inv_freq = rope_inv_freq(warp_lane, rotary_dim, theta) if frequency_lane else float32(0.0)
-        rotary = rotary_everywhere or lane < 2 * pairs
-        first_half = lane < pairs
-        pair_unit = lane if first_half else lane - pairs  # a rotary lane's pair unit
-        cos_sin_source = tid - warp_lane + (pair_unit * lanes if rotary else 0)  # + k: frequency j of the chunk
-        sin_sign = int32(SIGN_BIT) if first_half else int32(0)
-        partner = group_first + (lane + pairs if first_half else lane - pairs) if rotary else tid
-        sum_source = group_first + (lane + pairs) % group
-        carry = lane + pairs >= group
-        # Chunk slots past a head (or an idle slot's) are never loaded: zeros, finite in pass 2.
-        w = cuda.local.array(weight_words, int32)
-        buf = cuda.local.array(stage_words, int32)
-        buf_next = cuda.local.array(stage_words, int32)  # the block's next row (pipelined)
-        for k in range(weight_words):
-            w[k] = 0
-        for k in range(stage_words):
-            buf[k] = 0
-            buf_next[k] = 0
-        for m in range(per_thread):
-            if chunk_valid(active, lane, m):
-                load_vector(norm_weight, ((lane + m * group) * lanes,), w, m * VECTOR_WORDS)
-        rows = x.shape[0]
-        if pipelined:
-            # As the unit layout's: two rows a trip, each buffer loaded a row ahead of its finish.
-            t = cuda.blockIdx.x
-            position = float32(0.0)
-            if t < rows:
-                position = load_stage(x, positions, t, slot, lane, active, buf)
-            while t < rows:
-                t_next = t + cuda.gridDim.x
-                position_next = float32(0.0)
-                if t_next < rows:
-                    position_next = load_stage(x, positions, t_next, slot, lane, active, buf_next)
-                finish_stage(x, t, position, buf, w, inv_freq, scratch, word_scratch, eps, weight_offset, slot,
-                             lane, active, frequency_lane, cos_sin_source, sin_sign, partner, sum_source, carry,
-                             rotary)
-                if t_next >= rows:
-                    break
-                t = t_next + cuda.gridDim.x
-                if t < rows:
-                    position = load_stage(x, positions, t, slot, lane, active, buf)
-                finish_stage(x, t_next, position_next, buf_next, w, inv_freq, scratch, word_scratch, eps,
-                             weight_offset, slot, lane, active, frequency_lane, cos_sin_source, sin_sign, partner,
-                             sum_source, carry, rotary)
-        else:
-            for t in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
-                position = load_stage(x, positions, t, slot, lane, active, buf)
-                finish_stage(x, t, position, buf, w, inv_freq, scratch, word_scratch, eps, weight_offset, slot,
-                             lane, active, frequency_lane, cos_sin_source, sin_sign, partner, sum_source, carry,
-                             rotary)
-
-    return qk_norm_rope_specialized_chunks
+    return build_chunk_kernel(codec, round_before_weight, head_dim, rotary_dim, heads, group_threads, nh,
+                              chunks_per_thread, pipelined, launch_options)
 
 
 def block_threads(threads: int) -> int:
@@ -747,10 +293,3 @@ def _heads_per_thread(heads: int, group: int, fits: Callable[[int], bool]) -> in
         if heads % n == 0 and fits(n) and heads // n * group >= MIN_SPECIALIZED_THREADS:
             return n
     return 1
-
-
-def multiprocessor_count() -> int:
-    """The current device's SM count (SIM_MULTIPROCESSORS in the simulator); a launcher asks once."""
-    if simulator_enabled():
-        return SIM_MULTIPROCESSORS
-    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)

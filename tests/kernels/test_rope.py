@@ -12,7 +12,7 @@ import torch
 
 from executor.kernels.codec import build_codec
 from executor.kernels.kv_cache import WriteKv
-from executor.kernels.launch import Kernel
+from executor.kernels.launch import Kernel, multiprocessor_count
 from executor.kernels.qk_rope_kv import QkNormRopeWriteKv, fused_block_threads
 from executor.kernels.norm import SCRATCH_BYTES_PER_THREAD
 from executor.kernels.rope import VECTOR_ROWS, QkNormRopeInplace, vector_shared_bytes
@@ -24,7 +24,6 @@ from executor.kernels.rope_specialized import (
     chunk_layout_fits,
     chunk_span,
     default_chunks_per_thread,
-    multiprocessor_count,
     specialized_launch,
 )
 from executor.numba_cuda import load_cuda, simulator_enabled
