@@ -259,7 +259,7 @@ def silu_mul_case(env: Env, s: Shapes) -> Case:
 
 
 def sigmoid_mul_case(env: Env, s: Shapes) -> Case:
-    from executor.kernels.activation import SigmoidMulInplace
+    from executor.kernels.output_gate import SigmoidMulInplace
     from executor.kernels.codec import build_codec
 
     torch = env.torch

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from executor.kernels.activation import SigmoidMulInplace, SiluMul
+from executor.kernels.activation import SiluMul
 from executor.kernels.attention import PREFILL_ROWS_PER_TILE, PagedAttention
 from executor.kernels.causal_softmax import CausalSoftmax
 from executor.kernels.chunk_copy import ChunkCopy
@@ -19,6 +19,7 @@ from executor.kernels.flash_attention import FlashAttention
 from executor.kernels.gated_norm import GatedRmsNorm
 from executor.kernels.gemm_attention import GatherKv
 from executor.kernels.norm import AddRmsNormInplace, RmsNorm
+from executor.kernels.output_gate import SigmoidMulInplace
 from executor.kernels.qk_rope_kv import QkNormRopeWriteKv
 from executor.kernels.sampler import Sample
 from executor.numba_cuda import simulator_enabled

@@ -1,4 +1,5 @@
-"""silu_mul and sigmoid_mul_inplace against torch (simulator at tiny shapes; bf16 GPU tests at real sizes)."""
+"""silu_mul (activation.py) and sigmoid_mul_inplace (output_gate.py) against torch (simulator at tiny
+shapes; bf16 GPU tests at real sizes)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor.kernels.activation import (
+from executor.kernels.activation import SiluMul, build_silu_mul_vector_kernel
+from executor.kernels.codec import build_codec
+from executor.kernels.output_gate import (
     GATE_BLOCKS_PER_SM,
     GATE_ROWS_UNROLL,
     GATE_THREADS,
     MAX_GATE_ROWS_UNROLL,
     SigmoidMulInplace,
-    SiluMul,
     build_sigmoid_mul_inplace_vector_kernel,
-    build_silu_mul_vector_kernel,
     gate_grid,
 )
-from executor.kernels.codec import build_codec
 from executor.kernels.residual import MAX_COLUMN_BLOCKS
 from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
@@ -250,10 +250,10 @@ def test_compiles_for_sm90():
     gate kernel with the launch bounds it carries (threads, blocks per SM) in its PTX."""
     compile_for_sm90(
         """
-        from executor.kernels.activation import (
+        from executor.kernels.activation import build_silu_mul_kernel, build_silu_mul_vector_kernel
+        from executor.kernels.output_gate import (
             GATE_BLOCKS_PER_SM, GATE_THREADS, MAX_GATE_ROWS_UNROLL, SigmoidMulInplace,
-            build_sigmoid_mul_inplace_kernel, build_sigmoid_mul_inplace_vector_kernel, build_silu_mul_kernel,
-            build_silu_mul_vector_kernel,
+            build_sigmoid_mul_inplace_kernel, build_sigmoid_mul_inplace_vector_kernel,
         )
         for name in DTYPES:
             codec = build_codec(name)
@@ -340,7 +340,7 @@ def test_gpu_sigmoid_mul_vector_matches_scalar_bf16():
 @pytest.mark.gpu
 @pytest.mark.parametrize("vector_threads,blocks_per_sm,rows_unroll", [
     (GATE_THREADS, GATE_BLOCKS_PER_SM, GATE_ROWS_UNROLL),  # the defaults
-    (256, 3, 4),  # other swept settings (activation.py's docstring)
+    (256, 3, 4),  # other swept settings (output_gate.py's docstring)
     (256, 4, 1),
     (128, 6, 4),
     (512, 2, 2),
