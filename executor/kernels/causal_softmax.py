@@ -45,7 +45,7 @@ from executor.kernels.codec import Codec
 from executor.kernels.launch import Kernel
 from executor.kernels.reduce import build_group_max, build_group_sum
 from executor.kernels.vector import (
-    VECTOR_BYTES, VECTOR_WORDS, array_layout, build_lanes, build_vector_access, lanes_for, word_type,
+    VECTOR_WORDS, build_lanes, build_vector_access, contiguous_aligned, lanes_for, word_type,
 )
 from executor.numba_cuda import load_cuda, simulator_enabled
 
@@ -344,21 +344,6 @@ def build_streaming_softmax(codec: Codec, threads: int, rows_per_block: int, war
                         store_vector(probs, (row, first), out, 0)
 
     return streaming_causal_softmax_kernel
-
-
-def contiguous_aligned(*arrays: Any) -> bool:
-    """Whether every array is C-contiguous from a 16-byte aligned address: the vector kernels' need.
-    Unlike vector.vector_aligned, rows need not be whole chunks (the kernels align each row)."""
-    for a in arrays:
-        layout = array_layout(a)
-        if layout.address % VECTOR_BYTES:
-            return False
-        expected = layout.itemsize_bytes
-        for length, stride in reversed(tuple(zip(layout.shape, layout.strides_bytes))):
-            if length > 1 and stride != expected:
-                return False
-            expected *= length
-    return True
 
 
 class CausalSoftmax:

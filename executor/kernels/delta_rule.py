@@ -47,6 +47,16 @@ L2_EPS = 1e-6  # HF's l2norm eps (FLA's value), not the model's rms_norm_eps
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus default: x above it returns x
 
 
+@cuda.jit(device=True, inline=True)
+def qkv_columns(qkv_width, v_heads, dk, dv, h):
+    """First columns of value head h's q, k and v in a conv output row ``[q | k | v]`` of
+    ``qkv_width`` columns (Hk key heads of dk, then Hv value heads of dv). HF's repeat_interleave:
+    consecutive value heads share a key head, h // (Hv // Hk)."""
+    k_heads = (qkv_width - v_heads * dv) // (2 * dk)
+    kh = h // (v_heads // k_heads)
+    return kh * dk, (k_heads + kh) * dk, 2 * k_heads * dk + h * dv
+
+
 def build_gdn_gates(codec: Codec, param_codec: Codec | None = None) -> Any:
     """Kernel ``(a [T,Hv], b [T,Hv], A_log [Hv], dt_bias [Hv], g_out [T,Hv] f32, beta_out [T,Hv] f32)``.
 
@@ -169,11 +179,8 @@ def build_gated_delta_rule(
         req = cuda.blockIdx.z
         v_heads = out.shape[1]
         dv = out.shape[2]
-        k_heads = (qkv.shape[1] - v_heads * dv) // (2 * dk)
-        kh = h // (v_heads // k_heads)  # HF's repeat_interleave: consecutive value heads share a key head
-        q_col = kh * dk
-        k_col = k_heads * dk + kh * dk
-        v_col = 2 * k_heads * dk + h * dv + j
+        q_col, k_col, v_col = qkv_columns(qkv.shape[1], v_heads, dk, dv, h)
+        v_col += j
         row0 = ty * part_len
         start = q_indptr[req]
         end = q_indptr[req + 1]
@@ -304,19 +311,20 @@ class GatedDeltaRule:
         out: Any,
         stream: Any = 0,
     ) -> None:
-        v_heads, dv, requests = _check_shapes(qkv, g, beta, ssm_state, q_indptr, slot_ids, out, self.head_k_dim)
+        v_heads, dv, requests = check_delta_rule_shapes(qkv, g, beta, ssm_state, q_indptr, slot_ids, out,
+                                                        self.head_k_dim)
         if requests == 0 or int(qkv.shape[0]) == 0:
             return
-        cols = min(self.dv_tile, _pow2_at_least(dv))
+        cols = min(self.dv_tile, pow2_at_least(dv))
         grid = ((dv + cols - 1) // cols, v_heads, requests)
         self.kernel[grid, (cols, self.dk_split), stream](qkv, g, beta, ssm_state, q_indptr, slot_ids, out)
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _check_shapes(
+def check_delta_rule_shapes(
     qkv: Any, g: Any, beta: Any, ssm_state: Any, q_indptr: Any, slot_ids: Any, out: Any, dk: int
 ) -> tuple[int, int, int]:
     """Validate the delta rule's shapes; return (Hv, dv, B)."""

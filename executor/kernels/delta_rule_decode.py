@@ -51,10 +51,12 @@ import math
 from typing import Any
 
 from executor.kernels.codec import Codec
-from executor.kernels.delta_rule import L2_EPS, GatedDeltaRule, _check_shapes, _pow2_at_least
+from executor.kernels.delta_rule import (
+    L2_EPS, GatedDeltaRule, check_delta_rule_shapes, pow2_at_least, qkv_columns,
+)
 from executor.kernels.launch import Kernel
 from executor.kernels.reduce import build_group_sum
-from executor.kernels.vector import VECTOR_WORDS, array_layout, build_vector_access, vector_aligned
+from executor.kernels.vector import VECTOR_WORDS, build_vector_access, contiguous_aligned, vector_aligned
 from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
@@ -117,11 +119,8 @@ def build_gated_delta_rule_decode(codec: Codec, head_k_dim: int, head_v_dim: int
         h = cuda.blockIdx.y
         req = cuda.blockIdx.z
         v_heads = out.shape[1]
-        k_heads = (qkv.shape[1] - v_heads * DV) // (2 * dk)
-        kh = h // (v_heads // k_heads)  # HF's repeat_interleave: consecutive value heads share a key head
-        q_col = kh * dk
-        k_col = k_heads * dk + kh * dk
-        v_col = 2 * k_heads * dk + h * DV + j0
+        q_col, k_col, v_col = qkv_columns(qkv.shape[1], v_heads, dk, DV, h)
+        v_col += j0
         start = q_indptr[req]
         end = q_indptr[req + 1]
         slot = slot_ids[req]
@@ -228,11 +227,11 @@ class GatedDeltaRuleDecode:
     def uses_vector(self, ssm_state: Any) -> bool:
         """Whether a call with this state runs this module's kernel (else the fallback's): the state
         is contiguous (so a flat view of it exists) in 16-byte aligned chunks."""
-        return vector_aligned(ssm_state) and _contiguous(ssm_state)
+        return vector_aligned(ssm_state) and contiguous_aligned(ssm_state)
 
     def block_threads(self, dv: int) -> int:
         """Threads of a block for value heads of ``dv`` columns: (cols / 4) x row_groups."""
-        cols = min(self.dv_tile, _pow2_at_least(dv))
+        cols = min(self.dv_tile, pow2_at_least(dv))
         return max(cols // CHUNK * self.row_groups, self.min_threads)
 
     def __call__(self, qkv: Any, g: Any, beta: Any, ssm_state: Any, q_indptr: Any, slot_ids: Any, out: Any,
@@ -240,7 +239,8 @@ class GatedDeltaRuleDecode:
         if not self.uses_vector(ssm_state):
             self.fallback(qkv, g, beta, ssm_state, q_indptr, slot_ids, out, stream=stream)
             return
-        v_heads, dv, requests = _check_shapes(qkv, g, beta, ssm_state, q_indptr, slot_ids, out, self.head_k_dim)
+        v_heads, dv, requests = check_delta_rule_shapes(qkv, g, beta, ssm_state, q_indptr, slot_ids, out,
+                                                        self.head_k_dim)
         if requests == 0 or int(qkv.shape[0]) == 0:
             return
         threads = self.block_threads(dv)
@@ -251,14 +251,3 @@ class GatedDeltaRuleDecode:
         cols = threads // self.row_groups * CHUNK
         grid = ((dv + cols - 1) // cols, v_heads, requests)
         kernel[grid, threads, stream](qkv, g, beta, ssm_state.reshape(-1), q_indptr, slot_ids, out)
-
-
-def _contiguous(a: Any) -> bool:
-    """Whether ``a``'s elements are laid out row-major without gaps (axes of length 1 aside)."""
-    layout = array_layout(a)
-    expected = layout.itemsize_bytes
-    for n, stride in reversed(list(zip(layout.shape, layout.strides_bytes))):
-        if n > 1 and stride != expected:
-            return False
-        expected *= n
-    return True

@@ -127,6 +127,21 @@ def array_layout(a: Any) -> ArrayLayout:
     return ArrayLayout(int(a.__array_interface__["data"][0]), shape, strides, itemsize)
 
 
+def contiguous_aligned(*arrays: Any) -> bool:
+    """Whether every array is C-contiguous from a 16-byte aligned address: the vector kernels' need.
+    Unlike vector_aligned, rows need not be whole chunks (the kernels align each row)."""
+    for a in arrays:
+        layout = array_layout(a)
+        if layout.address % VECTOR_BYTES:
+            return False
+        expected = layout.itemsize_bytes
+        for length, stride in reversed(tuple(zip(layout.shape, layout.strides_bytes))):
+            if length > 1 and stride != expected:
+                return False
+            expected *= length
+    return True
+
+
 def vector_aligned(*arrays: Any) -> bool:
     """True when every 16-byte chunk of the last axis of every array is 16-byte aligned.
 
