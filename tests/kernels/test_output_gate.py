@@ -20,13 +20,11 @@ from executor.kernels.output_gate import (
 from executor.kernels.residual import MAX_COLUMN_BLOCKS
 from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
-from tests.kernels.storage import DTYPES, assert_bf16_close, assert_close_rel, from_storage, to_storage
+from tests.kernels.storage import (
+    DTYPES, OVERFLOW_WARNING, assert_bf16_close, assert_close_rel, from_storage, to_storage,
+)
 
 SIM_THREADS = 32  # rows wider than the block exercise the stride loops
-
-
-# The simulator's float32 cast of exp(100) (inf on the GPU too) warns about the overflow.
-OVERFLOW_WARNING = "ignore:overflow encountered in cast:RuntimeWarning"
 
 
 @pytest.mark.filterwarnings(OVERFLOW_WARNING)
