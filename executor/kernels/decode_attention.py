@@ -48,7 +48,7 @@ import numpy as np
 
 from executor.kernels.attention import NEG_INF, PagedAttention, build_kv_staging, check_heads
 from executor.kernels.codec import Codec
-from executor.kernels.launch import SHARED_LIMIT_BYTES, Kernel
+from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS, Kernel
 from executor.kernels.reduce import build_group_sum, threads_for
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda, simulator_enabled
@@ -62,7 +62,6 @@ MIN_BLOCKS_PER_SM = 4  # launch_bounds: 128 registers a thread at 128 threads
 CAPPED_REGISTER_VALUES = 64  # q and output registers a lane may hold for the cap to spill nothing
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
-WARP = 32
 
 
 def key_lanes(codec: Codec, head_dim: int) -> int | None:
@@ -72,7 +71,7 @@ def key_lanes(codec: Codec, head_dim: int) -> int | None:
     chunks = head_dim // elements
     if head_dim % elements or chunks & (chunks - 1):
         return None
-    return min(chunks, WARP)
+    return min(chunks, WARP_THREADS)
 
 
 def shared_bytes(codec: Codec, head_dim: int, group_size: int, threads: int, round_keys: int) -> int:
@@ -91,8 +90,7 @@ def min_blocks_per_sm(codec: Codec, head_dim: int, group_size: int) -> int | Non
 
 
 def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads: int,
-                           round_keys: int = ROUND_KEYS, unroll_keys: int = UNROLL_KEYS,
-                           blocks_per_sm: int | None = None) -> tuple[Any, Any]:
+                           round_keys: int = ROUND_KEYS, blocks_per_sm: int | None = None) -> tuple[Any, Any]:
     """(direct kernel, split kernel) for one codec and head shape; D, G and NT size registers and shared memory.
     ``blocks_per_sm``: the launch bound (None: none).
 
@@ -114,7 +112,7 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     KPP = NT // L  # keys in flight per pass: one per lane group
     LANE_ELEMENTS = CPL * E  # elements of a row a lane owns
     ACC = G * LANE_ELEMENTS  # q and accumulator registers per lane (constant extents)
-    U = unroll_keys
+    U = UNROLL_KEYS
     BUFFER_WORDS = U * CPL * VECTOR_WORDS
     SCORES = U * G  # a batch's scores, one per key and head
     GROUP_STATES = KPP * G  # (max, sum) of every lane group and head, where the groups meet
@@ -134,8 +132,8 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
 
     @cuda.jit(device=True, inline=True)
     def attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
-                         request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale,
-                         s_sh, page_sh, offset_sh, state_sh, part_sh, scratch):
+               request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale,
+               s_sh, page_sh, offset_sh, state_sh, part_sh, scratch):
         """Leave the tile's normalised output of head g, element d in ``part_sh[0, g, d]`` and its
         (max, sum) in ``state_sh[0, g]``, ``state_sh[1, g]`` (natural-log units). Returns (row,
         chunk index, chunks of the row); row -1: nothing to do (uniform per block, decided before
@@ -249,7 +247,6 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         cuda.syncthreads()
         return row, c, last // chunk + 1
 
-
     @cuda.jit(**launch_options)
     def direct_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                       request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale):
@@ -260,8 +257,8 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         part_sh = cuda.shared.array((KPP, G, D), float32)
         scratch = cuda.shared.array(NT, float32)  # the simulator's group reductions
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
-                             positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
-                             scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
+                                    positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
+                                    scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
         if row < 0:
             return
         h = cuda.blockIdx.y
@@ -281,8 +278,8 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         part_sh = cuda.shared.array((KPP, G, D), float32)
         scratch = cuda.shared.array(NT, float32)
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
-                             positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
-                             scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
+                                    positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
+                                    scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
         if row < 0:
             return
         h = cuda.blockIdx.y

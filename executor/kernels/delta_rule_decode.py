@@ -54,7 +54,7 @@ from executor.kernels.codec import Codec
 from executor.kernels.delta_rule import (
     L2_EPS, GatedDeltaRule, check_delta_rule_shapes, pow2_at_least, qkv_columns,
 )
-from executor.kernels.launch import Kernel
+from executor.kernels.launch import SM_REGISTERS, WARP_THREADS, Kernel
 from executor.kernels.reduce import build_group_sum
 from executor.kernels.vector import VECTOR_WORDS, build_vector_access, contiguous_aligned, vector_aligned
 from executor.numba_cuda import load_cuda, simulator_enabled
@@ -63,10 +63,8 @@ cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
 
 CHUNK = VECTOR_WORDS  # float32 state columns per 16-byte chunk
-WARP = 32
 DEFAULT_ROW_GROUPS = 8  # threads sharing a state chunk: 16 rows of 4 columns (64 registers) at dk 128
 DEFAULT_DV_TILE = 64  # state columns per block: 16 chunks x 8 row groups = 128 threads
-SM_REGISTERS = 65536
 REGISTER_OVERHEAD = 48  # registers a thread needs beyond its state words (ptxas, sm_90: 80 at 32 words;
 # at 64 words the bound's 4 blocks an SM cap it at 128, which measured faster than 3 without the spill)
 SIMULATOR_ROW_GROUPS = 2  # a simulator thread is a Python thread: small blocks there
@@ -85,7 +83,7 @@ def build_gated_delta_rule_decode(codec: Codec, head_k_dim: int, head_v_dim: int
     (cols / 4) * ``row_groups`` threads, a power of two (a multiple of 32 on
     the GPU); ``row_groups`` a power of two <= 32 dividing dk.
     """
-    assert row_groups & (row_groups - 1) == 0 and row_groups <= WARP and head_k_dim % row_groups == 0
+    assert row_groups & (row_groups - 1) == 0 and row_groups <= WARP_THREADS and head_k_dim % row_groups == 0
     assert threads % row_groups == 0 and threads & (threads - 1) == 0 and head_v_dim % CHUNK == 0
     load, store = codec.load, codec.store
     load_vector, store_vector = build_vector_access()
@@ -94,7 +92,7 @@ def build_gated_delta_rule_decode(codec: Codec, head_k_dim: int, head_v_dim: int
     RPT = dk // R  # state rows per thread
     CHUNKS = NT // R  # state chunks across a block's columns
     STATE_WORDS = RPT * CHUNK  # a thread's state registers
-    W = min(WARP, NT)  # lanes that sum each norm
+    W = min(WARP_THREADS, NT)  # lanes that sum each norm
     scale = float(dk) ** -0.5
     simulated = simulator_enabled()
     SCRATCH = NT if simulated else 1  # the simulator's group sums go through shared memory
@@ -212,8 +210,8 @@ class GatedDeltaRuleDecode:
             row_groups = SIMULATOR_ROW_GROUPS if simulated else DEFAULT_ROW_GROUPS
             while head_k_dim % row_groups:
                 row_groups //= 2
-        if row_groups < 1 or row_groups > WARP or row_groups & (row_groups - 1) or head_k_dim % row_groups:
-            raise ValueError(f"gated_delta_rule_decode: row_groups must be a power of two <= {WARP} dividing "
+        if row_groups < 1 or row_groups > WARP_THREADS or row_groups & (row_groups - 1) or head_k_dim % row_groups:
+            raise ValueError(f"gated_delta_rule_decode: row_groups must be a power of two <= {WARP_THREADS} dividing "
                              f"head_k_dim {head_k_dim}, got {row_groups}")
         dv_tile = dv_tile or (SIMULATOR_DV_TILE if simulated else DEFAULT_DV_TILE)
         if dv_tile < CHUNK or dv_tile & (dv_tile - 1) or dv_tile // CHUNK * row_groups > 1024:
@@ -221,7 +219,7 @@ class GatedDeltaRuleDecode:
                              f"dv_tile / {CHUNK} * row_groups <= 1024, got {dv_tile} (row_groups {row_groups})")
         self.codec, self.head_k_dim, self.fallback = codec, head_k_dim, fallback
         self.row_groups, self.dv_tile = row_groups, dv_tile
-        self.min_threads = 1 if simulated else WARP  # the GPU's shuffles take whole warps
+        self.min_threads = 1 if simulated else WARP_THREADS  # the GPU's shuffles take whole warps
         self.kernels: dict[tuple[int, int], Kernel] = {}  # (dv, threads) -> kernel: one per model
 
     def uses_vector(self, ssm_state: Any) -> bool:

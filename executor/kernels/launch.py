@@ -41,6 +41,12 @@ from executor.numba_cuda import load_cuda, simulator_enabled
 #: Shared memory (static and dynamic together) a block may use without the opt-in attribute, which no
 #: launcher here sets.
 SHARED_LIMIT_BYTES = 48 * 1024
+#: sm_90's limits that launchers size blocks and launch bounds by.
+WARP_THREADS = 32
+BLOCK_THREADS = 1024  # threads a block
+SM_THREADS = 2048  # resident threads an SM
+SM_BLOCKS = 32  # resident blocks an SM
+SM_REGISTERS = 65536  # 32-bit registers an SM
 #: Scalar types a fast launch packs (anything else takes Numba's path).
 _SCALARS = (np.integer, np.floating, np.bool_, int, float, bool)
 

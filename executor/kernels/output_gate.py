@@ -39,7 +39,9 @@ import math
 from typing import Any, Callable
 
 from executor.kernels.codec import Codec
-from executor.kernels.launch import Kernel, multiprocessor_count
+from executor.kernels.launch import (
+    BLOCK_THREADS, SM_BLOCKS, SM_THREADS, WARP_THREADS, Kernel, multiprocessor_count,
+)
 from executor.kernels.reduce import check_max_threads, threads_for
 from executor.kernels.residual import MAX_COLUMN_BLOCKS, UNROLL
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
@@ -57,9 +59,6 @@ GATE_BLOCKS_PER_SM = 4
 GATE_ROWS_UNROLL = 2
 # At 6 and 8 rows the chunk buffers' loops stayed rolled and the buffers went to local memory.
 MAX_GATE_ROWS_UNROLL = 4
-MAX_BLOCK_THREADS = 1024  # CUDA's threads a block
-SM_THREADS = 2048  # sm_90's resident threads per SM
-SM_BLOCKS = 32  # sm_90's resident blocks per SM
 
 
 @cuda.jit(device=True, inline=True)
@@ -195,9 +194,9 @@ def build_sigmoid_mul_inplace_vector_kernel(
 
 
 def check_gate_threads(vector_threads: int) -> int:
-    """``vector_threads`` after checking it is a power of two in [32, MAX_BLOCK_THREADS]."""
-    if vector_threads < 32 or vector_threads > MAX_BLOCK_THREADS or vector_threads & (vector_threads - 1):
-        raise ValueError(f"vector_threads must be a power of two in [32, {MAX_BLOCK_THREADS}], got {vector_threads}")
+    """``vector_threads`` after checking it is a power of two in [WARP_THREADS, BLOCK_THREADS]."""
+    if vector_threads < WARP_THREADS or vector_threads > BLOCK_THREADS or vector_threads & (vector_threads - 1):
+        raise ValueError(f"vector_threads must be a power of two in [{WARP_THREADS}, {BLOCK_THREADS}], got {vector_threads}")
     return vector_threads
 
 

@@ -87,8 +87,6 @@ from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
 VECTOR_ROWS = 2  # rows the vector kernel's block holds in flight at once
 
 
-
-
 def build_qk_norm_rope_kernel(codec: Codec, round_before_weight: bool) -> Callable[..., Any]:
     """Kernel ``(x [T,heads,D], norm_weight [D], positions int32 [T], eps f32, weight_offset f32,
     rotary_dim int32, theta f32)``, in place on ``x``; storage per ``codec``.
@@ -400,9 +398,9 @@ class QkNormRopeInplace:
             launch = specialized_launch(heads, head_dim, rotary_dim, self.max_threads, not self.simulated)
             entry = None
             if launch is not None:
-                kernel = build_qk_norm_rope_specialized_kernel(self.codec, self.round_before_weight, head_dim,
-                                                               rotary_dim, heads, launch.group_threads,
-                                                               launch.heads_per_thread)
+                kernel = build_qk_norm_rope_specialized_kernel(
+                    self.codec, self.round_before_weight, head_dim, rotary_dim, heads, launch.group_threads,
+                    launch.heads_per_thread, chunks_per_thread=launch.chunks_per_thread, pipelined=launch.pipelined)
                 entry = (launch, Kernel(kernel))
             self._specialized[key] = entry
         return self._specialized[key]

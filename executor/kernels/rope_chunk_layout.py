@@ -7,6 +7,7 @@ import math
 from typing import Any, Callable
 
 from executor.kernels.codec import Codec
+from executor.kernels.launch import WARP_THREADS
 from executor.kernels.mma import build_pack_bf16x2
 from executor.kernels.norm import inv_rms_from_sum
 from executor.kernels.reduce import build_group_sum
@@ -17,8 +18,6 @@ from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
-
-WARP = 32
 
 
 def build_lane_exchange() -> Callable[..., Any]:
@@ -40,7 +39,7 @@ def build_lane_exchange() -> Callable[..., Any]:
 
     @cuda.jit(device=True, **NVVM_INLINE)
     def exchange_shuffle(scratch, value, source):
-        return cuda.shfl_sync(0xFFFFFFFF, value, source & (WARP - 1))
+        return cuda.shfl_sync(0xFFFFFFFF, value, source & (WARP_THREADS - 1))
 
     return exchange_shuffle
 
@@ -184,7 +183,7 @@ def build_chunk_kernel(
         slot = tid // group  # heads slot, slot + slots, ...
         active = slot < slots
         group_first = tid - lane
-        warp_lane = tid % WARP
+        warp_lane = tid % WARP_THREADS
         frequency_lane = warp_lane < half
         inv_freq = rope_inv_freq(warp_lane, rotary_dim, theta) if frequency_lane else float32(0.0)
         rotary = rotary_everywhere or lane < 2 * pairs

@@ -66,7 +66,7 @@ Launch rule (``specialized_launch``): the chunk layout where its group is narrow
 layout's: G = max(2 P, SPAN / 4) < ``vector_group_threads`` and ``chunk_layout_fits`` (at most 32
 units, rotary_dim / 2 at most a warp's lanes); K = SPAN / G, NH the largest of 4, 2, 1 that divides
 heads, keeps NH * K <= 4 (a row's 64 bytes, 16 registers, a thread; 32 with both buffers) and
-leaves the block at least 64 threads; pipelined; the grid is REGISTERS_PER_SM / (128 * blockDim)
+leaves the block at least 64 threads; pipelined; the grid is SM_REGISTERS / (128 * blockDim)
 blocks an SM (``chunk_blocks_per_sm``), which the kernel's launch bounds also hold ptxas to (128
 registers a thread). Else the unit layout: NH the largest of 4, 2, 1 that divides heads, keeps NH
 * GT <= 64 and leaves the block at least 64 threads (else 1); one row at a time, no launch bounds;
@@ -105,6 +105,7 @@ from typing import Any, Callable
 import numpy as np
 
 from executor.kernels.codec import Codec
+from executor.kernels.launch import SM_BLOCKS, SM_REGISTERS, WARP_THREADS
 from executor.kernels.rope_bf16 import BF16_LANES
 from executor.kernels.rope_chunk_layout import build_chunk_kernel
 from executor.kernels.rope_layout import MAX_GROUP_THREADS, MAX_THREADS, vector_group_threads
@@ -122,9 +123,6 @@ UNITS_PER_SM = 2048  # unit layout: (thread, head) units an SM's blocks hold, 8 
 MAX_CHUNKS_PER_THREAD = 4  # chunk layout: K is 4, 2 or 1
 MAX_SLOT_CHUNKS = 4  # chunk layout: NH * K at most, a row's 64 bytes (16 registers) a thread, 32 pipelined
 CHUNK_THREAD_REGISTERS = 128  # chunk layout: registers a thread (launch bounds), 4 blocks of 128 threads an SM
-REGISTERS_PER_SM = 65536  # sm_90's register file
-MAX_BLOCKS_PER_SM = 32  # sm_90's resident blocks per SM
-WARP = 32
 
 
 def build_qk_norm_rope_specialized_kernel(
@@ -198,14 +196,14 @@ def build_qk_norm_rope_specialized_kernel(
 
 def block_threads(threads: int) -> int:
     """A block of ``threads`` threads rounded up to whole warps (the GPU's shuffles)."""
-    return -(-threads // WARP) * WARP
+    return -(-threads // WARP_THREADS) * WARP_THREADS
 
 
 def chunk_blocks_per_sm(threads: int) -> int:
     """The chunk layout's blocks an SM for a block of ``threads`` (whole warps): the register file
-    at CHUNK_THREAD_REGISTERS a thread, at most MAX_BLOCKS_PER_SM. The grid's blocks an SM, and the
+    at CHUNK_THREAD_REGISTERS a thread, at most SM_BLOCKS. The grid's blocks an SM, and the
     launch bound's minimum that holds ptxas to those registers."""
-    return max(1, min(MAX_BLOCKS_PER_SM, REGISTERS_PER_SM // (CHUNK_THREAD_REGISTERS * threads)))
+    return max(1, min(SM_BLOCKS, SM_REGISTERS // (CHUNK_THREAD_REGISTERS * threads)))
 
 
 def chunk_span(head_dim: int) -> int:
@@ -225,7 +223,7 @@ def chunk_layout_fits(head_dim: int, rotary_dim: int, chunks_per_thread: int) ->
     if chunks_per_thread not in (1, 2, MAX_CHUNKS_PER_THREAD) or span % chunks_per_thread:
         return False
     group = span // chunks_per_thread
-    return 2 * pairs <= group <= WARP and half <= WARP and units <= MAX_GROUP_THREADS
+    return 2 * pairs <= group <= WARP_THREADS and half <= WARP_THREADS and units <= MAX_GROUP_THREADS
 
 
 def default_chunks_per_thread(head_dim: int, rotary_dim: int, group_threads: int) -> int:
@@ -268,7 +266,7 @@ def specialized_launch(
         per_chunk = span // chunk_group
         per_thread = _heads_per_thread(heads, chunk_group, lambda n: n * per_chunk <= MAX_SLOT_CHUNKS)
         threads = heads // per_thread * chunk_group
-        if whole_warps or threads > WARP:
+        if whole_warps or threads > WARP_THREADS:
             threads = block_threads(threads)
         else:  # the simulator: whole groups covering the frequency lanes
             threads = -(-max(threads, half) // chunk_group) * chunk_group
@@ -282,7 +280,7 @@ def specialized_launch(
         threads = block_threads(threads)
     if threads > max_threads:
         return None
-    blocks_per_sm = max(1, min(MAX_BLOCKS_PER_SM, UNITS_PER_SM // (heads * unit_group)))
+    blocks_per_sm = max(1, min(SM_BLOCKS, UNITS_PER_SM // (heads * unit_group)))
     return SpecializedLaunch(unit_group, per_thread, threads, blocks_per_sm)
 
 

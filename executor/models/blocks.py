@@ -137,7 +137,7 @@ class LinearAttention:
         g, beta = step.role("gate_g"), step.role("gate_beta")
         k_.gdn_gates(gate_a, b, self.a_log, self.dt_bias, g, beta, stream=stream)
         delta_out = step.role("delta_out").view(n, h, self.dv)
-        delta_rule = k_.delta_rule_decode if step.pool == "decode" and k_.delta_rule_decode else k_.delta_rule
+        delta_rule = k_.delta_rule_decode if step.pool == "decode" else k_.delta_rule
         delta_rule(conv_out, g, beta, self.ssm_state, q_indptr, slot_ids, delta_out, stream=stream)
         gated = step.role("gated_out")
         k_.gated_norm(delta_out, z, self.norm_weight, gated, self.eps, stream=stream)

@@ -56,9 +56,10 @@ class GemmPrefillAttention:
         keys, values = step.scratch("attn_keys"), step.scratch("attn_values")  # [Hkv, C, D]
         page_indices = step.meta("page_indices")
         heads, group, head_dim = self.num_kv_heads, self.group, q.shape[2]
+        key_words, value_words = as_words(keys), as_words(values)  # what the gather writes
         for request in step.long_prefill_requests:
             self.gather(self.k_cache, self.v_cache, page_indices, request.page_start, request.kv_len,
-                        as_words(keys), as_words(values), stream=step.stream)
+                        key_words, value_words, stream=step.stream)
             rows = request.num_rows
             packed = step.scratch("attn_packed").view(-1)[: heads * rows * group * head_dim]
             packed = packed.view(heads, rows, group, head_dim)

@@ -620,6 +620,20 @@ def gpu_inputs(seed, rows, heads, head_dim, offset, strided):
     return buf, w, positions
 
 
+def rope_on_copy(buf, head_dim, launch):
+    """The bits of a copy of ``buf`` after ``launch(x)`` on its q heads x = copy[..., :head_dim] (int16 bits)."""
+    copy = buf.clone()
+    launch(copy[..., :head_dim].view(torch.int16))
+    return copy.view(torch.int16)
+
+
+def assert_vector_bits(specialized, vector):
+    """The specialized kernel's bf16 bits are the vector kernel's, every one."""
+    torch.cuda.synchronize()
+    differ = (specialized != vector).sum().item()
+    assert differ == 0, f"{differ} of {specialized.numel()} bf16 values differ from the vector kernel's"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,head_dim,rotary_dim,theta,round_before_weight,offset,strided", GPU_CASES)
 def test_gpu_specialized_matches_vector_bf16(heads, head_dim, rotary_dim, theta, round_before_weight, offset,
@@ -628,18 +642,17 @@ def test_gpu_specialized_matches_vector_bf16(heads, head_dim, rotary_dim, theta,
     kernel gives the vector kernel's bits, as it sums squares in the vector kernel's order (rope.py)."""
     rows = 16384
     buf, w, positions = gpu_inputs(47, rows, heads, head_dim, offset, strided)
-    outs = []
-    for min_rows in (rows, None):
-        copy = buf.clone()
-        x = copy[..., :head_dim].view(torch.int16)
+
+    def launcher(min_rows):
         rope = QkNormRopeInplace(build_codec("bfloat16"), round_before_weight, specialized_min_rows=min_rows)
-        assert rope.uses_specialized(x, w.view(torch.int16), rotary_dim) == (min_rows is not None)
-        rope(x, w.view(torch.int16), positions, EPS, offset, rotary_dim, theta)
-        outs.append(copy.view(torch.int16))
-    torch.cuda.synchronize()
-    specialized, vector = outs
-    differ = (specialized != vector).sum().item()
-    assert differ == 0, f"{differ} of {specialized.numel()} bf16 values differ from the vector kernel's"
+
+        def launch(x):
+            assert rope.uses_specialized(x, w.view(torch.int16), rotary_dim) == (min_rows is not None)
+            rope(x, w.view(torch.int16), positions, EPS, offset, rotary_dim, theta)
+
+        return launch
+
+    assert_vector_bits(rope_on_copy(buf, head_dim, launcher(rows)), rope_on_copy(buf, head_dim, launcher(None)))
 
 
 @pytest.mark.gpu
@@ -654,21 +667,12 @@ def test_gpu_specialized_variants_match_vector_bf16(shape, options):
                                                           rotary_dim, heads, **options))
     threads = block_threads(heads // options["heads_per_thread"] * options["group_threads"])
     blocks = multiprocessor_count() * (options.get("min_blocks_per_sm") or 4)
-    outs = []
-    for specialized in (True, False):
-        copy = buf.clone()
-        x = copy[..., :head_dim].view(torch.int16)
-        if specialized:
-            kernel[blocks, threads, 0, 0](x, w.view(torch.int16), positions, np.float32(EPS), np.float32(offset),
-                                          np.float32(theta))
-        else:
-            rope = QkNormRopeInplace(build_codec("bfloat16"), round_before_weight, specialized_min_rows=None)
-            rope(x, w.view(torch.int16), positions, EPS, offset, rotary_dim, theta)
-        outs.append(copy.view(torch.int16))
-    torch.cuda.synchronize()
-    specialized, vector = outs
-    differ = (specialized != vector).sum().item()
-    assert differ == 0, f"{differ} of {specialized.numel()} bf16 values differ from the vector kernel's"
+    vector = QkNormRopeInplace(build_codec("bfloat16"), round_before_weight, specialized_min_rows=None)
+    specialized = rope_on_copy(buf, head_dim, lambda x: kernel[blocks, threads, 0, 0](
+        x, w.view(torch.int16), positions, np.float32(EPS), np.float32(offset), np.float32(theta)))
+    expected = rope_on_copy(buf, head_dim, lambda x: vector(x, w.view(torch.int16), positions, EPS, offset,
+                                                            rotary_dim, theta))
+    assert_vector_bits(specialized, expected)
 
 
 @pytest.mark.gpu
