@@ -146,6 +146,8 @@ def run_memplan(plan: MemoryPlan, cells: list[Cell], args: argparse.Namespace, d
 def benchmark_plan(model_name: str, args: argparse.Namespace, max_batch: int, max_context: int) -> MemoryPlan:
     """The plan every decode cell of a model runs in (memory.py measures the same plan)."""
     overrides = {"max_batch": max_batch, "max_context": max_context + 1}
+    if args.decode_gemv_max_batch is not None:
+        overrides["decode_gemv_max_batch"] = args.decode_gemv_max_batch
     return sized_plan(model_name, args.hardware, args.serving, overrides, num_requests=max_batch,
                       utilization=args.gpu_memory_utilization)
 
@@ -258,8 +260,8 @@ def notes(cells: list[Cell], plans: dict[str, MemoryPlan], bandwidth_bytes_per_s
             kinds += " + recurrent state read and written"
         lines.append(f"{name}: plan max_batch {plan.capacity.max_batch}, max_context {plan.capacity.max_context}, "
                      f"gpu_memory_utilization {plan.serving.gpu_memory_utilization}, "
-                     f"{plan.capacity.kv_pages} KV pages; "
-                     f"step bytes = {kinds}; KV {kv_token_bytes(plan):,} B/token, recurrent "
+                     f"{plan.capacity.kv_pages} KV pages, fused GEMV projections at batch <= "
+                     f"{plan.capacity.decode_gemv_batch}; step bytes = {kinds}; KV {kv_token_bytes(plan):,} B/token, recurrent "
                      f"{recurrent_slot_bytes(plan):,} B/request.")
     if simulated:
         lines.append("Simulator run: the HF compiled cells ran dynamo with the eager backend on the CPU.")
@@ -290,6 +292,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-prefill-rows", type=int, default=16384,
                         help="token rows per HF forward while filling a cache")
     parser.add_argument("--copy-gib", type=float, default=2.0, help="size of each buffer of the bandwidth copy")
+    parser.add_argument("--decode-gemv-max-batch", type=int, default=None,
+                        help="serving decode_gemv_max_batch (default: the serving config's; 0: cuBLAS at every batch)")
     add_plan_arguments(parser, "default: the smallest that holds max batch x max context",
                        "tiny configs (tiny-qwen3, tiny-qwen3.5) in the simulator, B 1,2, C 8, HF on CPU "
                        "(the compiled cell B 1 C 8 with dynamo's eager backend)")

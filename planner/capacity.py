@@ -22,6 +22,12 @@ MAX_DECODE_KV_SPLITS = 32
 #: tile of query rows x keys x q heads; a tile holds at most this many, or one row's whole context
 #: (Hq x C) when that is larger. 2^26 elements = 384 MiB with bf16 probabilities.
 MAX_PREFILL_SCORE_ELEMENTS = 1 << 26
+#: Fused decode GEMVs (executor/kernels/gemv.py): a block stages its B normalized rows as float32 in shared
+#: memory, after which its reduction scratch (a float32 per thread of a 128-thread block) must still fit the
+#: 48 KiB a block gets without opting in to more; every projection input a whole number of 16-byte chunks.
+GEMV_SHARED_BYTES = 48 * 1024
+GEMV_SCRATCH_BYTES = 4 * 128
+GEMV_CHUNK_BYTES = 16
 
 
 class Capacity(BaseModel):
@@ -49,6 +55,10 @@ class Capacity(BaseModel):
     prefill_score_elements: int = Field(0, description="scores of one GEMM prefill-attention tile (0: no GEMM "
                                         "attention, e.g. prefill_attention flash): "
                                         "min(Hq x T x C, max(2^26, Hq x C))")
+    decode_gemv_batch: int = Field(0, description="decode steps of at most this many requests run the fused GEMV "
+                                   "projections: serving decode_gemv_max_batch, capped by max_batch and by "
+                                   "B x hidden x 4 + 512 bytes of shared memory <= 48 KiB; 0 when some projection "
+                                   "input is not whole 16-byte chunks")
     recurrent_slots: int = Field(0, description="recurrent-state slots: B x states_per_slot (Qwen3.5)")
     kv_pages: int = Field(0, description="KV pages allocated, page 0 (padding) included")
     kv_tokens: int = Field(0, description="tokens the usable KV pages hold: (kv_pages - 1) x S")
@@ -88,6 +98,17 @@ def build_capacity(
         prefill_score_elements=score_elements,
         recurrent_slots=checked.mul("recurrent_slots", max_batch, recurrent_slots_per_request, width=I32),
     )
+
+
+def decode_gemv_batch(requested: int, max_batch: int, hidden_size: int, in_features: tuple[int, ...],
+                      itemsize_bytes: int) -> int:
+    """The capacity's decode_gemv_batch: ``requested`` (serving decode_gemv_max_batch) capped by
+    ``max_batch`` and by the rows of ``hidden_size`` float32 a block's shared memory stages; 0 when some
+    projection's ``in_features`` of ``itemsize_bytes`` elements is not a whole number of 16-byte chunks."""
+    if any(checked.mul("GEMV row bytes", k, itemsize_bytes) % GEMV_CHUNK_BYTES for k in in_features):
+        return 0
+    staged_rows = (GEMV_SHARED_BYTES - GEMV_SCRATCH_BYTES) // checked.mul("staged row bytes", hidden_size, 4)
+    return min(requested, max_batch, staged_rows)
 
 
 def with_kv_pages(capacity: Capacity, kv_pages: int) -> Capacity:

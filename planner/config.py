@@ -207,6 +207,13 @@ class ServingConfig(_Frozen):
         f"and a head_dim that is a multiple of {FLASH_HEAD_DIM_MULTIPLE}. auto: flash where the model and dtypes "
         "allow it (faster on the H200: docs/benchmarks.md), else gemm; the plan's capacity says which."
     )
+    decode_gemv_max_batch: Annotated[int, Field(ge=0, le=8)] = Field(
+        1, description="Decode steps of at most this many requests run their projections as fused GEMV kernels "
+        "(RMSNorm, SwiGLU and the residual add folded into them) instead of cuBLAS GEMMs and separate row "
+        "kernels; 0: never. Faster at batch 1 on the H200, slower from batch 4 (docs/benchmarks.md). The plan's "
+        "capacity decode_gemv_batch says what applies: also capped by max_batch and by the normalized rows "
+        "fitting a block's shared memory."
+    )
     decode_graph_batch_sizes: tuple[Annotated[int, Field(ge=1, le=1 << 16)], ...] = Field(
         (1, 2, 4, 8, 16, 32, 64), description="Batch buckets captured as decode CUDA graphs; each <= max_batch."
     )

@@ -15,9 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner import checked
 from planner.attention_plan import build_attention_plan
-from planner.capacity import Capacity, build_capacity, with_kv_pages
+from planner.capacity import Capacity, build_capacity, decode_gemv_batch, with_kv_pages
 from planner.config import (
     HardwareConfig, ModelConfig, ServingConfig, check_compatible, resolve_prefill_attention, resolved_dtypes)
+from planner.dtypes import dtype_bytes
 from planner.errors import PlanDoesNotFit
 from planner.geometry import Geometry, build_geometry
 from planner.kv_cache import build_kv_cache, build_recurrent_state, kv_page_bytes
@@ -161,6 +162,11 @@ def _draft(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig,
         prefill_attention=resolve_prefill_attention(model, serving),
         recurrent_slots_per_request=serving.states_per_slot if geometry.num_linear_layers else 0,
     )
+    gemv_inputs = (geometry.hidden_size, geometry.attn_out_width, geometry.intermediate_size,
+                   *((geometry.linear_value_width,) if geometry.num_linear_layers else ()))
+    capacity = capacity.model_copy(update={"decode_gemv_batch": decode_gemv_batch(
+        serving.decode_gemv_max_batch, capacity.max_batch, geometry.hidden_size, gemv_inputs,
+        dtype_bytes(dtypes.activations))})
     act = dtypes.activations
     pools = [build_weights(geometry, dtypes.weights, model.tie_word_embeddings)]
     if geometry.num_linear_layers:

@@ -236,11 +236,17 @@ def element_pointer(context: Any, builder: Any, array_type: Any, array: Any, ind
     return cgutils.get_item_pointer(context, builder, array_type, struct, indices)
 
 
-def _chunk_pointer(context: Any, builder: Any, array_type: Any, array: Any, index_type: Any, index: Any) -> Any:
-    """A ``<4 x i32> addrspace(1)*`` to the chunk at ``array[index]`` (kernel arrays are in global memory)."""
+#: LLVM NVPTX address spaces of the memories a chunk can live in.
+GLOBAL_SPACE, SHARED_SPACE = 1, 3
+
+
+def _chunk_pointer(context: Any, builder: Any, array_type: Any, array: Any, index_type: Any, index: Any,
+                   space: int = GLOBAL_SPACE) -> Any:
+    """A ``<4 x i32> addrspace(space)*`` to the chunk at ``array[index]`` (kernel arguments are in global
+    memory; a ``cuda.shared.array`` in shared memory)."""
     element = element_pointer(context, builder, array_type, array, index_type, index)
     vector = ir.VectorType(ir.IntType(32), VECTOR_WORDS)
-    return builder.addrspacecast(builder.bitcast(element, vector.as_pointer()), vector.as_pointer(1))
+    return builder.addrspacecast(builder.bitcast(element, vector.as_pointer()), vector.as_pointer(space))
 
 
 def _word_pointers(context: Any, builder: Any, words_type: Any, words: Any, start_type: Any, start: Any) -> list:
@@ -255,7 +261,15 @@ def _word_pointers(context: Any, builder: Any, words_type: Any, words: Any, star
     ]
 
 
-def _intrinsics() -> tuple[Callable[..., Any], Callable[..., Any]]:
+def build_shared_vector_load() -> Callable[..., Any]:
+    """``load_shared_vector(src, index, words, start)``: ``load_vector`` from a ``cuda.shared.array``
+    (one ``ld.shared.v4``; the same emulation in the simulator)."""
+    if simulator_enabled():
+        return _simulated_access()[0]
+    return _build_load(SHARED_SPACE)
+
+
+def _build_load(space: int) -> Callable[..., Any]:
     from numba.cuda.extending import intrinsic
 
     lane_index = ir.IntType(32)
@@ -267,7 +281,7 @@ def _intrinsics() -> tuple[Callable[..., Any], Callable[..., Any]]:
         def codegen(context, builder, signature, args):
             src_type, index_type, words_type, start_type = signature.args
             src_value, index_value, words_value, start_value = args
-            pointer = _chunk_pointer(context, builder, src_type, src_value, index_type, index_value)
+            pointer = _chunk_pointer(context, builder, src_type, src_value, index_type, index_value, space)
             loaded = builder.load(pointer, align=VECTOR_BYTES)
             word = context.get_data_type(words_type.dtype)
             vector = builder.bitcast(loaded, ir.VectorType(word, VECTOR_WORDS))
@@ -277,6 +291,15 @@ def _intrinsics() -> tuple[Callable[..., Any], Callable[..., Any]]:
             return context.get_dummy_value()
 
         return types.void(src, index, words, start), codegen
+
+    return load_vector
+
+
+def _intrinsics() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    from numba.cuda.extending import intrinsic
+
+    lane_index = ir.IntType(32)
+    load_vector = _build_load(GLOBAL_SPACE)
 
     @intrinsic
     def store_vector(typingctx, dst, index, words, start):

@@ -1,8 +1,8 @@
-"""The blocks of a decoder layer, each reading ``normed`` and writing ``proj_out``.
+"""The blocks of a decoder layer: a mixer (attention or linear attention) and the MLP.
 
-Blocks hold their layer's weight views and the shared launchers; a forward
-call only slices planned buffers and launches. GEMMs run through torch into
-planned views (``out=``); everything else is a Numba kernel.
+Blocks hold their layer's weight views, the shared launchers and their projections backend
+(projections.py: cuBLAS GEMMs around the decoder's add + RMSNorm, or fused GEMVs that read and
+update the residual stream themselves); a forward call only slices planned buffers and launches.
 """
 
 from __future__ import annotations
@@ -17,19 +17,17 @@ from executor.models.context import StepViews
 from executor.models.flash_prefill_attention import FlashPrefillAttention
 from executor.models.kernels import Kernels, NormStyle
 from executor.models.prefill_attention import GemmPrefillAttention
-
-
-def _gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """out[n, m] = x[n, k] @ weight[m, k]^T, into a planned view."""
-    torch.matmul(x, weight.t(), out=out)
+from executor.models.projections import Projections
 
 
 class FullAttention:
     """GQA attention over the paged KV cache: fused QKV GEMM, q/k norm + RoPE with the
     KV write (one launch), paged attention, optional sigmoid output gate (Qwen3.5), o_proj."""
 
-    def __init__(self, arena: Arena, kernels: Kernels, layer: int, norm: NormStyle, output_gate: bool):
+    def __init__(self, arena: Arena, kernels: Kernels, proj: Projections, layer: int, norm: NormStyle,
+                 output_gate: bool):
         plan, g = arena.plan, arena.plan.geometry
+        self.proj = proj
         prefix = f"model.layers.{layer}.self_attn"
         self.qkv_weight = arena.tensor("weights", f"{prefix}.qkv_proj.weight")
         self.o_weight = arena.tensor("weights", f"{prefix}.o_proj.weight")
@@ -55,7 +53,7 @@ class FullAttention:
         k_ = self.kernels
         n, d = step.num_rows, self.head_dim
         qkv = step.role("qkv")
-        _gemm(step.role("normed"), self.qkv_weight, qkv)
+        self.proj.normed(step, self.qkv_weight, qkv)
         q_part = qkv[:, : self.q_rows]
         if self.output_gate:  # per head [q | gate]
             q_and_gate = q_part.view(n, self.q_heads, 2 * d)
@@ -84,7 +82,7 @@ class FullAttention:
             self.long_prefill_attention(step, q, attn_out)
         if self.output_gate:
             k_.output_gate(attn_out, gate, stream=step.stream)
-        _gemm(step.role("attn_out"), self.o_weight, step.role("proj_out"))
+        self.proj.residual(step, step.role("attn_out"), self.o_weight)
 
 
 def _long_prefill_attention(arena: Arena, kernels: Kernels, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -104,8 +102,9 @@ class LinearAttention:
     """Gated DeltaNet (Qwen3.5): fused in_proj GEMM, causal conv1d with state,
     gates, the delta rule with state, gated RMSNorm, out_proj."""
 
-    def __init__(self, arena: Arena, kernels: Kernels, layer: int):
+    def __init__(self, arena: Arena, kernels: Kernels, proj: Projections, layer: int):
         plan, g = arena.plan, arena.plan.geometry
+        self.proj = proj
         prefix = f"model.layers.{layer}.linear_attn"
         slot = g.layer_slots[layer]
         self.in_weight = arena.tensor("weights", f"{prefix}.in_proj.weight")
@@ -127,7 +126,7 @@ class LinearAttention:
         k_, stream = self.kernels, step.stream
         n = step.num_rows
         in_proj = step.role("in_proj")
-        _gemm(step.role("normed"), self.in_weight, in_proj)
+        self.proj.normed(step, self.in_weight, in_proj)
         c, w, h = self.conv_dim, self.value_width, self.heads
         mixed, z = in_proj[:, :c], in_proj[:, c : c + w]
         b, gate_a = in_proj[:, c + w : c + w + h], in_proj[:, c + w + h :]
@@ -141,20 +140,19 @@ class LinearAttention:
         delta_rule(conv_out, g, beta, self.ssm_state, q_indptr, slot_ids, delta_out, stream=stream)
         gated = step.role("gated_out")
         k_.gated_norm(delta_out, z, self.norm_weight, gated, self.eps, stream=stream)
-        _gemm(gated, self.out_weight, step.role("proj_out"))
+        self.proj.residual(step, gated, self.out_weight)
 
 
 class Mlp:
     """SwiGLU: fused gate|up GEMM, silu(gate) * up, down_proj."""
 
-    def __init__(self, arena: Arena, kernels: Kernels, layer: int):
+    def __init__(self, arena: Arena, proj: Projections, layer: int):
         prefix = f"model.layers.{layer}.mlp"
         self.gate_up_weight = arena.tensor("weights", f"{prefix}.gate_up_proj.weight")
         self.down_weight = arena.tensor("weights", f"{prefix}.down_proj.weight")
-        self.kernels = kernels
+        self.proj = proj
 
     def __call__(self, step: StepViews) -> None:
-        gate_up, act = step.role("gate_up"), step.role("act")
-        _gemm(step.role("normed"), self.gate_up_weight, gate_up)
-        self.kernels.silu_mul(gate_up, act, stream=step.stream)
-        _gemm(act, self.down_weight, step.role("proj_out"))
+        act = step.role("act")
+        self.proj.swiglu(step, self.gate_up_weight, act)
+        self.proj.residual(step, act, self.down_weight)

@@ -1,9 +1,13 @@
 """The decoder forward shared by Qwen3 and Qwen3.5: embed, layers, final norm,
 lm_head and sampling (greedy, temperature, top-k), over the planned buffers.
 
-The residual stream ``hidden`` is accumulated in place by the fused
-add + RMSNorm kernel; ``normed`` is each block's input and ``proj_out`` each
-block's output (see planner.step_buffers for the stages and live ranges).
+The model holds its layers twice, once per projections backend (projections.py), and a step runs
+one of them throughout. GEMM layers: the residual stream ``hidden`` is accumulated in place by
+the fused add + RMSNorm kernel between blocks; ``normed`` is each block's input and ``proj_out``
+each block's output (see planner.step_buffers for the stages and live ranges). GEMV layers
+(decode steps of at most the plan's ``decode_gemv_batch`` requests, graphs included): each
+block's first projection normalizes ``hidden`` and its last adds into it, so a layer is its two
+blocks and nothing between them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from executor.models.kernels import Kernels, NormStyle
 from executor.step import StepMetadata, StepWriter, decode_tiles, pad_decode
 
 Block = Callable[[StepViews], None]
+#: Builds layer ``index`` with the GEMV projections (True) or the GEMM ones (False).
+LayerBuilder = Callable[[int, bool], "Layer"]
 
 
 @dataclass(frozen=True)
@@ -33,8 +39,11 @@ class Layer:
 class DecoderModel:
     """A decoder over an arena. ``step(meta)`` runs one forward and samples a token for each request."""
 
-    def __init__(self, arena: Arena, kernels: Kernels, norm: NormStyle, layers: Sequence[Layer]):
-        self.arena, self.kernels, self.norm, self.layers = arena, kernels, norm, tuple(layers)
+    def __init__(self, arena: Arena, kernels: Kernels, norm: NormStyle, build_layer: LayerBuilder):
+        self.arena, self.kernels, self.norm = arena, kernels, norm
+        num_layers, self.gemv_batch = arena.plan.geometry.num_layers, arena.plan.capacity.decode_gemv_batch
+        self.layers = tuple(build_layer(i, False) for i in range(num_layers))
+        self.gemv_layers = tuple(build_layer(i, True) for i in range(num_layers)) if self.gemv_batch else ()
         self.device = arena.device
         self.eps = arena.plan.model.rms_norm_eps
         self.embed = arena.tensor("weights", "model.embed_tokens.weight")
@@ -84,6 +93,22 @@ class DecoderModel:
         return self.arena.tensor("sampling", "logits")[:num_requests]
 
     def _forward(self, step: StepViews) -> None:
+        """One forward over ``step``'s views, with the projections backend the plan gives its size."""
+        if step.pool == "decode" and step.num_requests <= self.gemv_batch:
+            self._forward_gemv(step)
+        else:
+            self._forward_gemm(step)
+
+    def _forward_gemv(self, step: StepViews) -> None:
+        hidden, normed = step.role("hidden"), step.role("normed")
+        self.kernels.embedding(step.role("token_ids"), self.embed, hidden, stream=step.stream)
+        for layer in self.gemv_layers:
+            layer.mixer(step)
+            layer.mlp(step)
+        self.kernels.rms_norm(hidden, self.final_norm, normed, self.eps, self.norm.weight_offset, stream=step.stream)
+        self._sample(step, normed)
+
+    def _forward_gemm(self, step: StepViews) -> None:
         stream, k_ = step.stream, self.kernels
         hidden, normed, proj_out = step.role("hidden"), step.role("normed"), step.role("proj_out")
         k_.embedding(step.role("token_ids"), self.embed, hidden, stream=stream)

@@ -17,6 +17,7 @@ from executor.kernels.delta_rule_decode import GatedDeltaRuleDecode
 from executor.kernels.embedding import Embedding
 from executor.kernels.flash_attention import FlashAttention
 from executor.kernels.gated_norm import GatedRmsNorm
+from executor.kernels.gemv import Gemv
 from executor.kernels.gemm_attention import GatherKv
 from executor.kernels.norm import AddRmsNormInplace, RmsNorm
 from executor.kernels.output_gate import SigmoidMulInplace
@@ -52,6 +53,7 @@ class Kernels:
     flash_attention: FlashAttention  # FlashAttention prefill (compiled on first use: flash plans only)
     output_gate: SigmoidMulInplace
     silu_mul: SiluMul
+    gemv: Gemv  # small-batch decode projections with the norm, SwiGLU or residual add fused in
     sample: Sample
     conv1d: CausalConv1d | None = None
     gdn_gates: GdnGates | None = None
@@ -91,6 +93,7 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle) ->
         flash_attention=FlashAttention(),
         output_gate=SigmoidMulInplace(codec),
         silu_mul=SiluMul(codec),
+        gemv=Gemv(codec, norm.round_before_weight),
         sample=Sample(max_threads=32) if simulated else Sample(),
         **linear,
     )

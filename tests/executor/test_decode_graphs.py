@@ -74,13 +74,16 @@ def test_padded_decode_equals_unpadded_and_leaves_other_state_alone(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("prompts, bucket", [([7, 300, 64], 4), ([300], 1)], ids=["bucket-4", "bucket-1-gemv"])
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3.5-0.8b"])
-def test_graph_replay_equals_eager_padded_step(name):
+def test_graph_replay_equals_eager_padded_step(name, prompts, bucket):
+    """Three requests replay the bucket-4 graph (cuBLAS projections); one request the bucket-1 graph
+    (the fused GEMV projections, capacity decode_gemv_batch)."""
     loaded = load_with_hf(name, "h200", "default", max_batch=8, max_context=1024, max_prefill_tokens=512,
                           gpu_memory_utilization=0.25)
-    chunks = _prefilled(loaded, [7, 300, 64], seed=2)
+    assert loaded.plan.capacity.decode_gemv_batch == 1
+    chunks = _prefilled(loaded, prompts, seed=2)
     before = _state(loaded)
-    bucket = 4  # three requests replay the bucket-4 graph
     eager_logits, eager_tokens = _decode(loaded, chunks, steps=16, pad_to=bucket)
     _restore(loaded, before)
     loaded.model.capture_decode_graphs()
@@ -102,5 +105,5 @@ def test_graph_replay_equals_eager_padded_step(name):
     plain_logits, plain_tokens = _decode(loaded, chunks, steps=16)
     matching = sum(a == b for a, b in zip(plain_tokens, graph_tokens))
     difference = float((plain_logits - graph_logits).abs().max())
-    print(f"{name}: graph == eager padded over 16 steps x 3 requests; vs unpadded eager: "
+    print(f"{name}: graph == eager padded over 16 steps x {len(chunks)} requests; vs unpadded eager: "
           f"{matching}/16 steps with identical tokens, max |logit difference| {difference:.4f}")
