@@ -112,10 +112,10 @@ def test_qwen3_5_hf_golden_bf16(name, serving):
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3.5-0.8b"])
 def test_batch_1_decode_hf_golden_bf16(name):
     """Decode steps of one request run the fused GEMV projections (capacity decode_gemv_batch 1), which the
-    batched runs above never reach: four requests, each alone, 32 teacher-forced decode steps each."""
+    batched runs above never reach: three requests, each alone, 24 teacher-forced decode steps each."""
     loaded = load_with_hf(name, "h200", "default", max_batch=8, max_context=512, max_prefill_tokens=512,
                           gpu_memory_utilization=0.25)
     assert loaded.plan.capacity.decode_gemv_batch == 1
-    sequences, lengths = _prompts(loaded.plan.model.vocab_size, 4, 256, 32, seed=3)
+    sequences, lengths = _prompts(loaded.plan.model.vocab_size, 3, 128, 24, seed=3)
     deltas = np.concatenate([_logprob_deltas(loaded, [seq], [n]) for seq, n in zip(sequences, lengths)])
     _gate(deltas, 0.06, 0.2, f"{name} batch-1 decode (GEMV projections) bf16")
