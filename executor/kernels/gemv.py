@@ -42,7 +42,7 @@ from executor.kernels.activation import build_swiglu
 from executor.kernels.codec import Codec
 from executor.kernels.launch import WARP_THREADS, Kernel, multiprocessor_count
 from executor.kernels.norm import build_normalize, inv_rms_from_sum
-from executor.kernels.reduce import build_group_sum
+from executor.kernels.reduce import block_sum, build_group_sum
 from executor.kernels.vector import (
     VECTOR_WORDS, build_lanes, build_shared_vector_load, build_vector_access, lanes_for, vector_aligned, word_type,
 )
@@ -110,20 +110,6 @@ def build_gemv_kernel(
         return load(get_lane(words, start * per_word + j))
 
     @cuda.jit(device=True, inline=True)
-    def block_total(scratch, value):
-        """The sum of ``value`` over the block, on every thread: lane sums, then the warps' totals."""
-        value = group_sum(scratch, value, WARP_THREADS)
-        warp, warps = cuda.threadIdx.x // WARP_THREADS, cuda.blockDim.x // WARP_THREADS
-        if cuda.threadIdx.x % WARP_THREADS == 0:
-            scratch[warp] = value
-        cuda.syncthreads()
-        total = float32(0.0)
-        for w in range(warps):
-            total += scratch[w]
-        cuda.syncthreads()
-        return total
-
-    @cuda.jit(device=True, inline=True)
     def stage_normed(hidden, norm_weight, eps, weight_offset, stage, scratch):
         """stage[b K + k] <- round(RMSNorm(hidden[b])[k]) as float32, by the whole block."""
         words = cuda.local.array(VECTOR_WORDS, wtype)
@@ -135,7 +121,7 @@ def build_gemv_kernel(
                 for j in range(lanes):
                     v = element(words, 0, j)
                     partial += v * v
-            inv_rms = inv_rms_from_sum(block_total(scratch, partial), in_features, eps)
+            inv_rms = inv_rms_from_sum(block_sum(scratch, partial), in_features, eps)
             for c in range(cuda.threadIdx.x, chunks, cuda.blockDim.x):
                 load_vector(hidden, (b, c * lanes), words, 0)
                 load_vector(norm_weight, (c * lanes,), w_words, 0)
@@ -144,44 +130,34 @@ def build_gemv_kernel(
                     stage[b * in_features + c * lanes + j] = load(store(value))
         cuda.syncthreads()
 
-    @cuda.jit(device=True, inline=True)
-    def load_trip(weight, n, second, t, lane, w_buf):
-        """Trip t's weight chunks of row group n (its ``rows`` rows) into w_buf."""
-        for r in range(rows):
-            for u in range(chunks_per_lane):
-                c = (t * chunks_per_lane + u) * row_threads + lane
-                if whole_trips or c < chunks:
-                    load_vector(weight, (n + r * second, c * lanes), w_buf, (r * chunks_per_lane + u) * VECTOR_WORDS)
-
     @cuda.jit(**options)
     def gemv(x, norm_weight, weight, out, eps, weight_offset):
         lane = cuda.threadIdx.x % row_threads
         teams = cuda.blockDim.x // row_threads  # row groups a block works on at once
-        team = cuda.threadIdx.x // row_threads
-        groups = out.shape[1]  # output columns: a warp's rows give one
-        second = weight.shape[0] // 2  # SWIGLU: the up row of gate row n is n + I
         shared = cuda.shared.array(0, float32)
         scratch = shared[stage_floats:]
+        if normed:
+            stage_normed(x, norm_weight, eps, weight_offset, shared, scratch)
         w_buf = cuda.local.array(weight_words, wtype)
         x_words = cuda.local.array(VECTOR_WORDS, wtype)
         x_chunk = cuda.local.array(lanes, float32)
         acc = cuda.local.array(accumulators, float32)
-        # A group's first trip of weights is always in flight before the group starts: the block's first
-        # group's across the prologue, each next group's across the lane sums and epilogue before it.
-        if cuda.blockIdx.x * teams + team < groups:
-            load_trip(weight, cuda.blockIdx.x * teams + team, second, 0, lane, w_buf)
-        if normed:
-            stage_normed(x, norm_weight, eps, weight_offset, shared, scratch)
+        groups = out.shape[1]  # output columns: a warp's rows give one
+        second = weight.shape[0] // 2  # SWIGLU: the up row of gate row n is n + I
         # Every thread of a block takes the same number of trips (the simulator's sums have barriers).
         for first in range(cuda.blockIdx.x * teams, groups, cuda.gridDim.x * teams):
-            n = first + team
+            n = first + cuda.threadIdx.x // row_threads
             active = n < groups
             for i in range(accumulators):
                 acc[i] = float32(0.0)
             if active:
                 for t in range(trips):
-                    if t > 0:
-                        load_trip(weight, n, second, t, lane, w_buf)
+                    for r in range(rows):
+                        for u in range(chunks_per_lane):
+                            c = (t * chunks_per_lane + u) * row_threads + lane
+                            if whole_trips or c < chunks:
+                                load_vector(weight, (n + r * second, c * lanes), w_buf,
+                                            (r * chunks_per_lane + u) * VECTOR_WORDS)
                     for u in range(chunks_per_lane):
                         c = (t * chunks_per_lane + u) * row_threads + lane
                         if whole_trips or c < chunks:
@@ -198,8 +174,6 @@ def build_gemv_kernel(
                                     for r in range(rows):
                                         w = element(w_buf, (r * chunks_per_lane + u) * VECTOR_WORDS, j)
                                         acc[r * batch + b] += w * x_chunk[j]
-            if n + cuda.gridDim.x * teams < groups:
-                load_trip(weight, n + cuda.gridDim.x * teams, second, 0, lane, w_buf)
             if row_threads > 1:
                 for i in range(accumulators):
                     acc[i] = group_sum(scratch, acc[i], row_threads)
