@@ -30,6 +30,7 @@ SERVING_FLAGS = {
     "dtype": ("--dtype", None, str),
     "gemm_attention_min_tokens": ("--gemm-attention-min-tokens", None, int),
     "prefill_attention": ("--prefill-attention", None, str),
+    "decode_gemv_max_batch": ("--decode-gemv-max-batch", None, int),
 }
 
 
