@@ -14,22 +14,27 @@ here replace the pairs:
 - ``project_add``: ``hidden [B, N] += x @ W^T`` in place, rounding as the add + RMSNorm kernel does:
   ``round(hidden + round(acc))``.
 
-Layout. A warp owns ``rows`` weight rows and walks K in 16-byte chunks (vector.py): lane l takes
-chunks l, l + 32, ..., so each warp load is 512 contiguous bytes of a row, ``chunks_per_lane``
+Layout. A row team (a warp on the GPU; 4 lanes in the simulator, whose run time grows much faster
+than a thread's work) owns ``rows`` weight rows and walks K in 16-byte chunks (vector.py): lane l
+takes chunks l, l + 32, ..., so each warp load is 512 contiguous bytes of a row, ``chunks_per_lane``
 chunks of each row in flight before the multiply-adds against x's matching chunk (from global
-memory, where the block's warps share it through L1, or from the staged shared copy). Then a
-shuffle tree sums the lanes and lane 0 runs the epilogue. Blocks of ``warps`` warps walk row groups
-grid-stride; the launcher sizes the grid at ``blocks_per_sm`` blocks an SM, which the launch bounds
-also give ptxas (so a prologue runs once per block). Every output element belongs to one warp, so
-``project_add``'s in-place update has no race. Accumulation is float32 in chunk order, not cuBLAS's
-order: outputs differ from the GEMM path's by float32 rounding of the sums.
+memory, where the block's warps share it through L1, or from the staged shared copy, 16 bytes a
+load). Then a shuffle tree sums the lanes and lane 0 runs the epilogue. Blocks of GEMV_WARPS warps
+walk row groups grid-stride; the launcher sizes the grid at ``blocks_per_sm`` blocks an SM, which the
+launch bounds also give ptxas (so a prologue runs once per block). Every output element belongs to
+one team, so ``project_add``'s in-place update has no race. Accumulation is float32 in chunk order,
+not cuBLAS's order: outputs differ from the GEMM path's by float32 rounding of the sums.
 
 Swept on the H200 (2026-11-30, CUDA-graph timing of distinct weight copies, batch 1, plain GEMV
 against ``torch.matmul``; us): qkv 6144 x 4096 14.0 (cuBLAS 15.4), o_proj 4096 x 4096 9.8 (13.1),
 gate_up 24576 x 4096 47.6 (48.3), down 4096 x 12288 25.0 (28.6), with one row a warp, 8 chunks a
 lane, 4 warps a block, 4 blocks an SM (94 registers); two rows x 4 chunks ran within 0.5 us of it.
 At batch 4 the same kernels were slower than cuBLAS on three of the four shapes (122 registers), so
-the plan keeps them to small batches (capacity ``decode_gemv_batch``).
+the plan keeps them to small batches (capacity ``decode_gemv_batch``). In a batch-1 Qwen3-8B decode
+graph (profiled): gate_up + SwiGLU 51.0 us, down + residual 24.8, qkv + RMSNorm 18.3 (the prologue
+costs about what a separate norm launch did), o_proj + residual 9.8; the step 5.215 ms against 6.194
+with cuBLAS projections (bench/decode.py, docs/benchmarks.md). Loading a group's first weights before
+the prologue and during the previous group's lane sums measured slower (down 27.1 us, o_proj 10.9).
 """
 
 from __future__ import annotations
