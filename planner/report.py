@@ -50,6 +50,9 @@ def format_table(plan: MemoryPlan) -> str:
                 else ", no score scratch")
         lines.append(f"prefill attention of chunks >= {plan.serving.gemm_attention_min_tokens:,} tokens: "
                      f"{capacity.prefill_attention} (serving {plan.serving.prefill_attention}){tile}")
+    lines.append(f"decode projections: fused GEMVs at batch <= {capacity.decode_gemv_batch} "
+                 f"(serving decode_gemv_max_batch {plan.serving.decode_gemv_max_batch}), cuBLAS above"
+                 if capacity.decode_gemv_batch else "decode projections: cuBLAS at every batch")
     if capacity.recurrent_slots:
         lines.append(f"recurrent-state slots: {capacity.recurrent_slots}")
     transient = sorted(
