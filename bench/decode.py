@@ -146,8 +146,9 @@ def run_memplan(plan: MemoryPlan, cells: list[Cell], args: argparse.Namespace, d
 def benchmark_plan(model_name: str, args: argparse.Namespace, max_batch: int, max_context: int) -> MemoryPlan:
     """The plan every decode cell of a model runs in (memory.py measures the same plan)."""
     overrides = {"max_batch": max_batch, "max_context": max_context + 1}
-    if args.decode_gemv_max_batch is not None:
-        overrides["decode_gemv_max_batch"] = args.decode_gemv_max_batch
+    gemv_batch = getattr(args, "decode_gemv_max_batch", None)  # bench/memory.py's arguments have none
+    if gemv_batch is not None:
+        overrides["decode_gemv_max_batch"] = gemv_batch
     return sized_plan(model_name, args.hardware, args.serving, overrides, num_requests=max_batch,
                       utilization=args.gpu_memory_utilization)
 
