@@ -67,7 +67,7 @@ class Capacity(BaseModel):
 def build_capacity(
     *, max_batch: int, max_context: int, page_size: int, max_prefill_tokens: int, gqa_group: int,
     recurrent_slots_per_request: int, num_q_heads: int = 0, gemm_attention_min_tokens: int = 1,
-    prefill_attention: PrefillAttention = "gemm",
+    prefill_attention: PrefillAttention = "gemm", decode_gemv_batch: int = 0,
 ) -> Capacity:
     """Capacities before the KV pool is sized (kv_pages and kv_tokens stay 0). ``num_q_heads`` 0
     (no full-attention layer) or ``gemm_attention_min_tokens`` above ``max_prefill_tokens``: no
@@ -96,12 +96,13 @@ def build_capacity(
         prefill_attention=prefill_attention,
         prefill_gather_tokens=max_context if long_chunks else 0,
         prefill_score_elements=score_elements,
+        decode_gemv_batch=decode_gemv_batch,
         recurrent_slots=checked.mul("recurrent_slots", max_batch, recurrent_slots_per_request, width=I32),
     )
 
 
-def decode_gemv_batch(requested: int, max_batch: int, hidden_size: int, in_features: tuple[int, ...],
-                      itemsize_bytes: int) -> int:
+def gemv_batch_limit(requested: int, max_batch: int, hidden_size: int, in_features: tuple[int, ...],
+                     itemsize_bytes: int) -> int:
     """The capacity's decode_gemv_batch: ``requested`` (serving decode_gemv_max_batch) capped by
     ``max_batch`` and by the rows of ``hidden_size`` float32 a block's shared memory stages; 0 when some
     projection's ``in_features`` of ``itemsize_bytes`` elements is not a whole number of 16-byte chunks."""

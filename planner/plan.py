@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner import checked
 from planner.attention_plan import build_attention_plan
-from planner.capacity import Capacity, build_capacity, decode_gemv_batch, with_kv_pages
+from planner.capacity import Capacity, build_capacity, gemv_batch_limit, with_kv_pages
 from planner.config import (
     HardwareConfig, ModelConfig, ServingConfig, check_compatible, resolve_prefill_attention, resolved_dtypes)
 from planner.dtypes import dtype_bytes
@@ -151,6 +151,8 @@ def _draft(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig,
     check_compatible(model, serving, serving_source)
     dtypes = resolve_dtypes(model, serving)
     geometry = build_geometry(model, serving)
+    gemv_inputs = (geometry.hidden_size, geometry.attn_out_width, geometry.intermediate_size,
+                   *((geometry.linear_value_width,) if geometry.num_linear_layers else ()))
     capacity = build_capacity(
         max_batch=serving.max_batch,
         max_context=serving.max_context or model.max_position_embeddings,
@@ -161,12 +163,9 @@ def _draft(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig,
         gemm_attention_min_tokens=serving.gemm_attention_min_tokens,
         prefill_attention=resolve_prefill_attention(model, serving),
         recurrent_slots_per_request=serving.states_per_slot if geometry.num_linear_layers else 0,
+        decode_gemv_batch=gemv_batch_limit(serving.decode_gemv_max_batch, serving.max_batch, geometry.hidden_size,
+                                           gemv_inputs, dtype_bytes(dtypes.activations)),
     )
-    gemv_inputs = (geometry.hidden_size, geometry.attn_out_width, geometry.intermediate_size,
-                   *((geometry.linear_value_width,) if geometry.num_linear_layers else ()))
-    capacity = capacity.model_copy(update={"decode_gemv_batch": decode_gemv_batch(
-        serving.decode_gemv_max_batch, capacity.max_batch, geometry.hidden_size, gemv_inputs,
-        dtype_bytes(dtypes.activations))})
     act = dtypes.activations
     pools = [build_weights(geometry, dtypes.weights, model.tie_word_embeddings)]
     if geometry.num_linear_layers:

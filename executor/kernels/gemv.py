@@ -231,7 +231,7 @@ class Gemv:
                 weight_offset: float, stream: Any) -> None:
         batch, in_features = (int(n) for n in x.shape)
         out_rows = int(weight.shape[0]) // (2 if epilogue == SWIGLU else 1)
-        if tuple(weight.shape) != (weight.shape[0], in_features) or tuple(out.shape) != (batch, out_rows):
+        if int(weight.shape[1]) != in_features or tuple(out.shape) != (batch, out_rows):
             raise ValueError(f"gemv {epilogue}: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                              f"out {tuple(out.shape)} do not match")
         if not vector_aligned(x, norm_weight, weight):  # out is written an element at a time

@@ -12,46 +12,60 @@ blocks and nothing between them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from executor.arena import Arena
+from executor.models.blocks import Mlp
 from executor.models.context import StepViews, bucket_views, step_views
 from executor.models.graphs import DecodeGraphs
 from executor.models.kernels import Kernels, NormStyle
+from executor.models.projections import GemmProjections, GemvProjections, Projections
 from executor.step import StepMetadata, StepWriter, decode_tiles, pad_decode
 
 Block = Callable[[StepViews], None]
-#: Builds layer ``index`` with the GEMV projections (True) or the GEMM ones (False).
-LayerBuilder = Callable[[int, bool], "Layer"]
+#: A model's mixer of layer ``index`` (attention or linear attention) on the given projections.
+MixerBuilder = Callable[[int, Projections], Block]
 
 
 @dataclass(frozen=True)
 class Layer:
-    mixer: Block  # attention or linear attention: normed -> proj_out
-    mlp: Block  # normed -> proj_out
-    input_norm: torch.Tensor
+    mixer: Block  # attention or linear attention, on the layer's projections (projections.py)
+    mlp: Block
+    input_norm: torch.Tensor  # the GEMM forward's add + RMSNorm weights (GEMV projections hold their own)
     post_norm: torch.Tensor
 
 
 class DecoderModel:
     """A decoder over an arena. ``step(meta)`` runs one forward and samples a token for each request."""
 
-    def __init__(self, arena: Arena, kernels: Kernels, norm: NormStyle, build_layer: LayerBuilder):
+    def __init__(self, arena: Arena, kernels: Kernels, norm: NormStyle, build_mixer: MixerBuilder):
         self.arena, self.kernels, self.norm = arena, kernels, norm
-        num_layers, self.gemv_batch = arena.plan.geometry.num_layers, arena.plan.capacity.decode_gemv_batch
-        self.layers = tuple(build_layer(i, False) for i in range(num_layers))
-        self.gemv_layers = tuple(build_layer(i, True) for i in range(num_layers)) if self.gemv_batch else ()
         self.device = arena.device
         self.eps = arena.plan.model.rms_norm_eps
+        num_layers, self.gemv_batch = arena.plan.geometry.num_layers, arena.plan.capacity.decode_gemv_batch
+        gemm = GemmProjections(kernels)
+        self.layers = tuple(self._layer(i, build_mixer, gemm) for i in range(num_layers))
+        self.gemv_layers = (tuple(self._layer(i, build_mixer, None) for i in range(num_layers))
+                            if self.gemv_batch else ())
         self.embed = arena.tensor("weights", "model.embed_tokens.weight")
         self.final_norm = arena.tensor("weights", "model.norm.weight")
         tied = arena.plan.model.tie_word_embeddings
         self.lm_head = self.embed if tied else arena.tensor("weights", "lm_head.weight")
         self.writer = StepWriter(arena)
         self.graphs: DecodeGraphs | None = None
+
+    def _layer(self, index: int, build_mixer: MixerBuilder, gemm: GemmProjections | None) -> Layer:
+        """Layer ``index`` on the shared GEMM projections, or (``gemm`` None) on GEMV projections that
+        normalize with the layer's input and post-attention norm weights."""
+        weight = lambda name: self.arena.tensor("weights", f"model.layers.{index}.{name}.weight")  # noqa: E731
+        input_norm, post_norm = weight("input_layernorm"), weight("post_attention_layernorm")
+        mixer_proj = gemm or GemvProjections(self.kernels, input_norm, self.norm, self.eps)
+        mlp_proj = gemm or GemvProjections(self.kernels, post_norm, self.norm, self.eps)
+        return Layer(mixer=build_mixer(index, mixer_proj), mlp=Mlp(self.arena, mlp_proj, index),
+                     input_norm=input_norm, post_norm=post_norm)
 
     def capture_decode_graphs(self) -> None:
         """Capture one decode CUDA graph per bucket of the serving config (CUDA only; once, after

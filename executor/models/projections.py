@@ -66,12 +66,3 @@ class GemvProjections:
 
 Projections = GemmProjections | GemvProjections
 
-
-def layer_projections(kernels: Kernels, norm: NormStyle, eps: float, input_norm: torch.Tensor,
-                      post_norm: torch.Tensor, gemv: bool) -> tuple[Projections, Projections]:
-    """A layer's (mixer, MLP) projections: GEMV ones normalize with the layer's input and
-    post-attention norm weights; GEMM ones leave that to the decoder."""
-    if gemv:
-        return GemvProjections(kernels, input_norm, norm, eps), GemvProjections(kernels, post_norm, norm, eps)
-    shared = GemmProjections(kernels)
-    return shared, shared

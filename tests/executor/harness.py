@@ -180,3 +180,46 @@ def assert_teacher_forced_matches_hf(run: TeacherForced, tolerance: float) -> No
         for step, (mine, theirs) in enumerate(zip(logits, reference)):
             error = float((mine - theirs).abs().max() / theirs.abs().max())
             assert error <= tolerance, f"{name} request {r} step {step}: relative error {error:.2e}"
+
+
+# ---------------------------------------------------------------- decode steps of prefilled requests
+
+
+def prefilled_requests(loaded: Loaded, prompt_lens: list[int], seed: int) -> list[RequestChunk]:
+    """Prefill one request per prompt (request r on slot r, its own pages); return each request's
+    next decode chunk (its greedy next token)."""
+    plan = loaded.plan
+    pages_each = plan.capacity.pages_per_request
+    prompts = random_sequences(plan.model.vocab_size, prompt_lens, seed)
+    pages = [list(range(1 + r * pages_each, 1 + (r + 1) * pages_each)) for r in range(len(prompts))]
+    for slot in range(len(prompts)):
+        loaded.model.reset_slot(slot)
+    chunks = [RequestChunk(p, 0, pages[r], slot=r) for r, p in enumerate(prompts)]
+    sampled = loaded.model.step(plan_step(plan, chunks)).tolist()
+    return [RequestChunk([token], len(p), pages[r], slot=r) for r, (p, token) in enumerate(zip(prompts, sampled))]
+
+
+def decode_state(loaded: Loaded) -> dict[str, torch.Tensor]:
+    """Copies of what decode steps write: the KV cache and (Qwen3.5) the recurrent state."""
+    pools = [("kv_cache", "kv_cache")]
+    if loaded.plan.geometry.num_linear_layers:
+        pools += [("recurrent_state", "ssm_state"), ("recurrent_state", "conv_state")]
+    return {name: loaded.arena.tensor(pool, name).clone() for pool, name in pools}
+
+
+def restore_decode_state(loaded: Loaded, state: dict[str, torch.Tensor]) -> None:
+    """Put back a ``decode_state`` copy, so another run starts from the same cache."""
+    for name, saved in state.items():
+        pool = "kv_cache" if name == "kv_cache" else "recurrent_state"
+        loaded.arena.tensor(pool, name).copy_(saved)
+
+
+def greedy_decode(loaded: Loaded, chunks: list[RequestChunk], steps: int, pad_to: int | None = None):
+    """``steps`` greedy decode steps; returns the logits [steps, B, V] and tokens [steps, B]."""
+    logits, tokens = [], []
+    for _ in range(steps):
+        sampled = loaded.model.step(plan_step(loaded.plan, chunks), pad_to=pad_to).tolist()
+        logits.append(loaded.model.logits(len(chunks)).clone())
+        tokens.append(sampled)
+        chunks = [RequestChunk([t], c.num_cached + 1, c.page_ids, slot=c.slot) for c, t in zip(chunks, sampled)]
+    return torch.stack(logits), tokens

@@ -7,62 +7,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.step import RequestChunk, plan_step
-from tests.executor.harness import Loaded, load_tiny, load_with_hf, random_sequences
-
-
-def _prefilled(loaded: Loaded, prompt_lens: list[int], seed: int) -> list[RequestChunk]:
-    """Prefill one request per prompt (request r on slot r, its own pages); return each request's
-    next decode chunk (its greedy next token)."""
-    plan = loaded.plan
-    pages_each = plan.capacity.pages_per_request
-    prompts = random_sequences(plan.model.vocab_size, prompt_lens, seed)
-    pages = [list(range(1 + r * pages_each, 1 + (r + 1) * pages_each)) for r in range(len(prompts))]
-    for slot in range(len(prompts)):
-        loaded.model.reset_slot(slot)
-    chunks = [RequestChunk(p, 0, pages[r], slot=r) for r, p in enumerate(prompts)]
-    sampled = loaded.model.step(plan_step(plan, chunks)).tolist()
-    return [RequestChunk([token], len(p), pages[r], slot=r) for r, (p, token) in enumerate(zip(prompts, sampled))]
-
-
-def _state(loaded: Loaded) -> dict[str, torch.Tensor]:
-    pools = [("kv_cache", "kv_cache")]
-    if loaded.plan.geometry.num_linear_layers:
-        pools += [("recurrent_state", "ssm_state"), ("recurrent_state", "conv_state")]
-    return {name: loaded.arena.tensor(pool, name).clone() for pool, name in pools}
-
-
-def _restore(loaded: Loaded, state: dict[str, torch.Tensor]) -> None:
-    for name, saved in state.items():
-        pool = "kv_cache" if name == "kv_cache" else "recurrent_state"
-        loaded.arena.tensor(pool, name).copy_(saved)
-
-
-def _decode(loaded: Loaded, chunks: list[RequestChunk], steps: int, pad_to: int | None = None):
-    """``steps`` greedy decode steps; returns the logits [steps, B, V] and tokens [steps, B]."""
-    logits, tokens = [], []
-    for _ in range(steps):
-        sampled = loaded.model.step(plan_step(loaded.plan, chunks), pad_to=pad_to).tolist()
-        logits.append(loaded.model.logits(len(chunks)).clone())
-        tokens.append(sampled)
-        chunks = [RequestChunk([t], c.num_cached + 1, c.page_ids, slot=c.slot) for c, t in zip(chunks, sampled)]
-    return torch.stack(logits), tokens
+from executor.step import plan_step
+from tests.executor.harness import (
+    decode_state, greedy_decode, load_tiny, load_with_hf, prefilled_requests, restore_decode_state,
+)
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3.5"])
 def test_padded_decode_equals_unpadded_and_leaves_other_state_alone(name):
     loaded = load_tiny(name)
-    chunks = _prefilled(loaded, [3, 5], seed=1)
-    before = _state(loaded)
-    logits, tokens = _decode(loaded, chunks, steps=1)
-    after_unpadded = _state(loaded)
-    _restore(loaded, before)
+    chunks = prefilled_requests(loaded, [3, 5], seed=1)
+    before = decode_state(loaded)
+    logits, tokens = greedy_decode(loaded, chunks, steps=1)
+    after_unpadded = decode_state(loaded)
+    restore_decode_state(loaded, before)
     bucket = loaded.plan.capacity.max_batch
-    padded_logits, padded_tokens = _decode(loaded, chunks, steps=1, pad_to=bucket)
+    padded_logits, padded_tokens = greedy_decode(loaded, chunks, steps=1, pad_to=bucket)
     assert bucket > len(chunks)
     assert padded_tokens == tokens
     assert float((padded_logits - logits).abs().max()) <= 1e-6 * float(logits.abs().max())
-    after_padded = _state(loaded)
+    after_padded = decode_state(loaded)
     # Padding rows write only page 0 (the padding page) and no recurrent slot.
     kv = "kv_cache"
     for name in after_padded:
@@ -82,13 +46,13 @@ def test_graph_replay_equals_eager_padded_step(name, prompts, bucket):
     loaded = load_with_hf(name, "h200", "default", max_batch=8, max_context=1024, max_prefill_tokens=512,
                           gpu_memory_utilization=0.25)
     assert loaded.plan.capacity.decode_gemv_batch == 1
-    chunks = _prefilled(loaded, prompts, seed=2)
-    before = _state(loaded)
-    eager_logits, eager_tokens = _decode(loaded, chunks, steps=16, pad_to=bucket)
-    _restore(loaded, before)
+    chunks = prefilled_requests(loaded, prompts, seed=2)
+    before = decode_state(loaded)
+    eager_logits, eager_tokens = greedy_decode(loaded, chunks, steps=16, pad_to=bucket)
+    restore_decode_state(loaded, before)
     loaded.model.capture_decode_graphs()
     pointers = {key: view.data_ptr() for key, view in loaded.arena._views.items()}
-    graph_logits, graph_tokens = _decode(loaded, chunks, steps=16)
+    graph_logits, graph_tokens = greedy_decode(loaded, chunks, steps=16)
     assert loaded.model.graphs.bucket_for(len(chunks)) == bucket
     # Replays allocate nothing (the clones above are the test's own).
     allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
@@ -101,8 +65,8 @@ def test_graph_replay_equals_eager_padded_step(name, prompts, bucket):
     # Eager without padding runs GEMMs of 3 rows instead of 4; in bf16 cuBLAS may pick another
     # kernel, so compare it as a near match, not bit for bit.
     loaded.model.graphs = None
-    _restore(loaded, before)
-    plain_logits, plain_tokens = _decode(loaded, chunks, steps=16)
+    restore_decode_state(loaded, before)
+    plain_logits, plain_tokens = greedy_decode(loaded, chunks, steps=16)
     matching = sum(a == b for a, b in zip(plain_tokens, graph_tokens))
     difference = float((plain_logits - graph_logits).abs().max())
     print(f"{name}: graph == eager padded over 16 steps x {len(chunks)} requests; vs unpadded eager: "

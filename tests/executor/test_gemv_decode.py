@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from tests.executor.harness import load_tiny
-from tests.executor.test_decode_graphs import _decode, _prefilled, _state
+from tests.executor.harness import decode_state, greedy_decode, load_tiny, prefilled_requests
 
 
-def test_gemv_decode_equals_gemm_decode():
+def test_gemv_decode_equals_gemmgreedy_decode():
     """Qwen3.5's blocks cover every GEMV use (qkv, in_proj, gate_up normalize; o_proj, out_proj, down add;
     the zero-centred norm); test_gemv.py runs Qwen3's norm rounding. One decode step: the simulator
     multiplies every weight element in Python."""
@@ -19,9 +18,9 @@ def test_gemv_decode_equals_gemm_decode():
     for gemv_batch in (1, 0):
         loaded = load_tiny(name, decode_gemv_max_batch=gemv_batch)  # the same seed: the same weights
         assert loaded.plan.capacity.decode_gemv_batch == gemv_batch
-        chunks = _prefilled(loaded, [6], seed=5)
-        logits, tokens = _decode(loaded, chunks, steps=1)
-        runs[gemv_batch] = (logits, tokens, _state(loaded))
+        chunks = prefilled_requests(loaded, [6], seed=5)
+        logits, tokens = greedy_decode(loaded, chunks, steps=1)
+        runs[gemv_batch] = (logits, tokens, decode_state(loaded))
     (gemv_logits, gemv_tokens, gemv_state), (gemm_logits, gemm_tokens, gemm_state) = runs[1], runs[0]
     assert gemv_tokens == gemm_tokens
     scale = float(gemm_logits.abs().max())
