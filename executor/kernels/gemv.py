@@ -71,7 +71,7 @@ SIM_ROW_THREADS = 4
 
 def build_gemv_kernel(
     codec: Codec, batch: int, in_features: int, epilogue: str, *, normed: bool, round_before_weight: bool = True,
-    chunks_per_lane: int = CHUNKS_PER_LANE, row_threads: int = WARP_THREADS,
+    chunks_per_lane: int = CHUNKS_PER_LANE, row_threads: int = WARP_THREADS, threads: int = GEMV_WARPS * WARP_THREADS,
     launch_bounds: tuple[int, int] | None = None,
 ) -> Callable[..., Any]:
     """Kernel ``(x [B, K], norm_weight [K], weight [N, K], out, eps f32, weight_offset f32)``, storage dtype
@@ -82,9 +82,9 @@ def build_gemv_kernel(
     (in place), SWIGLU ``out [B, I]`` with N = 2 I (gate rows, then up rows).
 
     ``row_threads`` lanes share a row group (a power of two <= 32: a warp on the GPU, fewer in the
-    simulator). Launch with whole warps (a multiple of row_threads in the simulator), a power-of-two
-    block, and ``(B K if normed else 0) + blockDim.x`` float32 of dynamic shared memory (the staged x,
-    then the reductions' scratch; the simulator's lane sums use it). Any grid.
+    simulator). Launch with blocks of ``threads`` threads (whole warps: a multiple of row_threads in
+    the simulator; a power of two), and ``(B K if normed else 0) + threads`` float32 of dynamic shared
+    memory (the staged x, then the reductions' scratch; the simulator's lane sums use it). Any grid.
     """
     if epilogue not in (STORE, RESIDUAL, SWIGLU):
         raise ValueError(f"epilogue must be one of {STORE}, {RESIDUAL}, {SWIGLU}, got {epilogue!r}")
@@ -99,6 +99,8 @@ def build_gemv_kernel(
     per_word = lanes // VECTOR_WORDS  # elements a 32-bit word
     weight_words, accumulators = rows * chunks_per_lane * VECTOR_WORDS, rows * batch
     stage_floats = batch * in_features if normed else 0
+    stage_chunks = -(-chunks // threads)  # chunks of a row one thread normalizes in the prologue
+    stage_words, whole_stage = stage_chunks * VECTOR_WORDS, chunks % threads == 0
     wtype = word_type(codec)
     load, store = codec.load, codec.store
     load_vector, _ = build_vector_access()
@@ -116,29 +118,41 @@ def build_gemv_kernel(
 
     @cuda.jit(device=True, inline=True)
     def stage_normed(hidden, norm_weight, eps, weight_offset, stage, scratch):
-        """stage[b K + k] <- round(RMSNorm(hidden[b])[k]) as float32, by the whole block."""
-        words = cuda.local.array(VECTOR_WORDS, wtype)
-        w_words = cuda.local.array(VECTOR_WORDS, wtype)
+        """stage[b K + k] <- round(RMSNorm(hidden[b])[k]) as float32, by the whole block. A thread
+        issues all its chunks' loads before using any: one memory round trip a row, not one a chunk."""
+        tid = cuda.threadIdx.x
+        h_words = cuda.local.array(stage_words, wtype)
+        w_words = cuda.local.array(stage_words, wtype)
+        for k in range(stage_chunks):  # the norm weight's chunks serve every row
+            c = tid + k * threads
+            if whole_stage or c < chunks:
+                load_vector(norm_weight, (c * lanes,), w_words, k * VECTOR_WORDS)
         for b in range(batch):
+            for k in range(stage_chunks):
+                c = tid + k * threads
+                if whole_stage or c < chunks:
+                    load_vector(hidden, (b, c * lanes), h_words, k * VECTOR_WORDS)
             partial = float32(0.0)
-            for c in range(cuda.threadIdx.x, chunks, cuda.blockDim.x):
-                load_vector(hidden, (b, c * lanes), words, 0)
-                for j in range(lanes):
-                    v = element(words, 0, j)
-                    partial += v * v
+            for k in range(stage_chunks):
+                c = tid + k * threads
+                if whole_stage or c < chunks:
+                    for j in range(lanes):
+                        v = element(h_words, k * VECTOR_WORDS, j)
+                        partial += v * v
             inv_rms = inv_rms_from_sum(block_sum(scratch, partial), in_features, eps)
-            for c in range(cuda.threadIdx.x, chunks, cuda.blockDim.x):
-                load_vector(hidden, (b, c * lanes), words, 0)
-                load_vector(norm_weight, (c * lanes,), w_words, 0)
-                for j in range(lanes):
-                    value = normalize(element(words, 0, j), inv_rms, element(w_words, 0, j), weight_offset)
-                    stage[b * in_features + c * lanes + j] = load(store(value))
+            for k in range(stage_chunks):
+                c = tid + k * threads
+                if whole_stage or c < chunks:
+                    for j in range(lanes):
+                        value = normalize(element(h_words, k * VECTOR_WORDS, j), inv_rms,
+                                          element(w_words, k * VECTOR_WORDS, j), weight_offset)
+                        stage[b * in_features + c * lanes + j] = load(store(value))
         cuda.syncthreads()
 
     @cuda.jit(**options)
     def gemv(x, norm_weight, weight, out, eps, weight_offset):
         lane = cuda.threadIdx.x % row_threads
-        teams = cuda.blockDim.x // row_threads  # row groups a block works on at once
+        teams = threads // row_threads  # row groups a block works on at once
         shared = cuda.shared.array(0, float32)
         scratch = shared[stage_floats:]
         if normed:
@@ -242,7 +256,7 @@ class Gemv:
             kernel = self._kernels[key] = Kernel(build_gemv_kernel(
                 self.codec, batch, in_features, epilogue, normed=normed, round_before_weight=self.round_before_weight,
                 chunks_per_lane=SWIGLU_CHUNKS_PER_LANE if epilogue == SWIGLU else CHUNKS_PER_LANE,
-                row_threads=self.row_threads, launch_bounds=(self.threads, self.blocks_per_sm)))
+                row_threads=self.row_threads, threads=self.threads, launch_bounds=(self.threads, self.blocks_per_sm)))
         grid = max(1, min(self.num_sms * self.blocks_per_sm, -(-out_rows // self.teams)))
         shared_bytes = 4 * ((batch * in_features if normed else 0) + self.threads)
         kernel[grid, self.threads, stream, shared_bytes](x, norm_weight, weight, out, np.float32(eps),
