@@ -14,8 +14,8 @@ import torch
 from executor.device import TORCH_DTYPES, Device
 from planner.plan import MemoryPlan
 
-#: Byte pattern written over every non-weight pool at materialize (except buffers the plan marks
-#: ``zeroed``): NaN in any float dtype, -1 in ints, so a read of something never written shows up.
+#: Byte pattern written over every non-weight pool at materialize: NaN in any
+#: float dtype, -1 in ints, so a read of something never written shows up.
 POISON_BYTE = 0xFF
 
 
@@ -59,9 +59,6 @@ def materialize(plan: MemoryPlan, device: Device) -> Arena:
         arena.pools[pool.name] = raw
         for buffer in (*pool.buffers, *pool.fused):
             arena._views[(pool.name, buffer.name)] = _view(raw, buffer.offset, buffer.bytes, buffer.dtype, buffer.shape)
-        for buffer in pool.buffers:
-            if buffer.zeroed:
-                raw[buffer.offset : buffer.offset + buffer.bytes].zero_()
     return arena
 
 

@@ -38,10 +38,6 @@ class Buffer(BaseModel):
     live: tuple[int, int] | None = Field(
         None, description="first and last stage index the buffer is live in (transient pools)"
     )
-    zeroed: bool = Field(
-        False, description="materialize zeroes it (state a kernel keeps zero between its calls); "
-                           "every other buffer starts poisoned"
-    )
 
 
 class FusedView(BaseModel):
@@ -84,7 +80,6 @@ class BufferRequest:
     shape: tuple[int, ...]
     live: tuple[int, int] | None = None
     group: str | None = None
-    zeroed: bool = False  # Buffer.zeroed
 
 
 def buffer_bytes(request: BufferRequest) -> int:
@@ -114,8 +109,7 @@ def pack_sequential(name: str, requests: list[BufferRequest], fused_shapes: dict
         joins_group = request.group is not None and request.group == previous_group
         if not joins_group:
             cursor = checked.align_up(f"{name} offset", cursor, ALIGNMENT_BYTES)
-        buffer = Buffer(name=request.name, dtype=request.dtype, shape=request.shape, offset=cursor, bytes=size,
-                        zeroed=request.zeroed)
+        buffer = Buffer(name=request.name, dtype=request.dtype, shape=request.shape, offset=cursor, bytes=size)
         buffers.append(buffer)
         if request.group is not None:
             groups.setdefault(request.group, []).append(buffer)
@@ -148,8 +142,7 @@ def pack_by_lifetime(name: str, requests: list[BufferRequest]) -> Pool:
                 break
             offset = max(offset, checked.align_up(f"{name} offset", end, ALIGNMENT_BYTES))
         placed[index] = Buffer(
-            name=request.name, dtype=request.dtype, shape=request.shape, offset=offset, bytes=size, live=request.live,
-            zeroed=request.zeroed,
+            name=request.name, dtype=request.dtype, shape=request.shape, offset=offset, bytes=size, live=request.live
         )
     buffers = tuple(placed[i] for i in range(len(requests)))
     peak = max((b.offset + b.bytes for b in buffers), default=0)

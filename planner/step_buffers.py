@@ -52,10 +52,9 @@ def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0,
                   score_elements: int = 0) -> list[BufferRequest]:
     """Role buffers of a step of ``rows`` token rows (B for decode, T for prefill). ``kv_splits`` > 1
     adds the split-KV attention scratch (decode): float32 partial outputs and log-sum-exps of
-    up to ``kv_splits`` kv chunks per row, merged into attn_out, and the int32 merge counters
-    [rows, Hkv] (zeroed at materialize). ``gather_tokens`` > 0 adds the long-chunk attention
-    scratch (prefill, either backend): one request's keys and values gathered from their pages,
-    [Hkv, gather_tokens, D] each. ``score_elements`` > 0 adds GEMM attention's
+    up to ``kv_splits`` kv chunks per row, merged into attn_out. ``gather_tokens`` > 0 adds the
+    long-chunk attention scratch (prefill, either backend): one request's keys and values gathered
+    from their pages, [Hkv, gather_tokens, D] each. ``score_elements`` > 0 adds GEMM attention's
     own scratch: the chunk's queries (then outputs) packed by kv head [Hkv, group x rows, D], and
     one tile's float32 scores and their probabilities (FlashAttention keeps both on chip)."""
     assert gather_tokens or not score_elements, "GEMM attention reads the gathered keys"
@@ -78,9 +77,6 @@ def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0,
             requests += [
                 BufferRequest("attn_partial_out", "float32", (rows, kv_splits, g.num_q_heads, g.head_dim), attention),
                 BufferRequest("attn_partial_lse", "float32", (rows, kv_splits, g.num_q_heads), attention),
-                # Chunk blocks finished per (row, kv head); the merging block resets its count, so the
-                # counters live the whole step (never shared) and stay zero between steps.
-                BufferRequest("attn_merge_counters", "int32", (rows, g.num_kv_heads), _WHOLE_STEP, zeroed=True),
             ]
         if gather_tokens:
             gathered = (g.num_kv_heads, gather_tokens, g.head_dim)

@@ -3,13 +3,8 @@
 A decode step reads every cached key and value once and does a few FLOPs per
 byte, so the kernel is built around keeping K/V bytes in flight. It serves the
 decode pool only, with attention.py's metadata and tile scheme (``plan_tiles``:
-tile = request ``b`` and kv chunk ``c``). Split tiles write float32 partials, and
-the last chunk block of a (row, kv head) to finish merges them, in attention.py
-``merge_kernel``'s order, so a split step is one launch, not two: the blocks
-count themselves in an int32 ``merge_counters [B, Hkv]`` buffer (threadfence,
-then an atomic add), and the merging block resets its counter to zero, so the
-planned buffer is zero before every call, graph replays included. A separate
-merge launch cost 4.9 us a layer in a batch-1 Qwen3-8B decode graph.
+tile = request ``b`` and kv chunk ``c``; split tiles write partials that
+attention.py's ``merge_kernel`` combines).
 
 - Block (tile, kv head h), ``NT`` threads. A K/V row of D elements is
   ``D / E`` 16-byte chunks (E = 8 bf16 or 4 float32); a group of ``L`` lanes
@@ -54,18 +49,15 @@ import numpy as np
 from executor.kernels.attention import NEG_INF, PagedAttention, build_kv_staging, check_heads
 from executor.kernels.codec import Codec
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS, Kernel
-from executor.kernels.reduce import build_group_sum
+from executor.kernels.reduce import build_group_sum, threads_for
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda, simulator_enabled
-from planner.capacity import MAX_DECODE_KV_SPLITS
 
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
 ROUND_KEYS = 256  # keys whose page ids a round stages in shared memory
 UNROLL_KEYS = 4  # keys each lane group loads before using them: 4 x 2 x 16 bytes (K and V) in flight per lane
-MERGE_UNROLL = 8  # chunk partials a merging thread loads before using any
-MAX_SPLITS = MAX_DECODE_KV_SPLITS  # the deepest split scratch a merging block weighs (shared memory)
 MIN_BLOCKS_PER_SM = 4  # launch_bounds: 128 registers a thread at 128 threads
 CAPPED_REGISTER_VALUES = 64  # q and output registers a lane may hold for the cap to spill nothing
 LOG2_E = 1.4426950408889634
@@ -84,11 +76,9 @@ def key_lanes(codec: Codec, head_dim: int) -> int | None:
 
 def shared_bytes(codec: Codec, head_dim: int, group_size: int, threads: int, round_keys: int) -> int:
     """Static shared memory of one block: the round's page ids and offsets, the groups' (max, sum)
-    and partial outputs, the merged softmax state, the simulator's reduction scratch and the split
-    kernel's last-block flag, chunk weights and weight sums (4-byte words)."""
+    and partial outputs, the merged softmax state and the simulator's reduction scratch (4-byte words)."""
     groups = threads // key_lanes(codec, head_dim)
-    words = (2 * round_keys + 2 * groups * group_size + groups * group_size * head_dim + 3 * group_size + threads
-             + 1 + group_size * (MAX_SPLITS + 1))
+    words = 2 * round_keys + 2 * groups * group_size + groups * group_size * head_dim + 3 * group_size + threads
     return 4 * words
 
 
@@ -106,11 +96,9 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
 
     Direct: ``(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
     request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale)``, every tile
-    covering its whole row. Split: the same with ``partial_out, partial_lse, merge_counters`` after
-    ``out``; a row's chunk blocks write partials, and the last of them to finish (counted in
-    ``merge_counters [B, Hkv]`` int32, zero before the call and again after it) merges them into
-    ``out``. Grid (tiles, Hkv), ``threads`` threads. The K/V cache rows must be 16-byte aligned (the
-    launcher checks).
+    covering its whole row. Split: the same with ``partial_out, partial_lse`` after ``out``; rows of
+    several chunks write those instead of ``out``. Grid (tiles, Hkv), ``threads`` threads. The K/V
+    cache rows must be 16-byte aligned (the launcher checks).
     """
     load, store = codec.load, codec.store
     get_lane = build_lanes(codec)[0]
@@ -128,8 +116,6 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     BUFFER_WORDS = U * CPL * VECTOR_WORDS
     SCORES = U * G  # a batch's scores, one per key and head
     GROUP_STATES = KPP * G  # (max, sum) of every lane group and head, where the groups meet
-    MERGE_OUTPUTS = -(-G * D // NT)  # outputs each thread of a merging block writes
-    MERGE_VALUES = MERGE_OUTPUTS * MERGE_UNROLL  # partials it holds at once
     # The simulator's jit takes no launch_bounds; on the GPU they cap registers for residency.
     launch_options = {} if simulator_enabled() or blocks_per_sm is None else {"launch_bounds": (NT, blocks_per_sm)}
     stage_pages = build_kv_staging(load, D, NT)[0]
@@ -281,70 +267,23 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
             d = j - g * D
             out[row, h * G + g, d] = store(part_sh[0, g, d])
 
-    @cuda.jit(device=True, inline=True)
-    def merge_chunks(partial_out, partial_lse, out, row, h, num_chunks, tid, weight_sh, sum_sh):
-        """out[row, heads of h] from the row's ``num_chunks`` chunk partials, with attention.py
-        merge_kernel's arithmetic (the same exps, summed in chunk order). The chunk weights go
-        through shared memory once; each thread then loads MERGE_UNROLL chunks of each of its
-        outputs before adding any, so the merge costs a few memory round trips, not one a chunk."""
-        for i in range(tid, G * MAX_SPLITS, NT):
-            g = i // MAX_SPLITS
-            c = i - g * MAX_SPLITS
-            weight_sh[g, c] = partial_lse[row, c, h * G + g] if c < num_chunks else NEG_INF
-        cuda.syncthreads()
-        if tid < G:
-            top = NEG_INF
-            for c in range(num_chunks):
-                top = max(top, weight_sh[tid, c])
-            weight_sum = float32(0.0)
-            for c in range(num_chunks):
-                w = float32(math.exp(weight_sh[tid, c] - top))
-                weight_sh[tid, c] = w
-                weight_sum += w
-            sum_sh[tid] = weight_sum
-        cuda.syncthreads()
-        values = cuda.local.array(MERGE_VALUES, float32)
-        totals = cuda.local.array(MERGE_OUTPUTS, float32)
-        for k in range(MERGE_OUTPUTS):
-            totals[k] = float32(0.0)
-        for c0 in range(0, num_chunks, MERGE_UNROLL):
-            for k in range(MERGE_OUTPUTS):
-                j = min(tid + k * NT, G * D - 1)  # clamped: a valid address, its sum unused
-                head = h * G + j // D
-                for u in range(MERGE_UNROLL):
-                    values[k * MERGE_UNROLL + u] = partial_out[row, min(c0 + u, num_chunks - 1), head, j % D]
-            for k in range(MERGE_OUTPUTS):
-                g = min(tid + k * NT, G * D - 1) // D
-                for u in range(MERGE_UNROLL):
-                    if c0 + u < num_chunks:
-                        totals[k] += weight_sh[g, c0 + u] * values[k * MERGE_UNROLL + u]
-        for k in range(MERGE_OUTPUTS):
-            j = tid + k * NT
-            if j < G * D:
-                g = j // D
-                out[row, h * G + g, j - g * D] = store(totals[k] / sum_sh[g])
-
     @cuda.jit(**launch_options)
     def split_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                      request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, partial_out,
-                     partial_lse, merge_counters, scale):
+                     partial_lse, scale):
         s_sh = cuda.shared.array((2, GROUP_STATES), float32)
         page_sh = cuda.shared.array(SUB, int32)
         offset_sh = cuda.shared.array(SUB, int32)
         state_sh = cuda.shared.array((3, G), float32)
         part_sh = cuda.shared.array((KPP, G, D), float32)
         scratch = cuda.shared.array(NT, float32)
-        last_sh = cuda.shared.array(1, int32)
-        weight_sh = cuda.shared.array((G, MAX_SPLITS), float32)
-        sum_sh = cuda.shared.array(G, float32)
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
                                     scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
         if row < 0:
             return
         h = cuda.blockIdx.y
-        tid = cuda.threadIdx.x
-        for j in range(tid, G * D, NT):
+        for j in range(cuda.threadIdx.x, G * D, NT):
             g = j // D
             d = j - g * D
             head = h * G + g
@@ -354,22 +293,6 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
                 partial_out[row, c, head, d] = part_sh[0, g, d]
                 if d == 0:
                     partial_lse[row, c, head] = state_sh[0, g] + math.log(state_sh[1, g])
-        if num_chunks == 1:
-            return
-        # The last of the row's chunk blocks to finish merges: each publishes its partials (fence),
-        # then counts itself in; the one that completes the count reads the others' and resets it.
-        cuda.threadfence()
-        cuda.syncthreads()
-        if tid == 0:
-            done = cuda.atomic.add(merge_counters, (row, h), 1)
-            last_sh[0] = 1 if done == num_chunks - 1 else 0
-        cuda.syncthreads()
-        if last_sh[0] == 0:
-            return
-        cuda.threadfence()
-        merge_chunks(partial_out, partial_lse, out, row, h, min(num_chunks, partial_out.shape[1]), tid, weight_sh, sum_sh)
-        if tid == 0:
-            merge_counters[row, h] = 0  # zero again for the next call (a graph replays the same buffer)
 
     return direct_kernel, split_kernel
 
@@ -405,14 +328,13 @@ class DecodeAttention:
     def __call__(self, q: Any, k_cache: Any, v_cache: Any, page_indices: Any, page_indptr: Any, last_page_len: Any,
                  q_indptr: Any, batch_indices: Any, positions: Any, request_indices: Any, qo_tile_indices: Any,
                  kv_tile_indices: Any, kv_chunk_size: Any, total_num_rows: Any, out: Any, scale: float,
-                 partial_out: Any = None, partial_lse: Any = None, merge_counters: Any = None, stream: Any = 0) -> None:
+                 partial_out: Any = None, partial_lse: Any = None, stream: Any = 0) -> None:
         """Write ``out [B, Hq, D]`` for B decode rows (row b is request b's only query).
 
         q [B, Hq, D] (strided views allowed), k_cache/v_cache [pages, S, Hkv, D], storage dtype of the
         codec; int32 metadata as for PagedAttention (qo_tile_indices is unused: one row per request).
-        Split tiles need float32 ``partial_out [B, splits, Hq, D]``, ``partial_lse [B, splits, Hq]`` and
-        int32 ``merge_counters [B, Hkv]``, zero on entry and left zero: the last chunk block of a row
-        merges, so a split step is one launch. Without them every tile must cover its whole row.
+        Split tiles need float32 ``partial_out [B, splits, Hq, D]`` and ``partial_lse [B, splits, Hq]``;
+        a merge launch (B x Hq) then follows. Without them every tile must cover its whole row.
         """
         if not self.uses_vector(k_cache, v_cache):
             self.fallback(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, batch_indices,
@@ -431,12 +353,7 @@ class DecodeAttention:
         if partial_out is None:
             direct[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, scale32)
             return
-        if partial_out.shape[1] > MAX_SPLITS:
-            raise ValueError(f"decode_attention: {partial_out.shape[1]} kv splits of scratch, the merge weighs at most "
-                             f"{MAX_SPLITS}")
-        if merge_counters is None or tuple(merge_counters.shape) != (num_rows, num_kv_heads):
-            shape = None if merge_counters is None else tuple(merge_counters.shape)
-            raise ValueError(f"decode_attention: split tiles need merge_counters of shape {(num_rows, num_kv_heads)}, "
-                             f"got {shape}")
-        split[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, partial_out, partial_lse, merge_counters,
-                                          scale32)
+        split[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, partial_out, partial_lse, scale32)
+        self.fallback.merge[(num_rows, num_q_heads), threads_for(self.head_dim), stream](
+            partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows, out
+        )

@@ -69,7 +69,7 @@ class FullAttention:
         attn_out = step.role("attn_out").view(n, self.q_heads, d)
         decode = step.pool == "decode"
         attention = k_.decode_attention if decode else k_.attention
-        split = tuple(step.role(name) for name in ("attn_partial_out", "attn_partial_lse", "attn_merge_counters")) if (
+        split = (step.role("attn_partial_out"), step.role("attn_partial_lse")) if (
             self.split_decode and decode) else (None, None)
         if step.num_tiles:  # none when every chunk of the step is a long one (long_prefill_attention)
             attention(
