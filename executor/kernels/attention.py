@@ -52,6 +52,8 @@ NO_SPLIT_CHUNK = np.iinfo(np.int32).max  # kv_chunk_size of padding requests: ne
 # a long prefill falls by this factor); decode steps use decode_attention.py.
 PREFILL_ROWS_PER_TILE = 4
 SHARED_BUDGET_BYTES = 45_000  # under the 48 KiB static shared-memory limit per block
+MERGE_UNROLL = 8  # chunk partials a merge thread loads before adding any
+MAX_MERGE_CHUNKS = 64  # deepest split scratch the merge takes (the plan's decode_kv_splits is at most 32)
 
 
 def default_block_keys(head_dim: int, packed_rows: int, rows_per_tile: int) -> int:
@@ -284,7 +286,13 @@ def build_paged_attention(
     @cuda.jit
     def merge_kernel(partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows, out):
         """Grid (T, Hq), threads over D: out[t, h] = sum_c w_c partial_out[t, c, h] for split rows,
-        w_c = exp(lse_c - max lse) / sum. Rows with one chunk were written by split_kernel."""
+        w_c = exp(lse_c - max lse) / sum. Rows with one chunk were written by split_kernel.
+
+        Latency-bound at decode sizes, so the loads go out together: the row's log-sum-exps in one
+        round into shared memory, then MERGE_UNROLL chunks of a thread's partials before it adds any
+        (a loop that adds as it loads waits a memory round trip per chunk). Sums run in chunk order."""
+        lse_sh = cuda.shared.array(MAX_MERGE_CHUNKS, float32)
+        values = cuda.local.array(MERGE_UNROLL, float32)
         t = cuda.blockIdx.x
         head = cuda.blockIdx.y
         if t >= int32(total_num_rows[0]):
@@ -292,16 +300,23 @@ def build_paged_attention(
         num_chunks = min(positions[t] // kv_chunk_size[batch_indices[t]] + 1, partial_out.shape[1])
         if num_chunks <= 1:
             return
+        for c in range(cuda.threadIdx.x, num_chunks, cuda.blockDim.x):
+            lse_sh[c] = partial_lse[t, c, head]
+        cuda.syncthreads()
         top = NEG_INF
         for c in range(num_chunks):
-            top = max(top, partial_lse[t, c, head])
+            top = max(top, lse_sh[c])
         weight_sum = float32(0.0)
         for c in range(num_chunks):
-            weight_sum += float32(math.exp(partial_lse[t, c, head] - top))
+            weight_sum += float32(math.exp(lse_sh[c] - top))
         for d in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
             total = float32(0.0)
-            for c in range(num_chunks):
-                total += float32(math.exp(partial_lse[t, c, head] - top)) * partial_out[t, c, head, d]
+            for c0 in range(0, num_chunks, MERGE_UNROLL):
+                for u in range(MERGE_UNROLL):  # clamped: a valid address; only chunks < num_chunks are added
+                    values[u] = partial_out[t, min(c0 + u, num_chunks - 1), head, d]
+                for u in range(MERGE_UNROLL):
+                    if c0 + u < num_chunks:
+                        total += float32(math.exp(lse_sh[c0 + u] - top)) * values[u]
             out[t, head, d] = store(total / weight_sum)
 
     return direct_kernel, split_kernel, merge_kernel
@@ -451,6 +466,17 @@ class PagedAttention:
             self.direct[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, scale32)
             return
         self.split[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, partial_out, partial_lse, scale32)
+        self.merge_splits(partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows, out,
+                          stream)
+
+    def merge_splits(self, partial_out: Any, partial_lse: Any, batch_indices: Any, positions: Any,
+                     kv_chunk_size: Any, total_num_rows: Any, out: Any, stream: Any = 0) -> None:
+        """Combine split rows' partials into ``out [T, Hq, D]`` (one launch, grid T x Hq); the split
+        kernel wrote rows of one chunk straight to ``out``."""
+        num_rows, num_q_heads = out.shape[0], out.shape[1]
+        if partial_out.shape[1] > MAX_MERGE_CHUNKS:
+            raise ValueError(f"attention merge: split scratch of {partial_out.shape[1]} kv chunks, the merge takes "
+                             f"at most {MAX_MERGE_CHUNKS}")
         self.merge[(num_rows, num_q_heads), threads_for(self.head_dim), stream](
             partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows, out
         )

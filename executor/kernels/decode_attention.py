@@ -49,7 +49,7 @@ import numpy as np
 from executor.kernels.attention import NEG_INF, PagedAttention, build_kv_staging, check_heads
 from executor.kernels.codec import Codec
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS, Kernel
-from executor.kernels.reduce import build_group_sum, threads_for
+from executor.kernels.reduce import build_group_sum
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda, simulator_enabled
 
@@ -341,7 +341,7 @@ class DecodeAttention:
                           positions, request_indices, qo_tile_indices, kv_tile_indices, kv_chunk_size,
                           total_num_rows, out, scale, partial_out, partial_lse, stream=stream)
             return
-        num_rows, num_q_heads, num_kv_heads = check_heads("decode_attention", out, k_cache, self.head_dim,
+        num_rows, _, num_kv_heads = check_heads("decode_attention", out, k_cache, self.head_dim,
                                                           self.group_size)
         num_tiles = request_indices.shape[0]
         if num_tiles == 0 or num_rows == 0:
@@ -354,6 +354,5 @@ class DecodeAttention:
             direct[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, scale32)
             return
         split[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, partial_out, partial_lse, scale32)
-        self.fallback.merge[(num_rows, num_q_heads), threads_for(self.head_dim), stream](
-            partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows, out
-        )
+        self.fallback.merge_splits(partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows,
+                                   out, stream)
