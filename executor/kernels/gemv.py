@@ -31,10 +31,13 @@ gate_up 24576 x 4096 47.6 (48.3), down 4096 x 12288 25.0 (28.6), with one row a 
 lane, 4 warps a block, 4 blocks an SM (94 registers); two rows x 4 chunks ran within 0.5 us of it.
 At batch 4 the same kernels were slower than cuBLAS on three of the four shapes (122 registers), so
 the plan keeps them to small batches (capacity ``decode_gemv_batch``). In a batch-1 Qwen3-8B decode
-graph (profiled): gate_up + SwiGLU 51.0 us, down + residual 24.8, qkv + RMSNorm 18.3 (the prologue
-costs about what a separate norm launch did), o_proj + residual 9.8; the step 5.215 ms against 6.194
-with cuBLAS projections (bench/decode.py, docs/benchmarks.md). Loading a group's first weights before
-the prologue and during the previous group's lane sums measured slower (down 27.1 us, o_proj 10.9).
+graph (profiled): gate_up + SwiGLU 49.3 us, down + residual 24.5, qkv + RMSNorm 16.4, o_proj +
+residual 9.5. The prologue's loads all go out before any is used (a thread's hidden and norm-weight
+chunks, one memory round trip a row): loading and using a chunk at a time, it cost qkv 18.2 us and
+gate_up 51.1 in the same run. Loading a group's first weights before the prologue and during the
+previous group's lane sums measured slower (down 27.1 us, o_proj 10.9). A launch sweep at batch 1
+(2026-11-30) found qkv at 16.4-16.5 us with 8 or 16 warps a block (17.3 at 4 x 4, distinct weight
+copies) and gate_up within 0.5 us across shapes; the defaults stay.
 """
 
 from __future__ import annotations
