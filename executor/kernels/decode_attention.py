@@ -42,7 +42,7 @@ kernel: its vector accesses and reductions are emulated (vector.py, reduce.py).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -90,9 +90,11 @@ def min_blocks_per_sm(codec: Codec, head_dim: int, group_size: int) -> int | Non
 
 
 def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads: int,
-                           round_keys: int = ROUND_KEYS, blocks_per_sm: int | None = None) -> tuple[Any, Any]:
+                           round_keys: int = ROUND_KEYS, blocks_per_sm: int | None = None,
+                           unroll_keys: int = UNROLL_KEYS) -> tuple[Any, Any]:
     """(direct kernel, split kernel) for one codec and head shape; D, G and NT size registers and shared memory.
-    ``blocks_per_sm``: the launch bound (None: none).
+    ``blocks_per_sm``: the launch bound (None: none); ``unroll_keys``: keys a lane group loads before
+    using any.
 
     Direct: ``(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
     request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale)``, every tile
@@ -112,7 +114,7 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     KPP = NT // L  # keys in flight per pass: one per lane group
     LANE_ELEMENTS = CPL * E  # elements of a row a lane owns
     ACC = G * LANE_ELEMENTS  # q and accumulator registers per lane (constant extents)
-    U = UNROLL_KEYS
+    U = unroll_keys
     BUFFER_WORDS = U * CPL * VECTOR_WORDS
     SCORES = U * G  # a batch's scores, one per key and head
     GROUP_STATES = KPP * G  # (max, sum) of every lane group and head, where the groups meet
@@ -303,10 +305,16 @@ class DecodeAttention:
     Same arguments as ``PagedAttention.__call__`` (rows_per_tile 1). ``fallback`` is the step's
     general attention launcher: it runs calls this kernel cannot (unaligned cache rows, a row that
     no power-of-two lane group splits evenly), and its merge kernel combines split tiles.
+
+    The launch configuration defaults to the measured one (module docstring; bench/launch_sweep.py
+    sweeps it): ``threads`` a block, ``round_keys`` page ids staged a round, ``unroll_keys`` keys a
+    lane group loads before using any, ``blocks_per_sm`` the launch bound ("auto":
+    ``min_blocks_per_sm``'s rule, None: no bound).
     """
 
     def __init__(self, codec: Codec, head_dim: int, group_size: int, fallback: PagedAttention, *,
-                 threads: int | None = None, round_keys: int = ROUND_KEYS):
+                 threads: int | None = None, round_keys: int = ROUND_KEYS, unroll_keys: int = UNROLL_KEYS,
+                 blocks_per_sm: int | None | Literal["auto"] = "auto"):
         self.head_dim, self.group_size, self.fallback = head_dim, group_size, fallback
         self.threads = threads or (32 if simulator_enabled() else 128)
         self.kernels: tuple[Kernel, Kernel] | None = None
@@ -317,8 +325,9 @@ class DecodeAttention:
                 raise ValueError(f"decode attention: D={head_dim}, G={group_size}, {self.threads} threads, "
                                  f"rounds of {round_keys} keys need {needed} bytes of shared memory, "
                                  f"limit {SHARED_LIMIT_BYTES}")
+            bound = min_blocks_per_sm(codec, head_dim, group_size) if blocks_per_sm == "auto" else blocks_per_sm
             direct, split = build_decode_attention(codec, head_dim, group_size, self.threads, round_keys,
-                                                   blocks_per_sm=min_blocks_per_sm(codec, head_dim, group_size))
+                                                   blocks_per_sm=bound, unroll_keys=unroll_keys)
             self.kernels = (Kernel(direct), Kernel(split))
 
     def uses_vector(self, k_cache: Any, v_cache: Any) -> bool:

@@ -216,15 +216,16 @@ class Gemv:
 
     Kernels compile per (epilogue, batch, in_features) on first use (the eager warm-up before graph
     capture). Arguments are the plan's contiguous, 16-byte-aligned views; the launchers check shapes
-    and alignment (a size mismatch is the caller's bug, not a config error).
+    and alignment (a size mismatch is the caller's bug, not a config error). ``warps`` a block and
+    ``blocks_per_sm`` (grid and launch bound) default to the sweep's pick (bench/launch_sweep.py).
     """
 
     def __init__(self, codec: Codec, round_before_weight: bool, blocks_per_sm: int = GEMV_BLOCKS_PER_SM,
-                 row_threads: int | None = None) -> None:
+                 row_threads: int | None = None, warps: int = GEMV_WARPS) -> None:
         self.codec, self.round_before_weight = codec, round_before_weight
         simulated = simulator_enabled()
         self.row_threads = row_threads or (SIM_ROW_THREADS if simulated else WARP_THREADS)
-        self.threads = WARP_THREADS if simulated else GEMV_WARPS * WARP_THREADS
+        self.threads = WARP_THREADS if simulated else warps * WARP_THREADS
         self.teams = self.threads // self.row_threads  # row groups a block works on at once
         self.blocks_per_sm = blocks_per_sm
         self.num_sms = multiprocessor_count()
