@@ -350,8 +350,7 @@ class DecodeAttention:
                           positions, request_indices, qo_tile_indices, kv_tile_indices, kv_chunk_size,
                           total_num_rows, out, scale, partial_out, partial_lse, stream=stream)
             return
-        num_rows, _, num_kv_heads = check_heads("decode_attention", out, k_cache, self.head_dim,
-                                                          self.group_size)
+        num_rows, _, num_kv_heads = check_heads("decode_attention", out, k_cache, self.head_dim, self.group_size)
         num_tiles = request_indices.shape[0]
         if num_tiles == 0 or num_rows == 0:
             return
