@@ -162,6 +162,21 @@ def test_plan_tiles_writes_capacity_buffers_and_checks_them():
         plan_tiles([0, 3], [2])  # more rows than kv tokens
 
 
+def test_merge_rejects_a_deeper_split_scratch_than_it_weighs():
+    """The merge stages a row's log-sum-exps in shared memory of MAX_MERGE_CHUNKS; a deeper scratch is
+    an error that names both depths, before any launch."""
+    from executor.kernels.attention import MAX_MERGE_CHUNKS
+
+    attention = PagedAttention(build_codec("float32"), HEAD_DIM, 2, threads=32)
+    depth = MAX_MERGE_CHUNKS + 1
+    partial_out = np.zeros((1, depth, 4, HEAD_DIM), np.float32)
+    partial_lse = np.zeros((1, depth, 4), np.float32)
+    ints = np.zeros(1, np.int32)
+    with pytest.raises(ValueError, match=f"{depth} kv chunks.*at most {MAX_MERGE_CHUNKS}"):
+        attention.merge_splits(partial_out, partial_lse, ints, ints, np.ones(1, np.int32), np.ones(1, np.uint32),
+                               np.zeros((1, 4, HEAD_DIM), np.float32))
+
+
 def test_compiles_for_sm90():
     """PTX for sm_90, both codecs, real tile shapes (also checks real-GPU compilation on CPU machines)."""
     compile_for_sm90(
