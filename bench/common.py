@@ -265,14 +265,15 @@ def graph_used(model: DecoderModel, batch: int) -> str:
 
 def decode_chunks(plan: MemoryPlan, batch: int, context: int, token_ids: Sequence[int]) -> list[RequestChunk]:
     """One decode token per request over ``context`` cached tokens. Request r owns pages
-    1 + r * pages_per_request ... (page 0 is padding) and, for Qwen3.5, recurrent slot r.
+    1 + r * pages_per_request ... (page 0 is padding) and, for Qwen3.5, recurrent slot r; its page
+    table key is r (plan_step's PageTables, as the engine keys its requests).
     The KV contents stay whatever the pages hold: timing does not depend on them."""
     from executor.step import RequestChunk
 
     per_request = plan.capacity.pages_per_request
     recurrent = plan.geometry.num_linear_layers > 0
     return [RequestChunk([int(token_ids[r])], context, list(range(1 + r * per_request, 1 + (r + 1) * per_request)),
-                         slot=r if recurrent else -1)
+                         slot=r if recurrent else -1, page_table_key=r)
             for r in range(batch)]
 
 

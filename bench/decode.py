@@ -7,8 +7,9 @@
 Random bf16 weights of the real shapes. A cell (batch B, context C) is one decode step of B requests, each
 with C tokens already cached and one new token:
 
-- memplan: ``model.step(plan_step(plan, chunks))`` (host metadata included), after
-  ``capture_decode_graphs()`` when the executor has it; median of ``--repeats`` steps after ``--warmup``.
+- memplan: ``model.step(plan_step(plan, chunks, page_tables))`` (host metadata included, page tables
+  kept across steps as the engine keeps them), after ``capture_decode_graphs()`` when the executor has
+  it; median of ``--repeats`` steps after ``--warmup``.
   Request r uses KV pages 1 + r * pages_per_request ... and recurrent slot r (reset once per cell); the
   KV pool is zeroed once (its contents do not change the work).
 - HF eager (SDPA): one forward of B new tokens over a DynamicCache holding C tokens per request, the cache
@@ -102,18 +103,20 @@ def decode_step_bytes(plan: MemoryPlan, batch: int, context: int) -> StepBytes:
 
 def time_memplan(model: DecoderModel, cell: Cell, args: argparse.Namespace, rng: np.random.Generator) -> None:
     """memplan's TPOT (the whole step: host metadata, copy-in, forward, sampling) and plan_step's host share."""
+    from executor.page_tables import PageTables
     from executor.step import plan_step
 
     plan = model.arena.plan
     chunks = decode_chunks(plan, cell.batch, cell.context, rng.integers(0, plan.model.vocab_size, cell.batch))
+    page_tables = PageTables()
     reset_slots(model, cell.batch)
-    samples = sample_ms(lambda: model.step(plan_step(plan, chunks)), model.device.torch_device,
+    samples = sample_ms(lambda: model.step(plan_step(plan, chunks, page_tables)), model.device.torch_device,
                         warmup=args.warmup, repeats=args.repeats)
     cell.memplan_ms = median(samples)
     host_ms = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        plan_step(plan, chunks)
+        plan_step(plan, chunks, page_tables)
         host_ms.append((time.perf_counter() - start) * 1e3)
     cell.plan_step_ms = median(host_ms)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from executor.models.decoder import DecoderModel
+from executor.page_tables import PageTables
 from executor.scheduler import Request, Scheduler, SchedulerStats, StepChunk
 from executor.step import RequestChunk, plan_step
 
@@ -80,6 +81,7 @@ class Engine:
         self.prefix_caching = prefix_caching and not recurrent
         self.model, self.plan = model, plan
         self.scheduler = Scheduler(plan.capacity, prefix_caching=self.prefix_caching, has_recurrent_state=recurrent)
+        self.page_tables = PageTables()  # the running requests' page lists as arrays, extended step by step
 
     def run(self, requests: Sequence[Request], arrival_steps: Sequence[int] | None = None,
             on_step: Callable[[int], None] | None = None) -> EngineReport:
@@ -103,7 +105,7 @@ class Engine:
             for slot in step.fresh_slots:
                 self.model.reset_slot(slot)
             chunks = [_request_chunk(chunk, by_id[chunk.request_id]) for chunk in step.chunks]
-            sampled = self.model.step(plan_step(self.plan, chunks)).tolist()
+            sampled = self.model.step(plan_step(self.plan, chunks, self.page_tables)).tolist()
             now = time.perf_counter() - start
             for chunk, token in zip(step.chunks, sampled):
                 if chunk.sample:
@@ -155,9 +157,10 @@ def warm_up(model: DecoderModel) -> None:
 
 def _request_chunk(chunk: StepChunk, request: Request) -> RequestChunk:
     """The scheduler's chunk with the request's sampling parameters; the RNG counter is the
-    index of the token being sampled, so a request's tokens do not depend on its batch."""
+    index of the token being sampled, so a request's tokens do not depend on its batch. Its page
+    list is keyed by admission: it only grows until the request is released."""
     return RequestChunk(chunk.token_ids, chunk.num_cached, chunk.page_ids, chunk.slot, request.temperature,
-                        request.top_k, request.seed, len(request.output_ids))
+                        request.top_k, request.seed, len(request.output_ids), page_table_key=request.admission)
 
 
 def _allocation_count(model: DecoderModel) -> int | None:

@@ -116,6 +116,8 @@ class Request:
     num_preemptions: int = field(default=0, init=False)
     num_prefix_hit_tokens: int = field(default=0, init=False)  # over all admissions
     prefill_target: int = field(default=0, init=False)  # len(all_ids) at its last admission
+    admission: int = field(default=-1, init=False)  # the scheduler's count of admissions when last admitted:
+    # names its current page list, which only grows until it is released (executor.page_tables)
 
     def __post_init__(self) -> None:
         self.prompt_ids = tuple(int(t) for t in self.prompt_ids)
@@ -447,6 +449,7 @@ class Scheduler:
                 request.slot = heapq.heappop(self._free_slots)
             request.state = RequestState.RUNNING
             self.running.append(request)
+            request.admission = self._admitted
             self._admitted += 1
             prefill.append((request, count))
             budget -= count

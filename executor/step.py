@@ -11,7 +11,7 @@ planned buffers' leading rows: no allocation on the device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice
 
@@ -20,6 +20,7 @@ import torch
 
 from executor.arena import Arena
 from executor.kernels.attention import NO_SPLIT_CHUNK, PREFILL_ROWS_PER_TILE, plan_decode_tiles, plan_tiles
+from executor.page_tables import PageTables
 from planner.capacity import MIN_KV_CHUNK_TOKENS
 from planner.layout import Buffer, Pool
 from planner.plan import MemoryPlan
@@ -46,6 +47,8 @@ class RequestChunk:
     slot        recurrent-state slot (Qwen3.5), -1 for none
     temperature, top_k, seed   sampling parameters (temperature <= 0: greedy)
     sample_step index of the token this step samples for the request (the RNG counter)
+    page_table_key  names page_ids in plan_step's PageTables (it only grows under one key); None:
+                converted from page_ids every step
     """
 
     token_ids: Sequence[int]
@@ -56,6 +59,7 @@ class RequestChunk:
     top_k: int = 0
     seed: int = 0
     sample_step: int = 0
+    page_table_key: Hashable | None = None
 
 
 @dataclass(frozen=True)
@@ -113,8 +117,11 @@ class StepMetadata:
         return int(self.request_indices.shape[0])
 
 
-def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk]) -> StepMetadata:
-    """Host metadata of a step; raises CapacityError naming the first exceeded dimension."""
+def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk], page_tables: PageTables | None = None) -> StepMetadata:
+    """Host metadata of a step; raises CapacityError naming the first exceeded dimension.
+
+    ``page_tables``: the caller's PageTables, used for the page lists when every chunk names its
+    ``page_table_key`` (the engine's; a step's tables are then copied, not converted)."""
     cap = plan.capacity
     page_size = cap.page_size
     _check("batch", len(chunks), cap.max_batch)
@@ -129,17 +136,16 @@ def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk]) -> StepMetadata:
         longest = int(kv_lens.argmax())
         _check("context", int(kv_lens[longest]), cap.max_context, f"request {longest}")
     pages_needed = -(-kv_lens // page_size)
+    pages_list = pages_needed.tolist()
     for index, chunk in enumerate(chunks):
-        if len(chunk.page_ids) < pages_needed[index]:
+        if len(chunk.page_ids) < pages_list[index]:
             raise ValueError(
-                f"request {index}: {int(kv_lens[index])} tokens need {int(pages_needed[index])} pages, "
+                f"request {index}: {int(kv_lens[index])} tokens need {pages_list[index]} pages, "
                 f"its page table lists {len(chunk.page_ids)}"
             )
     num_pages = int(pages_needed.sum())
     _check("page_indices", num_pages, cap.logical_pages)
-    # One pass over the Python lists (a conversion per request cost ~13 us each at 257 pages).
-    tables = (islice(c.page_ids, n) for c, n in zip(chunks, pages_needed.tolist()))
-    page_indices = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=num_pages)
+    page_indices = _page_indices(chunks, pages_list, num_pages, page_tables)
     if page_indices.size and (page_indices.min() < 1 or page_indices.max() >= cap.kv_pages):
         bad = int(page_indices.max() if page_indices.max() >= cap.kv_pages else page_indices.min())
         raise CapacityError("kv_pages", bad + 1, cap.kv_pages, "page ids must lie in 1..kv_pages-1; 0 is padding")
@@ -418,6 +424,18 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             merged.append((start, end))
     return merged
+
+
+def _page_indices(chunks: Sequence[RequestChunk], pages_needed: list[int], num_pages: int,
+                  page_tables: PageTables | None) -> np.ndarray:
+    """The step's page tables, concatenated [num_pages]."""
+    if page_tables is not None and all(c.page_table_key is not None for c in chunks):
+        tables = [page_tables.table(c.page_table_key, c.page_ids, n) for c, n in zip(chunks, pages_needed)]
+        page_tables.end_step()
+        return np.concatenate(tables) if tables else np.empty(0, np.int32)
+    # One pass over the Python lists (a conversion per request cost ~13 us each at 257 pages).
+    tables = (islice(c.page_ids, n) for c, n in zip(chunks, pages_needed))
+    return np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=num_pages)
 
 
 def _check(dimension: str, required: int, capacity: int, detail: str = "") -> None:
