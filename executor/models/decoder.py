@@ -23,7 +23,8 @@ from executor.models.context import StepViews, bucket_views, step_views
 from executor.models.graphs import DecodeGraphs
 from executor.models.kernels import Kernels, NormStyle
 from executor.models.projections import GemmProjections, GemvProjections, Projections
-from executor.step import StepMetadata, StepWriter, decode_tiles, pad_decode
+from executor.step import StepMetadata, decode_tiles, pad_decode
+from executor.step_writer import StepWriter
 
 Block = Callable[[StepViews], None]
 #: A model's mixer of layer ``index`` (attention or linear attention) on the given projections.

@@ -19,7 +19,8 @@ import torch
 
 from executor.arena import Arena
 from executor.models.context import StepViews, bucket_views
-from executor.step import StepMetadata, StepWriter, decode_tiles, pad_decode, plan_step
+from executor.step import StepMetadata, decode_tiles, pad_decode, plan_step
+from executor.step_writer import StepWriter
 
 Forward = Callable[[StepViews], None]
 

@@ -7,7 +7,8 @@ import torch
 
 from executor.arena import materialize
 from executor.device import open_device
-from executor.step import CapacityError, RequestChunk, StepWriter, plan_step
+from executor.step import CapacityError, RequestChunk, plan_step
+from executor.step_writer import StepWriter
 from planner.loader import load_hardware, load_model, load_serving
 from planner.plan import build_plan
 
