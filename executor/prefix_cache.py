@@ -154,17 +154,22 @@ class PrefixCache:
         return pages
 
     # ------------------------------------------------------------------ insert
-    def insert(self, token_ids: Sequence[int], page_ids: Sequence[int], chain: CacheChain | None = None) -> CacheChain:
-        """Register the full pages of ``token_ids`` held in ``page_ids`` (their KV is written).
+    def insert(self, token_ids: Sequence[int], page_ids: Sequence[int], chain: CacheChain | None = None,
+               num_tokens: int | None = None) -> CacheChain:
+        """Register the full pages of ``token_ids[:num_tokens]`` (all of them by default) held in
+        ``page_ids`` (their KV is written).
 
         Pages already registered (a matched prefix) are walked over; a page whose
         content is cached under another physical page is left unregistered. With
         ``chain`` (returned by the previous call for the same request) only the
         pages after ``chain.num_pages`` are hashed. Returns the updated chain.
+        ``num_tokens`` spares the caller a copy of a long token list: only the new
+        pages' tokens are read.
         """
         chain = CacheChain() if chain is None else chain
         size = self.page_size
-        full = min(len(token_ids) // size, len(page_ids))
+        count = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
+        full = min(count // size, len(page_ids))
         for index in range(chain.num_pages, full):
             tokens = tuple(token_ids[index * size:(index + 1) * size])
             key = self._hash(chain.key, tokens)

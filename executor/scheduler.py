@@ -493,7 +493,7 @@ class Scheduler:
             if cache is not None:
                 done = request._chain.num_pages if request._chain is not None else 0
                 if request.num_cached // size > done:
-                    request._chain = cache.insert(request._all[:request.num_cached], request.page_ids, request._chain)
+                    request._chain = cache.insert(request._all, request.page_ids, request._chain, request.num_cached)
             if reason is not None:
                 self._finish(request, reason)
                 finished.append(request)

@@ -188,6 +188,18 @@ def test_insert_is_incremental_with_the_returned_chain():
     assert cache.lookup(ids) == pages
 
 
+def test_insert_reads_only_the_first_num_tokens():
+    """The scheduler passes a request's whole token list and its cached count: the same pages are
+    registered as for the list cut to that count, and none past it."""
+    allocator, cache = _cache()
+    ids = list(range(16))
+    pages = allocator.allocate(4)
+    chain = cache.insert(ids, pages, num_tokens=9)
+    assert chain.num_pages == 2 and cache.lookup(ids) == pages[:2]
+    chain = cache.insert(ids, pages, chain, num_tokens=16)
+    assert chain.num_pages == 4 and cache.lookup(ids) == pages
+
+
 def test_insert_refuses_pages_the_caller_does_not_hold():
     allocator, cache = _cache()
     with pytest.raises(ValueError):
