@@ -47,7 +47,7 @@ def time_cell(model_name: str, batch: int, context: int, repeats: int) -> dict[s
     while (step := scheduler.schedule()).num_prefill_tokens:  # prefill on the host only: no model
         scheduler.update(step, [0] * step.num_requests)
     scheduler.update(step, [0] * step.num_requests)
-    bucket = min(b for b in plan.serving.decode_graph_batch_sizes if b >= batch)
+    bucket = min((b for b in plan.serving.decode_graph_batch_sizes if b >= batch), default=None)  # None: eager
     tables = PageTables()
     samples: dict[str, list[float]] = {part: [] for part in PARTS}
     for _ in range(repeats):
@@ -62,7 +62,8 @@ def time_cell(model_name: str, batch: int, context: int, repeats: int) -> dict[s
         marks.append(time.perf_counter())
         meta = plan_step(plan, chunks, tables)
         marks.append(time.perf_counter())
-        pad_decode(plan, meta, bucket)
+        if bucket is not None:
+            pad_decode(plan, meta, bucket)
         marks.append(time.perf_counter())
         scheduler.update(step, [0] * step.num_requests)
         marks.append(time.perf_counter())
