@@ -9,8 +9,9 @@ replaced only by a new admission), so a table kept per admission converts each p
 step then converts the few pages appended since the last one and concatenates arrays.
 
 The caller names each table with a key that changes whenever the list may have been replaced:
-the engine uses ``(request_id, num_preemptions)``, since a request is readmitted only after a
-preemption. Tables a step did not use are dropped at the next ``end_step``.
+the engine uses the scheduler's ``Request.admission`` stamp, unique to each admission (a
+preempted request is readmitted with a new page list and a new stamp). Tables a step did not use
+are dropped by that step's ``end_step``.
 """
 
 from __future__ import annotations
@@ -35,19 +36,16 @@ class PageTables:
         call for ``key``). ``page_ids`` must extend what this key held before; checked cheaply (the
         last page held must be unchanged), since a wrong key is a caller bug, not bad input."""
         entry = self._tables.get(key)
-        storage, filled = entry if entry is not None else (np.empty(max(count, 1), np.int32), 0)
+        storage, filled = entry if entry is not None else (np.empty(0, np.int32), 0)
         total = len(page_ids)
         assert filled <= total and (filled == 0 or page_ids[filled - 1] == storage[filled - 1]), (
             f"page table {key!r} shrank or changed: the key must change when the list is replaced")
-        if total > filled:
-            if total > storage.shape[0]:
-                grown = np.empty(max(total, 2 * storage.shape[0]), np.int32)
-                grown[:filled] = storage[:filled]
-                storage = grown
-            storage[filled:total] = page_ids[filled:total]
-            self._tables[key] = (storage, total)
-        elif key not in self._tables:
-            self._tables[key] = (storage, filled)
+        if total > storage.shape[0]:
+            grown = np.empty(max(total, 2 * storage.shape[0]), np.int32)
+            grown[:filled] = storage[:filled]
+            storage = grown
+        storage[filled:total] = page_ids[filled:total]
+        self._tables[key] = (storage, total)
         self._used.add(key)
         return storage[:count]
 

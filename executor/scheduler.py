@@ -116,8 +116,9 @@ class Request:
     num_preemptions: int = field(default=0, init=False)
     num_prefix_hit_tokens: int = field(default=0, init=False)  # over all admissions
     prefill_target: int = field(default=0, init=False)  # len(all_ids) at its last admission
-    admission: int = field(default=-1, init=False)  # the scheduler's count of admissions when last admitted:
-    # names its current page list, which only grows until it is released (executor.page_tables)
+    # The scheduler's count of admissions when this request was last admitted: it names the current
+    # page list, which only grows until the request is released (executor.page_tables).
+    admission: int = field(default=-1, init=False)
 
     def __post_init__(self) -> None:
         self.prompt_ids = tuple(int(t) for t in self.prompt_ids)

@@ -42,6 +42,7 @@ from executor.kernels.codec import Codec
 from executor.kernels.launch import Kernel
 from executor.kernels.reduce import threads_for
 from executor.numba_cuda import load_cuda
+from planner.capacity import MAX_DECODE_KV_SPLITS
 
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
@@ -53,7 +54,7 @@ NO_SPLIT_CHUNK = np.iinfo(np.int32).max  # kv_chunk_size of padding requests: ne
 PREFILL_ROWS_PER_TILE = 4
 SHARED_BUDGET_BYTES = 45_000  # under the 48 KiB static shared-memory limit per block
 MERGE_UNROLL = 8  # chunk partials a merge thread loads before adding any
-MAX_MERGE_CHUNKS = 64  # deepest split scratch the merge takes (the plan's decode_kv_splits is at most 32)
+MAX_MERGE_CHUNKS = MAX_DECODE_KV_SPLITS  # deepest split scratch the merge takes: the plan's decode_kv_splits bound
 
 
 def default_block_keys(head_dim: int, packed_rows: int, rows_per_tile: int) -> int:

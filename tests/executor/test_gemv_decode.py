@@ -9,7 +9,7 @@ import torch
 from tests.executor.harness import decode_state, greedy_decode, load_tiny, prefilled_requests
 
 
-def test_gemv_decode_equals_gemmgreedy_decode():
+def test_gemv_decode_equals_gemm_decode():
     """Qwen3.5's blocks cover every GEMV use (qkv, in_proj, gate_up normalize; o_proj, out_proj, down add;
     the zero-centred norm); test_gemv.py runs Qwen3's norm rounding. One decode step: the simulator
     multiplies every weight element in Python."""
