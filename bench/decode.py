@@ -45,7 +45,6 @@ from bench.common import (  # noqa: E402
     int_list, kv_token_bytes, log, markdown_table, median, open_bench_device, recurrent_slot_bytes, reset_slots,
     resolve_plan_arguments, run_info, sample_ms, sized_plan,
 )
-from planner.cli import boolean_flag  # noqa: E402
 
 if TYPE_CHECKING:
     import numpy as np
@@ -153,9 +152,6 @@ def benchmark_plan(model_name: str, args: argparse.Namespace, max_batch: int, ma
     gemv_batch = getattr(args, "decode_gemv_max_batch", None)  # bench/memory.py's arguments have none
     if gemv_batch is not None:
         overrides["decode_gemv_max_batch"] = gemv_batch
-    weight_prefetch = getattr(args, "decode_weight_prefetch", None)
-    if weight_prefetch is not None:
-        overrides["decode_weight_prefetch"] = weight_prefetch
     return sized_plan(model_name, args.hardware, args.serving, overrides, num_requests=max_batch,
                       utilization=args.gpu_memory_utilization)
 
@@ -302,8 +298,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--copy-gib", type=float, default=2.0, help="size of each buffer of the bandwidth copy")
     parser.add_argument("--decode-gemv-max-batch", type=int, default=None,
                         help="serving decode_gemv_max_batch (default: the serving config's; 0: cuBLAS at every batch)")
-    parser.add_argument("--decode-weight-prefetch", type=boolean_flag, default=None,
-                        help="serving decode_weight_prefetch, true or false (default: the serving config's)")
     add_plan_arguments(parser, "default: the smallest that holds max batch x max context",
                        "tiny configs (tiny-qwen3, tiny-qwen3.5) in the simulator, B 1,2, C 8, HF on CPU "
                        "(the compiled cell B 1 C 8 with dynamo's eager backend)")

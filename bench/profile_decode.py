@@ -29,7 +29,6 @@ if str(ROOT) not in sys.path:  # `python3 bench/profile_decode.py` puts bench/ f
     sys.path.insert(0, str(ROOT))
 
 from bench.common import build_memplan, decode_chunks, open_bench_device, reset_slots, sized_plan  # noqa: E402
-from planner.cli import boolean_flag  # noqa: E402
 
 PROFILED_REPLAYS = 5
 TIMED = 30
@@ -43,7 +42,6 @@ def main() -> None:
     parser.add_argument("--hardware", default="h200")
     parser.add_argument("--serving", default="default")
     parser.add_argument("--decode-gemv-max-batch", type=int, default=None, help="serving override")
-    parser.add_argument("--decode-weight-prefetch", type=boolean_flag, default=None, help="serving override: true or false")
     parser.add_argument("--top", type=int, default=25, help="kernel names listed")
     args = parser.parse_args()
     from executor.device import DeviceError
@@ -59,8 +57,6 @@ def main() -> None:
     overrides = {"max_batch": args.batch, "max_context": args.context + 1}
     if args.decode_gemv_max_batch is not None:
         overrides["decode_gemv_max_batch"] = args.decode_gemv_max_batch
-    if args.decode_weight_prefetch is not None:
-        overrides["decode_weight_prefetch"] = args.decode_weight_prefetch
     plan = sized_plan(args.model, args.hardware, args.serving, overrides, num_requests=args.batch)
     arena, model = build_memplan(plan, device, 0)
     arena.tensor("kv_cache", "kv_cache").zero_()

@@ -67,15 +67,11 @@ class Device:
         simulator)."""
         if self.is_sim:
             return 0
-        return self.numba_stream(torch.cuda.current_stream(self.torch_device))
-
-    def numba_stream(self, stream: torch.cuda.Stream) -> Any:
-        """The Numba handle of a torch CUDA stream, made once per stream."""
-        handle = stream.cuda_stream
-        numba_stream = self._numba_streams.get(handle)
-        if numba_stream is None:
-            numba_stream = self._numba_streams[handle] = load_cuda().external_stream(handle)
-        return numba_stream
+        handle = torch.cuda.current_stream(self.torch_device).cuda_stream
+        stream = self._numba_streams.get(handle)
+        if stream is None:
+            stream = self._numba_streams[handle] = load_cuda().external_stream(handle)
+        return stream
 
     def synchronize(self) -> None:
         if not self.is_sim:

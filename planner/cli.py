@@ -18,14 +18,6 @@ from planner.errors import ConfigError, PlanDoesNotFit
 
 EXIT_OK, EXIT_BAD_CONFIG, EXIT_DOES_NOT_FIT = 0, 2, 3
 
-def boolean_flag(text: str) -> bool:
-    """A boolean flag's value: true / false (as the YAML field is written), also on / off and 1 / 0."""
-    value = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}.get(text.lower())
-    if value is None:
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return value
-
-
 #: flag -> ServingConfig field; flags are named like vLLM's where they mean the same.
 SERVING_FLAGS = {
     "max_batch": ("--max-batch", "--max-num-seqs", int),
@@ -39,7 +31,6 @@ SERVING_FLAGS = {
     "gemm_attention_min_tokens": ("--gemm-attention-min-tokens", None, int),
     "prefill_attention": ("--prefill-attention", None, str),
     "decode_gemv_max_batch": ("--decode-gemv-max-batch", None, int),
-    "decode_weight_prefetch": ("--decode-weight-prefetch", None, boolean_flag),
 }
 
 

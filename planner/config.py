@@ -214,12 +214,6 @@ class ServingConfig(_Frozen):
         "capacity decode_gemv_batch says what applies: also capped by max_batch and by the normalized rows "
         "fitting a block's shared memory."
     )
-    decode_weight_prefetch: bool = Field(
-        True, description="In decode steps on the fused GEMV projections, prefetch each attention (or linear "
-        "attention) block's output projection weight into L2 on a side stream while the block's latency-bound "
-        "middle (q/k norm and RoPE, paged attention; conv and delta rule) leaves HBM idle. It only reads "
-        "weights: results are the same either way."
-    )
     decode_graph_batch_sizes: tuple[Annotated[int, Field(ge=1, le=1 << 16)], ...] = Field(
         (1, 2, 4, 8, 16, 32, 64), description="Batch buckets captured as decode CUDA graphs; each <= max_batch."
     )

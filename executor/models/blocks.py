@@ -31,7 +31,6 @@ class FullAttention:
         prefix = f"model.layers.{layer}.self_attn"
         self.qkv_weight = arena.tensor("weights", f"{prefix}.qkv_proj.weight")
         self.o_weight = arena.tensor("weights", f"{prefix}.o_proj.weight")
-        self.o_prefetch = proj.prefetch_handle(self.o_weight, f"{prefix}.o_proj.weight")
         self.q_norm = arena.tensor("weights", f"{prefix}.q_norm.weight")
         self.k_norm = arena.tensor("weights", f"{prefix}.k_norm.weight")
         kv = arena.tensor("kv_cache", "kv_cache")  # [pages, full layers, 2, S, Hkv, D]
@@ -55,7 +54,6 @@ class FullAttention:
         n, d = step.num_rows, self.head_dim
         qkv = step.role("qkv")
         self.proj.normed(step, self.qkv_weight, qkv)
-        self.proj.prefetch(step, self.o_prefetch)  # o_proj's weight into L2 while attention runs
         q_part = qkv[:, : self.q_rows]
         if self.output_gate:  # per head [q | gate]
             q_and_gate = q_part.view(n, self.q_heads, 2 * d)
@@ -111,7 +109,6 @@ class LinearAttention:
         slot = g.layer_slots[layer]
         self.in_weight = arena.tensor("weights", f"{prefix}.in_proj.weight")
         self.out_weight = arena.tensor("weights", f"{prefix}.out_proj.weight")
-        self.out_prefetch = proj.prefetch_handle(self.out_weight, f"{prefix}.out_proj.weight")
         conv = arena.tensor("weights", f"{prefix}.conv1d.weight")
         self.conv_weight = conv.view(conv.shape[0], conv.shape[2])
         self.a_log = arena.tensor("weights", f"{prefix}.A_log")
@@ -130,7 +127,6 @@ class LinearAttention:
         n = step.num_rows
         in_proj = step.role("in_proj")
         self.proj.normed(step, self.in_weight, in_proj)
-        self.proj.prefetch(step, self.out_prefetch)  # out_proj's weight into L2 while conv and delta rule run
         c, w, h = self.conv_dim, self.value_width, self.heads
         mixed, z = in_proj[:, :c], in_proj[:, c : c + w]
         b, gate_a = in_proj[:, c + w : c + w + h], in_proj[:, c + w + h :]

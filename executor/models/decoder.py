@@ -7,8 +7,7 @@ the fused add + RMSNorm kernel between blocks; ``normed`` is each block's input 
 each block's output (see planner.step_buffers for the stages and live ranges). GEMV layers
 (decode steps of at most the plan's ``decode_gemv_batch`` requests, graphs included): each
 block's first projection normalizes ``hidden`` and its last adds into it, so a layer is its two
-blocks and nothing between them; the mixer prefetches its last projection's weight into L2 while its
-middle runs (weight_prefetch.py, serving decode_weight_prefetch).
+blocks and nothing between them.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from executor.models.context import StepViews, bucket_views, step_views
 from executor.models.graphs import DecodeGraphs
 from executor.models.kernels import Kernels, NormStyle
 from executor.models.projections import GemmProjections, GemvProjections, Projections
-from executor.models.weight_prefetch import WeightPrefetch
 from executor.step import StepMetadata, decode_tiles, pad_decode
 from executor.step_writer import StepWriter
 
@@ -50,8 +48,6 @@ class DecoderModel:
         self.eps = arena.plan.model.rms_norm_eps
         num_layers, self.gemv_batch = arena.plan.geometry.num_layers, arena.plan.capacity.decode_gemv_batch
         gemm = GemmProjections(kernels)
-        self.weight_prefetch = (WeightPrefetch(self.device, kernels.l2_prefetch)
-                                if self.gemv_batch and arena.plan.serving.decode_weight_prefetch else None)
         self.layers = tuple(self._layer(i, build_mixer, gemm) for i in range(num_layers))
         self.gemv_layers = (tuple(self._layer(i, build_mixer, None) for i in range(num_layers))
                             if self.gemv_batch else ())
@@ -67,7 +63,7 @@ class DecoderModel:
         normalize with the layer's input and post-attention norm weights."""
         weight = lambda name: self.arena.tensor("weights", f"model.layers.{index}.{name}.weight")  # noqa: E731
         input_norm, post_norm = weight("input_layernorm"), weight("post_attention_layernorm")
-        mixer_proj = gemm or GemvProjections(self.kernels, input_norm, self.norm, self.eps, self.weight_prefetch)
+        mixer_proj = gemm or GemvProjections(self.kernels, input_norm, self.norm, self.eps)
         mlp_proj = gemm or GemvProjections(self.kernels, post_norm, self.norm, self.eps)
         return Layer(mixer=build_mixer(index, mixer_proj), mlp=Mlp(self.arena, mlp_proj, index),
                      input_norm=input_norm, post_norm=post_norm)

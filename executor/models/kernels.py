@@ -19,7 +19,6 @@ from executor.kernels.flash_attention import FlashAttention
 from executor.kernels.gated_norm import GatedRmsNorm
 from executor.kernels.gemv import Gemv
 from executor.kernels.gemm_attention import GatherKv
-from executor.kernels.l2_prefetch import L2Prefetch
 from executor.kernels.norm import AddRmsNormInplace, RmsNorm
 from executor.kernels.output_gate import SigmoidMulInplace
 from executor.kernels.qk_rope_kv import QkNormRopeWriteKv
@@ -55,7 +54,6 @@ class Kernels:
     output_gate: SigmoidMulInplace
     silu_mul: SiluMul
     gemv: Gemv  # small-batch decode projections with the norm, SwiGLU or residual add fused in
-    l2_prefetch: L2Prefetch  # GEMV decode: a block's last projection weight into L2 during its middle
     sample: Sample
     conv1d: CausalConv1d | None = None
     gdn_gates: GdnGates | None = None
@@ -96,7 +94,6 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle) ->
         output_gate=SigmoidMulInplace(codec),
         silu_mul=SiluMul(codec),
         gemv=Gemv(codec, norm.round_before_weight),
-        l2_prefetch=L2Prefetch(),
         sample=Sample(max_threads=32) if simulated else Sample(),
         **linear,
     )

@@ -4,9 +4,7 @@ A block (blocks.py) calls three projections and knows nothing else of the stream
 
 - ``normed(step, weight, out)``: ``out = RMSNorm(hidden) @ weight^T``, the block's first projection;
 - ``swiglu(step, gate_up_weight, act)``: the MLP's ``act = silu(normed @ gate^T) * (normed @ up^T)``;
-- ``residual(step, x, weight)``: the block's last projection, ``x @ weight^T``, added to ``hidden``;
-- ``prefetch(step, handle)``: warm the cache with the last projection's weight while the block's middle
-  runs (``handle`` from ``prefetch_handle(weight, name)``, made once; None: nothing to do).
+- ``residual(step, x, weight)``: the block's last projection, ``x @ weight^T``, added to ``hidden``.
 
 ``GemmProjections`` (any step): cuBLAS GEMMs. The decoder's add + RMSNorm kernel between blocks
 adds ``proj_out`` into ``hidden`` and writes ``normed``, so ``normed`` reads that buffer and
@@ -20,10 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from executor.kernels.l2_prefetch import L2Prefetch
 from executor.models.context import StepViews
 from executor.models.kernels import Kernels, NormStyle
-from executor.models.weight_prefetch import WeightPrefetch
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -48,21 +44,13 @@ class GemmProjections:
     def residual(self, step: StepViews, x: torch.Tensor, weight: torch.Tensor) -> None:
         gemm(x, weight, step.role("proj_out"))
 
-    def prefetch_handle(self, weight: torch.Tensor, name: str) -> None:
-        return None  # a GEMM step's middle is not idle on HBM: nothing to overlap
-
-    def prefetch(self, step: StepViews, handle: None) -> None:
-        pass
-
 
 class GemvProjections:
     """Fused GEMVs: normalize ``hidden`` with this block's norm weight, add the output into ``hidden``."""
 
-    def __init__(self, kernels: Kernels, norm_weight: torch.Tensor, norm: NormStyle, eps: float,
-                 weight_prefetch: WeightPrefetch | None = None):
+    def __init__(self, kernels: Kernels, norm_weight: torch.Tensor, norm: NormStyle, eps: float):
         self.gemv, self.norm_weight = kernels.gemv, norm_weight
         self.weight_offset, self.eps = norm.weight_offset, eps
-        self.weight_prefetch = weight_prefetch  # None: the plan does not prefetch (serving decode_weight_prefetch)
 
     def normed(self, step: StepViews, weight: torch.Tensor, out: torch.Tensor) -> None:
         self.gemv.norm_project(step.role("hidden"), self.norm_weight, self.eps, self.weight_offset, weight, out,
@@ -73,21 +61,7 @@ class GemvProjections:
                               act, stream=step.stream)
 
     def residual(self, step: StepViews, x: torch.Tensor, weight: torch.Tensor) -> None:
-        if self.weight_prefetch is not None:
-            self.weight_prefetch.join()
         self.gemv.project_add(x, weight, step.role("hidden"), stream=step.stream)
-
-    def prefetch_handle(self, weight: torch.Tensor, name: str) -> torch.Tensor | None:
-        """The uint8 [bytes] view of ``weight`` that ``prefetch`` takes, or None without prefetching."""
-        if self.weight_prefetch is None:
-            return None
-        view = weight.reshape(-1).view(torch.uint8)
-        L2Prefetch.check(view, name)
-        return view
-
-    def prefetch(self, step: StepViews, handle: torch.Tensor | None) -> None:
-        if handle is not None:
-            self.weight_prefetch.start(handle, step.stream)
 
 
 Projections = GemmProjections | GemvProjections
