@@ -1,18 +1,17 @@
 """Launch-configuration sweeps of the decode kernels whose defaults came from measurement (issue 6).
 
-    python3 bench/launch_sweep.py [--attention 128:4:4,256:4:2:0,...] [--gemv 4x4,16x1,...] [--out FILE]
+    python3 bench/launch_sweep.py [--attention 128:4:4,256:4:2,...] [--gemv 4x4,16x1,...] [--out FILE]
     python3 bench/launch_sweep.py --smoke     # tiny shapes in the Numba CUDA simulator (checks the script)
 
 - Decode attention (executor/kernels/decode_attention.py) at Qwen3-8B's heads (32 q / 8 kv heads of
-  128, bf16, shuffled pages of 16). Configuration ``NT:U:B[:P]``: NT threads a block, U keys a lane group
+  128, bf16, shuffled pages of 16). Configuration ``NT:U:B``: NT threads a block, U keys a lane group
   loads before using any, B the launch bound's blocks an SM ("none": no bound, "auto": the kernel's
-  rule), P the batches ahead a lane group prefetches into L2 (default: the kernel's; 0: none). Shapes (requests x cached tokens): unsplit ones, as bench/kernels.py times, get their K/V
+  rule). Shapes (requests x cached tokens): unsplit ones, as bench/kernels.py times, get their K/V
   bytes over the time as a share of the copy bandwidth; split ones (batch 1, kv chunks of 64 or 128
   keys, as a decode step plans them) include the merge launch.
 - The fused GEMVs (executor/kernels/gemv.py) at batch 1 on Qwen3-8B's projections: qkv and gate_up
   with their RMSNorm prologue (gate_up with SwiGLU), o_proj and down with the residual add.
-  Configuration ``WxB[:P]``: W warps a block, B blocks an SM, P 1 / 0 with / without the L2 prefetch
-  of a warp's next row group (default: the kernel's). Each graph cycles over distinct weight
+  Configuration ``WxB``: W warps a block, B blocks an SM. Each graph cycles over distinct weight
   copies, so a launch never finds its weights in L2.
 
 Timing as bench/kernels.py: launches captured in one CUDA graph, the median over replays between
@@ -66,25 +65,19 @@ REAL_GEMVS = (("qkv", 6144, 4096, "norm_project"), ("gate_up", 24576, 4096, "nor
 SMOKE_GEMVS = (("qkv", 24, 64, "norm_project"), ("gate_up", 32, 64, "norm_swiglu"), ("down", 16, 32, "project_add"))
 
 
-def parse_attention(text: str) -> list[tuple[int, int, int | None | str, int | None]]:
-    """``NT:U:B[:P],...`` -> [(threads, unroll_keys, blocks_per_sm, prefetch_batches)], B an int, None
-    ("none") or "auto", P None when not given (the kernel's default)."""
+def parse_attention(text: str) -> list[tuple[int, int, int | None | str]]:
+    """``NT:U:B,...`` -> [(threads, unroll_keys, blocks_per_sm)], B an int, None ("none") or "auto"."""
     configs = []
     for item in text.split(","):
-        threads, unroll, bound, *prefetch = item.split(":")
+        threads, unroll, bound = item.split(":")
         blocks = None if bound == "none" else bound if bound == "auto" else int(bound)
-        configs.append((int(threads), int(unroll), blocks, int(prefetch[0]) if prefetch else None))
+        configs.append((int(threads), int(unroll), blocks))
     return configs
 
 
-def parse_gemv(text: str) -> list[tuple[int, int, bool | None]]:
-    """``WxB[:P],...`` -> [(warps, blocks_per_sm, prefetch)], P 0 or 1 (None when not given: the kernel's)."""
-    configs = []
-    for item in text.split(","):
-        shape, *prefetch = item.split(":")
-        warps, blocks = (int(n) for n in shape.split("x"))
-        configs.append((warps, blocks, bool(int(prefetch[0])) if prefetch else None))
-    return configs
+def parse_gemv(text: str) -> list[tuple[int, int]]:
+    """``WxB,...`` -> [(warps, blocks_per_sm)]."""
+    return [tuple(int(n) for n in item.split("x")) for item in text.split(",")]  # type: ignore[misc]
 
 
 def attention_call(env: Env, heads: Heads, shape: AttentionShape, general: Any) -> tuple[Callable[..., None], int]:
@@ -131,18 +124,17 @@ def sweep_attention(env: Env, args: argparse.Namespace, copy_bytes_per_s: float)
     general = PagedAttention(codec, heads.dim, group, **({"threads": 32} if args.smoke else {}))
     calls = [attention_call(env, heads, shape, general) for shape in shapes]
     rows = []
-    for threads, unroll, bound, prefetch in args.attention:
+    for threads, unroll, bound in args.attention:
         launcher = DecodeAttention(codec, heads.dim, group, general, threads=threads, unroll_keys=unroll,
-                                   blocks_per_sm=bound, **({} if prefetch is None else {"prefetch_batches": prefetch}))
+                                   blocks_per_sm=bound)
         cells = []
         for shape, (call, kv_bytes) in zip(shapes, calls):
             us = time_us(env, lambda stream, call=call: call(launcher, stream), args.inner, args.repeats, True)
             share = "" if shape.kv_chunk else f" ({kv_bytes / (us * 1e-6) / copy_bytes_per_s:.0%})"
             cells.append(f"{fmt(us, 1)}{share}")
-        label = f"{threads}:{unroll}:{'none' if bound is None else bound}" + ("" if prefetch is None else f":{prefetch}")
-        rows.append([label, *cells])
+        rows.append([f"{threads}:{unroll}:{'none' if bound is None else bound}", *cells])
         print(f"attention {rows[-1]}", file=sys.stderr)
-    headers = ["NT:U:B[:P]", *(f"{s.batch} x {s.context}" + (f", chunks of {s.kv_chunk}" if s.kv_chunk else "")
+    headers = ["NT:U:B", *(f"{s.batch} x {s.context}" + (f", chunks of {s.kv_chunk}" if s.kv_chunk else "")
                            for s in shapes)]
     return markdown_table(headers, rows, [False, *(True for _ in shapes)])
 
@@ -161,9 +153,8 @@ def sweep_gemv(env: Env, args: argparse.Namespace) -> str:
         x, norm_weight = env.randn(1, in_features), env.randn(in_features)
         out = torch.empty(1, out_rows // 2 if gated else out_rows, dtype=torch.bfloat16, device=env.device)
         cells = []
-        for warps, blocks, prefetch in args.gemv:
-            gemv = Gemv(build_codec("bfloat16"), True, blocks_per_sm=blocks, warps=warps,
-                        **({} if prefetch is None else {"prefetch": prefetch}))
+        for warps, blocks in args.gemv:
+            gemv = Gemv(build_codec("bfloat16"), True, blocks_per_sm=blocks, warps=warps)
             turn = iter(range(10**9))
 
             def launch(stream: Any, gemv: Gemv = gemv) -> None:
@@ -178,17 +169,16 @@ def sweep_gemv(env: Env, args: argparse.Namespace) -> str:
         rows.append([f"{name} {out_rows} x {in_features}", *cells])
         print(f"gemv {rows[-1]}", file=sys.stderr)
         del weights
-    return markdown_table(["projection", *(f"{w} x {b}" + ("" if p is None else f":{int(p)}") for w, b, p in args.gemv)],
-                          rows,
+    return markdown_table(["projection", *(f"{w} x {b}" for w, b in args.gemv)], rows,
                           [False, *(True for _ in args.gemv)])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--attention", type=parse_attention, default=parse_attention(
-        "128:4:auto,128:2:4,128:8:3,128:8:none,256:4:2,64:4:8"), help="NT:U:B[:P] configurations (module docstring)")
+        "128:4:auto,128:2:4,128:8:3,128:8:none,256:4:2,64:4:8"), help="NT:U:B configurations (module docstring)")
     parser.add_argument("--gemv", type=parse_gemv, default=parse_gemv("4x4,8x2,16x1,2x8,4x3,8x3"),
-                        help="WxB[:P] configurations (module docstring)")
+                        help="WxB configurations (module docstring)")
     parser.add_argument("--no-attention", action="store_true")
     parser.add_argument("--no-gemv", action="store_true")
     parser.add_argument("--repeats", type=int, default=30, help="timed graph replays (median)")
@@ -198,7 +188,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in the Numba CUDA simulator (CPU)")
     args = parser.parse_args(argv)
     if args.smoke:  # the simulator runs a thread per Python thread: one-warp blocks, few configs, one launch
-        args.attention = [(32, unroll, bound, prefetch) for _, unroll, bound, prefetch in args.attention[:2]]
+        args.attention = [(32, unroll, bound) for _, unroll, bound in args.attention[:2]]
         args.gemv = args.gemv[:1]
         args.repeats, args.inner = 1, 1
     return args

@@ -49,9 +49,8 @@ import numpy as np
 from executor.kernels.attention import NEG_INF, PagedAttention, build_kv_staging, check_heads
 from executor.kernels.codec import Codec
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS, Kernel
-from executor.kernels.prefetch import build_prefetch_line
 from executor.kernels.reduce import build_group_sum
-from executor.kernels.vector import VECTOR_BYTES, VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
+from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
@@ -59,8 +58,6 @@ from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
 ROUND_KEYS = 256  # keys whose page ids a round stages in shared memory
 UNROLL_KEYS = 4  # keys each lane group loads before using them: 4 x 2 x 16 bytes (K and V) in flight per lane
-PREFETCH_BATCHES = 1  # batches ahead whose K/V lines a lane group asks L2 for before loading its batch (0: none)
-LINE_BYTES = 128  # a prefetch's granule: one lane of each 128-byte line asks
 MIN_BLOCKS_PER_SM = 4  # launch_bounds: 128 registers a thread at 128 threads
 CAPPED_REGISTER_VALUES = 64  # q and output registers a lane may hold for the cap to spill nothing
 LOG2_E = 1.4426950408889634
@@ -94,11 +91,10 @@ def min_blocks_per_sm(codec: Codec, head_dim: int, group_size: int) -> int | Non
 
 def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads: int,
                            round_keys: int = ROUND_KEYS, blocks_per_sm: int | None = None,
-                           unroll_keys: int = UNROLL_KEYS, prefetch_batches: int = PREFETCH_BATCHES) -> tuple[Any, Any]:
+                           unroll_keys: int = UNROLL_KEYS) -> tuple[Any, Any]:
     """(direct kernel, split kernel) for one codec and head shape; D, G and NT size registers and shared memory.
     ``blocks_per_sm``: the launch bound (None: none); ``unroll_keys``: keys a lane group loads before
-    using any; ``prefetch_batches``: how many batches ahead a lane group prefetches its rows into L2
-    (0: no prefetch).
+    using any.
 
     Direct: ``(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
     request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale)``, every tile
@@ -121,28 +117,11 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     U = unroll_keys
     BUFFER_WORDS = U * CPL * VECTOR_WORDS
     SCORES = U * G  # a batch's scores, one per key and head
-    AHEAD = prefetch_batches * KPP * U  # keys between a batch and the one it prefetches
-    LINE_CHUNKS = LINE_BYTES // VECTOR_BYTES  # 16-byte chunks a prefetched line holds
     GROUP_STATES = KPP * G  # (max, sum) of every lane group and head, where the groups meet
     # The simulator's jit takes no launch_bounds; on the GPU they cap registers for residency.
     launch_options = {} if simulator_enabled() or blocks_per_sm is None else {"launch_bounds": (NT, blocks_per_sm)}
     stage_pages = build_kv_staging(load, D, NT)[0]
     group_sum = build_group_sum()
-    prefetch_line = build_prefetch_line()
-
-    @cuda.jit(device=True, inline=True)
-    def prefetch_rows(k_cache, v_cache, h, base, n, gid, lane, page_sh, offset_sh):
-        """Ask L2 for the lines of keys base + u * KPP + gid (u < U) that are in the round: no registers
-        held, so the loads of those keys a batch later wait on L2, not HBM."""
-        for u in range(U):
-            key = base + u * KPP + gid
-            if key < n:
-                for ci in range(CPL):
-                    chunk = lane + ci * L
-                    if chunk % LINE_CHUNKS == 0:
-                        index = (page_sh[key], offset_sh[key], h, chunk * E)
-                        prefetch_line(k_cache, index)
-                        prefetch_line(v_cache, index)
 
     @cuda.jit(device=True, inline=True)
     def load_rows(cache, h, base, n, gid, lane, page_sh, offset_sh, buffer):
@@ -208,8 +187,6 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
             cuda.syncthreads()
             # Every thread runs the same trips (the simulator's reductions have barriers).
             for base in range(0, n, KPP * U):
-                if AHEAD > 0:
-                    prefetch_rows(k_cache, v_cache, h, base + AHEAD, n, gid, lane, page_sh, offset_sh)
                 load_rows(k_cache, h, base, n, gid, lane, page_sh, offset_sh, k_buffer)
                 load_rows(v_cache, h, base, n, gid, lane, page_sh, offset_sh, v_buffer)
                 for u in range(U):
@@ -331,14 +308,13 @@ class DecodeAttention:
 
     The launch configuration defaults to the measured one (module docstring; bench/launch_sweep.py
     sweeps it): ``threads`` a block, ``round_keys`` page ids staged a round, ``unroll_keys`` keys a
-    lane group loads before using any, ``prefetch_batches`` how many batches ahead a lane group
-    prefetches into L2, ``blocks_per_sm`` the launch bound ("auto": ``min_blocks_per_sm``'s rule,
-    None: no bound).
+    lane group loads before using any, ``blocks_per_sm`` the launch bound ("auto":
+    ``min_blocks_per_sm``'s rule, None: no bound).
     """
 
     def __init__(self, codec: Codec, head_dim: int, group_size: int, fallback: PagedAttention, *,
                  threads: int | None = None, round_keys: int = ROUND_KEYS, unroll_keys: int = UNROLL_KEYS,
-                 prefetch_batches: int = PREFETCH_BATCHES, blocks_per_sm: int | None | Literal["auto"] = "auto"):
+                 blocks_per_sm: int | None | Literal["auto"] = "auto"):
         self.head_dim, self.group_size, self.fallback = head_dim, group_size, fallback
         self.threads = threads or (32 if simulator_enabled() else 128)
         self.kernels: tuple[Kernel, Kernel] | None = None
@@ -351,8 +327,7 @@ class DecodeAttention:
                                  f"limit {SHARED_LIMIT_BYTES}")
             bound = min_blocks_per_sm(codec, head_dim, group_size) if blocks_per_sm == "auto" else blocks_per_sm
             direct, split = build_decode_attention(codec, head_dim, group_size, self.threads, round_keys,
-                                                   blocks_per_sm=bound, unroll_keys=unroll_keys,
-                                                   prefetch_batches=prefetch_batches)
+                                                   blocks_per_sm=bound, unroll_keys=unroll_keys)
             self.kernels = (Kernel(direct), Kernel(split))
 
     def uses_vector(self, k_cache: Any, v_cache: Any) -> bool:

@@ -50,10 +50,9 @@ from executor.kernels.activation import build_swiglu
 from executor.kernels.codec import Codec
 from executor.kernels.launch import WARP_THREADS, Kernel, multiprocessor_count
 from executor.kernels.norm import build_normalize, inv_rms_from_sum
-from executor.kernels.prefetch import build_prefetch_line
 from executor.kernels.reduce import block_sum, build_group_sum
 from executor.kernels.vector import (
-    VECTOR_BYTES, VECTOR_WORDS, build_lanes, build_shared_vector_load, build_vector_access, lanes_for, vector_aligned, word_type,
+    VECTOR_WORDS, build_lanes, build_shared_vector_load, build_vector_access, lanes_for, vector_aligned, word_type,
 )
 from executor.numba_cuda import load_cuda, simulator_enabled
 
@@ -67,8 +66,6 @@ GEMV_WARPS = 4
 GEMV_BLOCKS_PER_SM = 4
 CHUNKS_PER_LANE = 8  # one row a warp
 SWIGLU_CHUNKS_PER_LANE = 4  # two rows (gate, up) a warp: the same 8 chunks of loads in flight
-GEMV_PREFETCH = True  # a warp asks L2 for its next row group's weights (the first one before the prologue)
-LINE_BYTES = 128  # a prefetch's granule: one lane of each 128-byte line asks
 #: The simulator runs every thread as a Python thread: 4 lanes a row there, in one-warp blocks. (Its
 #: run time grows much faster than a thread's work: a thread a row took 100 times as long on a tiny down
 #: projection.)
@@ -78,7 +75,7 @@ SIM_ROW_THREADS = 4
 def build_gemv_kernel(
     codec: Codec, batch: int, in_features: int, epilogue: str, *, normed: bool, round_before_weight: bool = True,
     chunks_per_lane: int = CHUNKS_PER_LANE, row_threads: int = WARP_THREADS, threads: int = GEMV_WARPS * WARP_THREADS,
-    launch_bounds: tuple[int, int] | None = None, prefetch: bool = GEMV_PREFETCH,
+    launch_bounds: tuple[int, int] | None = None,
 ) -> Callable[..., Any]:
     """Kernel ``(x [B, K], norm_weight [K], weight [N, K], out, eps f32, weight_offset f32)``, storage dtype
     of ``codec``, B = ``batch``, K = ``in_features`` (a whole number of 16-byte chunks; every row 16-byte
@@ -91,8 +88,6 @@ def build_gemv_kernel(
     simulator). Launch with blocks of ``threads`` threads (whole warps: a multiple of row_threads in
     the simulator; a power of two), and ``(B K if normed else 0) + threads`` float32 of dynamic shared
     memory (the staged x, then the reductions' scratch; the simulator's lane sums use it). Any grid.
-    ``prefetch``: each warp asks L2 for its first row group's weights before the prologue and for its
-    next group's while it works on one (no registers held: more bytes in flight than loads allow).
     """
     if epilogue not in (STORE, RESIDUAL, SWIGLU):
         raise ValueError(f"epilogue must be one of {STORE}, {RESIDUAL}, {SWIGLU}, got {epilogue!r}")
@@ -118,8 +113,6 @@ def build_gemv_kernel(
     normalize = build_normalize(codec, round_before_weight)
     swiglu = build_swiglu(codec)
     options = {"launch_bounds": launch_bounds} if launch_bounds and not simulator_enabled() else {}
-    prefetch_line = build_prefetch_line()
-    line_chunks = LINE_BYTES // VECTOR_BYTES  # 16-byte chunks a prefetched line holds
 
     @cuda.jit(device=True, inline=True)
     def element(words, start, j):
@@ -159,27 +152,12 @@ def build_gemv_kernel(
                         stage[b * in_features + c * lanes + j] = load(store(value))
         cuda.syncthreads()
 
-    @cuda.jit(device=True, inline=True)
-    def prefetch_group(weight, n, groups, second, lane):
-        """Ask L2 for the lines of row group n's weight rows (nothing past the last group)."""
-        if n < groups:
-            for r in range(rows):
-                for t in range(trips):
-                    for u in range(chunks_per_lane):
-                        c = (t * chunks_per_lane + u) * row_threads + lane
-                        if (whole_trips or c < chunks) and c % line_chunks == 0:
-                            prefetch_line(weight, (n + r * second, c * lanes))
-
     @cuda.jit(**options)
     def gemv(x, norm_weight, weight, out, eps, weight_offset):
         lane = cuda.threadIdx.x % row_threads
         teams = threads // row_threads  # row groups a block works on at once
         shared = cuda.shared.array(0, float32)
         scratch = shared[stage_floats:]
-        stride = cuda.gridDim.x * teams
-        if prefetch:  # the first group's weights stream in while the prologue normalizes x
-            prefetch_group(weight, cuda.blockIdx.x * teams + cuda.threadIdx.x // row_threads, out.shape[1],
-                           weight.shape[0] // 2, lane)
         if normed:
             stage_normed(x, norm_weight, eps, weight_offset, shared, scratch)
         w_buf = cuda.local.array(weight_words, wtype)
@@ -189,11 +167,9 @@ def build_gemv_kernel(
         groups = out.shape[1]  # output columns: a warp's rows give one
         second = weight.shape[0] // 2  # SWIGLU: the up row of gate row n is n + I
         # Every thread of a block takes the same number of trips (the simulator's sums have barriers).
-        for first in range(cuda.blockIdx.x * teams, groups, stride):
+        for first in range(cuda.blockIdx.x * teams, groups, cuda.gridDim.x * teams):
             n = first + cuda.threadIdx.x // row_threads
             active = n < groups
-            if prefetch:
-                prefetch_group(weight, n + stride, groups, second, lane)
             for i in range(accumulators):
                 acc[i] = float32(0.0)
             if active:
@@ -240,14 +216,13 @@ class Gemv:
 
     Kernels compile per (epilogue, batch, in_features) on first use (the eager warm-up before graph
     capture). Arguments are the plan's contiguous, 16-byte-aligned views; the launchers check shapes
-    and alignment (a size mismatch is the caller's bug, not a config error). ``warps`` a block,
-    ``blocks_per_sm`` (grid and launch bound) and ``prefetch`` (build_gemv_kernel) default to the
-    sweep's pick (bench/launch_sweep.py).
+    and alignment (a size mismatch is the caller's bug, not a config error). ``warps`` a block and
+    ``blocks_per_sm`` (grid and launch bound) default to the sweep's pick (bench/launch_sweep.py).
     """
 
     def __init__(self, codec: Codec, round_before_weight: bool, blocks_per_sm: int = GEMV_BLOCKS_PER_SM,
-                 row_threads: int | None = None, warps: int = GEMV_WARPS, prefetch: bool = GEMV_PREFETCH) -> None:
-        self.codec, self.round_before_weight, self.prefetch = codec, round_before_weight, prefetch
+                 row_threads: int | None = None, warps: int = GEMV_WARPS) -> None:
+        self.codec, self.round_before_weight = codec, round_before_weight
         simulated = simulator_enabled()
         self.row_threads = row_threads or (SIM_ROW_THREADS if simulated else WARP_THREADS)
         self.threads = WARP_THREADS if simulated else warps * WARP_THREADS
@@ -285,8 +260,7 @@ class Gemv:
             kernel = self._kernels[key] = Kernel(build_gemv_kernel(
                 self.codec, batch, in_features, epilogue, normed=normed, round_before_weight=self.round_before_weight,
                 chunks_per_lane=SWIGLU_CHUNKS_PER_LANE if epilogue == SWIGLU else CHUNKS_PER_LANE,
-                row_threads=self.row_threads, threads=self.threads, launch_bounds=(self.threads, self.blocks_per_sm),
-                prefetch=self.prefetch))
+                row_threads=self.row_threads, threads=self.threads, launch_bounds=(self.threads, self.blocks_per_sm)))
         grid = max(1, min(self.num_sms * self.blocks_per_sm, -(-out_rows // self.teams)))
         shared_bytes = 4 * ((batch * in_features if normed else 0) + self.threads)
         kernel[grid, self.threads, stream, shared_bytes](x, norm_weight, weight, out, np.float32(eps),
