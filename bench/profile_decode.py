@@ -12,7 +12,9 @@ decode graphs captured, then:
 - kernels: torch.profiler's CUDA time over 5 replays, per step in total and per kernel name (us a
   step, launches a step, us a launch), largest first.
 
-The step minus the replay is the host's share; the replay minus the kernels, the graph's gaps.
+The step minus the replay is the host's share; the replay minus the kernels, the graph's gaps. The
+host parts time each piece of a step on its own (plan_step, pad_decode, the metadata write, the
+replay call, the wait plus read-back).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python3 bench/profile_decode.py` puts bench/ first on the path, not the repo
@@ -32,6 +35,35 @@ from bench.common import build_memplan, decode_chunks, open_bench_device, reset_
 
 PROFILED_REPLAYS = 5
 TIMED = 30
+
+
+def host_parts(model: Any, plan: Any, chunks: list, bucket: int, graph: Any) -> dict[str, float]:
+    """Median host microseconds of each piece of a graph step, timed one by one as model.step runs
+    them: plan_step, pad_decode, the metadata write (StepWriter), the replay call, then the wait for
+    the GPU plus the sampled ids' read-back."""
+    import torch
+
+    from executor.step import pad_decode, plan_step
+
+    samples: dict[str, list[float]] = collections.defaultdict(list)
+    sampled = model.arena.tensor("sampling", "sampled_ids")[: len(chunks)]
+    for _ in range(TIMED):
+        torch.cuda.synchronize()
+        clock = [time.perf_counter()]
+        meta = plan_step(plan, chunks)
+        clock.append(time.perf_counter())
+        padded = pad_decode(plan, meta, bucket)
+        clock.append(time.perf_counter())
+        model.writer.write(padded)
+        clock.append(time.perf_counter())
+        graph.replay()
+        clock.append(time.perf_counter())
+        sampled.tolist()
+        clock.append(time.perf_counter())
+        for name, start_s, end_s in zip(("plan_step", "pad_decode", "write", "replay call", "wait + read-back"),
+                                        clock, clock[1:]):
+            samples[name].append((end_s - start_s) * 1e6)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def main() -> None:
@@ -86,6 +118,7 @@ def main() -> None:
         start_s = time.perf_counter()
         plan_step(plan, chunks)
         host.append((time.perf_counter() - start_s) * 1e3)
+    parts = host_parts(model, plan, chunks, bucket, graph)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         for _ in range(PROFILED_REPLAYS):
             graph.replay()
@@ -100,6 +133,7 @@ def main() -> None:
     print(f"{args.model} B={args.batch} C={args.context} bucket {bucket}: step {statistics.median(walls):.3f} ms, "
           f"replay {statistics.median(replays):.3f} ms, kernels {kernel_us / 1e3:.3f} ms, "
           f"plan_step {statistics.median(host):.3f} ms")
+    print("  host parts of a step (median us): " + ", ".join(f"{name} {us:.1f}" for name, us in parts.items()))
     for name, total in sorted(totals.items(), key=lambda item: -item[1])[: args.top]:
         print(f"  {total / PROFILED_REPLAYS:9.1f} us/step  {counts[name] // PROFILED_REPLAYS:4d}x  "
               f"{total / counts[name]:7.1f} us  {name[:90]}")
