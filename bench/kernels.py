@@ -143,7 +143,7 @@ def embedding_case(env: Env, s: Shapes) -> Case:
     ids = torch.randint(0, s.vocab, (s.rows,), device=env.device, dtype=torch.int32)
     out = env.randn(s.rows, s.hidden)
     ours, scalar = Embedding(build_codec("bfloat16")), Embedding(build_codec("bfloat16"), vectorize=False)
-    args = (ids, table, out)
+    args = (ids, table, out, ids[:0])  # no id names a previous step's sample
     ids_long = ids.long()
     return Case(
         "embedding", f"{s.rows} x {s.hidden} of {s.vocab}",

@@ -96,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
         warm_up(model)
         warm_up_s = time.perf_counter() - start
     graphs = None if args.eager or device.is_sim else capture_graphs(model)
-    engine = Engine(model, prefix_caching=not args.no_prefix_caching)
+    engine = Engine(model, prefix_caching=not args.no_prefix_caching, overlap=not args.no_overlap)
     runnable = [index for index, spec in enumerate(specs) if spec.error is None]
     requests = [_engine_request(index, specs[index]) for index in runnable]
     progress = _Progress(requests, len(specs), sys.stderr)

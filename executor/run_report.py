@@ -51,6 +51,8 @@ def summary(plan: MemoryPlan, arena: Arena, report: EngineReport, specs: list[Re
                  f"{report.generated_tokens} tokens generated in {report.wall_s:.3f} s = {tokens_per_s:,.1f} tokens/s")
     lines.append(f"TTFT: {_percentiles(report, report.ttfts)}")
     lines.append(f"TPOT: {_percentiles(report, report.tpots)}")
+    lines.append("scheduling: " + ("overlapped (the next step launched before the last one's ids are read)"
+                                   if report.overlap else "step by step (--no-overlap)"))
     lines.append(f"prefix cache: {_prefix_line(report, no_prefix_caching)}")
     lines.append(f"KV pages: peak {stats.peak_kv_pages_used} used of {cap.kv_pages - 1} usable "
                  f"(kv_pages {cap.kv_pages} - 1 padding page)")

@@ -18,12 +18,29 @@ Engine loop::
         for request in scheduler.update(step, sampled_ids): report(request)
 
 Tokens. A request feeds ``all_ids = prompt_ids + output_ids``; ``num_cached``
-of them are in the KV cache / recurrent state. A request is *prefilled* once
+of them are in the KV cache / recurrent state or on their way there (it
+advances when ``schedule`` hands out a chunk). A request is *prefilled* once
 ``num_cached`` reached its prefill target (its length at admission); after that
 it feeds one token per step (the id it sampled last): a *decode row*. A chunk
 samples when it feeds the request's last id (a decode row, or the chunk that
-completes the prefill). ``num_cached`` advances in ``update``; ``schedule`` and
-``update`` alternate.
+completes the prefill).
+
+Overlapped scheduling (vLLM's async scheduling). ``schedule`` may run once more
+before the last step's ``update``: one step in flight. A request whose sample
+is still in flight then gets a decode row whose token id is ``-(r + 1)``, "the
+id the step in flight samples for its chunk r", which the executor reads on
+the device (kernels/embedding.py); its RNG counter is ``StepChunk.sample_index``.
+A request whose in-flight sample will make ``max_new_tokens`` gets no row; one
+that stops on a stop id there has computed one row for nothing, dropped in
+``update``. ``update`` takes steps in order and skips chunks of requests that
+finished, were preempted or were readmitted since their step was scheduled
+(their samples are dropped; a preempted request recomputes and samples that
+id again). A step that would be empty while one is in flight is not built
+(``schedule`` returns None): that step's update may finish requests or free
+pages. Pages freed in ``update`` may still be written by the step in flight
+(the finished request's extra row), and a page handed to another request is
+written by a later step: device work runs in step order, and only full pages
+of tokens whose step was updated enter the prefix cache.
 
 Step building (FCFS):
 
@@ -108,7 +125,7 @@ class Request:
 
     state: RequestState = field(default=RequestState.WAITING, init=False)
     output_ids: list[int] = field(default_factory=list, init=False)
-    num_cached: int = field(default=0, init=False)  # tokens in the KV cache / recurrent state
+    num_cached: int = field(default=0, init=False)  # tokens in (or scheduled into) the KV cache / recurrent state
     page_ids: list[int] = field(default_factory=list, init=False)  # page table: ceil(fed / page_size) pages
     slot: int = field(default=-1, init=False)  # recurrent-state slot, -1 for none
     finish_reason: str | None = field(default=None, init=False)
@@ -119,6 +136,9 @@ class Request:
     # The scheduler's count of admissions when this request was last admitted: it names the current
     # page list, which only grows until the request is released (executor.page_tables).
     admission: int = field(default=-1, init=False)
+    # (step index, chunk row) of a sample scheduled but not yet given to update(): its id is not in
+    # all_ids yet, and a decode row fed with it names it as -(row + 1).
+    in_flight: tuple[int, int] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.prompt_ids = tuple(int(t) for t in self.prompt_ids)
@@ -149,11 +169,13 @@ class StepChunk:
     """What one request feeds a step: ``executor.step.RequestChunk``'s fields plus who and whether it samples."""
 
     request_id: Hashable
-    token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]  # -(r + 1): the id the step in flight samples for its chunk r (overlap)
     num_cached: int
     page_ids: tuple[int, ...]  # covers num_cached + len(token_ids) tokens exactly
     slot: int
     sample: bool  # the chunk feeds the request's last id: its last row's logits give the next id
+    sample_index: int = 0  # index in output_ids of the id it samples (the RNG counter)
+    admission: int = -1  # the request's admission count when scheduled (update skips a later one's)
 
 
 @dataclass(frozen=True)
@@ -238,7 +260,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order (oldest first)
         self._requests: dict[Hashable, Request] = {}  # unfinished
-        self._pending: ScheduledStep | None = None
+        self._in_flight: deque[ScheduledStep] = deque()  # scheduled, not yet updated (oldest first)
         self._steps = 0
         self._admitted = 0
         self._finished = 0
@@ -309,7 +331,7 @@ class Scheduler:
 
     def abort(self, request_id: Hashable) -> Request:
         """Finish an unfinished request now ("abort"), releasing its pages and slot."""
-        if self._pending is not None:
+        if self._in_flight:
             raise RuntimeError("abort between schedule() and update() is not supported")
         request = self._requests[request_id]
         if request.state is RequestState.WAITING:
@@ -339,43 +361,58 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> ScheduledStep | None:
-        """The next step, or None when no request is waiting or running."""
-        if self._pending is not None:
-            raise RuntimeError("update() the previous step before scheduling the next")
+        """The next step, or None when no request is waiting or running, or when the step in flight
+        must be updated first (nothing could be scheduled beside it)."""
+        if len(self._in_flight) > 1:
+            raise RuntimeError("update() the oldest step first: at most one step in flight while scheduling")
         if not self.running and not self.waiting:
             return None
         preempted: list[Request] = []
         while True:
             decode, prefill = self._build(preempted)
-            if decode or prefill or not self.running:
+            if decode or prefill or not self.running or self._in_flight:
                 break
             # Every running request waits for pages: free the most recently admitted.
             self._preempt(self.running[-1], preempted)
         if not decode and not prefill:
+            if self._in_flight:
+                return None
             raise AssertionError("scheduler: requests wait but none can be scheduled (a rejection rule is missing)")
         size = self.capacity.page_size
+        index = self._steps
         chunks = []
-        for request, count in decode + prefill:
+        for row, (request, count) in enumerate(decode + prefill):
             start = request.num_cached
             end = start + count
             assert len(request.page_ids) == -(-end // size)
+            known = len(request._all)
+            if request.in_flight is not None:  # its last id is the step in flight's sample
+                assert count == 1 and start == known and request.in_flight[0] == index - 1
+                token_ids, sample_index = (-(request.in_flight[1] + 1),), len(request.output_ids) + 1
+            else:
+                token_ids, sample_index = tuple(request._all[start:end]), len(request.output_ids)
+            sample = end >= known
             chunks.append(StepChunk(
                 request_id=request.request_id,
-                token_ids=tuple(request._all[start:end]),
+                token_ids=token_ids,
                 num_cached=start,
                 page_ids=tuple(request.page_ids),
                 slot=request.slot,
-                sample=end == len(request._all),
+                sample=sample,
+                sample_index=sample_index,
+                admission=request.admission,
             ))
+            request.num_cached = end
+            request.in_flight = (index, row) if sample else None
         step = ScheduledStep(
-            index=self._steps,
+            index=index,
             chunks=tuple(chunks),
             num_decode_rows=len(decode),
             num_prefill_tokens=sum(count for _, count in prefill),
             preempted=tuple(r.request_id for r in preempted),
         )
         self._steps += 1
-        self._pending = step
+        self._in_flight.append(step)
         self._peak_pages = max(self._peak_pages, self.allocator.num_used)
         self._peak_logical = max(self._peak_logical, step.num_pages)
         self._peak_slots = max(self._peak_slots, self.num_slots_used)
@@ -393,6 +430,8 @@ class Scheduler:
         for request in list(self.running):
             if request.state is not RequestState.RUNNING or not request.is_prefilled:
                 continue
+            if request.in_flight is not None and len(request.output_ids) + 1 >= request.max_new_tokens:
+                continue  # the sample in flight is its last ("length"): update() finishes it
             need = -(-(request.num_cached + 1) // size) - len(request.page_ids)
             while need > allocator.num_available:
                 victim = self.running[-1]
@@ -463,8 +502,8 @@ class Scheduler:
         ``sampled_ids``: one id per chunk (ids of non-sampling chunks are ignored)
         or one per sampling chunk (``step.sample_indices`` order).
         """
-        if step is not self._pending:
-            raise RuntimeError("update() takes the step the last schedule() returned")
+        if not self._in_flight or step is not self._in_flight[0]:
+            raise RuntimeError("update() takes the oldest step schedule() returned and update() has not taken")
         sampling = step.sample_indices
         if len(sampled_ids) == len(step.chunks):
             ids = [sampled_ids[i] for i in sampling]
@@ -473,17 +512,22 @@ class Scheduler:
         else:
             raise ValueError(f"update: {len(sampled_ids)} sampled ids for {len(step.chunks)} chunks "
                              f"of which {len(sampling)} sample")
-        self._pending = None
-        sampled = iter(ids)
+        self._in_flight.popleft()
+        sampled = dict(zip(sampling, ids))
         finished: list[Request] = []
         size = self.capacity.page_size
-        for chunk in step.chunks:
-            request = self._requests[chunk.request_id]
-            assert request.state is RequestState.RUNNING and request.num_cached == chunk.num_cached
-            request.num_cached += len(chunk.token_ids)
+        for row, chunk in enumerate(step.chunks):
+            request = self._requests.get(chunk.request_id)
+            if request is None or request.state is not RequestState.RUNNING or request.admission != chunk.admission:
+                continue  # finished, preempted or readmitted since: its sample (if any) is dropped
+            computed = chunk.num_cached + len(chunk.token_ids)  # tokens whose KV this step wrote
+            assert request.num_cached >= computed
             reason = None
             if chunk.sample:
-                token = int(next(sampled))
+                assert len(request._all) == computed, "updates come in step order"
+                if request.in_flight == (step.index, row):  # else the step after this one samples too
+                    request.in_flight = None
+                token = int(sampled[row])
                 request._all.append(token)
                 request.output_ids.append(token)
                 if token in request.stop_ids:
@@ -493,8 +537,8 @@ class Scheduler:
             cache = self.prefix_cache
             if cache is not None:
                 done = request._chain.num_pages if request._chain is not None else 0
-                if request.num_cached // size > done:
-                    request._chain = cache.insert(request._all, request.page_ids, request._chain, request.num_cached)
+                if computed // size > done:
+                    request._chain = cache.insert(request._all, request.page_ids, request._chain, computed)
             if reason is not None:
                 self._finish(request, reason)
                 finished.append(request)
@@ -514,6 +558,7 @@ class Scheduler:
         self._release(request)
         self.running.remove(request)
         request.num_cached = 0
+        request.in_flight = None  # a sample in flight is dropped: readmitted, it is computed again
         request.state = RequestState.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)  # the youngest is preempted first: admission order is kept
@@ -535,11 +580,10 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.prefix_cache.check()
         size = self.capacity.page_size
-        pending = {c.request_id: len(c.token_ids) for c in self._pending.chunks} if self._pending else {}
         references = [0] * max(self.allocator.num_pages, 1)
         for request in self.running:
             assert request.state is RequestState.RUNNING
-            fed = request.num_cached + pending.get(request.request_id, 0)
+            fed = request.num_cached
             assert len(request.page_ids) == -(-fed // size), (request.request_id, len(request.page_ids), fed)
             for page in request.page_ids:
                 references[page] += 1

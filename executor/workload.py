@@ -20,6 +20,11 @@ from typing import Any, TextIO
 #: Keys a --requests line may hold.
 REQUEST_KEYS = ("prompt_ids", "prompt_len", "max_new_tokens", "stop_ids", "temperature", "top_k", "seed")
 
+#: A synthetic shared-prefix workload's later requests arrive before this step: the first request's
+#: prefill (step 0) has been updated by then, its prefix pages cached, also when the engine overlaps
+#: steps (it updates step 0 after launching step 1).
+SHARED_PREFIX_ARRIVAL_STEP = 2
+
 
 class RunError(RuntimeError):
     """A ``memplan run`` usage error (conflicting or missing arguments, an impossible device)."""
@@ -91,7 +96,7 @@ def synthetic_requests(args: argparse.Namespace, vocab_size: int) -> list[Reques
     rng = np.random.default_rng(args.seed)
     shared = rng.integers(0, vocab_size, prefix).tolist()
     return [RequestSpec(shared + rng.integers(0, vocab_size, length - prefix).tolist(), new_tokens,
-                        arrival_step=1 if prefix and index else 0)
+                        arrival_step=SHARED_PREFIX_ARRIVAL_STEP if prefix and index else 0)
             for index in range(count)]
 
 

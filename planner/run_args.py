@@ -64,13 +64,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="synthetic new tokens per request (default --max-new-tokens)")
     parser.add_argument("--shared-prefix", type=int, default=0, metavar="P",
                         help="synthetic: the first P ids are the same for every request (the others arrive "
-                             "one step after the first, so they can reuse its cached prefix)")
+                             "two steps after the first, so they can reuse its cached prefix)")
     parser.add_argument("--prompt-len", type=int, default=16, help="synthetic prompt length (random ids)")
     parser.add_argument("--batch", type=int, default=None,
                         help="synthetic prompts of --prompt-len ids (default 1 when no other request source)")
     parser.add_argument("--max-new-tokens", type=int, default=16,
                         help="tokens generated per request (unless a request sets max_new_tokens)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn the engine's prefix cache off")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="wait for each step's sampled ids before scheduling the next (default: schedule and "
+                             "launch the next step first, one step in flight)")
     parser.add_argument("--eager", action="store_true",
                         help="run decode steps eagerly instead of replaying the captured CUDA graphs")
     parser.add_argument("--out", help="write the per-request JSONL here instead of stdout")

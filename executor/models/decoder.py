@@ -56,6 +56,9 @@ class DecoderModel:
         tied = arena.plan.model.tie_word_embeddings
         self.lm_head = self.embed if tied else arena.tensor("weights", "lm_head.weight")
         self.writer = StepWriter(arena)
+        # The last step's sampled ids, which a token id -(r + 1) names (kernels/embedding.py): the
+        # embedding reads them before this step's sampler overwrites them (stream order).
+        self.previous_ids = arena.tensor("sampling", "sampled_ids")
         self.graphs: DecodeGraphs | None = None
 
     def _layer(self, index: int, build_mixer: MixerBuilder, gemm: GemmProjections | None) -> Layer:
@@ -116,7 +119,7 @@ class DecoderModel:
 
     def _forward_gemv(self, step: StepViews) -> None:
         hidden, normed = step.role("hidden"), step.role("normed")
-        self.kernels.embedding(step.role("token_ids"), self.embed, hidden, stream=step.stream)
+        self.kernels.embedding(step.role("token_ids"), self.embed, hidden, self.previous_ids, stream=step.stream)
         for layer in self.gemv_layers:
             layer.mixer(step)
             layer.mlp(step)
@@ -126,7 +129,7 @@ class DecoderModel:
     def _forward_gemm(self, step: StepViews) -> None:
         stream, k_ = step.stream, self.kernels
         hidden, normed, proj_out = step.role("hidden"), step.role("normed"), step.role("proj_out")
-        k_.embedding(step.role("token_ids"), self.embed, hidden, stream=stream)
+        k_.embedding(step.role("token_ids"), self.embed, hidden, self.previous_ids, stream=stream)
         offset = self.norm.weight_offset
         for index, layer in enumerate(self.layers):
             if index == 0:

@@ -109,8 +109,8 @@ def test_malformed_request_line_is_one_line_naming_the_file_and_line(tmp_path, c
 
 
 def test_synthetic_shared_prefix_workload_hits_the_prefix_cache(capsys):
-    # The first request arrives at step 0 and fills the prefix page; the other two arrive at step 1
-    # and compute only their last id.
+    # The first request arrives at step 0 and fills the prefix page; the other two arrive before step 2
+    # (after step 0's update, also when overlapped) and compute only their last id.
     code = main(["run", "--model", "tiny-qwen3", *SIM, "--random-weights", "--num-requests", "3",
                  "--input-len", "5", "--output-len", "1", "--shared-prefix", "4"])
     out, err = capsys.readouterr()

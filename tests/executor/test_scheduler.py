@@ -76,10 +76,19 @@ class FakeEngine:
     the ids *read back through the page table*, so a wrong page table, a page overwritten while
     shared or a recurrent slot not zeroed / shared gives wrong outputs (compared with
     ``reference_output``).
+
+    ``overlap`` (set for every test of this module by the ``engine_mode`` fixture): schedule the next
+    step before updating the last one, as the engine's overlapped loop does. A step runs when it is
+    scheduled (device work runs in step order), its negative token ids read the previous step's
+    samples as the embedding kernel does, and its update comes after the next step has run.
     """
+
+    overlap = False
 
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
+        self.in_flight: tuple[ScheduledStep, list[int]] | None = None
+        self.last_sampled: list[int] = []
         cap = scheduler.capacity
         self.size = cap.page_size
         self.kv: list[list[int | None]] = [[None] * cap.page_size for _ in range(cap.kv_pages)]
@@ -95,6 +104,8 @@ class FakeEngine:
         sampled = []
         for chunk in step.chunks:
             for offset, token in enumerate(chunk.token_ids):
+                if token < 0:  # the previous step's sample for its chunk -(token + 1)
+                    token = self.last_sampled[-(token + 1)]
                 position = chunk.num_cached + offset
                 page = chunk.page_ids[position // self.size]
                 assert allocator.refcount(page) == 1, "a step writes into a shared page"
@@ -106,19 +117,30 @@ class FakeEngine:
                 assert state == seen[:chunk.num_cached], "recurrent slot holds another request's state"
                 self.slots[chunk.slot] = seen
             sampled.append(next_token(seen))
+        self.last_sampled = sampled
         return sampled
 
     def step(self) -> ScheduledStep | None:
+        """Schedule and run a step; update it (sync) or the one before it (overlap). None: nothing was
+        scheduled and nothing is left in flight."""
         step = self.scheduler.schedule()
-        if step is None:
-            return None
-        assert_step_fits(step, self.scheduler.capacity, self.scheduler.has_recurrent_state)
-        self.scheduler.check()
-        sampled = self.run_step(step)
-        self.finished += self.scheduler.update(step, sampled)
-        self.scheduler.check()
-        self.steps.append(step)
-        return step
+        if step is not None:
+            assert_step_fits(step, self.scheduler.capacity, self.scheduler.has_recurrent_state)
+            self.scheduler.check()
+            launched = (step, self.run_step(step))
+            self.steps.append(step)
+        else:
+            launched = None
+        if not self.overlap and launched is not None:
+            self.finished += self.scheduler.update(*launched)
+            self.scheduler.check()
+            return step
+        if self.in_flight is not None:
+            self.finished += self.scheduler.update(*self.in_flight)
+            self.scheduler.check()
+        done = self.in_flight
+        self.in_flight = launched
+        return step if step is not None else (done[0] if done is not None else None)
 
     def run(self, max_steps: int = 100_000) -> list[ScheduledStep]:
         for _ in range(max_steps):
@@ -126,6 +148,15 @@ class FakeEngine:
                 break
         assert not self.scheduler.has_unfinished
         return self.steps
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "overlap"])
+def engine_mode(request, monkeypatch):
+    """Every test runs twice: the engine updating each step before scheduling the next, and overlapped."""
+    if request.param and request.node.get_closest_marker("step_by_step"):
+        pytest.skip("asserts the state after each synchronous step; overlapped runs update a step later")
+    monkeypatch.setattr(FakeEngine, "overlap", request.param)
+    return request.param
 
 
 def assert_all_released(scheduler: Scheduler) -> None:
@@ -149,6 +180,7 @@ def prompt(n: int, base: int = 0) -> list[int]:
 
 
 # ---------------------------------------------------------------------------- admission edges
+@pytest.mark.step_by_step
 def test_batch_edge_admits_max_batch_then_waits_for_a_finish():
     scheduler = scheduler_for(make_capacity(max_batch=2))
     for i, new in enumerate([1, 3, 2]):
@@ -166,6 +198,7 @@ def test_batch_edge_admits_max_batch_then_waits_for_a_finish():
     assert_all_released(scheduler)
 
 
+@pytest.mark.step_by_step
 def test_page_edge_defers_admission_until_pages_are_free():
     # 4 usable pages of 4 tokens; each request feeds 8 tokens (2 pages).
     scheduler = scheduler_for(make_capacity(kv_pages=5))
@@ -195,6 +228,7 @@ def test_page_edge_shrinks_an_admitted_chunk_to_the_free_pages():
     assert_all_released(scheduler)
 
 
+@pytest.mark.step_by_step
 def test_slot_edge_admits_as_many_as_recurrent_slots():
     capacity = make_capacity(max_batch=4, slots_per_request=1, recurrent_slots=2)
     scheduler = scheduler_for(capacity, recurrent=True)
@@ -312,19 +346,36 @@ def test_stop_ids_and_length_finish_reasons():
     assert_all_released(scheduler)
 
 
-def test_schedule_and_update_alternate():
+@pytest.mark.step_by_step
+def test_one_step_in_flight_while_scheduling_and_updates_in_order():
+    """schedule() may run once more before update(): the second step feeds the first's sample as
+    -(row + 1) with the next RNG counter; a third schedule() and out-of-order updates are refused."""
     scheduler = scheduler_for(make_capacity())
     scheduler.add(Request("r", prompt(4), 3))
-    step = scheduler.schedule()
+    first = scheduler.schedule()
+    second = scheduler.schedule()
+    (chunk,) = second.chunks
+    assert chunk.token_ids == (-1,) and chunk.num_cached == 4 and chunk.sample and chunk.sample_index == 1
     with pytest.raises(RuntimeError):
         scheduler.schedule()
-    with pytest.raises(ValueError):
-        scheduler.update(step, [1, 2])
-    scheduler.update(step, [1])
     with pytest.raises(RuntimeError):
-        scheduler.update(step, [1])
+        scheduler.update(second, [7])
+    with pytest.raises(ValueError):
+        scheduler.update(first, [1, 2])
+    scheduler.update(first, [1])
+    assert scheduler.request("r").all_ids == (*prompt(4), 1)
+    third = scheduler.schedule()  # fed with the second's sample, it samples the last id
+    assert third.chunks[0].token_ids == (-1,) and third.chunks[0].sample_index == 2
+    assert scheduler.update(second, [2]) == []
+    assert scheduler.schedule() is None  # the last id is in flight: nothing to feed until it is updated
+    with pytest.raises(RuntimeError):
+        scheduler.update(second, [2])
+    (done,) = scheduler.update(third, [3])
+    assert done.output_ids == [1, 2, 3] and done.finish_reason == "length"
+    assert scheduler.schedule() is None and not scheduler.has_unfinished
 
 
+@pytest.mark.step_by_step
 def test_abort_releases_pages_and_slot():
     scheduler = scheduler_for(make_capacity(slots_per_request=1), recurrent=True)
     scheduler.add(Request("a", prompt(6), 5))
@@ -337,6 +388,7 @@ def test_abort_releases_pages_and_slot():
 
 
 # ---------------------------------------------------------------------------- preemption
+@pytest.mark.step_by_step
 def test_decode_preempts_the_most_recently_admitted_and_recomputes_it():
     # 4 usable pages of 4 tokens. a and b: 4-token prompts, 6 new tokens each (9 fed tokens: 3 pages).
     scheduler = scheduler_for(make_capacity(kv_pages=5))
@@ -394,6 +446,7 @@ def test_a_step_where_every_running_prefill_waits_for_pages_preempts_to_progress
 
 
 # ---------------------------------------------------------------------------- prefix caching
+@pytest.mark.step_by_step
 def test_prefix_hits_share_physical_pages_and_refcounts_drop_to_zero():
     scheduler = scheduler_for(make_capacity(), prefix=True)
     system = prompt(12, 3)
