@@ -129,10 +129,12 @@ class Engine:
                 done, buffer = in_flight
                 sampled_ids = self.read_back.wait(buffer, done.num_requests)
                 now = time.perf_counter() - start
-                for chunk in done.chunks:
-                    if chunk.sample:
-                        results[id(by_id[chunk.request_id])].token_times_s.append(now)
+                # Stamp the ids update() keeps (it drops those of requests finished or preempted since).
+                counts = {c.request_id: len(by_id[c.request_id].output_ids) for c in done.chunks if c.sample}
                 self.scheduler.update(done, sampled_ids)
+                for request_id, count in counts.items():
+                    if len(by_id[request_id].output_ids) > count:
+                        results[id(by_id[request_id])].token_times_s.append(now)
                 if on_step is not None:
                     on_step(done.index + 1)
                 if allocations_start is None:  # after the first step run (warm-up: compiles, cuBLAS set-up)

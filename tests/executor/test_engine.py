@@ -59,6 +59,8 @@ def test_continuous_batching_equals_each_request_alone(batched):
     # overlapped loop (decode tokens fed from the device) against the synchronous one.
     results = report.results[1:]
     assert [r.output_ids for r in results] == alone
+    assert all(len(r.token_times_s) == len(r.output_ids) and r.token_times_s == sorted(r.token_times_s)
+               for r in results)  # one time stamp per kept id, in order
     assert all(r.finish_reason == "length" for r in results)
     stats = report.stats
     assert stats.peak_running > 1  # requests really shared steps
