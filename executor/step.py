@@ -37,7 +37,9 @@ class CapacityError(RuntimeError):
 class RequestChunk:
     """What one request feeds a step.
 
-    token_ids   the new tokens (a prefill chunk, or one decode token), >= 1
+    token_ids   the new tokens (a prefill chunk, or one decode token), >= 1; an id -(r + 1) stands
+                for the id the previous step sampled for its request r, read on the device
+                (the overlapped engine's decode rows: kernels/embedding.py)
     num_cached  tokens of the request already in the KV cache / recurrent state
     page_ids    physical KV pages of its logical pages, covering num_cached + len(token_ids)
     slot        recurrent-state slot (Qwen3.5), -1 for none
