@@ -497,7 +497,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ update
     def update(self, step: ScheduledStep, sampled_ids: Sequence[int]) -> list[Request]:
-        """Apply a step's results; returns the requests it finished.
+        """Apply a step's results; returns the requests it finished. Steps are updated in the order
+        they were scheduled; a chunk whose request finished, was preempted or was readmitted since
+        its step was scheduled is skipped (its sample dropped).
 
         ``sampled_ids``: one id per chunk (ids of non-sampling chunks are ignored)
         or one per sampling chunk (``step.sample_indices`` order).
