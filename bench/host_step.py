@@ -7,8 +7,10 @@ For each cell (B requests, C tokens cached each), B requests are admitted and pr
 ``Scheduler.schedule``, the chunks with sampling parameters (``_request_chunk``), ``plan_step``
 without and with the engine's kept page tables (``PageTables``), ``pad_decode`` to the cell's
 graph bucket, and ``Scheduler.update``. Medians over ``--repeats`` steps, in microseconds. No GPU:
-this is the CPU work that sits between two decode graph replays in the synchronous engine (the GPU
-idles through it), plus the metadata copy and replay launch, which need a GPU and are not here.
+this is the CPU work of a step besides the metadata copy and replay launch (which need a GPU and are
+not here). Step by step (``memplan run --no-overlap``) the GPU idles through all of it; the engine's
+default overlapped loop runs it while the GPU computes the step before, so it shows only where it
+exceeds that step's GPU time.
 """
 
 from __future__ import annotations
