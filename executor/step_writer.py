@@ -44,8 +44,8 @@ _DESTINATIONS = {
 }
 
 
-#: Two written ranges of one pinned mirror at most this far apart go over in one copy: a copy call
-#: costs the host ~10-20 us of torch dispatch, 64 KiB more over PCIe a few microseconds on the stream.
+#: Two written ranges of one pinned mirror at most this far apart go over in one copy: each copy is a
+#: driver call and a DMA launch of its own, while 64 KiB more over PCIe is a few microseconds on the stream.
 MERGE_GAP_BYTES = 64 << 10
 
 
@@ -77,9 +77,9 @@ class StepWriter:
 
     Each array is written into a host mirror of its buffer (a numpy view, no torch call), then every
     run of nearby buffers goes over in as few asynchronous copies as their gaps allow
-    (``MERGE_GAP_BYTES``), on torch's current stream, where the kernels run. On an H200 one torch
-    copy call per buffer (~18 of them) cost 0.65 ms of host time per batch-1 Qwen3-8B decode step,
-    a tenth of the step. The mirrors are host memory (pinned on CUDA), made once here. An event
+    (``MERGE_GAP_BYTES``), on torch's current stream, where the kernels run (an earlier version's
+    torch copy per buffer, ~18 of them, cost 0.65 ms of host time per batch-1 Qwen3-8B decode step on
+    an H200, a tenth of the step). The mirrors are host memory (pinned on CUDA), made once here. An event
     recorded after a step's copies keeps the next ``write`` from refilling a mirror before the GPU
     has read it; a consumer on another stream must wait for the current one. In the simulator the
     copies are plain host copies.

@@ -127,7 +127,8 @@ class Embedding:
     Arrays: ids int32 [T]; table [V, H] and out [T, H] in the codec's storage
     dtype (float32, or bf16 viewed as int16); row-sliced views allowed;
     previous_ids int32 [R], the previous step's sampled ids that an id -(r + 1)
-    stands for (module docstring). Ids outside [0, V) give a NaN row. ``vectorize=False`` always runs the scalar kernel.
+    stands for (module docstring). Ids outside [0, V) give a NaN row.
+    ``vectorize=False`` always runs the scalar kernel.
     """
 
     def __init__(self, codec: Codec, max_threads: int = MAX_THREADS, vectorize: bool = True) -> None:
