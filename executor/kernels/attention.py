@@ -129,7 +129,7 @@ def build_paged_attention(
     D_PAD = D + 1  # K/V rows padded by one word: conflict-free column reads in the scores
     KB_PAD = KB + 1  # score rows carry the row's rescale factor alpha in column KB
     load, store = codec.load, codec.store
-    wait_for_prerequisites = build_grid_dependency()[0]
+    wait_for_prerequisites, launch_dependents = build_grid_dependency()
 
     @cuda.jit(device=True, inline=True)  # inlined in Numba IR: no separate device compile
     def locate(tile, page_indptr, last_page_len, q_indptr, positions, request_indices, qo_tile_indices,
@@ -294,6 +294,7 @@ def build_paged_attention(
         Latency-bound at decode sizes, so the loads go out together: the row's log-sum-exps in one
         round into shared memory, then MERGE_UNROLL chunks of a thread's partials before it adds any
         (a loop that adds as it loads waits a memory round trip per chunk). Sums run in chunk order."""
+        launch_dependents()
         wait_for_prerequisites()  # the partials are the split kernel's (grid_dependency.py)
         lse_sh = cuda.shared.array(MAX_MERGE_CHUNKS, float32)
         values = cuda.local.array(MERGE_UNROLL, float32)

@@ -254,6 +254,7 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     @cuda.jit(**launch_options)
     def direct_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                       request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale):
+        launch_dependents()
         wait_for_prerequisites()  # q and the new K/V rows are the previous kernel's (grid_dependency.py)
         s_sh = cuda.shared.array((2, GROUP_STATES), float32)
         page_sh = cuda.shared.array(SUB, int32)
@@ -264,7 +265,6 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
                                     scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
-        launch_dependents()  # only the stores are left: the next kernel may place its blocks
         if row < 0:
             return
         h = cuda.blockIdx.y
@@ -277,6 +277,7 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     def split_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                      request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, partial_out,
                      partial_lse, scale):
+        launch_dependents()
         wait_for_prerequisites()  # q and the new K/V rows are the previous kernel's (grid_dependency.py)
         s_sh = cuda.shared.array((2, GROUP_STATES), float32)
         page_sh = cuda.shared.array(SUB, int32)
@@ -287,7 +288,6 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
                                     scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
-        launch_dependents()  # only the stores are left: the next kernel may place its blocks
         if row < 0:
             return
         h = cuda.blockIdx.y

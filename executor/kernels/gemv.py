@@ -167,6 +167,7 @@ def build_gemv_kernel(
 
     @cuda.jit(**options)
     def gemv(x, norm_weight, weight, out, eps, weight_offset):
+        launch_dependents()
         lane = cuda.threadIdx.x % row_threads
         teams = threads // row_threads  # row groups a block works on at once
         shared = cuda.shared.array(0, float32)
@@ -187,10 +188,6 @@ def build_gemv_kernel(
             stage_normed(x, norm_weight, eps, weight_offset, shared, scratch)
         # Every thread of a block takes the same number of trips (the simulator's sums have barriers).
         for first in range(first_group, groups, cuda.gridDim.x * teams):
-            if first + cuda.gridDim.x * teams >= groups:
-                # The block's last row group: the next kernel may start placing its blocks (it waits before
-                # reading). Not earlier: its blocks would hold SM slots this grid's one wave needs.
-                launch_dependents()
             n = first + cuda.threadIdx.x // row_threads
             active = n < groups
             for i in range(accumulators):

@@ -95,7 +95,7 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
     block_setup, store_cos_sin, head_squares, q_norm_rope = build_vector_head(codec, round_before_weight)
     k_norm_rope = build_vector_head(codec, round_before_weight, put_k_chunk)[3]
     group_sum = build_group_sum()
-    wait_for_prerequisites = build_grid_dependency()[0]  # dependents launch as it ends: it is short
+    wait_for_prerequisites, launch_dependents = build_grid_dependency()
     lanes = lanes_for(codec)
     words = word_type(codec)
 
@@ -105,6 +105,7 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
     @cuda.jit(**launch_options)
     def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, eps, weight_offset, rotary_dim, theta,
                               group_threads, k_cache, v_cache, batch_indices, page_indices, page_indptr):
+        launch_dependents()
         wait_for_prerequisites()  # q, k and v are the projection's to finish (grid_dependency.py)
         shared = cuda.shared.array(0, float32)  # dynamic: see norm.py
         lo = cuda.local.array(VECTOR_WORDS, words)  # a pair unit's first-half chunk, a pass-through or v chunk

@@ -110,11 +110,11 @@ def test_sm90_ptx_keeps_buffers_in_registers():
                            types.float32)
                 assert "ld.global.v4" in text and ".local" not in text, (name, epilogue)
                 assert ("ld.shared.v4" in text) == normed, (name, epilogue)
-                # Programmatic dependent launch: the first weight loads go out before the wait for the
-                # previous kernel; the next kernel is allowed only after it (in the block's last row group).
+                # Programmatic dependent launch: allow the next kernel first, and send the first weight
+                # loads before waiting for the previous one.
                 wait_at = text.index("griddepcontrol.wait;")
-                assert text.index("ld.global.v4") < wait_at < text.index("griddepcontrol.launch_dependents;"), (
-                    name, epilogue)
+                assert text.index("griddepcontrol.launch_dependents;") < wait_at, (name, epilogue)
+                assert text.index("ld.global.v4") < wait_at, (name, epilogue)
         """
     )
 

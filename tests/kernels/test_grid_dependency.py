@@ -116,20 +116,19 @@ def test_dependent_launch_overlaps_and_waits(graph):
     values, copies, stamps = _buffers("cuda")
     expected = torch.arange(1, BLOCKS * THREADS + 1, device="cuda")
     stream = torch.cuda.Stream()
-    launch_stream = cuda.external_stream(stream.cuda_stream)  # the executor's kind (executor/device.py)
     with torch.cuda.stream(stream):
-        _run(producer, consumer, values, copies, stamps, launch_stream)  # compiles both
+        _run(producer, consumer, values, copies, stamps, stream)  # compiles both
         torch.cuda.synchronize()
         if graph:
             cuda_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(cuda_graph, stream=stream):
-                _run(producer, consumer, values, copies, stamps, launch_stream)
+                _run(producer, consumer, values, copies, stamps, stream)
         for _ in range(3):
             _reset(values, copies, stamps)
             if graph:
                 cuda_graph.replay()
             else:
-                _run(producer, consumer, values, copies, stamps, launch_stream)
+                _run(producer, consumer, values, copies, stamps, stream)
             torch.cuda.synchronize()
             producer_end, consumer_start, consumer_waited = stamps.tolist()
             assert torch.equal(copies, expected)  # every value the producer wrote, after the wait
@@ -145,7 +144,7 @@ def test_plain_launch_starts_after_the_previous_kernel():
     with torch.cuda.stream(stream):
         for _ in range(2):  # the first call compiles
             _reset(values, copies, stamps)
-            _run(producer, consumer, values, copies, stamps, cuda.external_stream(stream.cuda_stream))
+            _run(producer, consumer, values, copies, stamps, stream)
             torch.cuda.synchronize()
     producer_end, consumer_start, _ = stamps.tolist()
     assert consumer_start >= producer_end
