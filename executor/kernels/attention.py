@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 
 from executor.kernels.codec import Codec
-from executor.kernels.grid_dependency import build_grid_dependency
 from executor.kernels.launch import Kernel
 from executor.kernels.reduce import threads_for
 from executor.numba_cuda import load_cuda
@@ -129,7 +128,6 @@ def build_paged_attention(
     D_PAD = D + 1  # K/V rows padded by one word: conflict-free column reads in the scores
     KB_PAD = KB + 1  # score rows carry the row's rescale factor alpha in column KB
     load, store = codec.load, codec.store
-    wait_for_prerequisites, launch_dependents = build_grid_dependency()
 
     @cuda.jit(device=True, inline=True)  # inlined in Numba IR: no separate device compile
     def locate(tile, page_indptr, last_page_len, q_indptr, positions, request_indices, qo_tile_indices,
@@ -294,8 +292,6 @@ def build_paged_attention(
         Latency-bound at decode sizes, so the loads go out together: the row's log-sum-exps in one
         round into shared memory, then MERGE_UNROLL chunks of a thread's partials before it adds any
         (a loop that adds as it loads waits a memory round trip per chunk). Sums run in chunk order."""
-        launch_dependents()
-        wait_for_prerequisites()  # the partials are the split kernel's (grid_dependency.py)
         lse_sh = cuda.shared.array(MAX_MERGE_CHUNKS, float32)
         values = cuda.local.array(MERGE_UNROLL, float32)
         t = cuda.blockIdx.x
@@ -439,9 +435,8 @@ class PagedAttention:
         if threads & (threads - 1) or threads < 32:
             raise ValueError(f"threads must be a power of two >= 32, got {threads}")
         self.head_dim, self.group_size, self.rows_per_tile, self.threads = head_dim, group_size, rows_per_tile, threads
-        self.direct, self.split, merge = (Kernel(kernel) for kernel in build_paged_attention(
+        self.direct, self.split, self.merge = (Kernel(kernel) for kernel in build_paged_attention(
             codec, head_dim, group_size, rows_per_tile, threads, block_keys))
-        self.merge = Kernel(merge.dispatcher, dependent_launch=True)
 
     def plan_tiles(self, q_indptr: Any, kv_lens: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
         """``plan_tiles`` with this launcher's rows_per_tile."""

@@ -48,7 +48,6 @@ import numpy as np
 
 from executor.kernels.attention import NEG_INF, PagedAttention, build_kv_staging, check_heads
 from executor.kernels.codec import Codec
-from executor.kernels.grid_dependency import build_grid_dependency
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS, Kernel
 from executor.kernels.reduce import build_group_sum
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
@@ -123,7 +122,6 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     launch_options = {} if simulator_enabled() or blocks_per_sm is None else {"launch_bounds": (NT, blocks_per_sm)}
     stage_pages = build_kv_staging(load, D, NT)[0]
     group_sum = build_group_sum()
-    wait_for_prerequisites, launch_dependents = build_grid_dependency()
 
     @cuda.jit(device=True, inline=True)
     def load_rows(cache, h, base, n, gid, lane, page_sh, offset_sh, buffer):
@@ -254,8 +252,6 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     @cuda.jit(**launch_options)
     def direct_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                       request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale):
-        launch_dependents()
-        wait_for_prerequisites()  # q and the new K/V rows are the previous kernel's (grid_dependency.py)
         s_sh = cuda.shared.array((2, GROUP_STATES), float32)
         page_sh = cuda.shared.array(SUB, int32)
         offset_sh = cuda.shared.array(SUB, int32)
@@ -277,8 +273,6 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     def split_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                      request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, partial_out,
                      partial_lse, scale):
-        launch_dependents()
-        wait_for_prerequisites()  # q and the new K/V rows are the previous kernel's (grid_dependency.py)
         s_sh = cuda.shared.array((2, GROUP_STATES), float32)
         page_sh = cuda.shared.array(SUB, int32)
         offset_sh = cuda.shared.array(SUB, int32)
@@ -334,7 +328,7 @@ class DecodeAttention:
             bound = min_blocks_per_sm(codec, head_dim, group_size) if blocks_per_sm == "auto" else blocks_per_sm
             direct, split = build_decode_attention(codec, head_dim, group_size, self.threads, round_keys,
                                                    blocks_per_sm=bound, unroll_keys=unroll_keys)
-            self.kernels = (Kernel(direct, dependent_launch=True), Kernel(split, dependent_launch=True))
+            self.kernels = (Kernel(direct), Kernel(split))
 
     def uses_vector(self, k_cache: Any, v_cache: Any) -> bool:
         """Whether a call with these caches runs this module's kernel (else the fallback's)."""

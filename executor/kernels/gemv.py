@@ -48,7 +48,6 @@ import numpy as np
 
 from executor.kernels.activation import build_swiglu
 from executor.kernels.codec import Codec
-from executor.kernels.grid_dependency import build_grid_dependency
 from executor.kernels.launch import WARP_THREADS, Kernel, multiprocessor_count
 from executor.kernels.norm import build_normalize, inv_rms_from_sum
 from executor.kernels.reduce import block_sum, build_group_sum
@@ -67,8 +66,6 @@ GEMV_WARPS = 4
 GEMV_BLOCKS_PER_SM = 4
 CHUNKS_PER_LANE = 8  # one row a warp
 SWIGLU_CHUNKS_PER_LANE = 4  # two rows (gate, up) a warp: the same 8 chunks of loads in flight
-#: Issue the first weight loads before waiting for the previous kernel (grid_dependency.py).
-PRELOAD_WEIGHTS = True
 #: The simulator runs every thread as a Python thread: 4 lanes a row there, in one-warp blocks. (Its
 #: run time grows much faster than a thread's work: a thread a row took 100 times as long on a tiny down
 #: projection.)
@@ -78,7 +75,7 @@ SIM_ROW_THREADS = 4
 def build_gemv_kernel(
     codec: Codec, batch: int, in_features: int, epilogue: str, *, normed: bool, round_before_weight: bool = True,
     chunks_per_lane: int = CHUNKS_PER_LANE, row_threads: int = WARP_THREADS, threads: int = GEMV_WARPS * WARP_THREADS,
-    launch_bounds: tuple[int, int] | None = None, preload_weights: bool = PRELOAD_WEIGHTS,
+    launch_bounds: tuple[int, int] | None = None,
 ) -> Callable[..., Any]:
     """Kernel ``(x [B, K], norm_weight [K], weight [N, K], out, eps f32, weight_offset f32)``, storage dtype
     of ``codec``, B = ``batch``, K = ``in_features`` (a whole number of 16-byte chunks; every row 16-byte
@@ -115,7 +112,6 @@ def build_gemv_kernel(
     group_sum = build_group_sum()
     normalize = build_normalize(codec, round_before_weight)
     swiglu = build_swiglu(codec)
-    wait_for_prerequisites, launch_dependents = build_grid_dependency()
     options = {"launch_bounds": launch_bounds} if launch_bounds and not simulator_enabled() else {}
 
     @cuda.jit(device=True, inline=True)
@@ -156,46 +152,34 @@ def build_gemv_kernel(
                         stage[b * in_features + c * lanes + j] = load(store(value))
         cuda.syncthreads()
 
-    @cuda.jit(device=True, inline=True)
-    def load_weights(weight, n, second, t, lane, w_buf):
-        """The lane's chunks of trip t of row group n (rows n and n + second for SWIGLU) into w_buf."""
-        for r in range(rows):
-            for u in range(chunks_per_lane):
-                c = (t * chunks_per_lane + u) * row_threads + lane
-                if whole_trips or c < chunks:
-                    load_vector(weight, (n + r * second, c * lanes), w_buf, (r * chunks_per_lane + u) * VECTOR_WORDS)
-
     @cuda.jit(**options)
     def gemv(x, norm_weight, weight, out, eps, weight_offset):
-        launch_dependents()
         lane = cuda.threadIdx.x % row_threads
         teams = threads // row_threads  # row groups a block works on at once
         shared = cuda.shared.array(0, float32)
         scratch = shared[stage_floats:]
+        if normed:
+            stage_normed(x, norm_weight, eps, weight_offset, shared, scratch)
         w_buf = cuda.local.array(weight_words, wtype)
         x_words = cuda.local.array(VECTOR_WORDS, wtype)
         x_chunk = cuda.local.array(lanes, float32)
         acc = cuda.local.array(accumulators, float32)
         groups = out.shape[1]  # output columns: a warp's rows give one
         second = weight.shape[0] // 2  # SWIGLU: the up row of gate row n is n + I
-        first_group = cuda.blockIdx.x * teams
-        if preload_weights and first_group + cuda.threadIdx.x // row_threads < groups:
-            # Weights are constant through a step: the first trip's loads go out before the wait, while the
-            # kernel before this one finishes (programmatic dependent launch).
-            load_weights(weight, first_group + cuda.threadIdx.x // row_threads, second, 0, lane, w_buf)
-        wait_for_prerequisites()  # x, hidden and out are the previous kernels' to finish
-        if normed:
-            stage_normed(x, norm_weight, eps, weight_offset, shared, scratch)
         # Every thread of a block takes the same number of trips (the simulator's sums have barriers).
-        for first in range(first_group, groups, cuda.gridDim.x * teams):
+        for first in range(cuda.blockIdx.x * teams, groups, cuda.gridDim.x * teams):
             n = first + cuda.threadIdx.x // row_threads
             active = n < groups
             for i in range(accumulators):
                 acc[i] = float32(0.0)
             if active:
                 for t in range(trips):
-                    if not (preload_weights and t == 0 and first == first_group):
-                        load_weights(weight, n, second, t, lane, w_buf)
+                    for r in range(rows):
+                        for u in range(chunks_per_lane):
+                            c = (t * chunks_per_lane + u) * row_threads + lane
+                            if whole_trips or c < chunks:
+                                load_vector(weight, (n + r * second, c * lanes), w_buf,
+                                            (r * chunks_per_lane + u) * VECTOR_WORDS)
                     for u in range(chunks_per_lane):
                         c = (t * chunks_per_lane + u) * row_threads + lane
                         if whole_trips or c < chunks:
@@ -276,8 +260,7 @@ class Gemv:
             kernel = self._kernels[key] = Kernel(build_gemv_kernel(
                 self.codec, batch, in_features, epilogue, normed=normed, round_before_weight=self.round_before_weight,
                 chunks_per_lane=SWIGLU_CHUNKS_PER_LANE if epilogue == SWIGLU else CHUNKS_PER_LANE,
-                row_threads=self.row_threads, threads=self.threads, launch_bounds=(self.threads, self.blocks_per_sm)),
-                dependent_launch=True)
+                row_threads=self.row_threads, threads=self.threads, launch_bounds=(self.threads, self.blocks_per_sm)))
         grid = max(1, min(self.num_sms * self.blocks_per_sm, -(-out_rows // self.teams)))
         shared_bytes = 4 * ((batch * in_features if normed else 0) + self.threads)
         kernel[grid, self.threads, stream, shared_bytes](x, norm_weight, weight, out, np.float32(eps),

@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from executor.kernels.grid_dependency import dependent_launch_supported
 from executor.numba_cuda import load_cuda, simulator_enabled
 
 #: Shared memory (static and dynamic together) a block may use without the opt-in attribute, which no
@@ -55,18 +54,11 @@ Packer = Callable[[Any, list], None]
 
 
 class Kernel:
-    """A Numba kernel (``cuda.jit`` dispatcher) that also launches cheaply with torch tensors.
+    """A Numba kernel (``cuda.jit`` dispatcher) that also launches cheaply with torch tensors."""
 
-    ``dependent_launch``: the kernel calls grid_dependency's ``wait_for_prerequisites`` in every
-    block before it touches what other kernels write, so its fast launches may overlap the previous
-    kernel (programmatic stream serialization) where the device supports it. Numba's own path
-    always launches plainly.
-    """
-
-    def __init__(self, dispatcher: Any, dependent_launch: bool = False) -> None:
+    def __init__(self, dispatcher: Any) -> None:
         self.dispatcher = dispatcher
         self.simulated = simulator_enabled()
-        self.dependent_launch = dependent_launch and dependent_launch_supported()
         if not self.simulated:
             from cuda.core import LaunchConfig, launch  # what Numba launches through
 
@@ -93,9 +85,8 @@ class Kernel:
         params: list = []
         for pack, value in zip(packers, args):
             pack(value, params)
-        config = self._config(grid=grid, block=block, shmem_size=shared_bytes,
-                              programmatic_stream_serialization=self.dependent_launch)
-        self._launch(self._core_stream(stream), config, kernel, *params)
+        self._launch(self._core_stream(stream), self._config(grid=grid, block=block, shmem_size=shared_bytes), kernel,
+                     *params)
 
     def _compile(self, args: tuple) -> tuple[Any, tuple[Packer, ...]] | None:
         """The overload Numba would launch for ``args`` (compiled now if new) and its packers."""

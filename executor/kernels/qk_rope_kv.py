@@ -38,7 +38,6 @@ from typing import Any, Callable
 import numpy as np
 
 from executor.kernels.codec import Codec
-from executor.kernels.grid_dependency import build_grid_dependency
 from executor.kernels.kv_cache import WriteKv, cache_slot
 from executor.kernels.launch import Kernel
 from executor.kernels.norm import inv_rms_from_sum
@@ -95,7 +94,6 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
     block_setup, store_cos_sin, head_squares, q_norm_rope = build_vector_head(codec, round_before_weight)
     k_norm_rope = build_vector_head(codec, round_before_weight, put_k_chunk)[3]
     group_sum = build_group_sum()
-    wait_for_prerequisites, launch_dependents = build_grid_dependency()
     lanes = lanes_for(codec)
     words = word_type(codec)
 
@@ -105,8 +103,6 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
     @cuda.jit(**launch_options)
     def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, eps, weight_offset, rotary_dim, theta,
                               group_threads, k_cache, v_cache, batch_indices, page_indices, page_indptr):
-        launch_dependents()
-        wait_for_prerequisites()  # q, k and v are the projection's to finish (grid_dependency.py)
         shared = cuda.shared.array(0, float32)  # dynamic: see norm.py
         lo = cuda.local.array(VECTOR_WORDS, words)  # a pair unit's first-half chunk, a pass-through or v chunk
         hi = cuda.local.array(VECTOR_WORDS, words)  # a pair unit's second-half chunk
@@ -184,8 +180,7 @@ class QkNormRopeWriteKv:
         self.qk_norm_rope = QkNormRopeInplace(codec, round_before_weight, min(max_threads, ROPE_MAX_THREADS),
                                               vectorize=vectorize)
         self.write_kv = WriteKv()
-        self.kernel = Kernel(build_qk_norm_rope_write_kv_kernel(codec, round_before_weight),
-                             dependent_launch=True) if vectorize else None
+        self.kernel = Kernel(build_qk_norm_rope_write_kv_kernel(codec, round_before_weight)) if vectorize else None
         self.lanes = lanes_for(codec)
 
     def uses_vector(self, q: Any, k: Any, v: Any, q_weight: Any, k_weight: Any, k_cache: Any, v_cache: Any,

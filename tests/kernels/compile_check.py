@@ -49,7 +49,6 @@ from executor.kernels.codec import build_codec
 # Without a driver, device functions ask the (absent) current device for its
 # compute capability; pretend an H200 so NVVM compiles the whole kernel.
 dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))
-cuda.get_current_device = dispatcher.get_current_device  # grid_dependency asks here
 DTYPES = {tuple(DTYPES)!r}
 ELEMENT = {{"float32": types.float32, "bfloat16": types.int16, "int32": types.int32, "uint32": types.uint32}}
 ALLOW_F64 = sys.argv[1] == "allow-f64"
