@@ -90,7 +90,8 @@ def staged_bytes(head_dim: int, keys: int) -> int:
     return 2 * 4 * keys * (head_dim // 2 + PAD_WORDS)
 
 
-def build_flash_attention(head_dim: int, keys: int, group: int, warps: int) -> Callable[..., Any]:
+def build_flash_attention(head_dim: int, keys: int, group: int, warps: int,
+                          blocks_per_sm: int | None = None) -> Callable[..., Any]:
     """Kernel ``(q [rows, Hq, D/2], k, v [Hkv, >= kv_len, D/2], out [rows, Hq, D/2] int32 words,
     rows, kv_len, first_position int32, scale_log2 f32)``; grid (ceil(rows / (16 warps)), Hq),
     32 warps threads, 128 warps bytes of dynamic shared memory (the simulator's quad reductions).
@@ -217,7 +218,9 @@ def build_flash_attention(head_dim: int, keys: int, group: int, warps: int) -> C
             o[4 * j + first] *= alpha
             o[4 * j + first + 1] *= alpha
 
-    @cuda.jit
+    options = {} if simulator_enabled() or blocks_per_sm is None else {"launch_bounds": (THREADS, blocks_per_sm)}
+
+    @cuda.jit(**options)
     def flash_attention(q, k, v, out, rows, kv_len, first_position, scale_log2):
         scratch = cuda.shared.array(0, float32)  # the simulator's quad reductions
         ks = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
