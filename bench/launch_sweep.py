@@ -102,8 +102,7 @@ def attention_call(env: Env, heads: Heads, shape: AttentionShape, general: Any) 
     scratch = {}
     if shape.kv_chunk:
         scratch = {"partial_out": torch.empty(b, max_splits, heads.q, heads.dim, device=env.device),
-                   "partial_lse": torch.empty(b, max_splits, heads.q, device=env.device),
-                   "split_counters": torch.zeros(b, heads.kv, dtype=torch.int32, device=env.device)}
+                   "partial_lse": torch.empty(b, max_splits, heads.q, device=env.device)}
     bits = lambda x: x.view(torch.int16)  # noqa: E731
     args = (bits(q), bits(k_cache), bits(v_cache), *meta, bits(out), heads.dim ** -0.5)
 

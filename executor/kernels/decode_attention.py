@@ -3,8 +3,8 @@
 A decode step reads every cached key and value once and does a few FLOPs per
 byte, so the kernel is built around keeping K/V bytes in flight. It serves the
 decode pool only, with attention.py's metadata and tile scheme (``plan_tiles``:
-tile = request ``b`` and kv chunk ``c``; split tiles write partials, and the
-last of a row's tiles to finish merges them: no merge launch).
+tile = request ``b`` and kv chunk ``c``; split tiles write partials that
+attention.py's ``merge_kernel`` combines).
 
 - Block (tile, kv head h), ``NT`` threads. A K/V row of D elements is
   ``D / E`` 16-byte chunks (E = 8 bf16 or 4 float32); a group of ``L`` lanes
@@ -21,13 +21,6 @@ last of a row's tiles to finish merges them: no merge launch).
   waits for another group. The groups meet once, at the end, in shared memory.
   Page ids come through shared memory in rounds of ``ROUND_KEYS`` keys (one
   runtime division per key, not per lane; two barriers a round).
-- Split rows merge in the kernel (CUDA's threadFenceReduction pattern): a split tile
-  writes its partial output and log-sum-exp, fences, and counts itself in
-  ``split_counters[row, h]`` (one atomic); the tile that brings the count to the row's
-  chunks merges every chunk's partials as attention.py's ``merge_kernel`` does (same sums,
-  same order) and sets the count back to 0 for the next launch. The merge launch it
-  replaces cost 4.9 us a layer at batch 1 on Qwen3-8B (H200, profiled), for a few reads
-  from L2.
 - Residency: the kernel wants about 160 registers a thread; held to 128 by
   ``launch_bounds`` (NT threads, 4 blocks an SM) where q and the output take
   at most 64 of them, ptxas spills nothing and an SM keeps 16 warps.
@@ -53,9 +46,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from executor.kernels.attention import (
-    MAX_MERGE_CHUNKS, MERGE_UNROLL, NEG_INF, PagedAttention, build_kv_staging, check_heads,
-)
+from executor.kernels.attention import NEG_INF, PagedAttention, build_kv_staging, check_heads
 from executor.kernels.codec import Codec
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS, Kernel
 from executor.kernels.reduce import build_group_sum
@@ -85,12 +76,10 @@ def key_lanes(codec: Codec, head_dim: int) -> int | None:
 
 def shared_bytes(codec: Codec, head_dim: int, group_size: int, threads: int, round_keys: int) -> int:
     """Static shared memory of one block: the round's page ids and offsets, the groups' (max, sum)
-    and partial outputs, the merged softmax state, the simulator's reduction scratch and the split
-    kernel's merge (4-byte words)."""
+    and partial outputs, the merged softmax state and the simulator's reduction scratch (4-byte words)."""
     groups = threads // key_lanes(codec, head_dim)
     words = 2 * round_keys + 2 * groups * group_size + groups * group_size * head_dim + 3 * group_size + threads
-    merge_words = group_size * MAX_MERGE_CHUNKS + 1  # the split kernel's: log-sum-exps and the merging flag
-    return 4 * (words + merge_words)
+    return 4 * words
 
 
 def min_blocks_per_sm(codec: Codec, head_dim: int, group_size: int) -> int | None:
@@ -109,10 +98,8 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
 
     Direct: ``(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
     request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale)``, every tile
-    covering its whole row. Split: the same with ``partial_out, partial_lse, split_counters`` after
-    ``out``; rows of several chunks write partials, and the row's last tile to finish merges them
-    into ``out`` (``split_counters`` int32 [rows, Hkv], zero before the launch and after it).
-    Grid (tiles, Hkv), ``threads`` threads. The K/V
+    covering its whole row. Split: the same with ``partial_out, partial_lse`` after ``out``; rows of
+    several chunks write those instead of ``out``. Grid (tiles, Hkv), ``threads`` threads. The K/V
     cache rows must be 16-byte aligned (the launcher checks).
     """
     load, store = codec.load, codec.store
@@ -130,7 +117,6 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     U = unroll_keys
     BUFFER_WORDS = U * CPL * VECTOR_WORDS
     SCORES = U * G  # a batch's scores, one per key and head
-    MERGE_CHUNKS = MAX_MERGE_CHUNKS  # the split scratch's deepest (the merging tile's log-sum-exps)
     GROUP_STATES = KPP * G  # (max, sum) of every lane group and head, where the groups meet
     # The simulator's jit takes no launch_bounds; on the GPU they cap registers for residency.
     launch_options = {} if simulator_enabled() or blocks_per_sm is None else {"launch_bounds": (NT, blocks_per_sm)}
@@ -263,34 +249,6 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         cuda.syncthreads()
         return row, c, last // chunk + 1
 
-    @cuda.jit(device=True, inline=True)
-    def merge_partials(partial_out, partial_lse, out, row, h, merged, lse_sh, tid):
-        """out[row, h G + g] = sum_c w_c partial_out[row, c, h G + g] over the ``merged`` chunks,
-        w_c = exp(lse_c - max lse) / sum: attention.py's merge_kernel, the same sums in the same
-        order, for the block's G heads."""
-        for j in range(tid, G * merged, NT):
-            g = j // merged
-            lse_sh[g, j - g * merged] = partial_lse[row, j - g * merged, h * G + g]
-        cuda.syncthreads()
-        values = cuda.local.array(MERGE_UNROLL, float32)
-        for j in range(tid, G * D, NT):
-            g = j // D
-            d = j - g * D
-            top = NEG_INF
-            for k in range(merged):
-                top = max(top, lse_sh[g, k])
-            weight_sum = float32(0.0)
-            for k in range(merged):
-                weight_sum += float32(math.exp(lse_sh[g, k] - top))
-            total = float32(0.0)
-            for k0 in range(0, merged, MERGE_UNROLL):
-                for u in range(MERGE_UNROLL):  # clamped: a valid address; only chunks < merged are added
-                    values[u] = partial_out[row, min(k0 + u, merged - 1), h * G + g, d]
-                for u in range(MERGE_UNROLL):
-                    if k0 + u < merged:
-                        total += float32(math.exp(lse_sh[g, k0 + u] - top)) * values[u]
-            out[row, h * G + g, d] = store(total / weight_sum)
-
     @cuda.jit(**launch_options)
     def direct_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                       request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale):
@@ -314,53 +272,29 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     @cuda.jit(**launch_options)
     def split_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                      request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, partial_out,
-                     partial_lse, split_counters, scale):
+                     partial_lse, scale):
         s_sh = cuda.shared.array((2, GROUP_STATES), float32)
         page_sh = cuda.shared.array(SUB, int32)
         offset_sh = cuda.shared.array(SUB, int32)
         state_sh = cuda.shared.array((3, G), float32)
         part_sh = cuda.shared.array((KPP, G, D), float32)
         scratch = cuda.shared.array(NT, float32)
-        lse_sh = cuda.shared.array((G, MERGE_CHUNKS), float32)
-        merging_sh = cuda.shared.array(1, int32)
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
                                     scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
         if row < 0:
             return
         h = cuda.blockIdx.y
-        tid = cuda.threadIdx.x
-        depth = partial_out.shape[1]  # chunks past the scratch are dropped, as merge_kernel drops them
-        if num_chunks > 1 and c >= depth:
-            return
-        for j in range(tid, G * D, NT):
+        for j in range(cuda.threadIdx.x, G * D, NT):
             g = j // D
             d = j - g * D
             head = h * G + g
             if num_chunks == 1:
                 out[row, head, d] = store(part_sh[0, g, d])
-            else:
+            elif c < partial_out.shape[1]:
                 partial_out[row, c, head, d] = part_sh[0, g, d]
                 if d == 0:
                     partial_lse[row, c, head] = state_sh[0, g] + math.log(state_sh[1, g])
-        if num_chunks == 1:
-            return
-        # The row's last tile to finish merges (CUDA's threadFenceReduction): the partials go out
-        # device-wide before the count says so; the last arrival resets the count for the next launch.
-        merged = min(num_chunks, depth)
-        cuda.threadfence()
-        cuda.syncthreads()
-        if tid == 0:
-            arrived = cuda.atomic.add(split_counters, (row, h), 1) + 1
-            merging_sh[0] = int32(0)
-            if arrived == merged:
-                merging_sh[0] = int32(1)
-                split_counters[row, h] = 0
-        cuda.syncthreads()
-        if merging_sh[0] == 0:
-            return
-        cuda.threadfence()  # the other tiles' partials, not anything read before the count
-        merge_partials(partial_out, partial_lse, out, row, h, merged, lse_sh, tid)
 
     return direct_kernel, split_kernel
 
@@ -370,7 +304,7 @@ class DecodeAttention:
 
     Same arguments as ``PagedAttention.__call__`` (rows_per_tile 1). ``fallback`` is the step's
     general attention launcher: it runs calls this kernel cannot (unaligned cache rows, a row that
-    no power-of-two lane group splits evenly), with its own merge launch for split tiles.
+    no power-of-two lane group splits evenly), and its merge kernel combines split tiles.
 
     The launch configuration defaults to the measured one (module docstring; bench/launch_sweep.py
     sweeps it): ``threads`` a block, ``round_keys`` page ids staged a round, ``unroll_keys`` keys a
@@ -403,16 +337,13 @@ class DecodeAttention:
     def __call__(self, q: Any, k_cache: Any, v_cache: Any, page_indices: Any, page_indptr: Any, last_page_len: Any,
                  q_indptr: Any, batch_indices: Any, positions: Any, request_indices: Any, qo_tile_indices: Any,
                  kv_tile_indices: Any, kv_chunk_size: Any, total_num_rows: Any, out: Any, scale: float,
-                 partial_out: Any = None, partial_lse: Any = None, split_counters: Any = None,
-                 stream: Any = 0) -> None:
+                 partial_out: Any = None, partial_lse: Any = None, stream: Any = 0) -> None:
         """Write ``out [B, Hq, D]`` for B decode rows (row b is request b's only query).
 
         q [B, Hq, D] (strided views allowed), k_cache/v_cache [pages, S, Hkv, D], storage dtype of the
         codec; int32 metadata as for PagedAttention (qo_tile_indices is unused: one row per request).
-        Split tiles need float32 ``partial_out [B, splits, Hq, D]`` and ``partial_lse [B, splits, Hq]``
-        and int32 ``split_counters [B, Hkv]``, zero (the kernel leaves them zero); the kernel merges
-        the splits itself (the fallback launches a merge and leaves the counters alone). Without them
-        every tile must cover its whole row.
+        Split tiles need float32 ``partial_out [B, splits, Hq, D]`` and ``partial_lse [B, splits, Hq]``;
+        a merge launch (B x Hq) then follows. Without them every tile must cover its whole row.
         """
         if not self.uses_vector(k_cache, v_cache):
             self.fallback(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, batch_indices,
@@ -430,9 +361,6 @@ class DecodeAttention:
         if partial_out is None:
             direct[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, scale32)
             return
-        if split_counters is None or tuple(split_counters.shape) != (num_rows, num_kv_heads):
-            shape = None if split_counters is None else tuple(split_counters.shape)
-            raise ValueError(f"decode attention: split tiles need split_counters [{num_rows}, {num_kv_heads}], "
-                             f"got {shape}")
-        split[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, partial_out, partial_lse, split_counters,
-                                          scale32)
+        split[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, partial_out, partial_lse, scale32)
+        self.fallback.merge_splits(partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows,
+                                   out, stream)

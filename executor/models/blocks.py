@@ -69,8 +69,8 @@ class FullAttention:
         attn_out = step.role("attn_out").view(n, self.q_heads, d)
         decode = step.pool == "decode"
         attention = k_.decode_attention if decode else k_.attention
-        split = (step.role("attn_partial_out"), step.role("attn_partial_lse"), step.role("attn_split_counters")) if (
-            self.split_decode and decode) else ()
+        split = (step.role("attn_partial_out"), step.role("attn_partial_lse")) if (
+            self.split_decode and decode) else (None, None)
         if step.num_tiles:  # none when every chunk of the step is a long one (long_prefill_attention)
             attention(
                 q, self.k_cache, self.v_cache, *(step.meta(name) for name in (

@@ -59,10 +59,6 @@ class DecoderModel:
         # The last step's sampled ids, which a token id -(r + 1) names (kernels/embedding.py): the
         # embedding reads them before this step's sampler overwrites them (stream order).
         self.previous_ids = arena.tensor("sampling", "sampled_ids")
-        if "attn_split_counters" in arena.names("decode"):
-            # Split decode attention counts its tiles here and leaves zeros (kernels/decode_attention.py);
-            # materialize poisoned the pool.
-            arena.tensor("decode", "attn_split_counters").zero_()
         self.graphs: DecodeGraphs | None = None
 
     def _layer(self, index: int, build_mixer: MixerBuilder, gemm: GemmProjections | None) -> Layer:

@@ -49,22 +49,17 @@ def run_decode(dtype_name: str, group: int, kv_chunk: int | None, seed: int, mis
     capacity = num_rows * max_splits + 2  # a graph-sized grid: the -1 tail must be skipped
     buffers = tuple(np.zeros(capacity, np.int32) for _ in range(3)) + (np.zeros(num_rows, np.int32),)
     plan_tiles(meta["q_indptr"], meta["kv_lens"], kv_chunk=kv_chunk, max_splits=max_splits, out=buffers)
-    split = {}
+    partial_out = partial_lse = None
     if kv_chunk:
-        split = {"partial_out": np.full((num_rows, max_splits, num_q_heads, HEAD_DIM), np.nan, np.float32),
-                 "partial_lse": np.full((num_rows, max_splits, num_q_heads), np.nan, np.float32),
-                 "split_counters": np.zeros((num_rows, NUM_KV_HEADS), np.int32)}
+        partial_out = np.full((num_rows, max_splits, num_q_heads, HEAD_DIM), np.nan, np.float32)
+        partial_lse = np.full((num_rows, max_splits, num_q_heads), np.nan, np.float32)
+    attention(q, k_cache, v_cache, meta["page_indices"], meta["page_indptr"], meta["last_page_len"],
+              meta["q_indptr"], meta["batch_indices"], meta["positions"], buffers[0], buffers[1], buffers[2],
+              buffers[3], meta["total_num_rows"], out, scale, partial_out=partial_out, partial_lse=partial_lse)
     expected = reference(from_storage(np.ascontiguousarray(qproj[..., :HEAD_DIM]), dtype_name),
                          from_storage(pool[:, 1, 0], dtype_name), from_storage(pool[:, 1, 1], dtype_name),
                          meta, scale)
-    for _ in range(2 if kv_chunk else 1):  # the second launch finds the counts the first left
-        attention(q, k_cache, v_cache, meta["page_indices"], meta["page_indptr"], meta["last_page_len"],
-                  meta["q_indptr"], meta["batch_indices"], meta["positions"], buffers[0], buffers[1], buffers[2],
-                  buffers[3], meta["total_num_rows"], out, scale, **split)
-        assert_close_rel(from_storage(out.copy_to_host(), dtype_name), expected, TOL[dtype_name])
-        if kv_chunk:
-            assert not split["split_counters"].any(), "the merging tiles leave the counts at zero"
-        out.copy_to_device(poisoned((num_rows, num_q_heads, HEAD_DIM), dtype_name))
+    assert_close_rel(from_storage(out.copy_to_host(), dtype_name), expected, TOL[dtype_name])
 
 
 @pytest.mark.parametrize("dtype_name,group,kv_chunk", [
@@ -93,8 +88,7 @@ def test_decode_attention_compiles_for_sm90():
             if which == "direct":
                 text = ptx(direct, arr3, arr4, arr4, *meta, arr3, types.float32)
             else:
-                text = ptx(split, arr3, arr4, arr4, *meta, arr3, arr("float32", 4), arr("float32", 3), arr("int32", 2),
-                           types.float32)
+                text = ptx(split, arr3, arr4, arr4, *meta, arr3, arr("float32", 4), arr("float32", 3), types.float32)
             assert "ld.global.v4" in text, f"{name}: no 16-byte K/V loads"
             assert ".local" not in text, f"{name}: q, accumulators or chunk buffers in local memory"
         """
@@ -128,15 +122,12 @@ def test_decode_attention_gpu_bf16_long_contexts(num_q_heads, num_kv_heads, head
     tiles = [torch.as_tensor(a, device=device) for a in tiles]
     partial_out = torch.empty(len(batch), max_splits, num_q_heads, head_dim, device=device)
     partial_lse = torch.empty(len(batch), max_splits, num_q_heads, device=device)
-    split_counters = torch.zeros(len(batch), num_kv_heads, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
     attention(q.view(torch.int16), k_cache.view(torch.int16), v_cache.view(torch.int16), dev["page_indices"],
               dev["page_indptr"], dev["last_page_len"], dev["q_indptr"], dev["batch_indices"], dev["positions"],
               *tiles, dev["total_num_rows"], out.view(torch.int16), scale, partial_out=partial_out,
-              partial_lse=partial_lse, split_counters=split_counters,
-              stream=cuda.external_stream(torch.cuda.current_stream().cuda_stream))
+              partial_lse=partial_lse, stream=cuda.external_stream(torch.cuda.current_stream().cuda_stream))
     torch.cuda.synchronize()
-    assert not split_counters.any(), "the merging tiles leave the counts at zero"
     for b, (_, kv_len) in enumerate(batch):
         pages = torch.as_tensor(meta["page_lists"][b], device=device, dtype=torch.long)
         keys = k_cache[pages].flatten(0, 1)[:kv_len].transpose(0, 1).double()
