@@ -42,8 +42,7 @@ kernel: its vector accesses and reductions are emulated (vector.py, reduce.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -90,29 +89,9 @@ def min_blocks_per_sm(codec: Codec, head_dim: int, group_size: int) -> int | Non
     return MIN_BLOCKS_PER_SM if 2 * group_size * lane_elements <= CAPPED_REGISTER_VALUES else None
 
 
-@dataclass(frozen=True)
-class DecodeParts:
-    """One build's device functions and sizes, for kernels built around them (``finish``;
-    decode_rope_attention.py): ``locate``, ``attend``, ``store_direct`` and ``store_split`` as the
-    kernels below call them; ``lanes`` L a K/V row, ``groups`` KPP lane groups a block."""
-
-    head_dim: int
-    group_size: int
-    threads: int
-    lanes: int
-    round_keys: int
-    groups: int
-    launch_options: dict
-    locate: Any
-    attend: Any
-    store_direct: Any
-    store_split: Any
-
-
 def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads: int,
                            round_keys: int = ROUND_KEYS, blocks_per_sm: int | None = None,
-                           unroll_keys: int = UNROLL_KEYS,
-                           finish: Callable[[DecodeParts], tuple[Any, Any]] | None = None) -> tuple[Any, Any]:
+                           unroll_keys: int = UNROLL_KEYS) -> tuple[Any, Any]:
     """(direct kernel, split kernel) for one codec and head shape; D, G and NT size registers and shared memory.
     ``blocks_per_sm``: the launch bound (None: none); ``unroll_keys``: keys a lane group loads before
     using any.
@@ -121,8 +100,7 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale)``, every tile
     covering its whole row. Split: the same with ``partial_out, partial_lse`` after ``out``; rows of
     several chunks write those instead of ``out``. Grid (tiles, Hkv), ``threads`` threads. The K/V
-    cache rows must be 16-byte aligned (the launcher checks). ``finish``: return its kernels,
-    built from this build's parts, instead.
+    cache rows must be 16-byte aligned (the launcher checks).
     """
     load, store = codec.load, codec.store
     get_lane = build_lanes(codec)[0]
@@ -155,17 +133,24 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
                             (u * CPL + ci) * VECTOR_WORDS)
 
     @cuda.jit(device=True, inline=True)
-    def locate(page_indptr, last_page_len, q_indptr, positions, request_indices, kv_tile_indices, kv_chunk_size,
-               total_num_rows, page_size):
-        """The block's tile: (row, request b, chunk c, the row's last position, keys k0..k1, chunks of
-        the row); row -1: nothing to do (uniform per block, decided before any barrier)."""
+    def attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
+               request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale,
+               s_sh, page_sh, offset_sh, state_sh, part_sh, scratch):
+        """Leave the tile's normalised output of head g, element d in ``part_sh[0, g, d]`` and its
+        (max, sum) in ``state_sh[0, g]``, ``state_sh[1, g]`` (natural-log units). Returns (row,
+        chunk index, chunks of the row); row -1: nothing to do (uniform per block, decided before
+        any barrier). Scores are in log2 units inside (q scaled by scale * log2(e)): every
+        exponent is one exp2."""
         tile = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
         b = request_indices[tile]
         if b < 0:  # padding tile (a graph's fixed grid)
-            return -1, 0, 0, 0, 0, 0, 0
+            return -1, 0, 0
         row = q_indptr[b]
         if row >= int32(total_num_rows[0]):
-            return -1, 0, 0, 0, 0, 0, 0
+            return -1, 0, 0
+        page_size = k_cache.shape[1]
         kv_len = (page_indptr[b + 1] - page_indptr[b] - 1) * page_size + last_page_len[b]
         chunk = kv_chunk_size[b]
         c = kv_tile_indices[tile]
@@ -173,29 +158,11 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         k0 = c * chunk
         k1 = min(k0 + chunk, last + 1, kv_len)
         if k0 >= k1:
-            return -1, 0, 0, 0, 0, 0, 0
-        return row, b, c, last, k0, k1, last // chunk + 1
-
-    @cuda.jit(device=True, inline=True)
-    def load_q(q, row, h, lane, q_scale, q_lane):
-        """The lane's elements of the G heads' q rows (as stored), times q_scale."""
-        for g in range(G):
-            for ci in range(CPL):
-                for e in range(E):
-                    q_lane[(g * CPL + ci) * E + e] = load(q[row, h * G + g, (lane + ci * L) * E + e]) * q_scale
-
-    @cuda.jit(device=True, inline=True)
-    def attend(q_lane, k_cache, v_cache, page_indices, page_base, k0, k1, s_sh, page_sh, offset_sh, state_sh,
-               part_sh, scratch):
-        """Leave the tile's normalised output of head g, element d in ``part_sh[0, g, d]`` and its
-        (max, sum) in ``state_sh[0, g]``, ``state_sh[1, g]`` (natural-log units), for keys k0..k1 and
-        the lane's q elements ``q_lane`` (scaled by scale * log2(e): scores are in log2 units inside,
-        every exponent one exp2). Starts with a barrier."""
-        h = cuda.blockIdx.y
-        tid = cuda.threadIdx.x
-        page_size = k_cache.shape[1]
+            return -1, 0, 0
+        page_base = page_indptr[b]
         lane = tid % L
         gid = tid // L
+        q_lane = cuda.local.array(ACC, float32)
         acc = cuda.local.array(ACC, float32)
         row_f = cuda.local.array(LANE_ELEMENTS, float32)
         k_buffer = cuda.local.array(BUFFER_WORDS, words)
@@ -204,11 +171,13 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         # The group's running maximum (finite start: a group with no key yet keeps alpha = 1) and sum.
         top = cuda.local.array(G, float32)
         total = cuda.local.array(G, float32)
+        q_scale = scale * float32(LOG2_E)
         for g in range(G):
             top[g] = float32(-1e30)
             total[g] = float32(0.0)
-            for ci in range(CPL):  # nested constant loops, as the q loads: unrolled, so acc stays in registers
+            for ci in range(CPL):
                 for e in range(E):
+                    q_lane[(g * CPL + ci) * E + e] = load(q[row, h * G + g, (lane + ci * L) * E + e]) * q_scale
                     acc[(g * CPL + ci) * E + e] = float32(0.0)
 
         for r0 in range(k0, k1, SUB):
@@ -278,33 +247,7 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
                 state_sh[0, g] = best * float32(LN_2)
                 state_sh[1, g] = weight_sum
         cuda.syncthreads()
-
-    @cuda.jit(device=True, inline=True)
-    def store_direct(out, row, part_sh):
-        h = cuda.blockIdx.y
-        for j in range(cuda.threadIdx.x, G * D, NT):
-            g = j // D
-            d = j - g * D
-            out[row, h * G + g, d] = store(part_sh[0, g, d])
-
-    @cuda.jit(device=True, inline=True)
-    def store_split(out, partial_out, partial_lse, row, c, num_chunks, part_sh, state_sh):
-        h = cuda.blockIdx.y
-        for j in range(cuda.threadIdx.x, G * D, NT):
-            g = j // D
-            d = j - g * D
-            head = h * G + g
-            if num_chunks == 1:
-                out[row, head, d] = store(part_sh[0, g, d])
-            elif c < partial_out.shape[1]:
-                partial_out[row, c, head, d] = part_sh[0, g, d]
-                if d == 0:
-                    partial_lse[row, c, head] = state_sh[0, g] + math.log(state_sh[1, g])
-
-    if finish is not None:
-        return finish(DecodeParts(head_dim=D, group_size=G, threads=NT, lanes=L, round_keys=SUB, groups=KPP,
-                                  launch_options=launch_options, locate=locate, attend=attend,
-                                  store_direct=store_direct, store_split=store_split))
+        return row, c, last // chunk + 1
 
     @cuda.jit(**launch_options)
     def direct_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
@@ -315,16 +258,16 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         state_sh = cuda.shared.array((3, G), float32)
         part_sh = cuda.shared.array((KPP, G, D), float32)
         scratch = cuda.shared.array(NT, float32)  # the simulator's group reductions
-        q_lane = cuda.local.array(ACC, float32)
-        row, b, c, last, k0, k1, num_chunks = locate(page_indptr, last_page_len, q_indptr, positions,
-                                                     request_indices, kv_tile_indices, kv_chunk_size,
-                                                     total_num_rows, k_cache.shape[1])
+        row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
+                                    positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
+                                    scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
         if row < 0:
             return
-        load_q(q, row, cuda.blockIdx.y, cuda.threadIdx.x % L, scale * float32(LOG2_E), q_lane)
-        attend(q_lane, k_cache, v_cache, page_indices, page_indptr[b], k0, k1, s_sh, page_sh, offset_sh, state_sh,
-               part_sh, scratch)
-        store_direct(out, row, part_sh)
+        h = cuda.blockIdx.y
+        for j in range(cuda.threadIdx.x, G * D, NT):
+            g = j // D
+            d = j - g * D
+            out[row, h * G + g, d] = store(part_sh[0, g, d])
 
     @cuda.jit(**launch_options)
     def split_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
@@ -336,16 +279,22 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         state_sh = cuda.shared.array((3, G), float32)
         part_sh = cuda.shared.array((KPP, G, D), float32)
         scratch = cuda.shared.array(NT, float32)
-        q_lane = cuda.local.array(ACC, float32)
-        row, b, c, last, k0, k1, num_chunks = locate(page_indptr, last_page_len, q_indptr, positions,
-                                                     request_indices, kv_tile_indices, kv_chunk_size,
-                                                     total_num_rows, k_cache.shape[1])
+        row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
+                                    positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
+                                    scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
         if row < 0:
             return
-        load_q(q, row, cuda.blockIdx.y, cuda.threadIdx.x % L, scale * float32(LOG2_E), q_lane)
-        attend(q_lane, k_cache, v_cache, page_indices, page_indptr[b], k0, k1, s_sh, page_sh, offset_sh, state_sh,
-               part_sh, scratch)
-        store_split(out, partial_out, partial_lse, row, c, num_chunks, part_sh, state_sh)
+        h = cuda.blockIdx.y
+        for j in range(cuda.threadIdx.x, G * D, NT):
+            g = j // D
+            d = j - g * D
+            head = h * G + g
+            if num_chunks == 1:
+                out[row, head, d] = store(part_sh[0, g, d])
+            elif c < partial_out.shape[1]:
+                partial_out[row, c, head, d] = part_sh[0, g, d]
+                if d == 0:
+                    partial_lse[row, c, head] = state_sh[0, g] + math.log(state_sh[1, g])
 
     return direct_kernel, split_kernel
 
@@ -368,19 +317,17 @@ class DecodeAttention:
                  blocks_per_sm: int | None | Literal["auto"] = "auto"):
         self.head_dim, self.group_size, self.fallback = head_dim, group_size, fallback
         self.threads = threads or (32 if simulator_enabled() else 128)
-        self.round_keys, self.unroll_keys = round_keys, unroll_keys
         self.kernels: tuple[Kernel, Kernel] | None = None
-        self.lanes = lanes = key_lanes(codec, head_dim)
-        self.blocks_per_sm = min_blocks_per_sm(codec, head_dim, group_size) if (
-            lanes is not None and blocks_per_sm == "auto") else blocks_per_sm
+        lanes = key_lanes(codec, head_dim)
         if lanes is not None and self.threads % lanes == 0:
             needed = shared_bytes(codec, head_dim, group_size, self.threads, round_keys)
             if needed > SHARED_LIMIT_BYTES:
                 raise ValueError(f"decode attention: D={head_dim}, G={group_size}, {self.threads} threads, "
                                  f"rounds of {round_keys} keys need {needed} bytes of shared memory, "
                                  f"limit {SHARED_LIMIT_BYTES}")
+            bound = min_blocks_per_sm(codec, head_dim, group_size) if blocks_per_sm == "auto" else blocks_per_sm
             direct, split = build_decode_attention(codec, head_dim, group_size, self.threads, round_keys,
-                                                   blocks_per_sm=self.blocks_per_sm, unroll_keys=unroll_keys)
+                                                   blocks_per_sm=bound, unroll_keys=unroll_keys)
             self.kernels = (Kernel(direct), Kernel(split))
 
     def uses_vector(self, k_cache: Any, v_cache: Any) -> bool:

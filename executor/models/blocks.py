@@ -62,23 +62,24 @@ class FullAttention:
             q = q_part.view(n, self.q_heads, d)
         k = qkv[:, self.q_rows : self.q_rows + self.kv_rows].view(n, self.kv_heads, d)
         v = qkv[:, self.q_rows + self.kv_rows :].view(n, self.kv_heads, d)
+        positions = step.meta("positions")
+        k_.qk_norm_rope_write_kv(q, k, v, self.q_norm, self.k_norm, positions, self.eps, self.norm.weight_offset,
+                                 self.rotary_dim, self.theta, self.k_cache, self.v_cache, step.meta("batch_indices"),
+                                 step.meta("page_indices"), step.meta("page_indptr"), stream=step.stream)
         attn_out = step.role("attn_out").view(n, self.q_heads, d)
-        meta = tuple(step.meta(name) for name in (
-            "page_indices", "page_indptr", "last_page_len", "q_indptr", "batch_indices", "positions",
-            "request_indices", "qo_tile_indices", "kv_tile_indices", "kv_chunk_size", "total_num_rows"))
-        rope = (self.q_norm, self.k_norm, self.eps, self.norm.weight_offset, self.rotary_dim, self.theta)
-        if step.pool == "decode":  # one launch with the q/k norm + RoPE + KV write where it fits
-            split = (step.role("attn_partial_out"), step.role("attn_partial_lse")) if self.split_decode else ()
-            k_.decode_attention(q, k, v, *rope, self.k_cache, self.v_cache, *meta, attn_out, self.scale, *split,
-                                stream=step.stream)
-        else:
-            k_.qk_norm_rope_write_kv(q, k, v, *rope[:2], step.meta("positions"), *rope[2:], self.k_cache,
-                                     self.v_cache, step.meta("batch_indices"), step.meta("page_indices"),
-                                     step.meta("page_indptr"), stream=step.stream)
-            if step.num_tiles:  # none when every chunk of the step is a long one (long_prefill_attention)
-                k_.attention(q, self.k_cache, self.v_cache, *meta, attn_out, self.scale, stream=step.stream)
-            if step.long_prefill_requests:  # the long prefill chunks, which got no paged-attention tile
-                self.long_prefill_attention(step, q, attn_out)
+        decode = step.pool == "decode"
+        attention = k_.decode_attention if decode else k_.attention
+        split = (step.role("attn_partial_out"), step.role("attn_partial_lse")) if (
+            self.split_decode and decode) else (None, None)
+        if step.num_tiles:  # none when every chunk of the step is a long one (long_prefill_attention)
+            attention(
+                q, self.k_cache, self.v_cache, *(step.meta(name) for name in (
+                    "page_indices", "page_indptr", "last_page_len", "q_indptr", "batch_indices", "positions",
+                    "request_indices", "qo_tile_indices", "kv_tile_indices", "kv_chunk_size", "total_num_rows")),
+                attn_out, self.scale, *split, stream=step.stream,
+            )
+        if step.long_prefill_requests:  # the long prefill chunks, which got no paged-attention tile
+            self.long_prefill_attention(step, q, attn_out)
         if self.output_gate:
             k_.output_gate(attn_out, gate, stream=step.stream)
         self.proj.residual(step, step.role("attn_out"), self.o_weight)

@@ -12,7 +12,6 @@ from executor.kernels.chunk_copy import ChunkCopy
 from executor.kernels.codec import build_codec
 from executor.kernels.conv1d import CausalConv1d
 from executor.kernels.decode_attention import DecodeAttention
-from executor.kernels.decode_rope_attention import DecodeRopeAttention
 from executor.kernels.delta_rule import GatedDeltaRule, GdnGates
 from executor.kernels.delta_rule_decode import GatedDeltaRuleDecode
 from executor.kernels.embedding import Embedding
@@ -47,7 +46,7 @@ class Kernels:
     add_rms_norm: AddRmsNormInplace
     qk_norm_rope_write_kv: QkNormRopeWriteKv  # q/k norm + RoPE and the KV cache write, one launch
     attention: PagedAttention  # prefill steps (any rows per request)
-    decode_attention: DecodeRopeAttention  # decode steps (one row per request), q/k norm + RoPE + KV write included
+    decode_attention: DecodeAttention  # decode steps (one row per request)
     gather_kv: GatherKv  # GEMM prefill attention: a request's KV pages -> contiguous scratch
     causal_softmax: CausalSoftmax  # GEMM prefill attention: scores -> probabilities
     chunk_copy: ChunkCopy  # GEMM prefill attention: query rows packed by kv head, outputs back
@@ -81,17 +80,13 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle) ->
         )
     attention = PagedAttention(codec, geometry.head_dim, geometry.gqa_group, rows_per_tile=PREFILL_ROWS_PER_TILE,
                                threads=32 if simulated else 128)
-    qk_norm_rope_write_kv = QkNormRopeWriteKv(codec, norm.round_before_weight)
-    decode_attention = DecodeRopeAttention(
-        codec, norm.round_before_weight, DecodeAttention(codec, geometry.head_dim, geometry.gqa_group, attention),
-        qk_norm_rope_write_kv)
     return Kernels(
         embedding=Embedding(codec),
         rms_norm=RmsNorm(codec, norm.round_before_weight),
         add_rms_norm=AddRmsNormInplace(codec, norm.round_before_weight),
-        qk_norm_rope_write_kv=qk_norm_rope_write_kv,
+        qk_norm_rope_write_kv=QkNormRopeWriteKv(codec, norm.round_before_weight),
         attention=attention,
-        decode_attention=decode_attention,
+        decode_attention=DecodeAttention(codec, geometry.head_dim, geometry.gqa_group, attention),
         gather_kv=GatherKv(),
         causal_softmax=CausalSoftmax(codec),
         chunk_copy=ChunkCopy(),
