@@ -78,6 +78,8 @@ def block_shape(head_dim: int) -> BlockShape:
     Measured on the H200 (2026-11-30, one layer at 4096 / 16384 tokens, TFLOP/s): D 128 with 4
     warps ran at 211 / 277 with 64 keys, 177 / 227 with 32; 8 warps and 64 keys 189 / 250. For
     D 256, 64 keys do not fit: 8 warps and 32 keys 160 / 224, 4 warps and 16 keys 151 / 206.
+    Capping registers for more blocks an SM only spilled and slowed it (D 128, 4 warps: 64 keys at
+    3 blocks an SM 181 / 243, 32 keys at 3 / 4 blocks 175 / 230 and 148 / 191; docs/benchmarks.md).
     """
     for shape in (BlockShape(4, 64), BlockShape(8, 32)):
         if staged_bytes(head_dim, shape.keys) + shape.threads * 4 <= STATIC_SHARED_BYTES:
@@ -97,7 +99,8 @@ def build_flash_attention(head_dim: int, keys: int, group: int, warps: int,
     32 warps threads, 128 warps bytes of dynamic shared memory (the simulator's quad reductions).
 
     head_dim a multiple of 32 (a fragment load covers two k-steps of Q K^T), keys of 16, q head h
-    reads kv head h // group. scale_log2 is D^-0.5 * log2(e).
+    reads kv head h // group. scale_log2 is D^-0.5 * log2(e). ``blocks_per_sm``: a launch bound for
+    sweeps (None, the launcher's choice: ptxas allots what the kernel needs, two blocks an SM).
     """
     assert head_dim % 32 == 0 and keys % 16 == 0
     D, KB = head_dim, keys
