@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import replace
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent

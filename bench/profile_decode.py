@@ -8,7 +8,8 @@ decode graphs captured, then:
 - step: wall time of ``model.step(plan_step(...))`` plus reading the sampled ids back, the synchronous
   engine's step (host metadata, copy-in, replay, read-back); median of 30 after 5 warm-up steps;
 - replay: the bucket's graph alone between CUDA events; median of 30;
-- plan_step: host time of the step's metadata; median of 30;
+- plan_step: host time of the step's metadata (page tables kept across steps, as the engine keeps
+  them); median of 30;
 - kernels: torch.profiler's CUDA time over 5 replays, per step in total and per kernel name (us a
   step, launches a step, us a launch), largest first.
 
@@ -37,7 +38,7 @@ PROFILED_REPLAYS = 5
 TIMED = 30
 
 
-def host_parts(model: Any, plan: Any, chunks: list, bucket: int, graph: Any) -> dict[str, float]:
+def host_parts(model: Any, plan: Any, chunks: list, page_tables: Any, bucket: int, graph: Any) -> dict[str, float]:
     """Median host microseconds of each piece of a graph step, timed one by one as model.step runs
     them: plan_step, pad_decode, the metadata write (StepWriter), the replay call, then the wait for
     the GPU plus the sampled ids' read-back."""
@@ -50,7 +51,7 @@ def host_parts(model: Any, plan: Any, chunks: list, bucket: int, graph: Any) -> 
     for _ in range(TIMED):
         torch.cuda.synchronize()
         clock = [time.perf_counter()]
-        meta = plan_step(plan, chunks)
+        meta = plan_step(plan, chunks, page_tables)
         clock.append(time.perf_counter())
         padded = pad_decode(plan, meta, bucket)
         clock.append(time.perf_counter())
@@ -84,6 +85,7 @@ def main() -> None:
         sys.exit(f"{error} (this benchmark needs a GPU: it profiles CUDA graphs)")
     import torch
 
+    from executor.page_tables import PageTables
     from executor.step import plan_step
 
     overrides = {"max_batch": args.batch, "max_context": args.context + 1}
@@ -94,14 +96,15 @@ def main() -> None:
     arena.tensor("kv_cache", "kv_cache").zero_()
     model.capture_decode_graphs()
     chunks = decode_chunks(plan, args.batch, args.context, [1] * args.batch)
+    page_tables = PageTables()  # kept across steps, as the engine keeps them (decode_chunks keys them)
     reset_slots(model, args.batch)
     for _ in range(5):
-        model.step(plan_step(plan, chunks)).tolist()
+        model.step(plan_step(plan, chunks, page_tables)).tolist()
     walls = []
     for _ in range(TIMED):
         torch.cuda.synchronize()
         start_s = time.perf_counter()
-        model.step(plan_step(plan, chunks)).tolist()
+        model.step(plan_step(plan, chunks, page_tables)).tolist()
         walls.append((time.perf_counter() - start_s) * 1e3)
     bucket = model.graphs.bucket_for(args.batch)
     graph = model.graphs.graphs[bucket]
@@ -116,9 +119,9 @@ def main() -> None:
     host = []
     for _ in range(TIMED):
         start_s = time.perf_counter()
-        plan_step(plan, chunks)
+        plan_step(plan, chunks, page_tables)
         host.append((time.perf_counter() - start_s) * 1e3)
-    parts = host_parts(model, plan, chunks, bucket, graph)
+    parts = host_parts(model, plan, chunks, page_tables, bucket, graph)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         for _ in range(PROFILED_REPLAYS):
             graph.replay()

@@ -92,15 +92,13 @@ def staged_bytes(head_dim: int, keys: int) -> int:
     return 2 * 4 * keys * (head_dim // 2 + PAD_WORDS)
 
 
-def build_flash_attention(head_dim: int, keys: int, group: int, warps: int,
-                          blocks_per_sm: int | None = None) -> Callable[..., Any]:
+def build_flash_attention(head_dim: int, keys: int, group: int, warps: int) -> Callable[..., Any]:
     """Kernel ``(q [rows, Hq, D/2], k, v [Hkv, >= kv_len, D/2], out [rows, Hq, D/2] int32 words,
     rows, kv_len, first_position int32, scale_log2 f32)``; grid (ceil(rows / (16 warps)), Hq),
     32 warps threads, 128 warps bytes of dynamic shared memory (the simulator's quad reductions).
 
     head_dim a multiple of 32 (a fragment load covers two k-steps of Q K^T), keys of 16, q head h
-    reads kv head h // group. scale_log2 is D^-0.5 * log2(e). ``blocks_per_sm``: a launch bound for
-    sweeps (None, the launcher's choice: ptxas allots what the kernel needs, two blocks an SM).
+    reads kv head h // group. scale_log2 is D^-0.5 * log2(e).
     """
     assert head_dim % 32 == 0 and keys % 16 == 0
     D, KB = head_dim, keys
@@ -221,9 +219,7 @@ def build_flash_attention(head_dim: int, keys: int, group: int, warps: int,
             o[4 * j + first] *= alpha
             o[4 * j + first + 1] *= alpha
 
-    options = {} if simulator_enabled() or blocks_per_sm is None else {"launch_bounds": (THREADS, blocks_per_sm)}
-
-    @cuda.jit(**options)
+    @cuda.jit
     def flash_attention(q, k, v, out, rows, kv_len, first_position, scale_log2):
         scratch = cuda.shared.array(0, float32)  # the simulator's quad reductions
         ks = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
