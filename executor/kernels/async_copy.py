@@ -18,6 +18,17 @@ the next step lands while the current one is in use:
         waits until this thread's copies have landed. Other threads' copies are visible
         after a ``cuda.syncthreads()`` that follows every thread's wait.
 
+A pipeline that keeps several tiles in flight (``build_chunk_pipeline``) numbers its copies by
+group instead:
+
+    copy_chunk_async(tile, tile_address, dst_index, src, src_index, valid)
+        as copy_async, from an array of any element type (the codec's storage: int16 bf16 bits
+        or float32), the chunk being the 16 bytes from src[src_index] on.
+    commit_group()
+        closes this thread's copies issued since the last commit into one group.
+    wait_groups()
+        waits until at most ``pending`` of this thread's groups (the newest) are still in flight.
+
 Both ends must be 16-byte aligned. On the GPU these are PTX through llvmlite inline asm
 (``cp.async.cg.shared.global`` with a source size of 16 or 0, and ``cp.async.wait_all``).
 The simulator copies at once, and waiting is a no-op there.
@@ -27,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from executor.kernels.vector import element_pointer
+from executor.kernels.vector import VECTOR_WORDS, build_vector_access, element_pointer
 from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
@@ -52,6 +63,56 @@ def build_async_copy() -> tuple[Callable[..., Any], Callable[..., Any]]:
     if simulator_enabled():
         return _simulated()
     return _intrinsics()
+
+
+def build_chunk_pipeline(pending: int) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """``(copy_chunk_async, commit_group, wait_groups)`` (module docstring); ``wait_groups`` leaves at
+    most ``pending`` groups in flight (a compile-time immediate in PTX)."""
+    if simulator_enabled():
+        return _simulated_pipeline()
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    copy_to_shared = _copy_to_shared_intrinsic()
+
+    @cuda.jit(device=True, inline=True)
+    def copy_chunk_async(tile, tile_address, dst_index, src, src_index, valid):
+        row, word = dst_index
+        copy_to_shared(tile_address + uint32(4 * (row * tile.shape[1] + word)), src, src_index, valid)
+
+    def bare(asm: str) -> Callable[..., Any]:
+        @intrinsic
+        def instruction(typingctx):
+            def codegen(context, builder, signature, args):
+                builder.asm(ir.FunctionType(ir.VoidType(), []), asm, "~{memory}", [], side_effect=True)
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return instruction
+
+    return copy_chunk_async, bare("cp.async.commit_group;"), bare(f"cp.async.wait_group {int(pending)};")
+
+
+def _simulated_pipeline() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    load_vector = build_vector_access()[0]
+
+    @cuda.jit(device=True)
+    def copy_chunk_async(tile, tile_address, dst_index, src, src_index, valid):
+        row, word = dst_index
+        words = cuda.local.array(VECTOR_WORDS, tile.dtype)
+        for w in range(VECTOR_WORDS):
+            words[w] = 0
+        if valid:
+            load_vector(src, src_index, words, 0)
+        for w in range(VECTOR_WORDS):
+            tile[row, word + w] = words[w]
+
+    @cuda.jit(device=True)
+    def no_op():
+        pass
+
+    return copy_chunk_async, no_op, no_op
 
 
 def _simulated() -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -87,7 +148,8 @@ def _shared_address_intrinsic() -> Callable[..., Any]:
     return shared_address
 
 
-def _intrinsics() -> tuple[Callable[..., Any], Callable[..., Any]]:
+def _copy_to_shared_intrinsic() -> Callable[..., Any]:
+    """``copy_to_shared(shared address uint32, src, src_index, valid)``: one 16-byte cp.async."""
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
 
@@ -107,6 +169,15 @@ def _intrinsics() -> tuple[Callable[..., Any], Callable[..., Any]]:
             return context.get_dummy_value()
 
         return types.void(types.uint32, src, src_index, types.boolean), codegen
+
+    return copy_to_shared
+
+
+def _intrinsics() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    copy_to_shared = _copy_to_shared_intrinsic()
 
     @cuda.jit(device=True, inline=True)
     def copy_async(tile, tile_address, dst_index, src, src_index, valid):
