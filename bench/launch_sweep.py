@@ -1,11 +1,12 @@
 """Launch-configuration sweeps of the decode kernels whose defaults came from measurement (issue 6).
 
-    python3 bench/launch_sweep.py [--attention 128:auto:3:auto,128:8:4:4,...] [--gemv 4x4,16x1,...] [--out FILE]
+    python3 bench/launch_sweep.py [--attention 128:4:4,256:4:2,...] [--gemv 4x4,16x1,...] [--out FILE]
     python3 bench/launch_sweep.py --smoke     # tiny shapes in the Numba CUDA simulator (checks the script)
 
 - Decode attention (executor/kernels/decode_attention.py) at Qwen3-8B's heads (32 q / 8 kv heads of
-  128, bf16, shuffled pages of 16). Configuration ``NT:TK:S:B``: NT threads a block, TK keys a
-  pipeline stage holds ("auto": the kernel's rule), S stages in shared memory, B the launch bound's
+  128, bf16, shuffled pages of 16). Configuration ``mma:W:S``: the tensor-core kernel
+  (decode_attention_mma.py) with W warps a block and S ring slots a warp; ``NT:U:B``: the CUDA-core
+  kernel with NT threads a block, U keys a lane group loads before using any, B the launch bound's
   blocks an SM ("none": no bound, "auto": the kernel's rule). Shapes (requests x cached tokens): unsplit ones, as bench/kernels.py times, get their K/V
   bytes over the time as a share of the copy bandwidth; split ones (batch 1, kv chunks of 64 or 128
   keys, as a decode step plans them) include the merge launch.
@@ -55,7 +56,7 @@ class Heads:
 
 
 REAL_HEADS = Heads(32, 8, 128, 16)  # Qwen3-8B
-SMOKE_HEADS = Heads(4, 2, 16, 4)
+SMOKE_HEADS = Heads(4, 2, 32, 4)  # the smallest head the tensor-core kernel takes
 REAL_ATTENTION = (AttentionShape(64, 4096, None), AttentionShape(32, 4096, None), AttentionShape(1, 512, 64),
                   AttentionShape(1, 4096, 128))
 SMOKE_ATTENTION = (AttentionShape(2, 12, None), AttentionShape(1, 12, 8))
@@ -65,15 +66,27 @@ REAL_GEMVS = (("qkv", 6144, 4096, "norm_project"), ("gate_up", 24576, 4096, "nor
 SMOKE_GEMVS = (("qkv", 24, 64, "norm_project"), ("gate_up", 32, 64, "norm_swiglu"), ("down", 16, 32, "project_add"))
 
 
-def parse_attention(text: str) -> list[tuple[int, int | None, int, int | None | str]]:
-    """``NT:TK:S:B,...`` -> [(threads, tile_keys, stages, blocks_per_sm)]: TK an int or None ("auto"),
-    B an int, None ("none") or "auto"."""
-    configs = []
+def parse_attention(text: str) -> list[dict[str, Any]]:
+    """``NT:U:B,...`` -> DecodeAttention keywords of the CUDA-core kernel (threads, unroll_keys,
+    blocks_per_sm: an int, None ("none") or "auto"); ``mma:W:S`` -> the tensor-core kernel's (warps,
+    slots)."""
+    configs: list[dict[str, Any]] = []
     for item in text.split(","):
-        threads, keys, stages, bound = item.split(":")
-        blocks = None if bound == "none" else bound if bound == "auto" else int(bound)
-        configs.append((int(threads), None if keys == "auto" else int(keys), int(stages), blocks))
+        first, second, third = item.split(":")
+        if first == "mma":
+            configs.append({"warps": int(second), "slots": int(third)})
+            continue
+        blocks = None if third == "none" else third if third == "auto" else int(third)
+        configs.append({"tensor_cores": False, "threads": int(first), "unroll_keys": int(second),
+                        "blocks_per_sm": blocks})
     return configs
+
+
+def config_name(config: dict[str, Any]) -> str:
+    if config.get("tensor_cores", True):
+        return f"mma:{config['warps']}:{config['slots']}"
+    bound = config["blocks_per_sm"]
+    return f"{config['threads']}:{config['unroll_keys']}:{'none' if bound is None else bound}"
 
 
 def parse_gemv(text: str) -> list[tuple[int, int]]:
@@ -125,18 +138,16 @@ def sweep_attention(env: Env, args: argparse.Namespace, copy_bytes_per_s: float)
     general = PagedAttention(codec, heads.dim, group, **({"threads": 32} if args.smoke else {}))
     calls = [attention_call(env, heads, shape, general) for shape in shapes]
     rows = []
-    for threads, keys, stages, bound in args.attention:
-        launcher = DecodeAttention(codec, heads.dim, group, general, threads=threads, tile_keys=keys, stages=stages,
-                                   blocks_per_sm=bound)
+    for config in args.attention:
+        launcher = DecodeAttention(codec, heads.dim, group, general, **config)
         cells = []
         for shape, (call, kv_bytes) in zip(shapes, calls):
             us = time_us(env, lambda stream, call=call: call(launcher, stream), args.inner, args.repeats, True)
             share = "" if shape.kv_chunk else f" ({kv_bytes / (us * 1e-6) / copy_bytes_per_s:.0%})"
             cells.append(f"{fmt(us, 1)}{share}")
-        name = f"{threads}:{keys or 'auto'}:{stages}:{'none' if bound is None else bound}"
-        rows.append([name, *cells])
+        rows.append([config_name(config), *cells])
         print(f"attention {rows[-1]}", file=sys.stderr)
-    headers = ["NT:TK:S:B", *(f"{s.batch} x {s.context}" + (f", chunks of {s.kv_chunk}" if s.kv_chunk else "")
+    headers = ["configuration", *(f"{s.batch} x {s.context}" + (f", chunks of {s.kv_chunk}" if s.kv_chunk else "")
                            for s in shapes)]
     return markdown_table(headers, rows, [False, *(True for _ in shapes)])
 
@@ -178,8 +189,7 @@ def sweep_gemv(env: Env, args: argparse.Namespace) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--attention", type=parse_attention, default=parse_attention(
-        "128:auto:3:auto,128:8:4:auto,128:8:5:auto,128:24:2:auto,128:auto:2:auto,128:auto:3:none,128:auto:3:3,"
-        "256:auto:3:2"), help="NT:TK:S:B configurations (module docstring)")
+        "mma:4:2,mma:2:4,mma:2:3,mma:1:6,mma:1:4,128:4:auto"), help="NT:U:B or mma:W:S configurations (module docstring)")
     parser.add_argument("--gemv", type=parse_gemv, default=parse_gemv("4x4,8x2,16x1,2x8,4x3,8x3"),
                         help="WxB configurations (module docstring)")
     parser.add_argument("--no-attention", action="store_true")
@@ -191,7 +201,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in the Numba CUDA simulator (CPU)")
     args = parser.parse_args(argv)
     if args.smoke:  # the simulator runs a thread per Python thread: one-warp blocks, few configs, one launch
-        args.attention = [(32, 16, stages, bound) for _, _, stages, bound in args.attention[:2]]  # a key a lane group
+        args.attention = [{"warps": 1, "slots": 2}, {**args.attention[-1], "threads": 32}]
         args.gemv = args.gemv[:1]
         args.repeats, args.inner = 1, 1
     return args
@@ -206,8 +216,8 @@ def main(argv: list[str] | None = None) -> None:
                 + ("Simulator: wall time of one launch (checks the script, measures nothing)." if args.smoke else
                    f"CUDA-graph timing, median of {args.repeats} replays, per launch; us.")]
     if not args.no_attention:
-        sections.append("Decode attention (NT threads, TK keys a pipeline stage, S stages, B blocks an SM; unsplit "
-                        "shapes: K/V bytes over time as a share of the copy bandwidth):\n\n"
+        sections.append("Decode attention (mma:W:S: tensor cores, W warps a block, S ring slots a warp; NT:U:B: "
+                        "CUDA cores, NT threads, U keys in flight a lane group, B blocks an SM; unsplit shapes: K/V bytes over time as a share of the copy bandwidth):\n\n"
                         + sweep_attention(env, args, copy_bytes_per_s))
     if not args.no_gemv:
         sections.append("Fused GEMVs at batch 1 (W warps a block x B blocks an SM; weight bytes over time):\n\n"

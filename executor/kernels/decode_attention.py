@@ -46,20 +46,19 @@ from typing import Any, Literal
 
 import numpy as np
 
-from executor.kernels.async_copy import build_chunk_pipeline, build_shared_address
-from executor.kernels.attention import NEG_INF, PagedAttention, check_heads
+from executor.kernels.attention import NEG_INF, PagedAttention, build_kv_staging, check_heads
 from executor.kernels.codec import Codec
+from executor.kernels.decode_attention_mma import WARP_SLOTS, build_decode_attention_mma, mma_warps
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS, Kernel
 from executor.kernels.reduce import build_group_sum
-from executor.kernels.vector import (VECTOR_WORDS, build_lanes, build_shared_vector_load, lanes_for, vector_aligned,
-                                    word_type)
+from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
-STAGE_BYTES = 8192  # K and V bytes of one pipeline stage (tile_keys rows of each)
-STAGES = 3  # stages in shared memory: two tiles in flight while the block attends to a third
+ROUND_KEYS = 256  # keys whose page ids a round stages in shared memory
+UNROLL_KEYS = 4  # keys each lane group loads before using them: 4 x 2 x 16 bytes (K and V) in flight per lane
 MIN_BLOCKS_PER_SM = 4  # launch_bounds: 128 registers a thread at 128 threads
 CAPPED_REGISTER_VALUES = 64  # q and output registers a lane may hold for the cap to spill nothing
 LOG2_E = 1.4426950408889634
@@ -76,19 +75,11 @@ def key_lanes(codec: Codec, head_dim: int) -> int | None:
     return min(chunks, WARP_THREADS)
 
 
-def default_tile_keys(codec: Codec, head_dim: int, threads: int) -> int:
-    """Keys a stage holds: STAGE_BYTES of K and V rows, at least one key per lane group."""
-    row_bytes = head_dim * np.dtype(codec.storage_numpy_dtype).itemsize
-    return max(threads // key_lanes(codec, head_dim), STAGE_BYTES // (2 * row_bytes))
-
-
-def shared_bytes(codec: Codec, head_dim: int, group_size: int, threads: int, tile_keys: int, stages: int) -> int:
-    """Static shared memory of one block: the K/V stages, the groups' (max, sum) and partial
-    outputs, the merged softmax state and the simulator's reduction scratch (4-byte words)."""
+def shared_bytes(codec: Codec, head_dim: int, group_size: int, threads: int, round_keys: int) -> int:
+    """Static shared memory of one block: the round's page ids and offsets, the groups' (max, sum)
+    and partial outputs, the merged softmax state and the simulator's reduction scratch (4-byte words)."""
     groups = threads // key_lanes(codec, head_dim)
-    row_words = head_dim * np.dtype(codec.storage_numpy_dtype).itemsize // 4
-    words = (stages * 2 * tile_keys * row_words + 2 * groups * group_size + groups * group_size * head_dim
-             + 3 * group_size + threads)
+    words = 2 * round_keys + 2 * groups * group_size + groups * group_size * head_dim + 3 * group_size + threads
     return 4 * words
 
 
@@ -99,10 +90,12 @@ def min_blocks_per_sm(codec: Codec, head_dim: int, group_size: int) -> int | Non
     return MIN_BLOCKS_PER_SM if 2 * group_size * lane_elements <= CAPPED_REGISTER_VALUES else None
 
 
-def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads: int, tile_keys: int,
-                           stages: int = STAGES, blocks_per_sm: int | None = None) -> tuple[Any, Any]:
-    """(direct kernel, split kernel) for one codec and head shape; D, G, NT, the tile's keys and the
-    stages size registers and shared memory. ``blocks_per_sm``: the launch bound (None: none).
+def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads: int,
+                           round_keys: int = ROUND_KEYS, blocks_per_sm: int | None = None,
+                           unroll_keys: int = UNROLL_KEYS) -> tuple[Any, Any]:
+    """(direct kernel, split kernel) for one codec and head shape; D, G and NT size registers and shared memory.
+    ``blocks_per_sm``: the launch bound (None: none); ``unroll_keys``: keys a lane group loads before
+    using any.
 
     Direct: ``(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
     request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale)``, every tile
@@ -112,72 +105,38 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     """
     load, store = codec.load, codec.store
     get_lane = build_lanes(codec)[0]
-    load_shared = build_shared_vector_load()
+    load_vector = build_vector_access()[0]
     words = word_type(codec)
-    D, G, NT, TK, S = head_dim, group_size, threads, tile_keys, stages
+    D, G, NT, SUB = head_dim, group_size, threads, round_keys
     E = lanes_for(codec)  # elements per 16-byte chunk
     L = key_lanes(codec, D)
     assert L is not None and NT % L == 0 and NT & (NT - 1) == 0, "lane groups tile the block"
-    CPR = D // E  # 16-byte chunks of a K or V row
-    ROW_WORDS = CPR * VECTOR_WORDS
-    CPL = CPR // L  # chunks per lane of a row
-    KPP = NT // L  # lane groups: keys attended at once
-    assert TK % KPP == 0 and S >= 2, "a stage gives every lane group the same number of keys"
-    U = TK // KPP  # keys a lane group attends to per stage
+    CPL = D // E // L  # chunks per lane of a row
+    KPP = NT // L  # keys in flight per pass: one per lane group
     LANE_ELEMENTS = CPL * E  # elements of a row a lane owns
     ACC = G * LANE_ELEMENTS  # q and accumulator registers per lane (constant extents)
+    U = unroll_keys
     BUFFER_WORDS = U * CPL * VECTOR_WORDS
-    SCORES = U * G  # a stage's scores, one per key and head
+    SCORES = U * G  # a batch's scores, one per key and head
     GROUP_STATES = KPP * G  # (max, sum) of every lane group and head, where the groups meet
-    STAGE_ROWS = S * 2 * TK  # K rows then V rows of each stage
-    TILE_CHUNKS = TK * CPR  # chunks of K (and of V) a stage holds
-    COPIES = -(-TILE_CHUNKS // NT)  # K chunks (and V chunks) a thread copies per stage
     # The simulator's jit takes no launch_bounds; on the GPU they cap registers for residency.
     launch_options = {} if simulator_enabled() or blocks_per_sm is None else {"launch_bounds": (NT, blocks_per_sm)}
-    # cp.async and ld.shared.v4 need 16-byte aligned rows; the simulator takes no alignment.
-    TILE_ALIGNMENT = None if simulator_enabled() else 16
-    copy_chunk, commit_group, wait_groups = build_chunk_pipeline(S - 2)
-    shared_address = build_shared_address()
+    stage_pages = build_kv_staging(load, D, NT)[0]
     group_sum = build_group_sum()
 
     @cuda.jit(device=True, inline=True)
-    def locate(page_indices, page_base, page_size, first, k1, tid, page, slot):
-        """Page id and in-page slot of each key this thread copies in the stage of keys first..
-        (clamped to the chunk's last key k1 - 1: a valid address; the copy of a key past k1 reads
-        nothing)."""
-        for i in range(COPIES):
-            pos = min(first + (tid + i * NT) // CPR, k1 - 1)
-            logical = pos // page_size
-            page[i] = page_indices[page_base + logical]
-            slot[i] = pos - logical * page_size
-
-    @cuda.jit(device=True, inline=True)
-    def issue(k_cache, v_cache, h, first, k1, stage, tid, page, slot, kv_sh, kv_address):
-        """Start copying the K and V rows of keys first.. into ``stage`` (zeros past k1)."""
-        for i in range(COPIES):
-            c = tid + i * NT
-            if c < TILE_CHUNKS:
-                key = c // CPR
-                col = (c - key * CPR) * E
-                valid = first + key < k1
-                word = (c - key * CPR) * VECTOR_WORDS
-                copy_chunk(kv_sh, kv_address, ((2 * stage) * TK + key, word), k_cache,
-                           (page[i], slot[i], h, col), valid)
-                copy_chunk(kv_sh, kv_address, ((2 * stage + 1) * TK + key, word), v_cache,
-                           (page[i], slot[i], h, col), valid)
-
-    @cuda.jit(device=True, inline=True)
-    def read_rows(kv_sh, first_row, gid, lane, buffer):
-        """The lane's chunks of the stage's keys gid + u * KPP (u < U), from rows first_row.."""
+    def load_rows(cache, h, base, n, gid, lane, page_sh, offset_sh, buffer):
+        """The lane's chunks of keys base + u * KPP + gid (u < U; clamped into the round)."""
         for u in range(U):
+            key = min(base + u * KPP + gid, n - 1)
             for ci in range(CPL):
-                load_shared(kv_sh, (first_row + u * KPP + gid, (lane + ci * L) * VECTOR_WORDS), buffer,
+                load_vector(cache, (page_sh[key], offset_sh[key], h, (lane + ci * L) * E), buffer,
                             (u * CPL + ci) * VECTOR_WORDS)
 
     @cuda.jit(device=True, inline=True)
     def attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale,
-               s_sh, kv_sh, state_sh, part_sh, scratch):
+               s_sh, page_sh, offset_sh, state_sh, part_sh, scratch):
         """Leave the tile's normalised output of head g, element d in ``part_sh[0, g, d]`` and its
         (max, sum) in ``state_sh[0, g]``, ``state_sh[1, g]`` (natural-log units). Returns (row,
         chunk index, chunks of the row); row -1: nothing to do (uniform per block, decided before
@@ -202,20 +161,6 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         if k0 >= k1:
             return -1, 0, 0
         page_base = page_indptr[b]
-        num_stages = (k1 - k0 + TK - 1) // TK
-        kv_address = shared_address(kv_sh, (0, 0))
-        page = cuda.local.array(COPIES, int32)
-        slot = cuda.local.array(COPIES, int32)
-        # Prologue: stages 0 .. S - 2 in flight (a group each, empty past the chunk, so that every
-        # thread counts the same groups), and the keys of stage S - 1 located.
-        for s in range(S - 1):
-            if s < num_stages:
-                locate(page_indices, page_base, page_size, k0 + s * TK, k1, tid, page, slot)
-                issue(k_cache, v_cache, h, k0 + s * TK, k1, s, tid, page, slot, kv_sh, kv_address)
-            commit_group()
-        if S - 1 < num_stages:
-            locate(page_indices, page_base, page_size, k0 + (S - 1) * TK, k1, tid, page, slot)
-
         lane = tid % L
         gid = tid // L
         q_lane = cuda.local.array(ACC, float32)
@@ -236,52 +181,46 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
                     q_lane[(g * CPL + ci) * E + e] = load(q[row, h * G + g, (lane + ci * L) * E + e]) * q_scale
                     acc[(g * CPL + ci) * E + e] = float32(0.0)
 
-        # Every thread runs the same trips (barriers; the simulator's reductions have more).
-        for j in range(num_stages):
-            wait_groups()  # this thread's copies of stage j landed (S - 2 newer groups may not have)
-            cuda.syncthreads()  # everyone's copies of stage j are visible; everyone is done with j - 1
-            # Refill the stage j - 1 used: keys S - 1 stages ahead, located one stage ago.
-            ahead = j + S - 1
-            if ahead < num_stages:
-                issue(k_cache, v_cache, h, k0 + ahead * TK, k1, ahead % S, tid, page, slot, kv_sh, kv_address)
-            commit_group()
-            if ahead + 1 < num_stages:  # the page ids' latency passes while this stage is attended to
-                locate(page_indices, page_base, page_size, k0 + (ahead + 1) * TK, k1, tid, page, slot)
-            first = k0 + j * TK
-            stage = j % S
-            read_rows(kv_sh, 2 * stage * TK, gid, lane, k_buffer)
-            for u in range(U):
-                for i in range(LANE_ELEMENTS):
-                    row_f[i] = load(get_lane(k_buffer, u * LANE_ELEMENTS + i))
-                valid = first + u * KPP + gid < k1
-                for g in range(G):
-                    dot = float32(0.0)
-                    for i in range(LANE_ELEMENTS):
-                        dot += q_lane[g * LANE_ELEMENTS + i] * row_f[i]
-                    dot = group_sum(scratch, dot, L)
-                    scores[u * G + g] = dot if valid else NEG_INF
-            read_rows(kv_sh, (2 * stage + 1) * TK, gid, lane, v_buffer)
-            for g in range(G):
-                best = top[g]
+        for r0 in range(k0, k1, SUB):
+            n = min(SUB, k1 - r0)
+            cuda.syncthreads()  # every group is done with the last round's pages
+            stage_pages(page_indices, page_base, page_size, r0, n, page_sh, offset_sh, tid)
+            cuda.syncthreads()
+            # Every thread runs the same trips (the simulator's reductions have barriers).
+            for base in range(0, n, KPP * U):
+                load_rows(k_cache, h, base, n, gid, lane, page_sh, offset_sh, k_buffer)
+                load_rows(v_cache, h, base, n, gid, lane, page_sh, offset_sh, v_buffer)
                 for u in range(U):
-                    best = max(best, scores[u * G + g])
-                alpha = float32(math.exp2(top[g] - best))
-                top[g] = best
-                part = float32(0.0)
-                for u in range(U):
-                    p = float32(math.exp2(scores[u * G + g] - best))
-                    scores[u * G + g] = p
-                    part += p
-                total[g] = total[g] * alpha + part
-                for i in range(LANE_ELEMENTS):
-                    acc[g * LANE_ELEMENTS + i] *= alpha
-            for u in range(U):
-                for i in range(LANE_ELEMENTS):
-                    row_f[i] = load(get_lane(v_buffer, u * LANE_ELEMENTS + i))
-                for g in range(G):
-                    p = scores[u * G + g]
                     for i in range(LANE_ELEMENTS):
-                        acc[g * LANE_ELEMENTS + i] += p * row_f[i]
+                        row_f[i] = load(get_lane(k_buffer, u * LANE_ELEMENTS + i))
+                    valid = base + u * KPP + gid < n
+                    for g in range(G):
+                        dot = float32(0.0)
+                        for i in range(LANE_ELEMENTS):
+                            dot += q_lane[g * LANE_ELEMENTS + i] * row_f[i]
+                        dot = group_sum(scratch, dot, L)
+                        scores[u * G + g] = dot if valid else NEG_INF
+                for g in range(G):
+                    best = top[g]
+                    for u in range(U):
+                        best = max(best, scores[u * G + g])
+                    alpha = float32(math.exp2(top[g] - best))
+                    top[g] = best
+                    part = float32(0.0)
+                    for u in range(U):
+                        p = float32(math.exp2(scores[u * G + g] - best))
+                        scores[u * G + g] = p
+                        part += p
+                    total[g] = total[g] * alpha + part
+                    for i in range(LANE_ELEMENTS):
+                        acc[g * LANE_ELEMENTS + i] *= alpha
+                for u in range(U):
+                    for i in range(LANE_ELEMENTS):
+                        row_f[i] = load(get_lane(v_buffer, u * LANE_ELEMENTS + i))
+                    for g in range(G):
+                        p = scores[u * G + g]
+                        for i in range(LANE_ELEMENTS):
+                            acc[g * LANE_ELEMENTS + i] += p * row_f[i]
 
         # The groups meet: group k's (max, sum) in s_sh[0 / 1, k * G + g], its output in part_sh[k].
         for g in range(G):
@@ -315,13 +254,14 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     def direct_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                       request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale):
         s_sh = cuda.shared.array((2, GROUP_STATES), float32)
-        kv_sh = cuda.shared.array((STAGE_ROWS, ROW_WORDS), words, alignment=TILE_ALIGNMENT)
+        page_sh = cuda.shared.array(SUB, int32)
+        offset_sh = cuda.shared.array(SUB, int32)
         state_sh = cuda.shared.array((3, G), float32)
         part_sh = cuda.shared.array((KPP, G, D), float32)
         scratch = cuda.shared.array(NT, float32)  # the simulator's group reductions
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
-                                    scale, s_sh, kv_sh, state_sh, part_sh, scratch)
+                                    scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
         if row < 0:
             return
         h = cuda.blockIdx.y
@@ -335,13 +275,14 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
                      request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, partial_out,
                      partial_lse, scale):
         s_sh = cuda.shared.array((2, GROUP_STATES), float32)
-        kv_sh = cuda.shared.array((STAGE_ROWS, ROW_WORDS), words, alignment=TILE_ALIGNMENT)
+        page_sh = cuda.shared.array(SUB, int32)
+        offset_sh = cuda.shared.array(SUB, int32)
         state_sh = cuda.shared.array((3, G), float32)
         part_sh = cuda.shared.array((KPP, G, D), float32)
         scratch = cuda.shared.array(NT, float32)
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
-                                    scale, s_sh, kv_sh, state_sh, part_sh, scratch)
+                                    scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
         if row < 0:
             return
         h = cuda.blockIdx.y
@@ -367,34 +308,38 @@ class DecodeAttention:
     no power-of-two lane group splits evenly), and its merge kernel combines split tiles.
 
     The launch configuration defaults to the measured one (module docstring; bench/launch_sweep.py
-    sweeps it): ``threads`` a block, ``tile_keys`` keys a pipeline stage holds (default
-    ``default_tile_keys``), ``stages`` stages (default STAGES, fewer where shared memory needs it),
-    ``blocks_per_sm`` the launch bound ("auto": ``min_blocks_per_sm``'s rule, None: no bound).
+    sweeps it): ``threads`` a block, ``round_keys`` page ids staged a round, ``unroll_keys`` keys a
+    lane group loads before using any, ``blocks_per_sm`` the launch bound ("auto":
+    ``min_blocks_per_sm``'s rule, None: no bound). bf16 shapes that decode_attention_mma.py serves
+    run its tensor-core kernel instead (``tensor_cores``; ``warps`` a block, default the most that
+    fit with ``slots`` ring slots a warp), and those four settings do not apply.
     """
 
     def __init__(self, codec: Codec, head_dim: int, group_size: int, fallback: PagedAttention, *,
-                 threads: int | None = None, tile_keys: int | None = None, stages: int | None = None,
-                 blocks_per_sm: int | None | Literal["auto"] = "auto"):
+                 threads: int | None = None, round_keys: int = ROUND_KEYS, unroll_keys: int = UNROLL_KEYS,
+                 blocks_per_sm: int | None | Literal["auto"] = "auto", tensor_cores: bool = True,
+                 warps: int | None = None, slots: int = WARP_SLOTS):
         self.head_dim, self.group_size, self.fallback = head_dim, group_size, fallback
-        self.threads = threads or (32 if simulator_enabled() else 128)
         self.kernels: tuple[Kernel, Kernel] | None = None
         lanes = key_lanes(codec, head_dim)
+        mma_fit = mma_warps(head_dim, group_size, slots) if np.dtype(codec.storage_numpy_dtype) == np.int16 else None
+        if tensor_cores and mma_fit is not None:
+            # bf16 heads an mma tile serves: decode_attention_mma.py (its own shared-memory sizing).
+            self.warps = warps or mma_fit
+            self.threads = WARP_THREADS * self.warps
+            direct, split = build_decode_attention_mma(head_dim, group_size, self.warps, slots)
+            self.kernels = (Kernel(direct), Kernel(split))
+            return
+        self.threads = threads or (32 if simulator_enabled() else 128)
         if lanes is not None and self.threads % lanes == 0:
-            keys = tile_keys or default_tile_keys(codec, head_dim, self.threads)
-            if keys % (self.threads // lanes):
-                raise ValueError(f"decode attention: tile_keys={keys} must be a multiple of the "
-                                 f"{self.threads // lanes} lane groups of a {self.threads}-thread block")
-            fits = [n for n in range(stages or STAGES, 1, -1)
-                    if shared_bytes(codec, head_dim, group_size, self.threads, keys, n) <= SHARED_LIMIT_BYTES]
-            if not fits or (stages and fits[0] != stages):
-                needed = shared_bytes(codec, head_dim, group_size, self.threads, keys, stages or 2)
+            needed = shared_bytes(codec, head_dim, group_size, self.threads, round_keys)
+            if needed > SHARED_LIMIT_BYTES:
                 raise ValueError(f"decode attention: D={head_dim}, G={group_size}, {self.threads} threads, "
-                                 f"{stages or 2} stages of {keys} keys need {needed} bytes of shared memory, "
+                                 f"rounds of {round_keys} keys need {needed} bytes of shared memory, "
                                  f"limit {SHARED_LIMIT_BYTES}")
-            self.tile_keys, self.stages = keys, fits[0]
             bound = min_blocks_per_sm(codec, head_dim, group_size) if blocks_per_sm == "auto" else blocks_per_sm
-            direct, split = build_decode_attention(codec, head_dim, group_size, self.threads, keys, self.stages,
-                                                   blocks_per_sm=bound)
+            direct, split = build_decode_attention(codec, head_dim, group_size, self.threads, round_keys,
+                                                   blocks_per_sm=bound, unroll_keys=unroll_keys)
             self.kernels = (Kernel(direct), Kernel(split))
 
     def uses_vector(self, k_cache: Any, v_cache: Any) -> bool:

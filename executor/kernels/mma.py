@@ -206,6 +206,43 @@ def build_fragment_loads() -> tuple[Callable[..., Any], Callable[..., Any], Call
     return lane_address, load_b_x4, load_b_x4_trans
 
 
+def build_eight_key_value_load() -> Callable[..., Any]:
+    """``load_v8_x4(tile, address, row0, word0) -> (r0, r1, r2, r3)`` for a shared tile of value rows
+    (key-major, int32 words of two bf16, 16-byte aligned rows), eight keys row0 .. row0 + 7 at a time:
+    register m is the b0 of the k-step of those eight keys (``mma_bf16`` with b1 = 0 and A's columns
+    8..15 zero) for the 8 output columns 2 word0 + 8m ..: lane (g, t) gets the pair (tile row
+    row0 + 2t, then the row after it) of column 2 word0 + 8m + g.
+
+    ``address`` is ``lane_address(tile, False)`` (build_fragment_loads): on the GPU this is one
+    ``ldmatrix.sync.aligned.m8n8.x4.trans`` over the four 8x8 matrices side by side; in the
+    simulator each lane reads its own words from ``tile``. Every lane of the warp calls it together.
+    """
+    if simulator_enabled():
+        @cuda.jit(device=True)
+        def pair(tile, row, word, high):
+            shift = 16 * high
+            first = (int(tile[row, word]) >> shift) & 0xFFFF
+            second = (int(tile[row + 1, word]) >> shift) & 0xFFFF
+            return int32(np.uint32(first | (second << 16)).view(np.int32))
+
+        @cuda.jit(device=True)
+        def simulated_load_v8_x4(tile, address, row0, word0):
+            lane = cuda.threadIdx.x % 32
+            g, t = lane // 4, lane % 4
+            row, word, high = row0 + 2 * t, word0 + g // 2, g % 2
+            return (pair(tile, row, word, high), pair(tile, row, word + 4, high), pair(tile, row, word + 8, high),
+                    pair(tile, row, word + 12, high))
+
+        return simulated_load_v8_x4
+    ldmatrix_x4_trans = _ldmatrix_intrinsic(transposed=True)
+
+    @cuda.jit(device=True, inline=True)
+    def load_v8_x4(tile, address, row0, word0):
+        return ldmatrix_x4_trans(address + uint32(4 * (row0 * tile.shape[1] + word0)))
+
+    return load_v8_x4
+
+
 def _ldmatrix_intrinsic(transposed: bool) -> Callable[..., Any]:
     """``ldmatrix_x4(address uint32) -> 4 x int32`` from this lane's shared-memory row address."""
     from llvmlite import ir

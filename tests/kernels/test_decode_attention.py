@@ -1,8 +1,8 @@
 """Decode attention (one query row per request) against the float64 reference of test_attention.
 
-Simulator shapes: D = 16, 2 kv heads, 32 threads, page size 4, pipeline stages of a key per lane
-group (8 float32 or 16 bf16 keys; two or three stages in shared memory), so a stage crosses pages, a row of 19 keys refills a stage it used
-and ends in a partial stage; one request is split into kv chunks. Cache rows that are not 16-byte chunks go to the general kernel.
+Simulator shapes: D = 16, 2 kv heads, 32 threads, page size 4, rounds of 8 keys, so a row crosses
+pages and softmax rounds and a lane group's unrolled keys run past a round's end; one request is
+split into kv chunks. Cache rows that are not 16-byte chunks go to the general kernel.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from executor.kernels.attention import PagedAttention, plan_tiles
 from executor.kernels.codec import build_codec
-from executor.kernels.decode_attention import DecodeAttention, key_lanes
+from executor.kernels.decode_attention import DecodeAttention
 from executor.numba_cuda import load_cuda
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import TOL, assert_close_rel, from_storage, poisoned, to_storage
@@ -25,8 +25,7 @@ BATCH = [(1, 7), (1, 19), (1, 1), (1, 8)]  # (rows, kv_len): decode rows only
 NUM_PAGES = 16
 
 
-def run_decode(dtype_name: str, group: int, kv_chunk: int | None, seed: int, misaligned: bool = False,
-               stages: int = 2) -> None:
+def run_decode(dtype_name: str, group: int, kv_chunk: int | None, seed: int, misaligned: bool = False) -> None:
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     meta = make_batch(BATCH, PAGE_SIZE, NUM_PAGES, rng)
@@ -44,8 +43,7 @@ def run_decode(dtype_name: str, group: int, kv_chunk: int | None, seed: int, mis
     scale = HEAD_DIM**-0.5
     codec = build_codec(dtype_name)
     general = PagedAttention(codec, HEAD_DIM, group, threads=32, block_keys=4)
-    attention = DecodeAttention(codec, HEAD_DIM, group, general, threads=32,
-                                tile_keys=32 // key_lanes(codec, HEAD_DIM), stages=stages)  # a key a lane group
+    attention = DecodeAttention(codec, HEAD_DIM, group, general, threads=32, round_keys=8)
     assert attention.uses_vector(k_cache, v_cache) == (not misaligned)
     max_splits = 3 if kv_chunk else 1
     capacity = num_rows * max_splits + 2  # a graph-sized grid: the -1 tail must be skipped
@@ -64,12 +62,11 @@ def run_decode(dtype_name: str, group: int, kv_chunk: int | None, seed: int, mis
     assert_close_rel(from_storage(out.copy_to_host(), dtype_name), expected, TOL[dtype_name])
 
 
-@pytest.mark.parametrize("dtype_name,group,kv_chunk,stages", [
-    ("float32", 1, None, 2), ("float32", 6, None, 3), ("bfloat16", 5, None, 2), ("float32", 2, 8, 3),
-    ("bfloat16", 6, 8, 2),
+@pytest.mark.parametrize("dtype_name,group,kv_chunk", [
+    ("float32", 1, None), ("float32", 6, None), ("bfloat16", 5, None), ("float32", 2, 8), ("bfloat16", 6, 8),
 ])
-def test_decode_attention_matches_reference(dtype_name, group, kv_chunk, stages):
-    run_decode(dtype_name, group, kv_chunk, seed=group + (kv_chunk or 0), stages=stages)
+def test_decode_attention_matches_reference(dtype_name, group, kv_chunk):
+    run_decode(dtype_name, group, kv_chunk, seed=group + (kv_chunk or 0))
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
@@ -79,25 +76,20 @@ def test_unaligned_cache_rows_run_the_general_kernel(dtype_name):
 
 def test_decode_attention_compiles_for_sm90():
     """PTX for sm_90 at Qwen3 (D 128, G 4) and Qwen3.5 (D 256, G 6) shapes, both codecs' kernels:
-    K/V staged by 16-byte cp.async and read back by ld.shared.v4, registers only."""
+    16-byte K/V loads, registers only."""
     compile_for_sm90(
         """
-        from executor.kernels.decode_attention import build_decode_attention, default_tile_keys
+        from executor.kernels.decode_attention import build_decode_attention
         i32, u32 = arr("int32", 1), arr("uint32", 1)
         meta = (i32,) * 8 + (u32,)
-        for name, head_dim, group, which, stages in (("bfloat16", 128, 4, "split", 3),
-                                                     ("float32", 256, 6, "direct", 2)):
-            codec = build_codec(name)
-            keys = default_tile_keys(codec, head_dim, 128)
-            direct, split = build_decode_attention(codec, head_dim, group, 128, keys, stages)
+        for name, head_dim, group, which in (("bfloat16", 128, 4, "split"), ("float32", 256, 6, "direct")):
+            direct, split = build_decode_attention(build_codec(name), head_dim, group, 128)
             arr3, arr4 = arr(name, 3), arr(name, 4)
             if which == "direct":
                 text = ptx(direct, arr3, arr4, arr4, *meta, arr3, types.float32)
             else:
                 text = ptx(split, arr3, arr4, arr4, *meta, arr3, arr("float32", 4), arr("float32", 3), types.float32)
-            assert "cp.async.cg.shared.global" in text, f"{name}: no 16-byte cp.async of K/V"
-            assert f"cp.async.wait_group {stages - 2}" in text, f"{name}: no wait on the pipeline's groups"
-            assert "ld.shared.v4" in text, f"{name}: staged rows not read 16 bytes at a time"
+            assert "ld.global.v4" in text, f"{name}: no 16-byte K/V loads"
             assert ".local" not in text, f"{name}: q, accumulators or chunk buffers in local memory"
         """
     )

@@ -1,0 +1,118 @@
+"""Causal prefill attention of one layer: memplan's tensor-core flash kernel vs torch SDPA.
+
+    python3 bench/attention.py [--models qwen3-8b,qwen3.5-9b] [--prompts 4096,16384] [--out FILE]
+    python3 bench/attention.py --smoke     # a tiny shape in the Numba CUDA simulator (checks the script)
+
+For each model's attention heads (Qwen3-8B: 32 q / 8 kv heads of 128; Qwen3.5-9B: 16 / 4 of 256
+with the gated, strided q) and each prompt length, one request's whole prompt attends causally
+to itself, bf16. The script reports:
+
+- memplan: ``executor.kernels.flash_attention.FlashAttention``, which never writes scores.
+- SDPA: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` on the same q as
+  [1, heads, tokens, D] and K/V repeated to the q heads beforehand (untimed), as HF's sdpa attention
+  calls it after ``repeat_kv``. (Unbatched [heads, tokens, D] inputs with ``enable_gqa=True`` ran at
+  10-15 TFLOP/s on the H200 with torch 2.11: not its flash kernel.)
+
+Time is the median of ``--repeats`` launches between CUDA events. TFLOP/s counts the causal
+half of 4 x T^2 x Hq x D (QK^T and PV). The memplan kernel's largest difference from float64
+attention over the first and last 64 query rows is printed too.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (  # noqa: E402
+    emit, event_median_us, fmt, int_list, log, markdown_table, open_bench_device, run_info, str_list)
+
+
+@dataclass(frozen=True)
+class Heads:
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    strided_q: bool  # Qwen3.5: q heads sit 2 x head_dim apart ([q | gate])
+
+
+HEADS = {"qwen3-8b": Heads(32, 8, 128, False), "qwen3.5-9b": Heads(16, 4, 256, True)}
+SMOKE_HEADS = Heads(2, 1, 32, True)
+
+
+def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, smoke: bool) -> list[str]:
+    from executor.kernels.flash_attention import FlashAttention
+    from tests.kernels.attention_reference import causal_attention
+
+    width = 2 * heads.head_dim if heads.strided_q else heads.head_dim
+    q = torch.randn(tokens, heads.q_heads, width, device=device).bfloat16()[..., :heads.head_dim]
+    k = torch.randn(heads.kv_heads, tokens, heads.head_dim, device=device).bfloat16()  # GatherKv's layout
+    v = torch.randn(heads.kv_heads, tokens, heads.head_dim, device=device).bfloat16()
+    out = torch.empty(tokens, heads.q_heads, heads.head_dim, device=device).bfloat16()
+    flash = FlashAttention()
+    bits = [t.view(torch.int16) for t in (q, k, v, out)]  # the simulator, too, takes torch tensors as they are
+
+    def ours() -> None:
+        flash(*bits, tokens, stream=runtime.current_stream())
+
+    qt = q.transpose(0, 1)[None]  # [1, Hq, T, D], batched like HF's call
+    group = heads.q_heads // heads.kv_heads
+    k_repeated, v_repeated = (t.repeat_interleave(group, dim=0)[None] for t in (k, v))
+
+    def sdpa() -> None:
+        torch.nn.functional.scaled_dot_product_attention(qt, k_repeated, v_repeated, is_causal=True)
+
+    ours()
+    # float64 check on the first and last query rows (all T x T scores would not fit at 16384 tokens).
+    rows = torch.cat([torch.arange(min(64, tokens)), torch.arange(max(0, tokens - 64), tokens)]).unique().to(device)
+    error = (out[rows].double() - causal_attention(q, k, v, tokens, rows)).abs().max().item()
+    flops = 4 * tokens * tokens * heads.q_heads * heads.head_dim / 2
+    if smoke:
+        return [str(tokens), f"{heads.q_heads}/{heads.kv_heads} x {heads.head_dim}", "n/a", "n/a", "n/a", "n/a",
+                "n/a", f"{error:.4f}"]
+    sdpa()  # warm-up (ours ran above)
+    ours_us, sdpa_us = event_median_us(ours, repeats), event_median_us(sdpa, repeats)
+    log(f"{tokens} tokens: ours {ours_us:.1f} us, SDPA {sdpa_us:.1f} us")
+    return [f"{tokens:,}", f"{heads.q_heads}/{heads.kv_heads} x {heads.head_dim}", fmt(ours_us, 1),
+            fmt(flops / ours_us / 1e6, 0), fmt(sdpa_us, 1), fmt(flops / sdpa_us / 1e6, 0), fmt(sdpa_us / ours_us),
+            f"{error:.4f}"]
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", type=str_list, default=list(HEADS), help="comma-separated: " + ", ".join(HEADS))
+    parser.add_argument("--prompts", type=int_list, default=[4096, 16384], help="prompt tokens (default 4096,16384)")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--smoke", action="store_true", help="a 70-token prompt of tiny heads in the simulator")
+    parser.add_argument("--out", default=None, help="append the result as a markdown section to this file")
+    args = parser.parse_args()
+    unknown = set(args.models) - set(HEADS)
+    if unknown:
+        parser.error(f"unknown models {sorted(unknown)}; choose from {list(HEADS)}")
+    runtime = open_bench_device(args.smoke)
+    import torch
+
+    torch.manual_seed(0)
+    device = runtime.torch_device
+    rows = []
+    for model in args.models:
+        for tokens in [70] if args.smoke else args.prompts:
+            heads = SMOKE_HEADS if args.smoke else HEADS[model]
+            rows.append(["tiny (smoke)" if args.smoke else model, *measure(torch, device, runtime, heads, tokens, args.repeats, args.smoke)])
+            if args.smoke:
+                break
+        if args.smoke:
+            break
+    table = markdown_table(["model", "prompt tokens", "q/kv heads x D", "memplan us", "memplan TFLOP/s", "SDPA us",
+                            "SDPA TFLOP/s", "SDPA / memplan", "max abs err vs float64"],
+                           rows, [False, True, False, True, True, True, True, True, True])
+    emit("Causal prefill attention of one layer (bench/attention.py)", run_info(device), table, args.out)
+
+
+if __name__ == "__main__":
+    main()

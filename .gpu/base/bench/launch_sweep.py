@@ -1,0 +1,217 @@
+"""Launch-configuration sweeps of the decode kernels whose defaults came from measurement (issue 6).
+
+    python3 bench/launch_sweep.py [--attention 128:4:4,256:4:2,...] [--gemv 4x4,16x1,...] [--out FILE]
+    python3 bench/launch_sweep.py --smoke     # tiny shapes in the Numba CUDA simulator (checks the script)
+
+- Decode attention (executor/kernels/decode_attention.py) at Qwen3-8B's heads (32 q / 8 kv heads of
+  128, bf16, shuffled pages of 16). Configuration ``NT:U:B``: NT threads a block, U keys a lane group
+  loads before using any, B the launch bound's blocks an SM ("none": no bound, "auto": the kernel's
+  rule). Shapes (requests x cached tokens): unsplit ones, as bench/kernels.py times, get their K/V
+  bytes over the time as a share of the copy bandwidth; split ones (batch 1, kv chunks of 64 or 128
+  keys, as a decode step plans them) include the merge launch.
+- The fused GEMVs (executor/kernels/gemv.py) at batch 1 on Qwen3-8B's projections: qkv and gate_up
+  with their RMSNorm prologue (gate_up with SwiGLU), o_proj and down with the residual add.
+  Configuration ``WxB``: W warps a block, B blocks an SM. Each graph cycles over distinct weight
+  copies, so a launch never finds its weights in L2.
+
+Timing as bench/kernels.py: launches captured in one CUDA graph, the median over replays between
+CUDA events, per launch. Prints markdown tables; ``--out FILE`` appends them with the command, the
+GPU and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `python3 bench/launch_sweep.py` puts bench/ first on the path, not the repo
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import emit, fmt, markdown_table, run_info  # noqa: E402
+from bench.kernels import Env, copy_bandwidth, time_us  # noqa: E402
+
+BF16_BYTES = 2
+GEMV_WEIGHT_COPIES = 6  # distinct copies a graph cycles over: more than L2 holds of the largest shape
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    batch: int
+    context: int
+    kv_chunk: int | None  # None: one tile per (request, kv head), as bench/kernels.py
+
+
+@dataclass(frozen=True)
+class Heads:
+    q: int
+    kv: int
+    dim: int
+    page_size: int
+
+
+REAL_HEADS = Heads(32, 8, 128, 16)  # Qwen3-8B
+SMOKE_HEADS = Heads(4, 2, 16, 4)
+REAL_ATTENTION = (AttentionShape(64, 4096, None), AttentionShape(32, 4096, None), AttentionShape(1, 512, 64),
+                  AttentionShape(1, 4096, 128))
+SMOKE_ATTENTION = (AttentionShape(2, 12, None), AttentionShape(1, 12, 8))
+#: (name, out rows N, in features K, kernel): Qwen3-8B's projections.
+REAL_GEMVS = (("qkv", 6144, 4096, "norm_project"), ("gate_up", 24576, 4096, "norm_swiglu"),
+              ("o_proj", 4096, 4096, "project_add"), ("down", 4096, 12288, "project_add"))
+SMOKE_GEMVS = (("qkv", 24, 64, "norm_project"), ("gate_up", 32, 64, "norm_swiglu"), ("down", 16, 32, "project_add"))
+
+
+def parse_attention(text: str) -> list[tuple[int, int, int | None | str]]:
+    """``NT:U:B,...`` -> [(threads, unroll_keys, blocks_per_sm)], B an int, None ("none") or "auto"."""
+    configs = []
+    for item in text.split(","):
+        threads, unroll, bound = item.split(":")
+        blocks = None if bound == "none" else bound if bound == "auto" else int(bound)
+        configs.append((int(threads), int(unroll), blocks))
+    return configs
+
+
+def parse_gemv(text: str) -> list[tuple[int, int]]:
+    """``WxB,...`` -> [(warps, blocks_per_sm)]."""
+    return [tuple(int(n) for n in item.split("x")) for item in text.split(",")]  # type: ignore[misc]
+
+
+def attention_call(env: Env, heads: Heads, shape: AttentionShape, general: Any) -> tuple[Callable[..., None], int]:
+    """(call(launcher, stream), K/V bytes read): one decode-attention call's arguments at ``shape``."""
+    from executor.kernels.attention import plan_tiles
+
+    torch = env.torch
+    b, c, page = shape.batch, shape.context, heads.page_size
+    pages_per_request = -(-c // page)
+    num_pages = 1 + b * pages_per_request
+    k_cache, v_cache = (env.randn(num_pages, page, heads.kv, heads.dim) for _ in range(2))
+    q, out = env.randn(b, heads.q, heads.dim), env.randn(b, heads.q, heads.dim)
+    order = torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(0)) + 1  # page 0 is padding
+    as_int32 = lambda values: torch.as_tensor(values, dtype=torch.int32, device=env.device)  # noqa: E731
+    q_indptr, kv_lens = list(range(b + 1)), [c] * b
+    max_splits = -(-c // shape.kv_chunk) if shape.kv_chunk else 1
+    split = {"kv_chunk": shape.kv_chunk, "max_splits": max_splits} if shape.kv_chunk else {}
+    tiles = [as_int32(a) for a in plan_tiles(q_indptr, kv_lens, **split)]
+    meta = (as_int32(order), as_int32([r * pages_per_request for r in range(b + 1)]),
+            as_int32([c - (pages_per_request - 1) * page] * b), as_int32(q_indptr), as_int32(range(b)),
+            as_int32([c - 1] * b), *tiles, torch.tensor([b], dtype=torch.uint32, device=env.device))
+    scratch = {}
+    if shape.kv_chunk:
+        scratch = {"partial_out": torch.empty(b, max_splits, heads.q, heads.dim, device=env.device),
+                   "partial_lse": torch.empty(b, max_splits, heads.q, device=env.device)}
+    bits = lambda x: x.view(torch.int16)  # noqa: E731
+    args = (bits(q), bits(k_cache), bits(v_cache), *meta, bits(out), heads.dim ** -0.5)
+
+    def call(launcher: Any, stream: Any) -> None:
+        launcher(*args, **scratch, stream=stream)
+
+    return call, 2 * b * c * heads.kv * heads.dim * BF16_BYTES
+
+
+def sweep_attention(env: Env, args: argparse.Namespace, copy_bytes_per_s: float) -> str:
+    from executor.kernels.attention import PagedAttention
+    from executor.kernels.codec import build_codec
+    from executor.kernels.decode_attention import DecodeAttention
+
+    heads = SMOKE_HEADS if args.smoke else REAL_HEADS
+    shapes = SMOKE_ATTENTION if args.smoke else REAL_ATTENTION
+    codec = build_codec("bfloat16")
+    group = heads.q // heads.kv
+    general = PagedAttention(codec, heads.dim, group, **({"threads": 32} if args.smoke else {}))
+    calls = [attention_call(env, heads, shape, general) for shape in shapes]
+    rows = []
+    for threads, unroll, bound in args.attention:
+        launcher = DecodeAttention(codec, heads.dim, group, general, threads=threads, unroll_keys=unroll,
+                                   blocks_per_sm=bound)
+        cells = []
+        for shape, (call, kv_bytes) in zip(shapes, calls):
+            us = time_us(env, lambda stream, call=call: call(launcher, stream), args.inner, args.repeats, True)
+            share = "" if shape.kv_chunk else f" ({kv_bytes / (us * 1e-6) / copy_bytes_per_s:.0%})"
+            cells.append(f"{fmt(us, 1)}{share}")
+        rows.append([f"{threads}:{unroll}:{'none' if bound is None else bound}", *cells])
+        print(f"attention {rows[-1]}", file=sys.stderr)
+    headers = ["NT:U:B", *(f"{s.batch} x {s.context}" + (f", chunks of {s.kv_chunk}" if s.kv_chunk else "")
+                           for s in shapes)]
+    return markdown_table(headers, rows, [False, *(True for _ in shapes)])
+
+
+def sweep_gemv(env: Env, args: argparse.Namespace) -> str:
+    from executor.kernels.codec import build_codec
+    from executor.kernels.gemv import Gemv
+
+    torch, bits = env.torch, (lambda x: x.view(env.torch.int16))
+    gemvs = SMOKE_GEMVS if args.smoke else REAL_GEMVS
+    copies = 1 if args.smoke else GEMV_WEIGHT_COPIES
+    rows = []
+    for name, out_rows, in_features, kernel in gemvs:
+        gated = kernel == "norm_swiglu"
+        weights = [env.randn(out_rows, in_features, scale=in_features ** -0.5) for _ in range(copies)]
+        x, norm_weight = env.randn(1, in_features), env.randn(in_features)
+        out = torch.empty(1, out_rows // 2 if gated else out_rows, dtype=torch.bfloat16, device=env.device)
+        cells = []
+        for warps, blocks in args.gemv:
+            gemv = Gemv(build_codec("bfloat16"), True, blocks_per_sm=blocks, warps=warps)
+            turn = iter(range(10**9))
+
+            def launch(stream: Any, gemv: Gemv = gemv) -> None:
+                weight = bits(weights[next(turn) % copies])
+                if kernel == "project_add":
+                    gemv.project_add(bits(x), weight, bits(out), stream=stream)
+                else:
+                    getattr(gemv, kernel)(bits(x), bits(norm_weight), 1e-6, 0.0, weight, bits(out), stream=stream)
+
+            us = time_us(env, launch, max(args.inner, copies), args.repeats, True)
+            cells.append(f"{fmt(us, 1)} ({out_rows * in_features * BF16_BYTES / (us * 1e-6) / 1e9:,.0f} GB/s)")
+        rows.append([f"{name} {out_rows} x {in_features}", *cells])
+        print(f"gemv {rows[-1]}", file=sys.stderr)
+        del weights
+    return markdown_table(["projection", *(f"{w} x {b}" for w, b in args.gemv)], rows,
+                          [False, *(True for _ in args.gemv)])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--attention", type=parse_attention, default=parse_attention(
+        "128:4:auto,128:2:4,128:8:3,128:8:none,256:4:2,64:4:8"), help="NT:U:B configurations (module docstring)")
+    parser.add_argument("--gemv", type=parse_gemv, default=parse_gemv("4x4,8x2,16x1,2x8,4x3,8x3"),
+                        help="WxB configurations (module docstring)")
+    parser.add_argument("--no-attention", action="store_true")
+    parser.add_argument("--no-gemv", action="store_true")
+    parser.add_argument("--repeats", type=int, default=30, help="timed graph replays (median)")
+    parser.add_argument("--inner", type=int, default=10, help="launches per graph replay")
+    parser.add_argument("--copy-gib", type=float, default=2.0, help="size of the copy-bandwidth buffer, GiB")
+    parser.add_argument("--out", default=None, help="append the tables to this file")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes in the Numba CUDA simulator (CPU)")
+    args = parser.parse_args(argv)
+    if args.smoke:  # the simulator runs a thread per Python thread: one-warp blocks, few configs, one launch
+        args.attention = [(32, unroll, bound) for _, unroll, bound in args.attention[:2]]
+        args.gemv = args.gemv[:1]
+        args.repeats, args.inner = 1, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    env = Env(args.smoke)
+    env.torch.manual_seed(0)
+    copy_bytes_per_s, copy_bytes = copy_bandwidth(env, args.copy_gib, args.inner, args.repeats, not args.smoke)
+    sections = [f"Copy bandwidth {copy_bytes_per_s / 1e9:,.0f} GB/s (dst.copy_(src) of {copy_bytes / 2**30:.2f} GiB). "
+                + ("Simulator: wall time of one launch (checks the script, measures nothing)." if args.smoke else
+                   f"CUDA-graph timing, median of {args.repeats} replays, per launch; us.")]
+    if not args.no_attention:
+        sections.append("Decode attention (NT threads, U keys in flight a lane group, B blocks an SM; unsplit "
+                        "shapes: K/V bytes over time as a share of the copy bandwidth):\n\n"
+                        + sweep_attention(env, args, copy_bytes_per_s))
+    if not args.no_gemv:
+        sections.append("Fused GEMVs at batch 1 (W warps a block x B blocks an SM; weight bytes over time):\n\n"
+                        + sweep_gemv(env, args))
+    emit("Decode kernel launch configurations (bench/launch_sweep.py)", run_info(env.device),
+         "\n\n".join(sections), args.out)
+
+
+if __name__ == "__main__":
+    main()

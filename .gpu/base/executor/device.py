@@ -1,0 +1,142 @@
+"""Where kernels run: a CUDA GPU, or the Numba CUDA simulator over host memory.
+
+The executor is written once against torch tensors, which kernels take as they
+are (executor.kernels.launch). A ``Device`` says which torch device holds the
+arena and which stream kernels launch on, so the simulator runs the same code path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from executor.numba_cuda import load_cuda, simulator_enabled
+
+TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "int32": torch.int32,
+    "uint32": torch.uint32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+}
+
+
+class DeviceError(RuntimeError):
+    """The requested device is not available."""
+
+
+#: The oldest GPU the kernels compile for: bf16 stores are PTX ``cvt.rn.bf16.f32`` (executor/kernels/codec.py),
+#: which needs sm_80 (A100 and later).
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+def check_compute_capability(name: str, capability: tuple[int, int]) -> None:
+    """DeviceError unless ``capability`` is at least MIN_COMPUTE_CAPABILITY, naming the GPU and both."""
+    if tuple(capability) < MIN_COMPUTE_CAPABILITY:
+        have = ".".join(map(str, capability))
+        need = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
+        raise DeviceError(f"{name} has compute capability {have}; the kernels need {need} or later "
+                          "(bf16 conversion instructions)")
+
+
+@dataclass(frozen=True)
+class Device:
+    """A place to run: ``kind`` is "cuda" or "sim"."""
+
+    kind: str
+    torch_device: torch.device
+    # Numba handles of torch streams, made once per stream (not per launch).
+    _numba_streams: dict[int, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_sim(self) -> bool:
+        return self.kind == "sim"
+
+    def current_stream(self) -> Any:
+        """The Numba stream of torch's current stream, where kernels must launch so that they order
+        with the torch GEMMs around them and are recorded while a CUDA graph is captured (0 in the
+        simulator)."""
+        if self.is_sim:
+            return 0
+        handle = torch.cuda.current_stream(self.torch_device).cuda_stream
+        stream = self._numba_streams.get(handle)
+        if stream is None:
+            stream = self._numba_streams[handle] = load_cuda().external_stream(handle)
+        return stream
+
+    def synchronize(self) -> None:
+        if not self.is_sim:
+            torch.cuda.synchronize(self.torch_device)
+
+
+def speed_up_simulator() -> None:
+    """Make the simulator fast and its shared arrays race-free.
+
+    The simulator runs a block's threads as Python threads, and each barrier
+    waits for every one of them; at Python's default 5 ms switch interval a
+    barrier costs milliseconds, and a 1 us interval makes kernels 5-6x faster.
+    Fast switching exposes a race in numba-cuda 0.30.4's simulator: a block's
+    shared array is created on first use by a check-then-insert without a lock,
+    so two threads can each create their own copy and stop sharing. The
+    replacement below does the same lookup (by the calling source line) under
+    a lock.
+    """
+    from numba.cuda.simulator import kernelapi
+
+    shared = kernelapi.FakeCUDAShared
+    if not getattr(shared.array, "memplan_locked", False):
+        lock = threading.Lock()
+        unlocked = shared.array
+
+        def array(self, shape, dtype, alignment=None):
+            if shape == 0 or alignment is not None:
+                return unlocked(self, shape, dtype, alignment)
+            if isinstance(dtype, kernelapi.types.Type):
+                dtype = kernelapi.numpy_support.as_dtype(dtype)
+            caller = traceback.extract_stack(sys._getframe(1), limit=1)[0][0:2]
+            with lock:
+                allocation = self._allocations.get(caller)
+                if allocation is None:
+                    allocation = self._allocations[caller] = np.empty(shape, dtype)
+            return allocation
+
+        array.memplan_locked = True
+        shared.array = array
+    sys.setswitchinterval(1e-6)
+
+
+def open_device(kind: str = "auto") -> Device:
+    """A CUDA device when one is present (or asked for), else the simulator.
+
+    The simulator must be chosen before numba.cuda is first imported: set
+    NUMBA_ENABLE_CUDASIM=1 in the environment (``memplan run --device sim`` does).
+    """
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() and not simulator_enabled() else "sim"
+    if kind == "sim":
+        if not simulator_enabled():
+            if "numba.cuda" in sys.modules:
+                raise DeviceError("the Numba CUDA simulator must be enabled before numba.cuda loads: "
+                                  "set NUMBA_ENABLE_CUDASIM=1")
+            os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+        speed_up_simulator()
+        return Device("sim", torch.device("cpu"))
+    if kind != "cuda":
+        raise DeviceError(f"unknown device {kind!r}; use cuda, sim or auto")
+    if not torch.cuda.is_available():
+        raise DeviceError("no CUDA device: use --device sim with a tiny config")
+    if simulator_enabled():
+        raise DeviceError("NUMBA_ENABLE_CUDASIM=1 is set: unset it to run on the GPU")
+    index = torch.cuda.current_device()
+    check_compute_capability(torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))
+    load_cuda()
+    return Device("cuda", torch.device("cuda", index))

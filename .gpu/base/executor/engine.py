@@ -1,0 +1,221 @@
+"""The engine: a workload of requests lives inside the plan's capacities.
+
+Each iteration asks the scheduler for a step (decode rows, prefill chunks,
+admissions within the planned batch, tokens, KV pages and recurrent slots),
+zeroes the recurrent slots it hands out, refills the step metadata in place,
+runs the model, reads back the sampled ids (the one host sync) and gives them
+to the scheduler. Capacity limits surface as scheduler decisions (deferral,
+preemption, rejection at arrival); the arena never grows.
+
+Overlapped (``overlap=True``, the default; vLLM's async scheduling): the engine
+schedules and launches step N + 1 before it waits for step N's sampled ids, so
+the host's scheduling, metadata and launch work runs while the GPU computes
+step N instead of between two steps. Step N + 1's decode rows take their
+tokens from step N's sampled ids on the device (scheduler.py's overlapped
+scheduling; kernels/embedding.py); each step's ids go to one of two pinned
+host buffers by an asynchronous copy ordered after the step, so the next
+step's sampler cannot overwrite them before they are read. A request that
+stops on a stop id has computed one more row, which is dropped. Outputs are
+the same as without overlap.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from executor.models.decoder import DecoderModel
+from executor.page_tables import PageTables
+from executor.scheduler import Request, ScheduledStep, Scheduler, SchedulerStats, StepChunk
+from executor.step import RequestChunk, plan_step
+
+
+@dataclass
+class RequestResult:
+    """What a request produced and when (seconds since the engine started)."""
+
+    request_id: object
+    prompt_len: int
+    output_ids: list[int]
+    finish_reason: str | None
+    error: str | None
+    arrival_s: float
+    token_times_s: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times_s[0] - self.arrival_s if self.token_times_s else None
+
+    @property
+    def token_latencies_s(self) -> list[float]:
+        times = [self.arrival_s, *self.token_times_s]
+        return [later - earlier for earlier, later in zip(times, times[1:])]
+
+
+@dataclass
+class EngineReport:
+    results: list[RequestResult]
+    stats: SchedulerStats
+    prefix_caching: bool
+    overlap: bool  # steps scheduled one ahead of the read-back (Engine's overlap)
+    steps: int
+    wall_s: float
+    allocations_after_warmup: int | None  # CUDA only: allocations from the second step to the end
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(r.output_ids) for r in self.results)
+
+    def percentile_ms(self, values: Sequence[float], q: float) -> float:
+        return 1e3 * statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else (
+            1e3 * values[0] if values else float("nan"))
+
+    @property
+    def ttfts(self) -> list[float]:
+        return [r.ttft_s for r in self.results if r.ttft_s is not None]
+
+    @property
+    def tpots(self) -> list[float]:
+        return [latency for r in self.results for latency in r.token_latencies_s[1:]]
+
+
+class Engine:
+    """Continuous batching of requests over one materialized model."""
+
+    def __init__(self, model: DecoderModel, *, prefix_caching: bool = True, overlap: bool = True):
+        plan = model.arena.plan
+        recurrent = plan.geometry.num_linear_layers > 0
+        # Qwen3.5's recurrent state is not paged, so a cached KV prefix cannot resume it.
+        self.prefix_caching = prefix_caching and not recurrent
+        self.model, self.plan = model, plan
+        self.scheduler = Scheduler(plan.capacity, prefix_caching=self.prefix_caching, has_recurrent_state=recurrent)
+        self.page_tables = PageTables()  # the running requests' page lists as arrays, extended step by step
+        self.overlap = overlap
+        self.read_back = ReadBack(model, plan.capacity.max_batch)
+
+    def run(self, requests: Sequence[Request], arrival_steps: Sequence[int] | None = None,
+            on_step: Callable[[int], None] | None = None) -> EngineReport:
+        """Run ``requests`` to completion. ``arrival_steps[i]``: the step before which request i arrives
+        (all at step 0 by default). ``on_step(steps_done)`` runs after every step (progress reports).
+        Returns one result per request, in input order."""
+        arrivals = list(arrival_steps) if arrival_steps is not None else [0] * len(requests)
+        pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
+        results = {id(r): RequestResult(r.request_id, len(r.prompt_ids), [], None, None, 0.0) for r in requests}
+        by_id = {r.request_id: r for r in requests}
+        start, steps, allocations_start = time.perf_counter(), 0, None
+        in_flight: tuple[ScheduledStep, int] | None = None  # a launched step and its read-back buffer
+        while pending or self.scheduler.has_unfinished or in_flight is not None:
+            while pending and arrivals[pending[0]] <= steps:
+                request = requests[pending.pop(0)]
+                results[id(request)].arrival_s = time.perf_counter() - start
+                self.scheduler.add(request)
+            step = self.scheduler.schedule() if self.overlap or in_flight is None else None
+            launched = None
+            if step is not None:
+                for slot in step.fresh_slots:
+                    self.model.reset_slot(slot)
+                chunks = [_request_chunk(chunk, by_id[chunk.request_id]) for chunk in step.chunks]
+                sampled = self.model.step(plan_step(self.plan, chunks, self.page_tables))
+                launched = (step, self.read_back.start(sampled, steps))
+                steps += 1
+            elif in_flight is None:  # idle until the next arrival
+                steps = max(steps, arrivals[pending[0]]) if pending else steps
+                continue
+            if in_flight is not None:
+                done, buffer = in_flight
+                sampled_ids = self.read_back.wait(buffer, done.num_requests)
+                now = time.perf_counter() - start
+                # Stamp the ids update() keeps (it drops those of requests finished or preempted since).
+                counts = {c.request_id: len(by_id[c.request_id].output_ids) for c in done.chunks if c.sample}
+                self.scheduler.update(done, sampled_ids)
+                for request_id, count in counts.items():
+                    if len(by_id[request_id].output_ids) > count:
+                        results[id(by_id[request_id])].token_times_s.append(now)
+                if on_step is not None:
+                    on_step(done.index + 1)
+                if allocations_start is None:  # after the first step run (warm-up: compiles, cuBLAS set-up)
+                    allocations_start = _allocation_count(self.model)
+            in_flight = launched
+        for request in requests:
+            result = results[id(request)]
+            result.output_ids = list(request.output_ids)
+            result.finish_reason, result.error = request.finish_reason, request.error
+            result.token_times_s = result.token_times_s[: len(result.output_ids)]
+        end_count = _allocation_count(self.model)
+        grown = None if allocations_start is None or end_count is None else end_count - allocations_start
+        return EngineReport([results[id(r)] for r in requests], self.scheduler.stats(), self.prefix_caching,
+                            self.overlap, steps, time.perf_counter() - start, grown)
+
+
+def warm_up(model: DecoderModel) -> None:
+    """Run one prefill step and one decode step on scratch data before serving, so that first-call
+    work (Numba compilation, cuBLAS set-up) is not charged to the first requests' latencies.
+
+    The prefill step feeds a chunk long enough for the long-chunk attention backend (serving
+    gemm_attention_min_tokens and prefill_attention, when the KV pool has the pages) beside a
+    one-token chunk for the paged kernel; the decode step continues the long one. It writes KV pages
+    from 1 and recurrent slots from 0 and leaves them: no request owns a page yet, the prefix cache
+    is empty, and a slot is zeroed on admission.
+    """
+    plan = model.arena.plan
+    cap = plan.capacity
+    page_size, usable_pages = cap.page_size, cap.kv_pages - 1
+    long_len = min(plan.serving.gemm_attention_min_tokens, cap.max_prefill_tokens, cap.max_context - 1,
+                   (usable_pages - 1) * page_size - 1)
+    if long_len < 1:
+        return  # a KV pool of fewer than two usable pages: nothing to warm up with
+    recurrent = plan.geometry.num_linear_layers > 0
+    long_pages = list(range(1, 2 + long_len // page_size))  # room for the decode step's token too
+    chunks = [RequestChunk([0] * long_len, 0, long_pages, slot=0 if recurrent else -1)]
+    if cap.max_batch > 1 and long_len + 1 <= cap.max_tokens_per_step:
+        chunks.append(RequestChunk([0], 0, [long_pages[-1] + 1], slot=1 if recurrent else -1))
+    for chunk in chunks:
+        model.reset_slot(chunk.slot)  # a no-op without recurrent state
+    model.step(plan_step(plan, chunks))
+    model.step(plan_step(plan, [RequestChunk([0], long_len, long_pages, slot=chunks[0].slot)])).tolist()
+
+
+class ReadBack:
+    """A step's sampled ids to the host: an asynchronous copy into one of two pinned buffers, ordered
+    after the step on torch's current stream, and an event to wait on. Two buffers, so that with one
+    step in flight the next step's copy never lands in the buffer still to be read. In the simulator
+    (no streams) the ids are read at once."""
+
+    def __init__(self, model: DecoderModel, max_batch: int):
+        self.simulated = model.device.is_sim
+        self.device = model.device.torch_device
+        self.buffers = [torch.empty(max_batch, dtype=torch.int32, pin_memory=not self.simulated) for _ in range(2)]
+        self.copied = [None if self.simulated else torch.cuda.Event() for _ in range(2)]
+
+    def start(self, sampled: torch.Tensor, step_index: int) -> int:
+        """Start reading ``sampled`` (the model's sampled ids view [B]); returns the buffer to wait on."""
+        buffer = step_index % 2
+        self.buffers[buffer][: sampled.shape[0]].copy_(sampled, non_blocking=not self.simulated)
+        if not self.simulated:
+            self.copied[buffer].record(torch.cuda.current_stream(self.device))
+        return buffer
+
+    def wait(self, buffer: int, count: int) -> list[int]:
+        """The ``count`` ids of ``buffer``, once its copy has landed."""
+        if not self.simulated:
+            self.copied[buffer].synchronize()
+        return self.buffers[buffer][:count].tolist()
+
+
+def _request_chunk(chunk: StepChunk, request: Request) -> RequestChunk:
+    """The scheduler's chunk with the request's sampling parameters; the RNG counter is the index
+    of the token being sampled (``StepChunk.sample_index``), so a request's tokens do not depend on
+    its batch or on overlap. Its page list is keyed by admission: it only grows until the request is
+    released."""
+    return RequestChunk(chunk.token_ids, chunk.num_cached, chunk.page_ids, chunk.slot, request.temperature,
+                        request.top_k, request.seed, chunk.sample_index, page_table_key=request.admission)
+
+
+def _allocation_count(model: DecoderModel) -> int | None:
+    if model.device.is_sim:
+        return None
+    return torch.cuda.memory_stats(model.device.torch_device)["allocation.all.allocated"]

@@ -1,0 +1,124 @@
+"""Asynchronous 16-byte copies from global into shared memory (``cp.async``, sm_80+).
+
+A kernel that stages tiles in shared memory with plain loads holds each chunk in registers
+between its load and its store, and waits for the load before the store can issue. With
+``cp.async`` the copy engine moves the bytes while the warp goes on computing, so a tile for
+the next step lands while the current one is in use:
+
+    shared_address(tile, index) -> uint32
+        the shared-memory address of tile[index] (0 in the simulator). A kernel takes its
+        tile's address once; the copies (and mma.py's fragment loads) then add constant
+        offsets in 32-bit arithmetic instead of converting a 64-bit pointer each time.
+    copy_async(tile, tile_address, dst_index, src, src_index, valid)
+        starts copying the 16 bytes at src[src_index] (int32 words, 4 of them) to
+        tile[dst_index] in shared memory (tile_address = shared_address(tile, (0, 0)), tile
+        2-D); when ``valid`` is false it writes 16 zero bytes and reads nothing (src_index
+        must still name an element of src).
+    copy_async_wait_all()
+        waits until this thread's copies have landed. Other threads' copies are visible
+        after a ``cuda.syncthreads()`` that follows every thread's wait.
+
+Both ends must be 16-byte aligned. On the GPU these are PTX through llvmlite inline asm
+(``cp.async.cg.shared.global`` with a source size of 16 or 0, and ``cp.async.wait_all``).
+The simulator copies at once, and waiting is a no-op there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from executor.kernels.vector import element_pointer
+from executor.numba_cuda import load_cuda, simulator_enabled
+
+cuda = load_cuda()
+from numba import int32, types, uint32  # noqa: E402  (after load_cuda's numpy fix)
+
+CHUNK_WORDS = 4
+
+
+def build_shared_address() -> Callable[..., Any]:
+    """``shared_address(tile, index) -> uint32`` (module docstring)."""
+    if simulator_enabled():
+        @cuda.jit(device=True)
+        def no_address(tile, index):
+            return uint32(0)
+
+        return no_address
+    return _shared_address_intrinsic()
+
+
+def build_async_copy() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(copy_async, copy_async_wait_all)`` device functions (module docstring)."""
+    if simulator_enabled():
+        return _simulated()
+    return _intrinsics()
+
+
+def _simulated() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    @cuda.jit(device=True)
+    def copy_async(tile, tile_address, dst_index, src, src_index, valid):
+        row, word = dst_index
+        *src_outer, src_word = src_index
+        for w in range(CHUNK_WORDS):
+            tile[row, word + w] = src[(*src_outer, src_word + w)] if valid else int32(0)
+
+    @cuda.jit(device=True)
+    def copy_async_wait_all():
+        pass
+
+    return copy_async, copy_async_wait_all
+
+
+def _shared_address_intrinsic() -> Callable[..., Any]:
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def shared_address(typingctx, tile, index):
+        def codegen(context, builder, signature, args):
+            pointer = element_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+            function = ir.FunctionType(ir.IntType(32), [pointer.type])
+            # The tile's data pointer is generic: convert it to the shared window's 32-bit address.
+            return builder.asm(function, "{ .reg .u64 window; cvta.to.shared.u64 window, $1; cvt.u32.u64 $0, window; }",
+                               "=r,l", [pointer], side_effect=False)
+
+        return types.uint32(tile, index), codegen
+
+    return shared_address
+
+
+def _intrinsics() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    # The source pointer is generic; cp.async wants a global-window address.
+    copy_asm = "{ .reg .u64 from; cvta.to.global.u64 from, $1; cp.async.cg.shared.global [$0], [from], 16, $2; }"
+
+    @intrinsic
+    def copy_to_shared(typingctx, to, src, src_index, valid):
+        def codegen(context, builder, signature, args):
+            _, src_type, src_index_type, _ = signature.args
+            to_value, src_value, src_index_value, valid_value = args
+            source = element_pointer(context, builder, src_type, src_value, src_index_type, src_index_value)
+            i32 = ir.IntType(32)
+            source_bytes = builder.select(valid_value, i32(4 * CHUNK_WORDS), i32(0))
+            function = ir.FunctionType(ir.VoidType(), [i32, source.type, i32])
+            builder.asm(function, copy_asm, "r,l,r,~{memory}", [to_value, source, source_bytes], side_effect=True)
+            return context.get_dummy_value()
+
+        return types.void(types.uint32, src, src_index, types.boolean), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def copy_async(tile, tile_address, dst_index, src, src_index, valid):
+        row, word = dst_index
+        copy_to_shared(tile_address + uint32(4 * (row * tile.shape[1] + word)), src, src_index, valid)
+
+    @intrinsic
+    def copy_async_wait_all(typingctx):
+        def codegen(context, builder, signature, args):
+            builder.asm(ir.FunctionType(ir.VoidType(), []), "cp.async.wait_all;", "~{memory}", [], side_effect=True)
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    return copy_async, copy_async_wait_all

@@ -1,0 +1,366 @@
+"""Paged attention for decode steps: one query row per request, bound by reading the KV cache.
+
+A decode step reads every cached key and value once and does a few FLOPs per
+byte, so the kernel is built around keeping K/V bytes in flight. It serves the
+decode pool only, with attention.py's metadata and tile scheme (``plan_tiles``:
+tile = request ``b`` and kv chunk ``c``; split tiles write partials that
+attention.py's ``merge_kernel`` combines).
+
+- Block (tile, kv head h), ``NT`` threads. A K/V row of D elements is
+  ``D / E`` 16-byte chunks (E = 8 bf16 or 4 float32); a group of ``L`` lanes
+  owns one key at a time, lane ``l`` its chunk(s) ``l, l + L, ...``, so a group
+  reads a whole row with one 16-byte load per lane (vector.py).
+- q stays in registers: each lane holds its chunks' q elements of the
+  G = Hq / Hkv heads that share h, scaled once by D^-0.5 log2(e) (scores in log2
+  units: every exponent is one exp2). A score is the lane's partial dot, summed
+  over the group with xor shuffles, so every lane of the group holds it.
+- Online softmax per lane group ("streaming"): a group takes keys gid, gid +
+  KPP, ... (KPP = NT / L groups), ``UNROLL_KEYS`` at a time, and issues the K
+  *and* V loads of those keys together before using any; it keeps its own
+  running (max, sum) per head and its output elements in registers, and never
+  waits for another group. The groups meet once, at the end, in shared memory.
+  Page ids come through shared memory in rounds of ``ROUND_KEYS`` keys (one
+  runtime division per key, not per lane; two barriers a round).
+- Residency: the kernel wants about 160 registers a thread; held to 128 by
+  ``launch_bounds`` (NT threads, 4 blocks an SM) where q and the output take
+  at most 64 of them, ptxas spills nothing and an SM keeps 16 warps.
+
+On the H200 (Qwen3-8B heads, bench-shaped calls in a CUDA graph, .gpu sweep of
+2026-11-30): 64 requests x 4096 tokens 347 us (3.09 TB/s; the earlier
+round-based kernel, which kept a round's scores in shared memory and loaded V
+only after a block-wide softmax, took 390 us), 32 x 4096 184 us (206), batch 1
+at 4096 tokens 20 us (22) and at 512 tokens 12.6 us (13.1). Without the register
+cap the streaming kernel ran at 164 registers and took 496 us; capping harder
+(5 or 6 blocks an SM) spilled and was slower.
+
+The launcher falls back to attention.py's general kernel (which handles one
+row per request too) when the cache rows are not whole, aligned 16-byte chunks
+or the group would not be a power of two lanes. The simulator runs the same
+kernel: its vector accesses and reductions are emulated (vector.py, reduce.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import numpy as np
+
+from executor.kernels.attention import NEG_INF, PagedAttention, build_kv_staging, check_heads
+from executor.kernels.codec import Codec
+from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS, Kernel
+from executor.kernels.reduce import build_group_sum
+from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
+from executor.numba_cuda import load_cuda, simulator_enabled
+
+cuda = load_cuda()
+from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
+
+ROUND_KEYS = 256  # keys whose page ids a round stages in shared memory
+UNROLL_KEYS = 4  # keys each lane group loads before using them: 4 x 2 x 16 bytes (K and V) in flight per lane
+MIN_BLOCKS_PER_SM = 4  # launch_bounds: 128 registers a thread at 128 threads
+CAPPED_REGISTER_VALUES = 64  # q and output registers a lane may hold for the cap to spill nothing
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+
+
+def key_lanes(codec: Codec, head_dim: int) -> int | None:
+    """Lanes that read one K/V row together (a power of two <= 32), or None when the row is not a
+    whole number of 16-byte chunks that such a group can split evenly."""
+    elements = lanes_for(codec)
+    chunks = head_dim // elements
+    if head_dim % elements or chunks & (chunks - 1):
+        return None
+    return min(chunks, WARP_THREADS)
+
+
+def shared_bytes(codec: Codec, head_dim: int, group_size: int, threads: int, round_keys: int) -> int:
+    """Static shared memory of one block: the round's page ids and offsets, the groups' (max, sum)
+    and partial outputs, the merged softmax state and the simulator's reduction scratch (4-byte words)."""
+    groups = threads // key_lanes(codec, head_dim)
+    words = 2 * round_keys + 2 * groups * group_size + groups * group_size * head_dim + 3 * group_size + threads
+    return 4 * words
+
+
+def min_blocks_per_sm(codec: Codec, head_dim: int, group_size: int) -> int | None:
+    """The launch bound's blocks per SM: MIN_BLOCKS_PER_SM where a lane's q and output elements fit
+    CAPPED_REGISTER_VALUES registers (the measured shapes), else None (no cap: it would spill)."""
+    lane_elements = head_dim // key_lanes(codec, head_dim)
+    return MIN_BLOCKS_PER_SM if 2 * group_size * lane_elements <= CAPPED_REGISTER_VALUES else None
+
+
+def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads: int,
+                           round_keys: int = ROUND_KEYS, blocks_per_sm: int | None = None,
+                           unroll_keys: int = UNROLL_KEYS) -> tuple[Any, Any]:
+    """(direct kernel, split kernel) for one codec and head shape; D, G and NT size registers and shared memory.
+    ``blocks_per_sm``: the launch bound (None: none); ``unroll_keys``: keys a lane group loads before
+    using any.
+
+    Direct: ``(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
+    request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale)``, every tile
+    covering its whole row. Split: the same with ``partial_out, partial_lse`` after ``out``; rows of
+    several chunks write those instead of ``out``. Grid (tiles, Hkv), ``threads`` threads. The K/V
+    cache rows must be 16-byte aligned (the launcher checks).
+    """
+    load, store = codec.load, codec.store
+    get_lane = build_lanes(codec)[0]
+    load_vector = build_vector_access()[0]
+    words = word_type(codec)
+    D, G, NT, SUB = head_dim, group_size, threads, round_keys
+    E = lanes_for(codec)  # elements per 16-byte chunk
+    L = key_lanes(codec, D)
+    assert L is not None and NT % L == 0 and NT & (NT - 1) == 0, "lane groups tile the block"
+    CPL = D // E // L  # chunks per lane of a row
+    KPP = NT // L  # keys in flight per pass: one per lane group
+    LANE_ELEMENTS = CPL * E  # elements of a row a lane owns
+    ACC = G * LANE_ELEMENTS  # q and accumulator registers per lane (constant extents)
+    U = unroll_keys
+    BUFFER_WORDS = U * CPL * VECTOR_WORDS
+    SCORES = U * G  # a batch's scores, one per key and head
+    GROUP_STATES = KPP * G  # (max, sum) of every lane group and head, where the groups meet
+    # The simulator's jit takes no launch_bounds; on the GPU they cap registers for residency.
+    launch_options = {} if simulator_enabled() or blocks_per_sm is None else {"launch_bounds": (NT, blocks_per_sm)}
+    stage_pages = build_kv_staging(load, D, NT)[0]
+    group_sum = build_group_sum()
+
+    @cuda.jit(device=True, inline=True)
+    def load_rows(cache, h, base, n, gid, lane, page_sh, offset_sh, buffer):
+        """The lane's chunks of keys base + u * KPP + gid (u < U; clamped into the round)."""
+        for u in range(U):
+            key = min(base + u * KPP + gid, n - 1)
+            for ci in range(CPL):
+                load_vector(cache, (page_sh[key], offset_sh[key], h, (lane + ci * L) * E), buffer,
+                            (u * CPL + ci) * VECTOR_WORDS)
+
+    @cuda.jit(device=True, inline=True)
+    def attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
+               request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale,
+               s_sh, page_sh, offset_sh, state_sh, part_sh, scratch):
+        """Leave the tile's normalised output of head g, element d in ``part_sh[0, g, d]`` and its
+        (max, sum) in ``state_sh[0, g]``, ``state_sh[1, g]`` (natural-log units). Returns (row,
+        chunk index, chunks of the row); row -1: nothing to do (uniform per block, decided before
+        any barrier). Scores are in log2 units inside (q scaled by scale * log2(e)): every
+        exponent is one exp2."""
+        tile = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        b = request_indices[tile]
+        if b < 0:  # padding tile (a graph's fixed grid)
+            return -1, 0, 0
+        row = q_indptr[b]
+        if row >= int32(total_num_rows[0]):
+            return -1, 0, 0
+        page_size = k_cache.shape[1]
+        kv_len = (page_indptr[b + 1] - page_indptr[b] - 1) * page_size + last_page_len[b]
+        chunk = kv_chunk_size[b]
+        c = kv_tile_indices[tile]
+        last = positions[row]  # the row sees keys 0 .. last
+        k0 = c * chunk
+        k1 = min(k0 + chunk, last + 1, kv_len)
+        if k0 >= k1:
+            return -1, 0, 0
+        page_base = page_indptr[b]
+        lane = tid % L
+        gid = tid // L
+        q_lane = cuda.local.array(ACC, float32)
+        acc = cuda.local.array(ACC, float32)
+        row_f = cuda.local.array(LANE_ELEMENTS, float32)
+        k_buffer = cuda.local.array(BUFFER_WORDS, words)
+        v_buffer = cuda.local.array(BUFFER_WORDS, words)
+        scores = cuda.local.array(SCORES, float32)
+        # The group's running maximum (finite start: a group with no key yet keeps alpha = 1) and sum.
+        top = cuda.local.array(G, float32)
+        total = cuda.local.array(G, float32)
+        q_scale = scale * float32(LOG2_E)
+        for g in range(G):
+            top[g] = float32(-1e30)
+            total[g] = float32(0.0)
+            for ci in range(CPL):
+                for e in range(E):
+                    q_lane[(g * CPL + ci) * E + e] = load(q[row, h * G + g, (lane + ci * L) * E + e]) * q_scale
+                    acc[(g * CPL + ci) * E + e] = float32(0.0)
+
+        for r0 in range(k0, k1, SUB):
+            n = min(SUB, k1 - r0)
+            cuda.syncthreads()  # every group is done with the last round's pages
+            stage_pages(page_indices, page_base, page_size, r0, n, page_sh, offset_sh, tid)
+            cuda.syncthreads()
+            # Every thread runs the same trips (the simulator's reductions have barriers).
+            for base in range(0, n, KPP * U):
+                load_rows(k_cache, h, base, n, gid, lane, page_sh, offset_sh, k_buffer)
+                load_rows(v_cache, h, base, n, gid, lane, page_sh, offset_sh, v_buffer)
+                for u in range(U):
+                    for i in range(LANE_ELEMENTS):
+                        row_f[i] = load(get_lane(k_buffer, u * LANE_ELEMENTS + i))
+                    valid = base + u * KPP + gid < n
+                    for g in range(G):
+                        dot = float32(0.0)
+                        for i in range(LANE_ELEMENTS):
+                            dot += q_lane[g * LANE_ELEMENTS + i] * row_f[i]
+                        dot = group_sum(scratch, dot, L)
+                        scores[u * G + g] = dot if valid else NEG_INF
+                for g in range(G):
+                    best = top[g]
+                    for u in range(U):
+                        best = max(best, scores[u * G + g])
+                    alpha = float32(math.exp2(top[g] - best))
+                    top[g] = best
+                    part = float32(0.0)
+                    for u in range(U):
+                        p = float32(math.exp2(scores[u * G + g] - best))
+                        scores[u * G + g] = p
+                        part += p
+                    total[g] = total[g] * alpha + part
+                    for i in range(LANE_ELEMENTS):
+                        acc[g * LANE_ELEMENTS + i] *= alpha
+                for u in range(U):
+                    for i in range(LANE_ELEMENTS):
+                        row_f[i] = load(get_lane(v_buffer, u * LANE_ELEMENTS + i))
+                    for g in range(G):
+                        p = scores[u * G + g]
+                        for i in range(LANE_ELEMENTS):
+                            acc[g * LANE_ELEMENTS + i] += p * row_f[i]
+
+        # The groups meet: group k's (max, sum) in s_sh[0 / 1, k * G + g], its output in part_sh[k].
+        for g in range(G):
+            if lane == 0:
+                s_sh[0, gid * G + g] = top[g]
+                s_sh[1, gid * G + g] = total[g]
+            for ci in range(CPL):
+                for e in range(E):
+                    part_sh[gid, g, (lane + ci * L) * E + e] = acc[(g * CPL + ci) * E + e]
+        cuda.syncthreads()
+        for j in range(tid, G * D, NT):
+            g = j // D
+            d = j - g * D
+            best = float32(-1e30)
+            for k in range(KPP):
+                best = max(best, s_sh[0, k * G + g])
+            out_sum = float32(0.0)
+            weight_sum = float32(0.0)
+            for k in range(KPP):
+                w = float32(math.exp2(s_sh[0, k * G + g] - best))
+                out_sum += w * part_sh[k, g, d]
+                weight_sum += w * s_sh[1, k * G + g]
+            part_sh[0, g, d] = out_sum / weight_sum
+            if d == 0:  # attend's contract: natural-log maximum and the sum under it
+                state_sh[0, g] = best * float32(LN_2)
+                state_sh[1, g] = weight_sum
+        cuda.syncthreads()
+        return row, c, last // chunk + 1
+
+    @cuda.jit(**launch_options)
+    def direct_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
+                      request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale):
+        s_sh = cuda.shared.array((2, GROUP_STATES), float32)
+        page_sh = cuda.shared.array(SUB, int32)
+        offset_sh = cuda.shared.array(SUB, int32)
+        state_sh = cuda.shared.array((3, G), float32)
+        part_sh = cuda.shared.array((KPP, G, D), float32)
+        scratch = cuda.shared.array(NT, float32)  # the simulator's group reductions
+        row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
+                                    positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
+                                    scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
+        if row < 0:
+            return
+        h = cuda.blockIdx.y
+        for j in range(cuda.threadIdx.x, G * D, NT):
+            g = j // D
+            d = j - g * D
+            out[row, h * G + g, d] = store(part_sh[0, g, d])
+
+    @cuda.jit(**launch_options)
+    def split_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
+                     request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, partial_out,
+                     partial_lse, scale):
+        s_sh = cuda.shared.array((2, GROUP_STATES), float32)
+        page_sh = cuda.shared.array(SUB, int32)
+        offset_sh = cuda.shared.array(SUB, int32)
+        state_sh = cuda.shared.array((3, G), float32)
+        part_sh = cuda.shared.array((KPP, G, D), float32)
+        scratch = cuda.shared.array(NT, float32)
+        row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
+                                    positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
+                                    scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
+        if row < 0:
+            return
+        h = cuda.blockIdx.y
+        for j in range(cuda.threadIdx.x, G * D, NT):
+            g = j // D
+            d = j - g * D
+            head = h * G + g
+            if num_chunks == 1:
+                out[row, head, d] = store(part_sh[0, g, d])
+            elif c < partial_out.shape[1]:
+                partial_out[row, c, head, d] = part_sh[0, g, d]
+                if d == 0:
+                    partial_lse[row, c, head] = state_sh[0, g] + math.log(state_sh[1, g])
+
+    return direct_kernel, split_kernel
+
+
+class DecodeAttention:
+    """Launcher for decode attention (one query row per request), built once per codec and head shape.
+
+    Same arguments as ``PagedAttention.__call__`` (rows_per_tile 1). ``fallback`` is the step's
+    general attention launcher: it runs calls this kernel cannot (unaligned cache rows, a row that
+    no power-of-two lane group splits evenly), and its merge kernel combines split tiles.
+
+    The launch configuration defaults to the measured one (module docstring; bench/launch_sweep.py
+    sweeps it): ``threads`` a block, ``round_keys`` page ids staged a round, ``unroll_keys`` keys a
+    lane group loads before using any, ``blocks_per_sm`` the launch bound ("auto":
+    ``min_blocks_per_sm``'s rule, None: no bound).
+    """
+
+    def __init__(self, codec: Codec, head_dim: int, group_size: int, fallback: PagedAttention, *,
+                 threads: int | None = None, round_keys: int = ROUND_KEYS, unroll_keys: int = UNROLL_KEYS,
+                 blocks_per_sm: int | None | Literal["auto"] = "auto"):
+        self.head_dim, self.group_size, self.fallback = head_dim, group_size, fallback
+        self.threads = threads or (32 if simulator_enabled() else 128)
+        self.kernels: tuple[Kernel, Kernel] | None = None
+        lanes = key_lanes(codec, head_dim)
+        if lanes is not None and self.threads % lanes == 0:
+            needed = shared_bytes(codec, head_dim, group_size, self.threads, round_keys)
+            if needed > SHARED_LIMIT_BYTES:
+                raise ValueError(f"decode attention: D={head_dim}, G={group_size}, {self.threads} threads, "
+                                 f"rounds of {round_keys} keys need {needed} bytes of shared memory, "
+                                 f"limit {SHARED_LIMIT_BYTES}")
+            bound = min_blocks_per_sm(codec, head_dim, group_size) if blocks_per_sm == "auto" else blocks_per_sm
+            direct, split = build_decode_attention(codec, head_dim, group_size, self.threads, round_keys,
+                                                   blocks_per_sm=bound, unroll_keys=unroll_keys)
+            self.kernels = (Kernel(direct), Kernel(split))
+
+    def uses_vector(self, k_cache: Any, v_cache: Any) -> bool:
+        """Whether a call with these caches runs this module's kernel (else the fallback's)."""
+        return self.kernels is not None and vector_aligned(k_cache, v_cache)
+
+    def __call__(self, q: Any, k_cache: Any, v_cache: Any, page_indices: Any, page_indptr: Any, last_page_len: Any,
+                 q_indptr: Any, batch_indices: Any, positions: Any, request_indices: Any, qo_tile_indices: Any,
+                 kv_tile_indices: Any, kv_chunk_size: Any, total_num_rows: Any, out: Any, scale: float,
+                 partial_out: Any = None, partial_lse: Any = None, stream: Any = 0) -> None:
+        """Write ``out [B, Hq, D]`` for B decode rows (row b is request b's only query).
+
+        q [B, Hq, D] (strided views allowed), k_cache/v_cache [pages, S, Hkv, D], storage dtype of the
+        codec; int32 metadata as for PagedAttention (qo_tile_indices is unused: one row per request).
+        Split tiles need float32 ``partial_out [B, splits, Hq, D]`` and ``partial_lse [B, splits, Hq]``;
+        a merge launch (B x Hq) then follows. Without them every tile must cover its whole row.
+        """
+        if not self.uses_vector(k_cache, v_cache):
+            self.fallback(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, batch_indices,
+                          positions, request_indices, qo_tile_indices, kv_tile_indices, kv_chunk_size,
+                          total_num_rows, out, scale, partial_out, partial_lse, stream=stream)
+            return
+        num_rows, _, num_kv_heads = check_heads("decode_attention", out, k_cache, self.head_dim, self.group_size)
+        num_tiles = request_indices.shape[0]
+        if num_tiles == 0 or num_rows == 0:
+            return
+        direct, split = self.kernels
+        grid, scale32 = (num_tiles, num_kv_heads), np.float32(scale)
+        meta = (page_indices, page_indptr, last_page_len, q_indptr, positions, request_indices, kv_tile_indices,
+                kv_chunk_size, total_num_rows)
+        if partial_out is None:
+            direct[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, scale32)
+            return
+        split[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, partial_out, partial_lse, scale32)
+        self.fallback.merge_splits(partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows,
+                                   out, stream)

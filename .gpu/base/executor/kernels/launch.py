@@ -1,0 +1,206 @@
+"""``Kernel``: a Numba kernel launched with torch tensors as its arguments, at a small part of
+Numba's host cost per launch.
+
+Numba's own launch of a torch tensor pays three times on the host: the tensor becomes a
+device array (``cuda.as_cuda_array``, ~29 us measured on the H200), the dispatcher types
+every argument to find the compiled overload, and the launch re-derives each array's size,
+pointer, shape and strides through several wrapper layers (~90 us for a five-argument
+kernel, measured). A 36-layer Qwen3-8B prefill of 512 tokens spent 89 ms of host time on 17 ms of GPU
+work that way. ``Kernel`` keeps Numba's call syntax, ``kernel[grid, block, stream,
+shared_bytes](*args)``, and when every array argument is a torch tensor (the executor's
+case) it:
+
+- finds the compiled overload by a key of what Numba's typing depends on (dtype, rank and
+  contiguity of each tensor, type of each scalar); a key's first launch asks Numba for the
+  types of the converted arguments and compiles them (``Dispatcher.compile``);
+- packs the arguments as Numba's ``_Kernel._prepare_args`` does: an array is (meminfo 0,
+  parent 0, size, itemsize, data pointer, shape..., strides in bytes...), an integer or
+  float scalar its ctypes value of the compiled type;
+- launches through ``cuda.core.launch``, as Numba does.
+
+The packing and the overload lookup follow numba-cuda 0.30.4's ``_Kernel`` (``argument_types``,
+``_codelibrary``; the project's pinned, maintenance-mode target); tests/kernels/test_launch.py
+holds both to Numba's own results on the GPU. bf16 tensors go in as their int16 bits (the
+kernels' bf16 codec). Other arguments (Numba device arrays, numpy arrays) take Numba's own
+path, unchanged. In the simulator every tensor becomes a wrapped numpy view of the same memory
+(not a copy: in-place kernels and strided views must see the caller's tensor) and Numba's
+simulator runs the kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from executor.numba_cuda import load_cuda, simulator_enabled
+
+#: Shared memory (static and dynamic together) a block may use without the opt-in attribute, which no
+#: launcher here sets.
+SHARED_LIMIT_BYTES = 48 * 1024
+#: sm_90's limits that launchers size blocks and launch bounds by.
+WARP_THREADS = 32
+BLOCK_THREADS = 1024  # threads a block
+SM_THREADS = 2048  # resident threads an SM
+SM_BLOCKS = 32  # resident blocks an SM
+SM_REGISTERS = 65536  # 32-bit registers an SM
+#: Scalar types a fast launch packs (anything else takes Numba's path).
+_SCALARS = (np.integer, np.floating, np.bool_, int, float, bool)
+
+Packer = Callable[[Any, list], None]
+
+
+class Kernel:
+    """A Numba kernel (``cuda.jit`` dispatcher) that also launches cheaply with torch tensors."""
+
+    def __init__(self, dispatcher: Any) -> None:
+        self.dispatcher = dispatcher
+        self.simulated = simulator_enabled()
+        if not self.simulated:
+            from cuda.core import LaunchConfig, launch  # what Numba launches through
+
+            self._config, self._launch = LaunchConfig, launch
+        # key -> (cuda.core kernel, one packer per argument), or None: the key takes Numba's path.
+        self._launches: dict[tuple, tuple[Any, tuple[Packer, ...]] | None] = {}
+        self._streams: dict[int, tuple[Any, Any]] = {}  # id(stream) -> (stream, its cuda.core stream)
+
+    def __getitem__(self, config: tuple) -> Callable[..., None]:
+        """``kernel[grid, block]``, ``[grid, block, stream]`` or ``[grid, block, stream, shared_bytes]``."""
+        grid, block, *rest = config
+        stream, shared_bytes = (*rest, 0, 0)[:2]
+        return lambda *args: self.launch(grid, block, stream, shared_bytes, args)
+
+    def launch(self, grid: Any, block: Any, stream: Any, shared_bytes: int, args: tuple) -> None:
+        key = None if self.simulated else _launch_key(args)
+        entry = self._launches.get(key, False) if key is not None else None
+        if entry is False:
+            entry = self._launches[key] = self._compile(args)
+        if entry is None:  # the simulator, an argument that is not a CUDA tensor or scalar, or an unpacked type
+            self.dispatcher[grid, block, stream, shared_bytes](*(_numba_argument(a, self.simulated) for a in args))
+            return
+        kernel, packers = entry
+        params: list = []
+        for pack, value in zip(packers, args):
+            pack(value, params)
+        self._launch(self._core_stream(stream), self._config(grid=grid, block=block, shmem_size=shared_bytes), kernel,
+                     *params)
+
+    def _compile(self, args: tuple) -> tuple[Any, tuple[Packer, ...]] | None:
+        """The overload Numba would launch for ``args`` (compiled now if new) and its packers."""
+        converted = [_numba_argument(a, False) for a in args]
+        argtypes = tuple(self.dispatcher.typeof_pyval(a) for a in converted)
+        overload = self.dispatcher.compile(argtypes)
+        if overload.debug or overload.extensions or getattr(overload, "launch_config_sensitive", False):
+            return None
+        try:
+            packers = tuple(_packer(t) for t in overload.argument_types)
+        except NotImplementedError:
+            return None
+        return overload._codelibrary.get_cufunc().kernel, packers
+
+    def _core_stream(self, stream: Any) -> Any:
+        entry = self._streams.get(id(stream))
+        if entry is None or entry[0] is not stream:
+            from numba.cuda.cudadrv.driver import _to_core_stream  # Numba's own conversion
+
+            entry = self._streams[id(stream)] = (stream, _to_core_stream(stream))
+        return entry[1]
+
+
+def _launch_key(args: tuple) -> tuple | None:
+    """What Numba's typing of ``args`` depends on, or None when an argument is neither a CUDA tensor
+    nor a scalar (a host tensor goes to Numba, which refuses it with its own error)."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if not a.is_cuda:
+                return None
+            key.append((a.dtype, a.dim(), _tensor_layout(a)))
+        elif isinstance(a, _SCALARS):
+            key.append(type(a))
+        else:
+            return None
+    return tuple(key)
+
+
+def _tensor_layout(a: torch.Tensor) -> str:
+    """The layout Numba types ``cuda.as_cuda_array(a)`` with: C for a contiguous tensor (its array
+    interface has no strides, so Numba takes C strides), else ``_strided_layout``."""
+    return "C" if a.is_contiguous() else _strided_layout(a)
+
+
+def _strided_layout(a: torch.Tensor) -> str:
+    """Numba's layout of a tensor torch calls non-contiguous (so it has elements): "F" when
+    Fortran-contiguous by Numba's rule (``dummyarray``: axes of length 1 are skipped, any zero
+    stride breaks it), else "A". It cannot be "C": torch's and Numba's C rules agree."""
+    expected = 1
+    for size, stride in zip(a.shape, a.stride()):
+        if stride == 0:
+            return "A"
+        if size != 1:
+            if stride != expected:
+                return "A"
+            expected *= size
+    return "F"
+
+
+def _packer(numba_type: Any) -> Packer:
+    """How one argument of ``numba_type`` becomes kernel parameters (``_Kernel._prepare_args``)."""
+    from numba.cuda import types
+
+    if isinstance(numba_type, types.Array):
+        return _pack_array
+    if isinstance(numba_type, types.Integer):
+        c_type = getattr(ctypes, f"c_{numba_type}")
+        return lambda value, params: params.append(c_type(value))
+    if numba_type == types.float32:
+        return lambda value, params: params.append(ctypes.c_float(value))
+    if numba_type == types.float64:
+        return lambda value, params: params.append(ctypes.c_double(value))
+    if numba_type == types.boolean:
+        return lambda value, params: params.append(value)
+    raise NotImplementedError(numba_type)
+
+
+def _pack_array(a: torch.Tensor, params: list) -> None:
+    itemsize = a.element_size()
+    shape = a.shape
+    if a.is_contiguous():  # Numba's C strides from the shape (the interface gives none)
+        strides, step = [], itemsize
+        for size in reversed(shape):
+            strides.append(step)
+            step *= size
+        strides.reverse()
+    else:
+        strides = [s * itemsize for s in a.stride()]
+    params += (0, 0, a.numel(), itemsize, a.data_ptr(), *shape, *strides)
+
+
+def _numba_argument(a: Any, simulated: bool) -> Any:
+    """A torch tensor as Numba takes it, a view of the same memory with bf16 as int16 bits: a device
+    array on the GPU, the simulator's wrapped numpy view (not a copy) in the simulator. Anything else
+    as is."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    if a.dtype == torch.bfloat16:
+        a = a.view(torch.int16)
+    if simulated:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return FakeCUDAArray(a.numpy())
+    return load_cuda().as_cuda_array(a, sync=False)
+
+
+#: The simulator has no SM count; a small grid keeps its Python threads few.
+SIM_MULTIPROCESSORS = 2
+
+
+def multiprocessor_count() -> int:
+    """The current device's SM count (SIM_MULTIPROCESSORS in the simulator); a launcher that sizes its
+    grid by SMs asks once and keeps the answer."""
+    if simulator_enabled():
+        return SIM_MULTIPROCESSORS
+    return int(load_cuda().get_current_device().MULTIPROCESSOR_COUNT)

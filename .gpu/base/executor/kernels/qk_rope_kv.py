@@ -1,0 +1,256 @@
+"""q/k per-head RMSNorm + NeoX RoPE in place, fused with the paged KV cache write of k and v.
+
+A full-attention layer used to launch ``qk_norm_rope`` on q, again on k, then ``write_kv``
+(kv_cache.py). At decode those are latency-bound launches: on the H200, Qwen3-8B at batch 1
+spent about 5.0 us in each qk_norm_rope and 2.3 us in write_kv per layer. This kernel does
+all three in one launch, and reads k once instead of twice:
+
+    q[t, h]      <- rope(rms_norm(q[t, h]) * (weight_offset + q_weight))     in place
+    k[t, h]      <- rope(rms_norm(k[t, h]) * (weight_offset + k_weight))     in place
+    k_cache[page, slot, h] <- the new k[t, h];   v_cache[page, slot, h] <- v[t, h]
+
+with (page, slot) of row t from ``kv_cache.cache_slot`` (as write_kv). The results are
+bit-identical to the three separate launches (rope.py's vector kernel on q, then on k, then
+write_kv; from 256 rows rope.py's launcher takes its specialized kernel, which sums squares in
+the same order): the q and k heads run rope.py's very device functions (``build_vector_head``)
+with the same threads per head, so the same sum-of-squares order and roundings; the cache
+receives the chunks stored into k and the bits of v.
+
+Layout: one block per row t (grid-stride over rows). The block computes the row's cos/sin
+once into shared memory (rope.py's tables) for q and k heads alike, then its groups of
+``group_threads`` threads walk the "heads" 0 .. Hq + 2 Hkv - 1: q heads, k heads, then v
+heads. A v group copies its head's 16-byte chunks to the cache in pass 1 and idles through
+the norm's group reduction. The launcher gives every walk head its group when the block
+allows (``fused_block_threads``; Qwen3-8B: 48 heads x 8 threads), so one round covers the
+row and the v copy overlaps the q/k loads. Barriers per row on the GPU: one after cos/sin,
+plus one at the row's end only when the block has another row (never with the launcher's
+grid of one block per row); the group reductions are warp shuffles.
+
+The launcher runs this kernel when every array is 16-byte vector aligned and rotary_dim / 2
+is a whole number of chunks (``uses_vector``); otherwise it makes the three separate
+launches, which give the same results.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from executor.kernels.codec import Codec
+from executor.kernels.kv_cache import WriteKv, cache_slot
+from executor.kernels.launch import Kernel
+from executor.kernels.norm import inv_rms_from_sum
+from executor.kernels.reduce import build_group_sum, check_max_threads
+from executor.kernels.rope import (
+    QkNormRopeInplace,
+    build_vector_head,
+    check_rotary_dim,
+    check_shape,
+    vector_shared_bytes,
+)
+from executor.kernels.rope_layout import MAX_THREADS as ROPE_MAX_THREADS
+from executor.kernels.rope_layout import vector_group_threads
+from executor.kernels.vector import VECTOR_WORDS, build_vector_access, lanes_for, vector_aligned, word_type
+from executor.numba_cuda import load_cuda, simulator_enabled
+
+cuda = load_cuda()
+from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
+
+# Largest block. ptxas (CUDA 13.0, sm_90) gives the kernel 98-111 registers (two inlined head
+# bodies, q's and k's), so 512 threads x at most 128 registers fit an SM's 64K and 1024 threads
+# would not launch; the GPU build's launch_bounds holds ptxas to it. 512 covers Qwen3-8B's
+# 32 + 2 x 8 heads of 8 threads (384) in one round, Qwen3.5-9B's 16 + 2 x 4 heads of 32 threads
+# (768) in two.
+MAX_FUSED_THREADS = 512
+
+# Steps of more rows take the separate launches. At ~100 registers an SM holds one fused block,
+# so the fused kernel wins where launches dominate (decode: 7.5 us a layer for Qwen3-8B at batch 1
+# on the H200, against 12.3 us for the three launches) and loses on long prefill steps (191.7 us
+# a layer at 4096 rows, about 40 us more than the separate kernels).
+MAX_FUSED_ROWS = 128
+
+
+def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) -> Callable[..., Any]:
+    """Kernel ``(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], q_weight [D], k_weight [D], positions int32 [T],
+    eps f32, weight_offset f32, rotary_dim int32, theta f32, group_threads int32,
+    k_cache [pages,S,Hkv,D], v_cache [pages,S,Hkv,D], batch_indices int32 [T], page_indices int32 [P],
+    page_indptr int32 [B+1])``; q, k in place, this step's K/V rows into the caches. Storage per codec.
+
+    Every chunk of every array must be 16-byte aligned and rotary_dim / 2 a whole number of
+    chunks (the launcher checks). blockDim.x is a multiple of group_threads (a power of two
+    <= 32, rope.vector_group_threads for bit-identity with rope.py's vector kernel) and of 32
+    on the GPU. Launch with ``rope.vector_shared_bytes(blockDim.x, rotary_dim)`` bytes of dynamic
+    shared memory.
+    """
+    load_vector, store_vector = build_vector_access()
+
+    @cuda.jit(device=True, inline=True)
+    def put_k_chunk(k, t, h, col, words, k_cache, page, slot):
+        # In place, as qk_norm_rope on k does, and into the cache slot, as write_kv then copies it.
+        store_vector(k, (t, h, col), words, 0)
+        store_vector(k_cache, (page, slot, h, col), words, 0)
+
+    block_setup, store_cos_sin, head_squares, q_norm_rope = build_vector_head(codec, round_before_weight)
+    k_norm_rope = build_vector_head(codec, round_before_weight, put_k_chunk)[3]
+    group_sum = build_group_sum()
+    lanes = lanes_for(codec)
+    words = word_type(codec)
+
+    # The simulator's jit takes no launch_bounds (and has no registers to bound).
+    launch_options = {} if simulator_enabled() else {"launch_bounds": MAX_FUSED_THREADS}
+
+    @cuda.jit(**launch_options)
+    def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, eps, weight_offset, rotary_dim, theta,
+                              group_threads, k_cache, v_cache, batch_indices, page_indices, page_indptr):
+        shared = cuda.shared.array(0, float32)  # dynamic: see norm.py
+        lo = cuda.local.array(VECTOR_WORDS, words)  # a pair unit's first-half chunk, a pass-through or v chunk
+        hi = cuda.local.array(VECTOR_WORDS, words)  # a pair unit's second-half chunk
+        w_lo = cuda.local.array(VECTOR_WORDS, words)
+        w_hi = cuda.local.array(VECTOR_WORDS, words)
+        rows = q.shape[0]
+        q_heads = q.shape[1]
+        head_dim = q.shape[2]
+        norm_heads = q_heads + k.shape[1]
+        walk_heads = norm_heads + v.shape[1]  # q heads, k heads, then v heads (copied)
+        v_chunks = head_dim // lanes
+        half, pairs, units, lane, groups, one_unit, inv_freq_at, cos_at, sin_at = block_setup(
+            shared, head_dim, rotary_dim, theta, group_threads)
+        for t in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
+            page, slot = cache_slot(t, batch_indices, positions, page_indices, page_indptr, k_cache.shape[1])
+            store_cos_sin(shared, inv_freq_at, cos_at, sin_at, half, float32(positions[t]))
+            cuda.syncthreads()
+            # Every thread runs every head round (group_sum needs the whole block / warp).
+            for first_head in range(0, walk_heads, groups):
+                h = first_head + cuda.threadIdx.x // group_threads
+                partial = float32(0.0)
+                if h < q_heads:
+                    partial = head_squares(q, t, h, lane, group_threads, half, pairs, units, lo, hi)
+                elif h < norm_heads:
+                    partial = head_squares(k, t, h - q_heads, lane, group_threads, half, pairs, units, lo, hi)
+                elif h < walk_heads:  # a v head: a plain copy, done before the reduction it does not need
+                    for chunk in range(lane, v_chunks, group_threads):
+                        load_vector(v, (t, h - norm_heads, chunk * lanes), lo, 0)
+                        store_vector(v_cache, (page, slot, h - norm_heads, chunk * lanes), lo, 0)
+                inv_rms = inv_rms_from_sum(group_sum(shared, partial, group_threads), head_dim, eps)
+                if h < q_heads:
+                    # q has no cache: q_norm_rope's put_chunk ignores the (q, 0, 0) passed as cache, page, slot.
+                    q_norm_rope(q, q_weight, t, h, lane, group_threads, half, pairs, units, one_unit, inv_rms,
+                                weight_offset, shared, cos_at, sin_at, lo, hi, w_lo, w_hi, q, 0, 0)
+                elif h < norm_heads:
+                    k_norm_rope(k, k_weight, t, h - q_heads, lane, group_threads, half, pairs, units, one_unit,
+                                inv_rms, weight_offset, shared, cos_at, sin_at, lo, hi, w_lo, w_hi, k_cache, page,
+                                slot)
+            if t + cuda.gridDim.x < rows:  # the same for the whole block
+                cuda.syncthreads()  # every head has read this row's cos/sin before the next row's overwrite them
+
+    return qk_norm_rope_write_kv
+
+
+def fused_block_threads(group_threads: int, walk_heads: int, max_threads: int) -> int:
+    """Threads per block: ``group_threads`` per walk head (q, k and v heads), so one round covers
+    the row when ``max_threads`` allows; whole warps on the GPU (the shuffles need them)."""
+    granule = group_threads if simulator_enabled() else max(group_threads, 32)
+    wanted = -(-group_threads * walk_heads // granule) * granule
+    return max(granule, min(wanted, max_threads // granule * granule))
+
+
+class QkNormRopeWriteKv:
+    """Launcher: per-head RMSNorm + partial NeoX RoPE in place on q and k, then this step's k (as
+    normed and rotated) and v rows into the paged KV cache, in one launch (module docstring).
+
+    Arrays, in the codec's storage dtype (float32, or bf16 viewed as int16) unless said:
+    q [T, Hq, D] (possibly strided, e.g. Qwen3.5's q of a per-head [q | gate] buffer),
+    k, v [T, Hkv, D] (views of the fused qkv output), q_weight, k_weight [D],
+    positions, batch_indices int32 [T], k_cache, v_cache [pages, S, Hkv, D] (a layer's
+    strided views of the pool), page_indices int32 [P], page_indptr int32 [B + 1].
+    Scalars: eps, weight_offset, theta (passed as float32), rotary_dim (even, in [2, D]).
+    T is q.shape[0]: padding rows of a graph slot point at the reserved page 0.
+
+    The fused kernel needs every array 16-byte vector aligned and rotary_dim / 2 a whole
+    number of chunks (``uses_vector``); otherwise, or with ``vectorize=False``, the call makes
+    the separate launches (``qk_norm_rope`` on q, then on k, then ``write_kv``) with the same
+    results.
+    """
+
+    def __init__(
+        self, codec: Codec, round_before_weight: bool, max_threads: int = MAX_FUSED_THREADS, vectorize: bool = True
+    ) -> None:
+        self.max_threads = check_max_threads(max_threads, MAX_FUSED_THREADS)
+        self.qk_norm_rope = QkNormRopeInplace(codec, round_before_weight, min(max_threads, ROPE_MAX_THREADS),
+                                              vectorize=vectorize)
+        self.write_kv = WriteKv()
+        self.kernel = Kernel(build_qk_norm_rope_write_kv_kernel(codec, round_before_weight)) if vectorize else None
+        self.lanes = lanes_for(codec)
+
+    def uses_vector(self, q: Any, k: Any, v: Any, q_weight: Any, k_weight: Any, k_cache: Any, v_cache: Any,
+                    rotary_dim: int) -> bool:
+        """Whether a call with these arrays and rotary_dim runs the fused kernel."""
+        return (
+            self.kernel is not None
+            and (rotary_dim // 2) % self.lanes == 0
+            and vector_aligned(q, k, v, q_weight, k_weight, k_cache, v_cache)
+        )
+
+    def __call__(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        q_weight: Any,
+        k_weight: Any,
+        positions: Any,
+        eps: float,
+        weight_offset: float,
+        rotary_dim: int,
+        theta: float,
+        k_cache: Any,
+        v_cache: Any,
+        batch_indices: Any,
+        page_indices: Any,
+        page_indptr: Any,
+        stream: Any = 0,
+    ) -> None:
+        rows, q_heads, head_dim = q.shape
+        kv_heads = k.shape[1]
+        check_shape("k", k, (rows, kv_heads, head_dim))
+        check_shape("v", v, (rows, kv_heads, head_dim))
+        check_shape("q_weight", q_weight, (head_dim,))
+        check_shape("k_weight", k_weight, (head_dim,))
+        check_shape("positions", positions, (rows,))
+        check_shape("batch_indices", batch_indices, (rows,))
+        if len(k_cache.shape) != 4:
+            raise ValueError(f"k_cache has shape {tuple(k_cache.shape)}, expected [pages, S, {kv_heads}, {head_dim}]")
+        check_shape("k_cache", k_cache, (*tuple(k_cache.shape[:2]), kv_heads, head_dim))
+        check_shape("v_cache", v_cache, tuple(k_cache.shape))
+        for name, a in (("page_indices", page_indices), ("page_indptr", page_indptr)):
+            if len(a.shape) != 1:
+                raise ValueError(f"{name} has shape {tuple(a.shape)}, expected one axis")
+        check_rotary_dim(rotary_dim, head_dim)
+        if rows == 0:
+            return
+        if rows > MAX_FUSED_ROWS or not self.uses_vector(q, k, v, q_weight, k_weight, k_cache, v_cache, rotary_dim):
+            for x, weight in ((q, q_weight), (k, k_weight)):
+                self.qk_norm_rope(x, weight, positions, eps, weight_offset, rotary_dim, theta, stream=stream)
+            self.write_kv(k, v, k_cache, v_cache, batch_indices, positions, page_indices, page_indptr, stream=stream)
+            return
+        group = vector_group_threads(head_dim, rotary_dim, self.lanes)
+        threads = fused_block_threads(group, q_heads + 2 * kv_heads, self.max_threads)
+        self.kernel[rows, threads, stream, vector_shared_bytes(threads, rotary_dim)](
+            q,
+            k,
+            v,
+            q_weight,
+            k_weight,
+            positions,
+            np.float32(eps),
+            np.float32(weight_offset),
+            np.int32(rotary_dim),
+            np.float32(theta),
+            np.int32(group),
+            k_cache,
+            v_cache,
+            batch_indices,
+            page_indices,
+            page_indptr,
+        )

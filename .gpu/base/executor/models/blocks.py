@@ -1,0 +1,158 @@
+"""The blocks of a decoder layer: a mixer (attention or linear attention) and the MLP.
+
+Blocks hold their layer's weight views, the shared launchers and their projections backend
+(projections.py: cuBLAS GEMMs around the decoder's add + RMSNorm, or fused GEMVs that read and
+update the residual stream themselves); a forward call only slices planned buffers and launches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from executor.arena import Arena
+from executor.models.context import StepViews
+from executor.models.flash_prefill_attention import FlashPrefillAttention
+from executor.models.kernels import Kernels, NormStyle
+from executor.models.prefill_attention import GemmPrefillAttention
+from executor.models.projections import Projections
+
+
+class FullAttention:
+    """GQA attention over the paged KV cache: fused QKV GEMM, q/k norm + RoPE with the
+    KV write (one launch), paged attention, optional sigmoid output gate (Qwen3.5), o_proj."""
+
+    def __init__(self, arena: Arena, kernels: Kernels, proj: Projections, layer: int, norm: NormStyle,
+                 output_gate: bool):
+        plan, g = arena.plan, arena.plan.geometry
+        self.proj = proj
+        prefix = f"model.layers.{layer}.self_attn"
+        self.qkv_weight = arena.tensor("weights", f"{prefix}.qkv_proj.weight")
+        self.o_weight = arena.tensor("weights", f"{prefix}.o_proj.weight")
+        self.q_norm = arena.tensor("weights", f"{prefix}.q_norm.weight")
+        self.k_norm = arena.tensor("weights", f"{prefix}.k_norm.weight")
+        kv = arena.tensor("kv_cache", "kv_cache")  # [pages, full layers, 2, S, Hkv, D]
+        slot = g.layer_slots[layer]
+        self.k_cache, self.v_cache = kv[:, slot, 0], kv[:, slot, 1]
+        self.kernels = kernels
+        self.norm, self.output_gate = norm, output_gate
+        self.q_heads, self.kv_heads, self.head_dim = g.num_q_heads, g.num_kv_heads, g.head_dim
+        self.q_rows, self.kv_rows = g.q_proj_rows, g.kv_proj_rows
+        self.rotary_dim, self.theta = g.rotary_dim, plan.model.rope_theta
+        self.eps = plan.model.rms_norm_eps
+        self.scale = np.float32(1.0 / math.sqrt(g.head_dim))
+        # Decode splits long kv ranges over several blocks (step.decode_kv_chunk) when the plan
+        # has split scratch; one fixed choice per plan, so eager decode and its graphs agree.
+        self.split_decode = plan.capacity.decode_kv_splits > 1
+        # Long prefill chunks (step.long_prefill_requests) run in the plan's backend, chosen once here.
+        self.long_prefill_attention = _long_prefill_attention(arena, kernels, self.k_cache, self.v_cache, self.scale)
+
+    def __call__(self, step: StepViews) -> None:
+        k_ = self.kernels
+        n, d = step.num_rows, self.head_dim
+        qkv = step.role("qkv")
+        self.proj.normed(step, self.qkv_weight, qkv)
+        q_part = qkv[:, : self.q_rows]
+        if self.output_gate:  # per head [q | gate]
+            q_and_gate = q_part.view(n, self.q_heads, 2 * d)
+            q, gate = q_and_gate[..., :d], q_and_gate[..., d:]
+        else:
+            q = q_part.view(n, self.q_heads, d)
+        k = qkv[:, self.q_rows : self.q_rows + self.kv_rows].view(n, self.kv_heads, d)
+        v = qkv[:, self.q_rows + self.kv_rows :].view(n, self.kv_heads, d)
+        positions = step.meta("positions")
+        k_.qk_norm_rope_write_kv(q, k, v, self.q_norm, self.k_norm, positions, self.eps, self.norm.weight_offset,
+                                 self.rotary_dim, self.theta, self.k_cache, self.v_cache, step.meta("batch_indices"),
+                                 step.meta("page_indices"), step.meta("page_indptr"), stream=step.stream)
+        attn_out = step.role("attn_out").view(n, self.q_heads, d)
+        decode = step.pool == "decode"
+        attention = k_.decode_attention if decode else k_.attention
+        split = (step.role("attn_partial_out"), step.role("attn_partial_lse")) if (
+            self.split_decode and decode) else (None, None)
+        if step.num_tiles:  # none when every chunk of the step is a long one (long_prefill_attention)
+            attention(
+                q, self.k_cache, self.v_cache, *(step.meta(name) for name in (
+                    "page_indices", "page_indptr", "last_page_len", "q_indptr", "batch_indices", "positions",
+                    "request_indices", "qo_tile_indices", "kv_tile_indices", "kv_chunk_size", "total_num_rows")),
+                attn_out, self.scale, *split, stream=step.stream,
+            )
+        if step.long_prefill_requests:  # the long prefill chunks, which got no paged-attention tile
+            self.long_prefill_attention(step, q, attn_out)
+        if self.output_gate:
+            k_.output_gate(attn_out, gate, stream=step.stream)
+        self.proj.residual(step, step.role("attn_out"), self.o_weight)
+
+
+def _long_prefill_attention(arena: Arena, kernels: Kernels, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            scale: np.float32) -> GemmPrefillAttention | FlashPrefillAttention | None:
+    """The plan's prefill_attention backend (capacity) of long prefill chunks, or None when the plan has no
+    gather scratch for them (no chunk reaches gemm_attention_min_tokens: none is ever routed there)."""
+    plan, g = arena.plan, arena.plan.geometry
+    if not plan.capacity.prefill_gather_tokens:
+        return None
+    if plan.capacity.prefill_attention == "flash":
+        return FlashPrefillAttention(kernels.gather_kv, kernels.flash_attention, k_cache, v_cache)
+    return GemmPrefillAttention(kernels.gather_kv, kernels.causal_softmax, kernels.chunk_copy, k_cache, v_cache,
+                                g.num_kv_heads, g.gqa_group, scale)
+
+
+class LinearAttention:
+    """Gated DeltaNet (Qwen3.5): fused in_proj GEMM, causal conv1d with state,
+    gates, the delta rule with state, gated RMSNorm, out_proj."""
+
+    def __init__(self, arena: Arena, kernels: Kernels, proj: Projections, layer: int):
+        plan, g = arena.plan, arena.plan.geometry
+        self.proj = proj
+        prefix = f"model.layers.{layer}.linear_attn"
+        slot = g.layer_slots[layer]
+        self.in_weight = arena.tensor("weights", f"{prefix}.in_proj.weight")
+        self.out_weight = arena.tensor("weights", f"{prefix}.out_proj.weight")
+        conv = arena.tensor("weights", f"{prefix}.conv1d.weight")
+        self.conv_weight = conv.view(conv.shape[0], conv.shape[2])
+        self.a_log = arena.tensor("weights", f"{prefix}.A_log")
+        self.dt_bias = arena.tensor("weights", f"{prefix}.dt_bias")
+        self.norm_weight = arena.tensor("weights", f"{prefix}.norm.weight")
+        self.conv_state = arena.tensor("recurrent_state", "conv_state")[slot]
+        self.ssm_state = arena.tensor("recurrent_state", "ssm_state")[slot]
+        self.kernels = kernels
+        self.conv_dim = g.conv_dim
+        self.value_width = g.linear_value_width
+        self.heads, self.dv = g.linear_num_value_heads, g.linear_value_head_dim
+        self.eps = plan.model.rms_norm_eps
+
+    def __call__(self, step: StepViews) -> None:
+        k_, stream = self.kernels, step.stream
+        n = step.num_rows
+        in_proj = step.role("in_proj")
+        self.proj.normed(step, self.in_weight, in_proj)
+        c, w, h = self.conv_dim, self.value_width, self.heads
+        mixed, z = in_proj[:, :c], in_proj[:, c : c + w]
+        b, gate_a = in_proj[:, c + w : c + w + h], in_proj[:, c + w + h :]
+        q_indptr, slot_ids = step.meta("q_indptr"), step.slot_ids()
+        conv_out = step.role("conv_out")
+        k_.conv1d(mixed, self.conv_weight, self.conv_state, q_indptr, slot_ids, conv_out, stream=stream)
+        g, beta = step.role("gate_g"), step.role("gate_beta")
+        k_.gdn_gates(gate_a, b, self.a_log, self.dt_bias, g, beta, stream=stream)
+        delta_out = step.role("delta_out").view(n, h, self.dv)
+        delta_rule = k_.delta_rule_decode if step.pool == "decode" else k_.delta_rule
+        delta_rule(conv_out, g, beta, self.ssm_state, q_indptr, slot_ids, delta_out, stream=stream)
+        gated = step.role("gated_out")
+        k_.gated_norm(delta_out, z, self.norm_weight, gated, self.eps, stream=stream)
+        self.proj.residual(step, gated, self.out_weight)
+
+
+class Mlp:
+    """SwiGLU: fused gate|up GEMM, silu(gate) * up, down_proj."""
+
+    def __init__(self, arena: Arena, proj: Projections, layer: int):
+        prefix = f"model.layers.{layer}.mlp"
+        self.gate_up_weight = arena.tensor("weights", f"{prefix}.gate_up_proj.weight")
+        self.down_weight = arena.tensor("weights", f"{prefix}.down_proj.weight")
+        self.proj = proj
+
+    def __call__(self, step: StepViews) -> None:
+        act = step.role("act")
+        self.proj.swiglu(step, self.gate_up_weight, act)
+        self.proj.residual(step, act, self.down_weight)

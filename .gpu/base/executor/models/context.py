@@ -1,0 +1,86 @@
+"""``StepViews``: the planned buffers of one step, sliced to its active sizes.
+
+Built per step from the arena's fixed views (slicing allocates nothing); every
+block of the forward reads and writes only these. A CUDA-graph bucket's views
+(``bucket_views``) have the bucket's fixed sizes instead, since a graph bakes
+in every shape and address.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from executor.arena import Arena
+from executor.step import LongPrefillRequest, StepMetadata
+
+
+@dataclass(frozen=True)
+class StepViews:
+    num_rows: int
+    num_requests: int
+    num_pages: int
+    num_tiles: int
+    pool: str
+    arena: Arena
+    stream: Any  # the Numba stream kernels launch on: torch's current stream (device.current_stream())
+    long_prefill_requests: tuple[LongPrefillRequest, ...] = ()  # chunks the prefill_attention backend runs
+
+    def scratch(self, name: str) -> torch.Tensor:
+        """A whole planned buffer of the step's pool (scratch not laid out by row)."""
+        return self.arena.tensor(self.pool, name)
+
+    def role(self, name: str) -> torch.Tensor:
+        """A role buffer of the step's pool (decode or prefill), first ``num_rows`` rows."""
+        return self.arena.tensor(self.pool, name)[: self.num_rows]
+
+    def meta(self, name: str) -> torch.Tensor:
+        """An attention-plan buffer sliced to this step's active length."""
+        lengths = {
+            "page_indices": self.num_pages,
+            "page_indptr": self.num_requests + 1,
+            "q_indptr": self.num_requests + 1,
+            "last_page_len": self.num_requests,
+            "kv_chunk_size": self.num_requests,
+            "batch_indices": self.num_rows,
+            "positions": self.num_rows,
+            "request_indices": self.num_tiles,
+            "qo_tile_indices": self.num_tiles,
+            "kv_tile_indices": self.num_tiles,
+            "total_num_rows": 1,
+        }
+        return self.arena.tensor("attention_plan", name)[: lengths[name]]
+
+    def slot_ids(self) -> torch.Tensor:
+        return self.arena.tensor("recurrent_state", "slot_ids")[: self.num_requests]
+
+
+def step_views(arena: Arena, meta: StepMetadata) -> StepViews:
+    """The views of ``meta``'s active sizes, on the current stream."""
+    return StepViews(
+        num_rows=meta.num_rows,
+        num_requests=meta.num_requests,
+        num_pages=int(meta.page_indices.shape[0]),
+        num_tiles=meta.num_tiles,
+        pool=meta.pool,
+        arena=arena,
+        stream=arena.device.current_stream(),
+        long_prefill_requests=meta.long_prefill_requests,
+    )
+
+
+def bucket_views(arena: Arena, bucket: int, num_tiles: int) -> StepViews:
+    """The views of a decode step padded to ``bucket`` requests (see step.pad_decode): one row per
+    request, the whole page table (its used length varies from step to step) and ``num_tiles``
+    attention tiles (the padded tail is -1)."""
+    return StepViews(
+        num_rows=bucket,
+        num_requests=bucket,
+        num_pages=arena.plan.capacity.logical_pages,
+        num_tiles=num_tiles,
+        pool="decode",
+        arena=arena,
+        stream=arena.device.current_stream(),
+    )

@@ -1,0 +1,153 @@
+"""The decoder forward shared by Qwen3 and Qwen3.5: embed, layers, final norm,
+lm_head and sampling (greedy, temperature, top-k), over the planned buffers.
+
+The model holds its layers twice, once per projections backend (projections.py), and a step runs
+one of them throughout. GEMM layers: the residual stream ``hidden`` is accumulated in place by
+the fused add + RMSNorm kernel between blocks; ``normed`` is each block's input and ``proj_out``
+each block's output (see planner.step_buffers for the stages and live ranges). GEMV layers
+(decode steps of at most the plan's ``decode_gemv_batch`` requests, graphs included): each
+block's first projection normalizes ``hidden`` and its last adds into it, so a layer is its two
+blocks and nothing between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from executor.arena import Arena
+from executor.models.blocks import Mlp
+from executor.models.context import StepViews, bucket_views, step_views
+from executor.models.graphs import DecodeGraphs
+from executor.models.kernels import Kernels, NormStyle
+from executor.models.projections import GemmProjections, GemvProjections, Projections
+from executor.step import StepMetadata, decode_tiles, pad_decode
+from executor.step_writer import StepWriter
+
+Block = Callable[[StepViews], None]
+#: A model's mixer of layer ``index`` (attention or linear attention) on the given projections.
+MixerBuilder = Callable[[int, Projections], Block]
+
+
+@dataclass(frozen=True)
+class Layer:
+    mixer: Block  # attention or linear attention, on the layer's projections (projections.py)
+    mlp: Block
+    input_norm: torch.Tensor  # the GEMM forward's add + RMSNorm weights (GEMV projections hold their own)
+    post_norm: torch.Tensor
+
+
+class DecoderModel:
+    """A decoder over an arena. ``step(meta)`` runs one forward and samples a token for each request."""
+
+    def __init__(self, arena: Arena, kernels: Kernels, norm: NormStyle, build_mixer: MixerBuilder):
+        self.arena, self.kernels, self.norm = arena, kernels, norm
+        self.device = arena.device
+        self.eps = arena.plan.model.rms_norm_eps
+        num_layers, self.gemv_batch = arena.plan.geometry.num_layers, arena.plan.capacity.decode_gemv_batch
+        gemm = GemmProjections(kernels)
+        self.layers = tuple(self._layer(i, build_mixer, gemm) for i in range(num_layers))
+        self.gemv_layers = (tuple(self._layer(i, build_mixer, None) for i in range(num_layers))
+                            if self.gemv_batch else ())
+        self.embed = arena.tensor("weights", "model.embed_tokens.weight")
+        self.final_norm = arena.tensor("weights", "model.norm.weight")
+        tied = arena.plan.model.tie_word_embeddings
+        self.lm_head = self.embed if tied else arena.tensor("weights", "lm_head.weight")
+        self.writer = StepWriter(arena)
+        # The last step's sampled ids, which a token id -(r + 1) names (kernels/embedding.py): the
+        # embedding reads them before this step's sampler overwrites them (stream order).
+        self.previous_ids = arena.tensor("sampling", "sampled_ids")
+        self.graphs: DecodeGraphs | None = None
+
+    def _layer(self, index: int, build_mixer: MixerBuilder, gemm: GemmProjections | None) -> Layer:
+        """Layer ``index`` on the shared GEMM projections, or (``gemm`` None) on GEMV projections that
+        normalize with the layer's input and post-attention norm weights."""
+        weight = lambda name: self.arena.tensor("weights", f"model.layers.{index}.{name}.weight")  # noqa: E731
+        input_norm, post_norm = weight("input_layernorm"), weight("post_attention_layernorm")
+        mixer_proj = gemm or GemvProjections(self.kernels, input_norm, self.norm, self.eps)
+        mlp_proj = gemm or GemvProjections(self.kernels, post_norm, self.norm, self.eps)
+        return Layer(mixer=build_mixer(index, mixer_proj), mlp=Mlp(self.arena, mlp_proj, index),
+                     input_norm=input_norm, post_norm=post_norm)
+
+    def capture_decode_graphs(self) -> None:
+        """Capture one decode CUDA graph per bucket of the serving config (CUDA only; once, after
+        the weights are loaded). Later decode steps of at most the largest bucket replay them."""
+        if self.device.is_sim:
+            raise RuntimeError("the Numba CUDA simulator has no CUDA graphs; run decode eagerly")
+        graphs = DecodeGraphs(self.arena, self.writer, self._forward, self.arena.plan.serving.decode_graph_batch_sizes)
+        graphs.capture()
+        self.graphs = graphs
+
+    def step(self, meta: StepMetadata, pad_to: int | None = None) -> torch.Tensor:
+        """Copy the step's metadata in place, run the forward, and return the sampled ids view [B] int32.
+
+        A decode step replays the captured graph of the smallest bucket that holds it, if any;
+        otherwise it runs eagerly, padded to ``pad_to`` requests when given (exactly what a
+        graph of that bucket records: tests compare the two). The returned view is the planned
+        ``sampled_ids`` buffer: read it before the next step.
+        """
+        graphs = self.graphs if meta.pool == "decode" else None
+        bucket = graphs.bucket_for(meta.num_requests) if graphs is not None else None
+        if bucket is not None:
+            graphs.replay(meta, bucket)
+        elif pad_to is not None:
+            self.writer.write(pad_decode(self.arena.plan, meta, pad_to))
+            self._forward(bucket_views(self.arena, pad_to, decode_tiles(self.arena.plan, pad_to)))
+        else:
+            self.writer.write(meta)
+            self._forward(step_views(self.arena, meta))
+        return self.arena.tensor("sampling", "sampled_ids")[: meta.num_requests]
+
+    def reset_slot(self, slot: int) -> None:
+        """Zero a recurrent-state slot (conv and delta-rule state of every linear layer) for a new request."""
+        if self.arena.plan.geometry.num_linear_layers:
+            self.arena.tensor("recurrent_state", "ssm_state")[:, slot].zero_()
+            self.arena.tensor("recurrent_state", "conv_state")[:, slot].zero_()
+
+    def logits(self, num_requests: int) -> torch.Tensor:
+        """The last step's float32 logits [B, V] (a view of the planned buffer)."""
+        return self.arena.tensor("sampling", "logits")[:num_requests]
+
+    def _forward(self, step: StepViews) -> None:
+        """One forward over ``step``'s views, with the projections backend the plan gives its size."""
+        if step.pool == "decode" and step.num_requests <= self.gemv_batch:
+            self._forward_gemv(step)
+        else:
+            self._forward_gemm(step)
+
+    def _forward_gemv(self, step: StepViews) -> None:
+        hidden, normed = step.role("hidden"), step.role("normed")
+        self.kernels.embedding(step.role("token_ids"), self.embed, hidden, self.previous_ids, stream=step.stream)
+        for layer in self.gemv_layers:
+            layer.mixer(step)
+            layer.mlp(step)
+        self.kernels.rms_norm(hidden, self.final_norm, normed, self.eps, self.norm.weight_offset, stream=step.stream)
+        self._sample(step, normed)
+
+    def _forward_gemm(self, step: StepViews) -> None:
+        stream, k_ = step.stream, self.kernels
+        hidden, normed, proj_out = step.role("hidden"), step.role("normed"), step.role("proj_out")
+        k_.embedding(step.role("token_ids"), self.embed, hidden, self.previous_ids, stream=stream)
+        offset = self.norm.weight_offset
+        for index, layer in enumerate(self.layers):
+            if index == 0:
+                k_.rms_norm(hidden, layer.input_norm, normed, self.eps, offset, stream=stream)
+            else:  # hidden += previous layer's MLP output; normed = norm(hidden)
+                k_.add_rms_norm(proj_out, hidden, layer.input_norm, normed, self.eps, offset, stream=stream)
+            layer.mixer(step)
+            k_.add_rms_norm(proj_out, hidden, layer.post_norm, normed, self.eps, offset, stream=stream)
+            layer.mlp(step)
+        k_.add_rms_norm(proj_out, hidden, self.final_norm, normed, self.eps, offset, stream=stream)
+        self._sample(step, normed)
+
+    def _sample(self, step: StepViews, normed: torch.Tensor) -> None:
+        b = step.num_requests
+        sampling = lambda name: self.arena.tensor("sampling", name)[:b]  # noqa: E731
+        last_hidden, logits_raw, logits = sampling("last_hidden"), sampling("logits_raw"), sampling("logits")
+        torch.index_select(normed, 0, sampling("logits_indices"), out=last_hidden)
+        torch.matmul(last_hidden, self.lm_head.t(), out=logits_raw)
+        logits.copy_(logits_raw)
+        self.kernels.sample(logits, sampling("temperature"), sampling("top_k"), sampling("seeds"),
+                            sampling("sample_steps"), sampling("sampled_ids"), stream=step.stream)

@@ -1,0 +1,74 @@
+"""Decode as CUDA graphs: one graph per batch bucket, captured once after materialize.
+
+A Numba launch costs tens of microseconds of host time, more than the
+weight-streaming floor of a small decode step, so decode replays graphs (a few
+microseconds each). A graph bakes in every shape and address; the arena's
+addresses never move (invariant: materialize once), and the shapes are the
+bucket's: a step of ``b`` requests is padded to the smallest bucket ``>= b``
+(``step.pad_decode``) and its metadata copied into the same planned buffers
+the graph reads. The serving config lists the buckets and the plan budgets
+their pools as the ``cuda_graphs`` runtime line.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+
+import torch
+
+from executor.arena import Arena
+from executor.models.context import StepViews, bucket_views
+from executor.step import StepMetadata, decode_tiles, pad_decode, plan_step
+from executor.step_writer import StepWriter
+
+Forward = Callable[[StepViews], None]
+
+
+class DecodeGraphs:
+    """The captured decode graphs of one model, by bucket (CUDA only)."""
+
+    def __init__(self, arena: Arena, writer: StepWriter, forward: Forward, buckets: Sequence[int]):
+        assert not arena.device.is_sim, "the simulator has no CUDA graphs"
+        self.arena, self.writer, self.forward = arena, writer, forward
+        self.buckets = tuple(sorted(buckets))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def bucket_for(self, num_requests: int) -> int | None:
+        """The smallest captured bucket that holds ``num_requests`` decode rows, or None."""
+        index = bisect.bisect_left(self.buckets, num_requests)
+        return self.buckets[index] if index < len(self.buckets) else None
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one shared memory pool.
+
+        Each bucket first runs once eagerly on the capture stream (compiles the kernels, lets
+        cuBLAS pick and set up its GEMMs) with an all-padding step, then is recorded. Kernels
+        launch on torch's current stream (``device.current_stream()``), which inside
+        ``torch.cuda.graph`` is the capture stream.
+        """
+        plan, device = self.arena.plan, self.arena.device
+        empty = plan_step(plan, [])  # padded to a bucket: all padding
+        pool = torch.cuda.graph_pool_handle()
+        capture_stream = torch.cuda.Stream(device.torch_device)
+        for bucket in reversed(self.buckets):
+            self.writer.write(pad_decode(plan, empty, bucket))
+            # The writer copies asynchronously on the current stream: without this wait the warm-up
+            # forward could read the previous step's metadata and run a real request's step (on
+            # Qwen3.5, advancing its recurrent state).
+            capture_stream.wait_stream(torch.cuda.current_stream(device.torch_device))
+            with torch.cuda.stream(capture_stream):
+                views = bucket_views(self.arena, bucket, decode_tiles(plan, bucket))  # on the capture stream
+                self.forward(views)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
+                self.forward(views)
+            self.graphs[bucket] = graph
+        torch.cuda.current_stream(device.torch_device).wait_stream(capture_stream)
+        torch.cuda.synchronize(device.torch_device)
+
+    def replay(self, meta: StepMetadata, bucket: int) -> None:
+        """Pad ``meta`` to ``bucket``, copy it into the planned buffers and replay that bucket's graph."""
+        self.writer.write(pad_decode(self.arena.plan, meta, bucket))
+        self.graphs[bucket].replay()
+

@@ -1,0 +1,99 @@
+"""The kernel launchers a model uses, built once per model (one compile per
+kernel and argument types, shared by every layer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from executor.kernels.activation import SiluMul
+from executor.kernels.attention import PREFILL_ROWS_PER_TILE, PagedAttention
+from executor.kernels.causal_softmax import CausalSoftmax
+from executor.kernels.chunk_copy import ChunkCopy
+from executor.kernels.codec import build_codec
+from executor.kernels.conv1d import CausalConv1d
+from executor.kernels.decode_attention import DecodeAttention
+from executor.kernels.delta_rule import GatedDeltaRule, GdnGates
+from executor.kernels.delta_rule_decode import GatedDeltaRuleDecode
+from executor.kernels.embedding import Embedding
+from executor.kernels.flash_attention import FlashAttention
+from executor.kernels.gated_norm import GatedRmsNorm
+from executor.kernels.gemv import Gemv
+from executor.kernels.gemm_attention import GatherKv
+from executor.kernels.norm import AddRmsNormInplace, RmsNorm
+from executor.kernels.output_gate import SigmoidMulInplace
+from executor.kernels.qk_rope_kv import QkNormRopeWriteKv
+from executor.kernels.sampler import Sample
+from executor.numba_cuda import simulator_enabled
+from planner.geometry import Geometry
+
+
+@dataclass(frozen=True)
+class NormStyle:
+    """How a model's RMSNorms scale: ``w * norm(x)`` (Qwen3) or ``norm(x) * (1 + w)`` (Qwen3.5)."""
+
+    weight_offset: float
+    round_before_weight: bool  # Qwen3 rounds norm(x) to the activation dtype before the weight
+
+
+QWEN3_NORM = NormStyle(weight_offset=0.0, round_before_weight=True)
+ZERO_CENTRED_NORM = NormStyle(weight_offset=1.0, round_before_weight=False)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    embedding: Embedding
+    rms_norm: RmsNorm
+    add_rms_norm: AddRmsNormInplace
+    qk_norm_rope_write_kv: QkNormRopeWriteKv  # q/k norm + RoPE and the KV cache write, one launch
+    attention: PagedAttention  # prefill steps (any rows per request)
+    decode_attention: DecodeAttention  # decode steps (one row per request)
+    gather_kv: GatherKv  # GEMM prefill attention: a request's KV pages -> contiguous scratch
+    causal_softmax: CausalSoftmax  # GEMM prefill attention: scores -> probabilities
+    chunk_copy: ChunkCopy  # GEMM prefill attention: query rows packed by kv head, outputs back
+    flash_attention: FlashAttention  # FlashAttention prefill (compiled on first use: flash plans only)
+    output_gate: SigmoidMulInplace
+    silu_mul: SiluMul
+    gemv: Gemv  # small-batch decode projections with the norm, SwiGLU or residual add fused in
+    sample: Sample
+    conv1d: CausalConv1d | None = None
+    gdn_gates: GdnGates | None = None
+    delta_rule: GatedDeltaRule | None = None  # prefill steps (any rows per request)
+    delta_rule_decode: GatedDeltaRuleDecode | None = None  # decode steps (one row per request)
+    gated_norm: GatedRmsNorm | None = None
+
+
+def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle) -> Kernels:
+    """Launchers for a model of ``geometry`` in ``activation_dtype`` storage."""
+    codec = build_codec(activation_dtype)
+    # A simulator thread is a Python thread: smaller blocks there (the kernels loop over what a
+    # block does not cover), full-size blocks on the GPU.
+    simulated = simulator_enabled()
+    linear = {}
+    if geometry.num_linear_layers:
+        delta_rule = GatedDeltaRule(codec, geometry.linear_key_head_dim, **({"dk_split": 1} if simulated else {}))
+        linear = dict(
+            conv1d=CausalConv1d(codec, geometry.conv_kernel_size),
+            gdn_gates=GdnGates(codec, build_codec("float32")),
+            delta_rule=delta_rule,
+            delta_rule_decode=GatedDeltaRuleDecode(codec, geometry.linear_key_head_dim, delta_rule),
+            gated_norm=GatedRmsNorm(codec),
+        )
+    attention = PagedAttention(codec, geometry.head_dim, geometry.gqa_group, rows_per_tile=PREFILL_ROWS_PER_TILE,
+                               threads=32 if simulated else 128)
+    return Kernels(
+        embedding=Embedding(codec),
+        rms_norm=RmsNorm(codec, norm.round_before_weight),
+        add_rms_norm=AddRmsNormInplace(codec, norm.round_before_weight),
+        qk_norm_rope_write_kv=QkNormRopeWriteKv(codec, norm.round_before_weight),
+        attention=attention,
+        decode_attention=DecodeAttention(codec, geometry.head_dim, geometry.gqa_group, attention),
+        gather_kv=GatherKv(),
+        causal_softmax=CausalSoftmax(codec),
+        chunk_copy=ChunkCopy(),
+        flash_attention=FlashAttention(),
+        output_gate=SigmoidMulInplace(codec),
+        silu_mul=SiluMul(codec),
+        gemv=Gemv(codec, norm.round_before_weight),
+        sample=Sample(max_threads=32) if simulated else Sample(),
+        **linear,
+    )

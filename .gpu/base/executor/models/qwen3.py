@@ -1,0 +1,15 @@
+"""Qwen3: every layer full attention; RMSNorm ``w * norm(x)``; no output gate."""
+
+from __future__ import annotations
+
+from executor.arena import Arena
+from executor.models.blocks import FullAttention
+from executor.models.decoder import DecoderModel
+from executor.models.kernels import QWEN3_NORM, build_kernels
+
+
+def build_qwen3(arena: Arena) -> DecoderModel:
+    plan = arena.plan
+    kernels = build_kernels(plan.geometry, plan.dtypes.activations, QWEN3_NORM)
+    return DecoderModel(arena, kernels, QWEN3_NORM,
+                        lambda i, proj: FullAttention(arena, kernels, proj, i, QWEN3_NORM, output_gate=False))

@@ -1,0 +1,121 @@
+"""The closing report of ``memplan run`` (stderr): planned vs allocated bytes per pool, the device's view
+(allocator and cudaMemGetInfo), warm-up and decode-graph capture, throughput, TTFT and TPOT percentiles, the
+prefix cache, KV pages and recurrent slots at peak vs planned, preemptions, allocations after warm-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from executor.arena import Arena
+    from executor.engine import EngineReport
+    from executor.workload import RequestSpec
+    from planner.plan import MemoryPlan
+
+
+@dataclass(frozen=True)
+class GraphCapture:
+    """What capturing the decode graphs cost: wall time and the allocator bytes their pool reserved."""
+
+    buckets: tuple[int, ...]
+    seconds: float
+    reserved_bytes: int
+
+
+def materialized_bytes(plan: MemoryPlan) -> int:
+    """Bytes of every pool the executor allocates (budget-only lines excluded)."""
+    return sum(pool.bytes for pool in plan.pools if pool.materialized)
+
+
+def summary(plan: MemoryPlan, arena: Arena, report: EngineReport, specs: list[RequestSpec],
+            no_prefix_caching: bool, graphs: GraphCapture | None = None, warm_up_s: float | None = None) -> str:
+    """The stderr report: planned vs allocated bytes, the allocator's view, throughput, latency, capacities."""
+    device, stats, cap = arena.device, report.stats, plan.capacity
+    rejected = stats.rejected + sum(1 for spec in specs if spec.error is not None)
+    lines = [f"memplan run: {plan.model.name} on {plan.hardware.name} (device {device.kind}), "
+             f"{len(specs)} request(s) in {report.steps} step(s), {cap.kv_pages} KV pages",
+             f"  {'pool':<16} {'planned bytes':>16} {'allocated bytes':>16}"]
+    for pool in plan.pools:
+        if pool.materialized:
+            lines.append(f"  {pool.name:<16} {pool.bytes:>16,} {arena.pools[pool.name].numel():>16,}")
+    lines.append(f"  {'total':<16} {materialized_bytes(plan):>16,} {arena.allocated_bytes:>16,}")
+    lines.append(f"device allocator: {_allocator_line(plan, arena)}")
+    lines.append(f"device memory in use: {_process_line(plan, arena)}")
+    if warm_up_s is not None:
+        lines.append(f"warm-up: one prefill and one decode step before the clock started, {warm_up_s:.2f} s "
+                     "(first-call kernel compilation)")
+    lines.append(f"decode graphs: {_graphs_line(plan, arena, graphs)}")
+    tokens_per_s = report.generated_tokens / report.wall_s if report.wall_s > 0 else float("nan")
+    lines.append(f"requests: {len(specs)} ({len(specs) - rejected} run, {rejected} rejected); "
+                 f"{report.generated_tokens} tokens generated in {report.wall_s:.3f} s = {tokens_per_s:,.1f} tokens/s")
+    lines.append(f"TTFT: {_percentiles(report, report.ttfts)}")
+    lines.append(f"TPOT: {_percentiles(report, report.tpots)}")
+    lines.append("scheduling: " + ("overlapped (the next step launched before the last one's ids are read)"
+                                   if report.overlap else "step by step (--no-overlap)"))
+    lines.append(f"prefix cache: {_prefix_line(report, no_prefix_caching)}")
+    lines.append(f"KV pages: peak {stats.peak_kv_pages_used} used of {cap.kv_pages - 1} usable "
+                 f"(kv_pages {cap.kv_pages} - 1 padding page)")
+    if plan.geometry.num_linear_layers > 0 or cap.recurrent_slots > 0:
+        lines.append(f"recurrent slots: peak {stats.peak_slots_used} used of {cap.recurrent_slots} planned")
+    lines.append(f"preemptions: {stats.preemptions}")
+    lines.append(f"allocations after warm-up: {_allocations_line(report, device.is_sim)}")
+    return "\n".join(lines)
+
+
+def _percentiles(report: EngineReport, values: list[float]) -> str:
+    if not values:
+        return "n/a (no samples)"
+    return (f"p50 {report.percentile_ms(values, 50):,.3f} ms, p99 {report.percentile_ms(values, 99):,.3f} ms "
+            f"({len(values)} samples)")
+
+
+def _prefix_line(report: EngineReport, no_prefix_caching: bool) -> str:
+    if no_prefix_caching:
+        return "off (--no-prefix-caching)"
+    if not report.prefix_caching:
+        return "off: Qwen3.5 recurrent state is not paged"
+    stats = report.stats
+    return (f"hit rate {stats.prefix_hit_rate:.1%} ({stats.prefix_hit_tokens} of {stats.prefix_query_tokens} "
+            f"looked-up tokens), {stats.prefix_evictions} evictions")
+
+
+def _allocator_line(plan: MemoryPlan, arena: Arena) -> str:
+    if arena.device.is_sim:
+        return "n/a (simulator)"
+    import torch
+
+    allocated = torch.cuda.memory_allocated(arena.device.torch_device)
+    planned = materialized_bytes(plan)
+    return (f"torch.cuda.memory_allocated {allocated:,} bytes vs plan materialized {planned:,} bytes "
+            f"({allocated - planned:+,})")
+
+
+def _process_line(plan: MemoryPlan, arena: Arena) -> str:
+    if arena.device.is_sim:
+        return "n/a (simulator)"
+    import torch
+
+    free, total = torch.cuda.mem_get_info(arena.device.torch_device)
+    used = total - free
+    return (f"{used:,} bytes (cudaMemGetInfo total - free; every process on the device) vs plan usable "
+            f"{plan.budget.usable_bytes:,} bytes ({used / plan.budget.usable_bytes:.1%})")
+
+
+def _graphs_line(plan: MemoryPlan, arena: Arena, graphs: GraphCapture | None) -> str:
+    if arena.device.is_sim:
+        return "off (the simulator has no CUDA graphs)"
+    if graphs is None:
+        return "off (--eager)"
+    planned = next(b.bytes for pool in plan.pools if pool.name == "runtime" for b in pool.buffers
+                   if b.name == "cuda_graphs")
+    return (f"buckets {list(graphs.buckets)} captured in {graphs.seconds:.2f} s; their pool reserved "
+            f"{graphs.reserved_bytes:,} bytes vs {planned:,} planned (cuda_graphs)")
+
+
+def _allocations_line(report: EngineReport, simulator: bool) -> str:
+    if simulator:
+        return "n/a (simulator)"
+    if report.allocations_after_warmup is None:
+        return "n/a (no step ran)"
+    return f"{report.allocations_after_warmup} (allocation.all.allocated, from the end of the first step to the end)"

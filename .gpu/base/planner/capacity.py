@@ -1,0 +1,121 @@
+"""Capacities: the largest step and batch shapes the planned buffers can hold.
+
+Every capacity is an i32 quantity because kernels index with i32; each is
+derived once here and carried in the plan (invariant 2).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner import checked
+from planner.checked import I32
+from planner.config import PrefillAttention
+
+#: Split-KV decode: a decode row's attention may be cut into kv chunks of at least
+#: this many tokens, computed by separate blocks and merged (long contexts at small
+#: batch otherwise leave most SMs idle: B x Hkv blocks)...
+MIN_KV_CHUNK_TOKENS = 64
+#: ... and into at most this many chunks (the depth of the decode pool's split scratch).
+MAX_DECODE_KV_SPLITS = 32
+#: GEMM prefill attention: float32 scores (and their probabilities in the activation dtype) of one
+#: tile of query rows x keys x q heads; a tile holds at most this many, or one row's whole context
+#: (Hq x C) when that is larger. 2^26 elements = 384 MiB with bf16 probabilities.
+MAX_PREFILL_SCORE_ELEMENTS = 1 << 26
+#: Fused decode GEMVs (executor/kernels/gemv.py): a block stages its B normalized rows as float32 in shared
+#: memory, after which its reduction scratch (a float32 per thread of a 128-thread block) must still fit the
+#: 48 KiB a block gets without opting in to more; every projection input a whole number of 16-byte chunks.
+GEMV_SHARED_BYTES = 48 * 1024
+GEMV_SCRATCH_BYTES = 4 * 128
+GEMV_CHUNK_BYTES = 16
+
+
+class Capacity(BaseModel):
+    """Planned limits of one step (tokens, pages, tiles) and of the KV pool."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_batch: int = Field(description="B: requests in one step")
+    max_context: int = Field(description="C: tokens of one request, prompt plus output")
+    page_size: int = Field(description="S: tokens per KV page")
+    max_prefill_tokens: int = Field(description="prefill tokens per step (the chunk)")
+    max_tokens_per_step: int = Field(description="T = max(max_prefill_tokens + B - 1, B): rows of a step")
+    pages_per_request: int = Field(description="ceil(C / S): logical pages one request can list")
+    logical_pages: int = Field(description="P = B x ceil(C / S): page-table entries of a step (shared pages count per request)")
+    tiles: int = Field(description="N = max(T x gqa_group, B x decode_kv_splits): attention work tiles of a step")
+    decode_kv_splits: int = Field(1, description="most kv chunks a decode row's attention is split into: "
+                                  "min(32, ceil(C / 64)), the depth of the decode pool's split scratch")
+    prefill_attention: PrefillAttention = Field("gemm", description="backend of long prefill chunks' attention: "
+                                                "serving prefill_attention, with auto decided (flash where the "
+                                                "kernel takes the model and dtypes)")
+    prefill_gather_tokens: int = Field(0, description="keys (and values) of one request that the prefill pool's "
+                                       "attn_keys / attn_values [Hkv, this, D] scratch holds for long-chunk attention "
+                                       "(serving gemm_attention_min_tokens), either backend: C, or 0 when no chunk "
+                                       "is that long or the model has no full-attention layer")
+    prefill_score_elements: int = Field(0, description="scores of one GEMM prefill-attention tile (0: no GEMM "
+                                        "attention, e.g. prefill_attention flash): "
+                                        "min(Hq x T x C, max(2^26, Hq x C))")
+    decode_gemv_batch: int = Field(0, description="decode steps of at most this many requests run the fused GEMV "
+                                   "projections: serving decode_gemv_max_batch, capped by max_batch and by "
+                                   "B x hidden x 4 + 512 bytes of shared memory <= 48 KiB; 0 when some projection "
+                                   "input is not whole 16-byte chunks")
+    recurrent_slots: int = Field(0, description="recurrent-state slots: B x states_per_slot (Qwen3.5)")
+    kv_pages: int = Field(0, description="KV pages allocated, page 0 (padding) included")
+    kv_tokens: int = Field(0, description="tokens the usable KV pages hold: (kv_pages - 1) x S")
+
+
+def build_capacity(
+    *, max_batch: int, max_context: int, page_size: int, max_prefill_tokens: int, gqa_group: int,
+    recurrent_slots_per_request: int, num_q_heads: int = 0, gemm_attention_min_tokens: int = 1,
+    prefill_attention: PrefillAttention = "gemm", decode_gemv_batch: int = 0,
+) -> Capacity:
+    """Capacities before the KV pool is sized (kv_pages and kv_tokens stay 0). ``num_q_heads`` 0
+    (no full-attention layer) or ``gemm_attention_min_tokens`` above ``max_prefill_tokens``: no
+    long-chunk prefill attention, so no gather scratch and no score tile. ``prefill_attention``
+    "flash" gathers keys too, but its kernel keeps the scores on chip: no score tile."""
+    tokens = max(checked.add("max_tokens_per_step", max_prefill_tokens, max_batch - 1, width=I32), max_batch)
+    pages_per_request = checked.ceil_div("pages_per_request", max_context, page_size, width=I32)
+    kv_splits = min(MAX_DECODE_KV_SPLITS, checked.ceil_div("decode_kv_splits", max_context, MIN_KV_CHUNK_TOKENS))
+    long_chunks = bool(num_q_heads) and gemm_attention_min_tokens <= max_prefill_tokens
+    score_elements = 0
+    if long_chunks and prefill_attention == "gemm":
+        one_row = checked.mul("prefill scores of one row", num_q_heads, max_context, width=I32)
+        whole_step = checked.mul("prefill scores of a step", one_row, tokens, width=checked.I64)
+        score_elements = min(whole_step, max(MAX_PREFILL_SCORE_ELEMENTS, one_row))
+    return Capacity(
+        max_batch=max_batch,
+        max_context=max_context,
+        page_size=page_size,
+        max_prefill_tokens=max_prefill_tokens,
+        max_tokens_per_step=tokens,
+        pages_per_request=pages_per_request,
+        logical_pages=checked.mul("logical_pages", max_batch, pages_per_request, width=I32),
+        tiles=max(checked.mul("tiles", tokens, gqa_group, width=I32),
+                  checked.mul("decode tiles", max_batch, kv_splits, width=I32)),
+        decode_kv_splits=kv_splits,
+        prefill_attention=prefill_attention,
+        prefill_gather_tokens=max_context if long_chunks else 0,
+        prefill_score_elements=score_elements,
+        decode_gemv_batch=decode_gemv_batch,
+        recurrent_slots=checked.mul("recurrent_slots", max_batch, recurrent_slots_per_request, width=I32),
+    )
+
+
+def gemv_batch_limit(requested: int, max_batch: int, hidden_size: int, in_features: tuple[int, ...],
+                     itemsize_bytes: int) -> int:
+    """The capacity's decode_gemv_batch: ``requested`` (serving decode_gemv_max_batch) capped by
+    ``max_batch`` and by the rows of ``hidden_size`` float32 a block's shared memory stages; 0 when some
+    projection's ``in_features`` of ``itemsize_bytes`` elements is not a whole number of 16-byte chunks."""
+    if any(checked.mul("GEMV row bytes", k, itemsize_bytes) % GEMV_CHUNK_BYTES for k in in_features):
+        return 0
+    staged_rows = (GEMV_SHARED_BYTES - GEMV_SCRATCH_BYTES) // checked.mul("staged row bytes", hidden_size, 4)
+    return min(requested, max_batch, staged_rows)
+
+
+def with_kv_pages(capacity: Capacity, kv_pages: int) -> Capacity:
+    """The capacity with the KV pool sized: ``kv_pages`` pages, page 0 reserved for padding."""
+    checked.fit("kv_pages", kv_pages, I32)
+    usable = max(kv_pages - 1, 0)
+    return capacity.model_copy(
+        update={"kv_pages": kv_pages, "kv_tokens": checked.mul("kv_tokens", usable, capacity.page_size, width=checked.I64)}
+    )

@@ -1,0 +1,296 @@
+"""The three frozen inputs of a plan: model, hardware and serving configs.
+
+Every field is typed, bounded, defaulted where a default makes sense, and
+documented; unknown fields are errors. Cross-field rules (head divisibility,
+layer types, context limits, tensor parallelism) live in validators here, so a
+config that loads is one the planner can lay out. Derived values (capacities,
+per-rank shapes, byte counts) never live here: they belong to the plan.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from planner.dtypes import ActivationDtype
+from planner.errors import ConfigError
+
+LayerType = Literal["full_attention", "linear_attention"]
+#: Backends of long prefill chunks' attention (the plan's, after serving prefill_attention "auto").
+PrefillAttention = Literal["gemm", "flash"]
+
+# Bounds that keep every count a kernel indexes with inside i32 by a margin,
+# and reject typos (a hidden size of 4e9) at the config instead of deep inside
+# the layout.
+_DIM = Annotated[int, Field(ge=1, le=1 << 20)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class LinearAttentionConfig(_Frozen):
+    """Gated DeltaNet geometry of Qwen3.5's linear-attention layers."""
+
+    num_key_heads: _DIM = Field(description="Hk: key (and query) heads of the delta rule.")
+    num_value_heads: _DIM = Field(description="Hv: value heads; a multiple of Hk.")
+    key_head_dim: _DIM = Field(description="dk: key/query head size.")
+    value_head_dim: _DIM = Field(description="dv: value head size.")
+    conv_kernel_size: int = Field(4, ge=2, le=16, description="K: causal depthwise conv1d width.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> LinearAttentionConfig:
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(
+                f"num_value_heads ({self.num_value_heads}) must be a multiple of "
+                f"num_key_heads ({self.num_key_heads})"
+            )
+        return self
+
+
+class ModelConfig(_Frozen):
+    """A decoder-only text model: Qwen3 or the Qwen3.5 hybrid text stack."""
+
+    name: str = Field(min_length=1, max_length=128, description="Short name, e.g. qwen3-8b.")
+    architecture: Literal["qwen3", "qwen3_5"] = Field(description="Model family.")
+    hidden_size: _DIM = Field(description="H: width of the residual stream.")
+    num_layers: Annotated[int, Field(ge=1, le=1024)] = Field(description="L: decoder layers.")
+    intermediate_size: _DIM = Field(description="I: SwiGLU MLP width.")
+    num_attention_heads: _DIM = Field(description="Hq: query heads of full attention.")
+    num_key_value_heads: _DIM = Field(description="Hkv: key/value heads (GQA).")
+    head_dim: _DIM = Field(description="D: attention head size, given explicitly (never hidden/heads).")
+    vocab_size: Annotated[int, Field(ge=1, le=1 << 24)] = Field(description="V: vocabulary rows.")
+    max_position_embeddings: Annotated[int, Field(ge=1, le=1 << 24)] = Field(
+        description="Longest context the model supports, in tokens."
+    )
+    rms_norm_eps: float = Field(1e-6, gt=0.0, lt=1.0, description="RMSNorm epsilon.")
+    rope_theta: float = Field(1_000_000.0, gt=0.0, description="RoPE base.")
+    partial_rotary_factor: float = Field(
+        1.0, gt=0.0, le=1.0, description="Fraction of head_dim that RoPE rotates (Qwen3.5: 0.25)."
+    )
+    tie_word_embeddings: bool = Field(False, description="lm_head shares the embedding matrix.")
+    attn_output_gate: bool = Field(
+        False, description="q_proj also emits a per-head sigmoid output gate (Qwen3.5)."
+    )
+    dtype: ActivationDtype = Field("bfloat16", description="Dtype of the checkpoint's weights.")
+    layer_types: tuple[LayerType, ...] | None = Field(
+        None, description="Per-layer kind; required for qwen3_5, all full_attention when omitted."
+    )
+    linear_attention: LinearAttentionConfig | None = Field(
+        None, description="Gated DeltaNet geometry; required exactly when a layer is linear_attention."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.rotary_dim % 2 or self.rotary_dim == 0:
+            raise ValueError(
+                f"head_dim x partial_rotary_factor = {self.head_dim} x {self.partial_rotary_factor} "
+                f"must give an even, non-zero rotary dimension"
+            )
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries, num_layers is {self.num_layers}"
+            )
+        has_linear = "linear_attention" in self.kinds
+        if has_linear and self.linear_attention is None:
+            raise ValueError("layer_types lists linear_attention layers but linear_attention is not given")
+        if not has_linear and self.linear_attention is not None:
+            raise ValueError("linear_attention is given but no layer is linear_attention")
+        if self.architecture == "qwen3" and has_linear:
+            raise ValueError("architecture qwen3 has only full_attention layers")
+        if self.architecture == "qwen3_5" and self.layer_types is None:
+            raise ValueError("architecture qwen3_5 needs layer_types")
+        if "full_attention" not in self.kinds:
+            raise ValueError("layer_types needs at least one full_attention layer (the KV pool is sized by them)")
+        return self
+
+    @property
+    def kinds(self) -> tuple[LayerType, ...]:
+        """Layer kind of every layer, in order."""
+        return self.layer_types or ("full_attention",) * self.num_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates."""
+        return round(self.head_dim * self.partial_rotary_factor)
+
+
+class RuntimeLine(_Frozen):
+    """One named device-memory cost outside the arena (CUDA context, GEMM workspace, ...)."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")
+    bytes: Annotated[int, Field(ge=0, le=1 << 40)]
+    description: str = Field("", max_length=300)
+
+
+class HardwareConfig(_Frozen):
+    """One accelerator: its memory, bandwidth and the runtime's fixed costs."""
+
+    name: str = Field(min_length=1, max_length=64)
+    device_memory_bytes: Annotated[int, Field(ge=1 << 20, le=1 << 44)] = Field(
+        description="Total device memory as cudaMemGetInfo reports it, bytes."
+    )
+    hbm_bandwidth_bytes_per_s: Annotated[int, Field(ge=1, le=1 << 50)] = Field(
+        description="Datasheet memory bandwidth, bytes/s (a lead; benchmarks measure the real one)."
+    )
+    num_sms: Annotated[int, Field(ge=1, le=4096)] = Field(description="Streaming multiprocessors.")
+    compute_capability: str = Field(pattern=r"^\d+\.\d+$", description="e.g. '9.0'.")
+    cuda_graph_bytes: Annotated[int, Field(ge=0, le=1 << 36)] = Field(
+        0, description="Device memory one captured decode graph's pool is budgeted, bytes."
+    )
+    runtime_reserve: tuple[RuntimeLine, ...] = Field(
+        (), description="Named fixed costs outside the arena (context, module images, workspace, margin)."
+    )
+
+    @model_validator(mode="after")
+    def _unique_lines(self) -> HardwareConfig:
+        names = [line.name for line in self.runtime_reserve]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"runtime_reserve names must be unique; repeated: {', '.join(duplicates)}")
+        return self
+
+
+#: prefill_attention "flash": the kernel loads Q K^T operands 32 head dimensions at a time (two MMA k-steps a
+#: fragment load; tests/executor/test_flash_prefill.py holds this to executor/kernels/flash_attention.py)...
+FLASH_HEAD_DIM_MULTIPLE = 32
+#: ... and reads q, k, v and writes its output as bf16 only.
+FLASH_DTYPE = "bfloat16"
+
+
+class ServingConfig(_Frozen):
+    """How the model is served: batch, context, paging and memory share (vLLM names in parentheses)."""
+
+    max_batch: Annotated[int, Field(ge=1, le=1 << 16)] = Field(
+        64, description="Most concurrent requests in a step (max_num_seqs)."
+    )
+    max_context: Annotated[int, Field(ge=1, le=1 << 24)] | None = Field(
+        None, description="Longest request, prompt plus output, in tokens (max_model_len); null: the model's limit."
+    )
+    page_size: Annotated[int, Field(ge=1, le=1 << 12)] = Field(16, description="Tokens per KV page (block_size).")
+    max_prefill_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = Field(
+        2048, description="Prefill tokens per step, the chunk size (max_num_batched_tokens for prefill)."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="Share of device memory the plan may use (gpu_memory_utilization)."
+    )
+    tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = Field(
+        1, description="Ranks the model is sharded over; the plan is per rank (tensor_parallel_size)."
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Weight and activation dtype; auto: the model's."
+    )
+    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="KV cache dtype; auto: the activation dtype (kv_cache_dtype)."
+    )
+    min_kv_pages: Annotated[int, Field(ge=1, le=1 << 24)] = Field(
+        64, description="Fewer KV pages than this is reported as 'does not fit'."
+    )
+    states_per_slot: Annotated[int, Field(ge=1, le=4)] = Field(
+        1, description="Recurrent states kept per decode slot (Qwen3.5); 2 lets a prefill run beside a graph slot."
+    )
+    gemm_attention_min_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = Field(
+        256, description="A prefill chunk of at least this many tokens computes attention over its keys and values "
+        "gathered from the KV pages, with the prefill_attention backend; shorter chunks and decode rows use the "
+        "paged attention kernel. Above max_prefill_tokens: never, and no gather or score scratch is planned."
+    )
+    prefill_attention: Literal["auto", "gemm", "flash"] = Field(
+        "auto", description="Backend of those long prefill chunks' attention. gemm: two batched GEMMs (cuBLAS) "
+        "with a causal softmax between them, over a planned float32 score tile. flash: one tensor-core "
+        "FlashAttention-2 kernel launch per chunk, no score scratch; needs bfloat16 activations and KV cache "
+        f"and a head_dim that is a multiple of {FLASH_HEAD_DIM_MULTIPLE}. auto: flash where the model and dtypes "
+        "allow it (faster on the H200: docs/benchmarks.md), else gemm; the plan's capacity says which."
+    )
+    decode_gemv_max_batch: Annotated[int, Field(ge=0, le=8)] = Field(
+        1, description="Decode steps of at most this many requests run their projections as fused GEMV kernels "
+        "(RMSNorm, SwiGLU and the residual add folded into them) instead of cuBLAS GEMMs and separate row "
+        "kernels; 0: never. Faster at batch 1 on the H200, slower from batch 4 (docs/benchmarks.md). The plan's "
+        "capacity decode_gemv_batch says what applies: also capped by max_batch and by the normalized rows "
+        "fitting a block's shared memory."
+    )
+    decode_graph_batch_sizes: tuple[Annotated[int, Field(ge=1, le=1 << 16)], ...] = Field(
+        (1, 2, 4, 8, 16, 32, 64), description="Batch buckets captured as decode CUDA graphs; each <= max_batch."
+    )
+
+    @model_validator(mode="after")
+    def _buckets(self) -> ServingConfig:
+        too_big = [b for b in self.decode_graph_batch_sizes if b > self.max_batch]
+        if too_big:
+            raise ValueError(
+                f"decode_graph_batch_sizes {list(too_big)} exceed max_batch ({self.max_batch})"
+            )
+        if list(self.decode_graph_batch_sizes) != sorted(set(self.decode_graph_batch_sizes)):
+            raise ValueError("decode_graph_batch_sizes must be strictly increasing")
+        return self
+
+
+def resolved_dtypes(model: ModelConfig, serving: ServingConfig) -> tuple[str, str]:
+    """(activation dtype, KV cache dtype) after "auto": the model's dtype, then the activations'."""
+    activations = model.dtype if serving.dtype == "auto" else serving.dtype
+    return activations, activations if serving.kv_cache_dtype == "auto" else serving.kv_cache_dtype
+
+
+def check_compatible(model: ModelConfig, serving: ServingConfig, source: str = "serving") -> None:
+    """Rules that involve both the model and the serving config; raises ConfigError naming ``source``
+    (the serving config's file, when the caller knows it)."""
+    if serving.max_context is not None and serving.max_context > model.max_position_embeddings:
+        raise ConfigError(
+            source, "max_context", serving.max_context,
+            f"exceeds the model's max_position_embeddings ({model.max_position_embeddings})",
+        )
+    tp = serving.tensor_parallel_size
+    sharded = {
+        "num_attention_heads": model.num_attention_heads,
+        "intermediate_size": model.intermediate_size,
+        "vocab_size": model.vocab_size,
+    }
+    if model.linear_attention is not None:
+        sharded["linear_attention.num_key_heads"] = model.linear_attention.num_key_heads
+        sharded["linear_attention.num_value_heads"] = model.linear_attention.num_value_heads
+    for field, value in sharded.items():
+        if value % tp:
+            raise ConfigError(source, "tensor_parallel_size", tp, f"must divide the model's {field} ({value})")
+    kv = model.num_key_value_heads
+    if kv % tp and tp % kv:
+        raise ConfigError(
+            source, "tensor_parallel_size", tp,
+            f"must divide num_key_value_heads ({kv}) or be a multiple of it (KV heads are split or replicated)",
+        )
+    if serving.prefill_attention == "flash":
+        _check_flash_attention(model, serving, source)
+
+
+def resolve_prefill_attention(model: ModelConfig, serving: ServingConfig) -> PrefillAttention:
+    """serving prefill_attention with "auto" decided: flash when the kernel takes this model and these
+    dtypes, else gemm. An explicit choice stands (check_compatible refuses a flash it cannot run)."""
+    if serving.prefill_attention != "auto":
+        return serving.prefill_attention
+    return "flash" if _flash_refusal(model, serving) is None else "gemm"
+
+
+def _flash_refusal(model: ModelConfig, serving: ServingConfig) -> str | None:
+    """Why the FlashAttention kernel cannot run this model and dtypes, or None when it can."""
+    if model.head_dim % FLASH_HEAD_DIM_MULTIPLE:
+        return (f"needs head_dim a multiple of {FLASH_HEAD_DIM_MULTIPLE} (the kernel's Q K^T fragment loads); model "
+                f"{model.name} has head_dim {model.head_dim}; use prefill_attention: gemm or auto")
+    activations, kv_cache = resolved_dtypes(model, serving)
+    if (activations, kv_cache) != (FLASH_DTYPE, FLASH_DTYPE):
+        return (f"needs {FLASH_DTYPE} activations and KV cache (the kernel is bf16 only); dtype {serving.dtype!r} and "
+                f"kv_cache_dtype {serving.kv_cache_dtype!r} over model {model.name} ({model.dtype}) give {activations} "
+                f"and {kv_cache}; set dtype: {FLASH_DTYPE} and kv_cache_dtype: auto, or use prefill_attention: gemm "
+                "or auto")
+    return None
+
+
+def _check_flash_attention(model: ModelConfig, serving: ServingConfig, source: str) -> None:
+    """The FlashAttention kernel's limits: head_dim a multiple of FLASH_HEAD_DIM_MULTIPLE, bf16 activations
+    and KV cache."""
+    refusal = _flash_refusal(model, serving)
+    if refusal is not None:
+        raise ConfigError(source, "prefill_attention", serving.prefill_attention, refusal)

@@ -1,0 +1,26 @@
+"""The planner's user-facing errors; the CLI maps each to an exit code."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A config file or flag is invalid. ``str()`` is one line: file, field path, value, rule."""
+
+    def __init__(self, source: str, field: str, value: object, rule: str):
+        self.source = source
+        self.field = field
+        self.value = value
+        self.rule = rule
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        super().__init__(f"{source}: {field or '<root>'} = {shown}: {rule}")
+
+
+class PlanDoesNotFit(RuntimeError):
+    """The plan needs more device memory than the serving config allows."""
+
+    def __init__(self, message: str, *, required_bytes: int, usable_bytes: int):
+        self.required_bytes = required_bytes
+        self.usable_bytes = usable_bytes
+        super().__init__(message)

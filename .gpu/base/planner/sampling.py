@@ -1,0 +1,36 @@
+"""The sampling pool: last-row gather, logits and sampled ids for B requests."""
+
+from __future__ import annotations
+
+from planner.geometry import Geometry
+from planner.layout import BufferRequest, Pool, pack_sequential
+
+
+def build_sampling(geometry: Geometry, max_batch: int, dtype: str) -> Pool:
+    """Buffers from the final hidden rows to the sampled token ids.
+
+    logits_indices [B] int32   step row whose logits each request samples from
+    last_hidden    [B, H]      those rows, gathered
+    logits_raw     [B, V]      lm_head output in the activation dtype
+    logits         [B, V] f32  the same logits widened for sampling
+    temperature    [B] f32     per request; <= 0 is greedy
+    top_k          [B] int32   per request; <= 0 is no restriction
+    seeds          [B] int64   per request RNG key
+    sample_steps   [B] int32   index of the token each request samples (the RNG counter)
+    sampled_ids    [B] int32   the step's output tokens (the one host read-back)
+    """
+    g = geometry
+    return pack_sequential(
+        "sampling",
+        [
+            BufferRequest("logits_indices", "int32", (max_batch,)),
+            BufferRequest("last_hidden", dtype, (max_batch, g.hidden_size)),
+            BufferRequest("logits_raw", dtype, (max_batch, g.vocab_size)),
+            BufferRequest("logits", "float32", (max_batch, g.vocab_size)),
+            BufferRequest("temperature", "float32", (max_batch,)),
+            BufferRequest("top_k", "int32", (max_batch,)),
+            BufferRequest("seeds", "int64", (max_batch,)),
+            BufferRequest("sample_steps", "int32", (max_batch,)),
+            BufferRequest("sampled_ids", "int32", (max_batch,)),
+        ],
+    )

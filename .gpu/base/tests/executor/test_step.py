@@ -1,0 +1,155 @@
+"""Step metadata: filled in place, and every capacity error named before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor.arena import materialize
+from executor.device import open_device
+from executor.step import CapacityError, RequestChunk, plan_step
+from executor.step_writer import StepWriter
+from planner.loader import load_hardware, load_model, load_serving
+from planner.plan import build_plan
+
+
+@pytest.fixture(scope="module")
+def arena():
+    plan = build_plan(load_model("tiny-qwen3.5-g6"), load_hardware("cpu-sim"), load_serving("sim"))
+    return materialize(plan, open_device("auto"))
+
+
+def _snapshot(arena):
+    return {name: raw.clone() for name, raw in arena.pools.items() if name != "kv_cache"}
+
+
+def test_metadata_of_a_mixed_step(arena):
+    """A 5-token prefill chunk after 3 cached tokens beside a decode row; pages shared by both."""
+    page = arena.plan.capacity.page_size  # 4
+    chunks = [RequestChunk([7], 6, [3, 9], slot=0), RequestChunk([1, 2, 3, 4, 5], 3, [3, 4], slot=1)]
+    meta = plan_step(arena.plan, chunks)
+    StepWriter(arena).write(meta)
+    view = lambda name: arena.tensor("attention_plan", name)  # noqa: E731
+    assert meta.pool == "prefill" and meta.num_rows == 6
+    assert view("q_indptr")[:3].tolist() == [0, 1, 6]
+    assert view("positions")[:6].tolist() == [6, 3, 4, 5, 6, 7]
+    assert view("batch_indices")[:6].tolist() == [0, 1, 1, 1, 1, 1]
+    assert view("page_indptr")[:3].tolist() == [0, 2, 4]
+    assert view("page_indices")[:4].tolist() == [3, 9, 3, 4]  # page 3 listed by both requests
+    assert view("last_page_len")[:2].tolist() == [7 - page, 8 - page]
+    assert int(view("total_num_rows")[0]) == 6
+    assert arena.tensor("sampling", "logits_indices")[:2].tolist() == [0, 5]
+    assert arena.tensor("recurrent_state", "slot_ids")[:2].tolist() == [0, 1]
+
+
+def test_writer_changes_only_the_metadata_buffers(arena):
+    """Writes go over in merged ranges that may span a buffer's unused tail, never another buffer: after
+    the kernels' buffers change under it, a write leaves them alone, and a shorter step after a longer
+    one still lands in every buffer's leading elements."""
+    writer = StepWriter(arena)
+    logits, last_hidden = arena.tensor("sampling", "logits"), arena.tensor("sampling", "last_hidden")
+    logits.fill_(1.5)  # the sampling pool: kernel buffers between the metadata buffers
+    last_hidden.fill_(2.5)
+    gate_up = arena.tensor("decode", "gate_up")  # shares bytes with decode/token_ids (other live ranges)
+    gate_up.view(-1)[-1:] = 3.5
+    long = plan_step(arena.plan, [RequestChunk([1, 2, 3], 6, [3, 9, 4], slot=0), RequestChunk([5], 2, [7], slot=1)])
+    short = plan_step(arena.plan, [RequestChunk([8], 8, [2, 6, 5], slot=2)])
+    writer.write(long)
+    writer.write(short)
+    assert bool((logits == 1.5).all()) and bool((last_hidden == 2.5).all()) and float(gate_up.view(-1)[-1]) == 3.5
+    for field in ("page_indices", "page_indptr", "positions", "q_indptr", "request_indices", "kv_chunk_size"):
+        values = getattr(short, field)
+        assert arena.tensor("attention_plan", field)[: len(values)].tolist() == values.tolist(), field
+    assert arena.tensor("decode", "token_ids")[:1].tolist() == [8]
+    assert arena.tensor("sampling", "logits_indices")[:1].tolist() == [0]
+    assert arena.tensor("sampling", "sample_steps")[:1].tolist() == short.sample_steps.tolist()
+    assert arena.tensor("recurrent_state", "slot_ids")[:1].tolist() == [2]
+
+
+def test_long_prefill_chunks_route_to_gemm_attention_in_tiles_that_fit_the_scores(arena):
+    """sim serving: chunks of >= 4 tokens take GEMM attention and no paged-attention tile; with
+    scores for 2 rows of a 9-token context, the 5-row chunk runs in tiles of 2 rows."""
+    plan = arena.plan
+    assert plan.serving.gemm_attention_min_tokens == 4
+    chunks = [RequestChunk([7], 6, [3, 9], slot=0), RequestChunk([1, 2, 3], 0, [5], slot=1),
+              RequestChunk([1, 2, 3, 4, 5], 4, [3, 4, 6], slot=2)]
+    meta = plan_step(plan, chunks)
+    (routed,) = meta.long_prefill_requests
+    assert (routed.request, routed.q_start, routed.num_rows, routed.kv_len, routed.page_start) == (2, 4, 5, 9, 3)
+    assert set(meta.request_indices.tolist()) == {0, 1}  # the paged kernel has the other two
+    heads = plan.geometry.num_q_heads
+    assert routed.rows_per_tile == 5 and heads * 5 * 9 <= plan.capacity.prefill_score_elements
+    tight = plan.model_copy(update={"capacity": plan.capacity.model_copy(
+        update={"prefill_score_elements": heads * 9 * 2 + heads * 9 - 1})})  # 2 rows fit, 3 do not
+    assert plan_step(tight, chunks).long_prefill_requests[0].rows_per_tile == 2
+
+
+def test_a_full_batch_at_full_context_uses_every_logical_page(arena):
+    cap = arena.plan.capacity
+    shared = list(range(1, cap.pages_per_request))  # a shared prefix of every request
+    chunks = [RequestChunk([5], cap.max_context - 1, shared + [100 + r], slot=r) for r in range(cap.max_batch)]
+    meta = plan_step(arena.plan, chunks)
+    assert meta.page_indices.shape[0] == cap.logical_pages
+    assert len(set(meta.page_indices.tolist())) < cap.logical_pages
+
+
+def _over(arena, dimension):
+    cap = arena.plan.capacity
+    if dimension == "batch":
+        return [RequestChunk([1], 0, [1], slot=r) for r in range(cap.max_batch + 1)]
+    if dimension == "total_tokens":
+        return [RequestChunk(list(range(cap.max_tokens_per_step + 1)), 0, list(range(1, 40)), slot=0)]
+    if dimension == "context":
+        return [RequestChunk([1], cap.max_context, list(range(1, cap.pages_per_request + 2)), slot=0)]
+    if dimension == "kv_pages":
+        return [RequestChunk([1], 0, [cap.kv_pages], slot=0)]
+    if dimension == "recurrent_slots":
+        return [RequestChunk([1], 0, [1], slot=cap.recurrent_slots)]
+    raise AssertionError(dimension)
+
+
+@pytest.mark.parametrize("dimension", ["batch", "total_tokens", "context", "kv_pages", "recurrent_slots"])
+def test_capacity_errors_name_the_dimension_and_leave_the_arena_untouched(arena, dimension):
+    before = _snapshot(arena)
+    with pytest.raises(CapacityError) as error:
+        meta = plan_step(arena.plan, _over(arena, dimension))
+        StepWriter(arena).write(meta)
+    assert error.value.dimension == dimension
+    assert error.value.required > error.value.capacity
+    assert f"{dimension}: step needs" in str(error.value)
+    after = _snapshot(arena)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+@pytest.mark.gpu
+def test_writer_never_refills_a_mirror_the_gpu_has_not_read(arena):
+    """CUDA: a step's copies queued behind ~0.1 s of GPU work, then the next step's write. The first
+    copies still deliver the first step's arrays (the second write waited for them instead of refilling
+    the pinned mirrors under them), and the buffers end with the second step's."""
+    assert not arena.device.is_sim
+    writer = StepWriter(arena)
+    first = plan_step(arena.plan, [RequestChunk([7], 6, [3, 9], slot=0)])
+    second = plan_step(arena.plan, [RequestChunk([1], 9, [3, 4, 5], slot=1)])
+    positions = arena.tensor("attention_plan", "positions")
+    torch.cuda._sleep(200_000_000)  # clock cycles
+    writer.write(first)
+    delivered = positions[:1].clone()  # ordered after the first step's copies on the same stream
+    writer.write(second)
+    torch.cuda.synchronize()
+    assert delivered.tolist() == first.positions.tolist() == [6]
+    assert positions[:1].tolist() == second.positions.tolist() == [9]
+
+
+@pytest.mark.parametrize("backend, rows_per_tile", [("gemm", (1 << 26) // (32 * 40960)), ("flash", 4096)])
+def test_a_long_chunk_runs_in_score_tiles_with_gemm_and_in_one_launch_with_flash(backend, rows_per_tile):
+    """Qwen3-8B at C = 40960: a 4096-token chunk ending at 40960 tokens is one long-chunk request either
+    way; GEMM attention tiles its rows so that 32 heads x rows x 40960 scores fit the 2^26-element tile,
+    FlashAttention keeps no scores and takes all of them in one launch."""
+    plan = build_plan(load_model("qwen3-8b"), load_hardware("h200"),
+                      load_serving("default", {"max_context": 40960, "max_prefill_tokens": 4096, "max_batch": 8,
+                                               "prefill_attention": backend}))
+    pages = list(range(1, 1 + plan.capacity.pages_per_request))
+    meta = plan_step(plan, [RequestChunk([1] * 4096, 40960 - 4096, pages)])
+    (routed,) = meta.long_prefill_requests
+    assert (routed.num_rows, routed.kv_len, routed.rows_per_tile) == (4096, 40960, rows_per_tile)
+    assert meta.num_tiles == 0  # no paged-attention tile

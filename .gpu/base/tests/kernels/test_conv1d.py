@@ -1,0 +1,217 @@
+"""Causal depthwise conv1d + SiLU with conv state (simulator at tiny shapes; bf16 GPU tests at real sizes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from executor.kernels.codec import build_codec
+from executor.kernels.conv1d import CausalConv1d
+from tests.kernels.compile_check import compile_for_sm90
+from tests.kernels.storage import DTYPES, TOL, assert_close_rel, from_storage, poisoned, rounded, to_storage
+
+K = 4
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def ref_conv(x, weight, conv_state, q_indptr, slot_ids):
+    """float64 reference: (out [T, C], new conv_state) from logical float64 inputs."""
+    out = torch.zeros_like(x)
+    state = conv_state.clone()
+    for b, slot in enumerate(list(slot_ids)):
+        start, end = int(q_indptr[b]), int(q_indptr[b + 1])
+        if end == start:
+            continue
+        full = torch.cat([state[slot], x[start:end].T], dim=1)  # [C, K-1+n]
+        conv = F.conv1d(full[None], weight[:, None, :], groups=x.shape[1])[0]  # [C, n]
+        out[start:end] = F.silu(conv).T
+        state[slot] = full[:, -(K - 1) :]
+    return out, state
+
+
+def make_inputs(gen, rows, channels, slots, dtype_name):
+    x = rounded(torch.randn(rows, channels, generator=gen) * 2.0, dtype_name)
+    weight = rounded(torch.randn(channels, K, generator=gen) * 0.7, dtype_name)
+    state = rounded(torch.randn(slots, channels, K - 1, generator=gen) * 2.0, dtype_name)
+    return x, weight, state
+
+
+def run_conv(conv, x, weight, state, q_indptr, slot_ids, dtype_name):
+    """Launch on storage copies; return (out, new state) as float64 tensors."""
+    state_store = to_storage(state, dtype_name)
+    out = poisoned(tuple(x.shape), dtype_name)
+    conv(
+        to_storage(x, dtype_name),
+        to_storage(weight, dtype_name),
+        state_store,
+        np.asarray(q_indptr, np.int32),
+        np.asarray(slot_ids, np.int32),
+        out,
+    )
+    return from_storage(out, dtype_name), from_storage(state_store, dtype_name)
+
+
+# ---------------------------------------------------------------- simulator tests
+
+CHANNELS = 2 * 2 * 8 + 4 * 8  # Hk=2, Hv=4, dk=dv=8
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("rows_per_tile", [1, 2, 16])
+def test_batch_matches_reference(dtype_name, rows_per_tile):
+    """Three requests (5, 1, 2 rows) in slots 2, 0, 3 of 4; slot 1 must stay as it was."""
+    gen = torch.Generator().manual_seed(10 + rows_per_tile)
+    q_indptr, slot_ids = [0, 5, 6, 8], [2, 0, 3]
+    x, weight, state = make_inputs(gen, 8, CHANNELS, 4, dtype_name)
+    conv = CausalConv1d(build_codec(dtype_name), rows_per_tile=rows_per_tile)
+    got, got_state = run_conv(conv, x, weight, state, q_indptr, slot_ids, dtype_name)
+    ref, ref_state = ref_conv(x, weight, state, q_indptr, slot_ids)
+    assert_close_rel(got, ref, TOL[dtype_name])
+    # The state holds copies of stored inputs: bit-exact.
+    assert torch.equal(got_state, ref_state)
+    assert torch.equal(got_state[1], state[1])
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_chunks_continue_like_one_pass(dtype_name):
+    """Chunks of 1, 2, 3, 1 rows carrying conv_state equal one pass over the 7 rows, exactly."""
+    gen = torch.Generator().manual_seed(20)
+    x, weight, state = make_inputs(gen, 7, CHANNELS, 2, dtype_name)
+    state[1] = 0.0  # a freshly admitted request starts from a zeroed slot
+    conv = CausalConv1d(build_codec(dtype_name), rows_per_tile=2)
+    whole, whole_state = run_conv(conv, x, weight, state, [0, 7], [1], dtype_name)
+
+    carried = state.clone()
+    pieces, start = [], 0
+    for n in (1, 2, 3, 1):
+        out, carried = run_conv(conv, x[start : start + n], weight, carried, [0, n], [1], dtype_name)
+        pieces.append(out)
+        start += n
+    assert torch.equal(torch.cat(pieces), whole)
+    assert torch.equal(carried, whole_state)
+    ref, _ = ref_conv(x, weight, state, [0, 7], [1])
+    assert_close_rel(whole, ref, TOL[dtype_name])
+
+
+def test_decode_batch_and_empty_request():
+    """Decode (one row per request) with an empty request in the middle, which keeps its slot."""
+    gen = torch.Generator().manual_seed(30)
+    q_indptr, slot_ids = [0, 1, 1, 2, 3], [3, 1, 0, 2]
+    x, weight, state = make_inputs(gen, 3, CHANNELS, 4, "float32")
+    conv = CausalConv1d(build_codec("float32"))
+    got, got_state = run_conv(conv, x, weight, state, q_indptr, slot_ids, "float32")
+    ref, ref_state = ref_conv(x, weight, state, q_indptr, slot_ids)
+    assert_close_rel(got, ref, TOL["float32"])
+    assert torch.equal(got_state, ref_state)
+    assert torch.equal(got_state[1], state[1])
+
+
+def test_padding_rows_untouched():
+    """Rows past q_indptr[B] (graph padding) are neither read nor written."""
+    gen = torch.Generator().manual_seed(40)
+    x, weight, state = make_inputs(gen, 4, CHANNELS, 1, "float32")
+    conv = CausalConv1d(build_codec("float32"), rows_per_tile=1)
+    got, _ = run_conv(conv, x, weight, state, [0, 2], [0], "float32")
+    assert torch.isnan(got[2:]).all()
+    ref, _ = ref_conv(x[:2], weight, state, [0, 2], [0])
+    assert_close_rel(got[:2], ref, TOL["float32"])
+
+
+def test_matches_hf_update_and_fn():
+    """HF's torch causal_conv1d_fn (prefill) then causal_conv1d_update (decode) on the same inputs."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    gen = torch.Generator().manual_seed(50)
+    x, weight, _ = make_inputs(gen, 6, CHANNELS, 1, "float32")
+    zero = torch.zeros(1, CHANNELS, K - 1, dtype=torch.float64)
+    conv = CausalConv1d(build_codec("float32"))
+    got, state = run_conv(conv, x[:5], weight, zero, [0, 5], [0], "float32")
+    step, state = run_conv(conv, x[5:], weight, state, [0, 1], [0], "float32")
+
+    xf, wf = x.float().T[None], weight.float()
+    want = hf.causal_conv1d_fn(xf[:, :, :5], wf, None, activation="silu")[0].T
+    hf_state = torch.cat([torch.zeros(1, CHANNELS, 1), xf[:, :, :5]], dim=-1)[:, :, -K:].clone()  # HF keeps K
+    want_step = hf.causal_conv1d_update(xf[:, :, 5:], hf_state, wf, None, "silu")[0].T
+    assert_close_rel(got, want.double(), 1e-5)
+    assert_close_rel(step, want_step.double(), 1e-5)
+    assert torch.equal(state[0].float(), hf_state[0, :, 1:])
+
+
+def test_shape_errors():
+    conv = CausalConv1d(build_codec("float32"))
+    x = np.zeros((2, 8), np.float32)
+    ok = dict(weight=np.zeros((8, K), np.float32), conv_state=np.zeros((1, 8, K - 1), np.float32))
+    ip, sl = np.array([0, 2], np.int32), np.array([0], np.int32)
+    with pytest.raises(ValueError, match="weight"):
+        conv(x, np.zeros((8, 3), np.float32), ok["conv_state"], ip, sl, x.copy())
+    with pytest.raises(ValueError, match="conv_state"):
+        conv(x, ok["weight"], np.zeros((1, 8, K), np.float32), ip, sl, x.copy())
+    with pytest.raises(ValueError, match="q_indptr"):
+        conv(x, ok["weight"], ok["conv_state"], np.array([0, 1, 2], np.int32), sl, x.copy())
+
+
+# ---------------------------------------------------------------- real-GPU compilation (no GPU needed)
+
+
+def test_compiles_for_sm90():
+    compile_for_sm90(
+        """
+        from executor.kernels.conv1d import build_causal_conv1d
+        i32 = arr("int32", 1)
+        for name in DTYPES:
+            ptx(build_causal_conv1d(build_codec(name)), arr(name, 2), arr(name, 2), arr(name, 3), i32, i32,
+                arr(name, 2), types.int64)
+        """
+    )
+
+
+# ---------------------------------------------------------------- GPU tests at real sizes (bf16)
+
+GPU_CHANNELS = 2 * 16 * 128 + 48 * 128  # Hk=16, Hv=48, dk=dv=128
+
+
+def gpu_inputs(rows, slots, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.randn(rows, GPU_CHANNELS, device="cuda", generator=gen) * 2).bfloat16()
+    weight = (torch.randn(GPU_CHANNELS, K, device="cuda", generator=gen) * 0.5).bfloat16()
+    state = (torch.randn(slots, GPU_CHANNELS, K - 1, device="cuda", generator=gen) * 2).bfloat16()
+    return x, weight, state
+
+
+def gpu_run(conv, x, weight, state, q_indptr, slot_ids):
+    out = torch.full_like(x, float("nan"))
+    ip = torch.tensor(q_indptr, dtype=torch.int32, device="cuda")
+    sl = torch.tensor(slot_ids, dtype=torch.int32, device="cuda")
+    conv(x.view(torch.int16), weight.view(torch.int16), state.view(torch.int16), ip, sl, out.view(torch.int16))
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_batch_bf16():
+    """Requests of 300, 1, 37 and 700 rows, tiles of 16 rows: against the float64 reference."""
+    q_indptr, slot_ids = [0, 300, 301, 338, 1038], [5, 0, 3, 1]
+    x, weight, state = gpu_inputs(1038, 6, 60)
+    before = state.clone()
+    out = gpu_run(CausalConv1d(build_codec("bfloat16")), x, weight, state, q_indptr, slot_ids)
+    ref, ref_state = ref_conv(x.double().cpu(), weight.double().cpu(), before.double().cpu(), q_indptr, slot_ids)
+    assert_close_rel(out.double().cpu(), ref, 1e-2)
+    assert torch.equal(state.double().cpu(), ref_state)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_continues_prefill_bf16():
+    """A 300-token prompt then 3 decode steps equal one 303-row pass, bit for bit."""
+    x, weight, state = gpu_inputs(303, 2, 61)
+    state.zero_()
+    conv = CausalConv1d(build_codec("bfloat16"))
+    carried = state.clone()
+    whole = gpu_run(conv, x, weight, state, [0, 303], [1])
+    pieces = [gpu_run(conv, x[:300], weight, carried, [0, 300], [1])]
+    pieces += [gpu_run(conv, x[t : t + 1], weight, carried, [0, 1], [1]) for t in range(300, 303)]
+    assert torch.equal(torch.cat(pieces), whole)
+    assert torch.equal(carried, state)

@@ -1,0 +1,94 @@
+"""Causal flash attention against float64 attention (simulator at tiny shapes; GPU at model sizes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from executor.kernels.flash_attention import BlockShape, FlashAttention, block_shape, staged_bytes
+from executor.numba_cuda import simulator_enabled
+from tests.kernels.attention_reference import causal_attention
+from tests.kernels.compile_check import compile_for_sm90
+
+# P is rounded to bf16 and out is bf16: errors of a few bf16 ulps of |out| <= max |v|.
+TOLERANCE = 0.02
+
+
+def run_case(rows, kv_len, q_heads, kv_heads, head_dim, device, strided_q=False, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    width = 2 * head_dim if strided_q else head_dim  # Qwen3.5: q heads sit 2 D apart (q | gate)
+    q_buffer = torch.randn(rows, q_heads, width, generator=gen, device=device).bfloat16()
+    q = q_buffer[..., :head_dim]
+    # Later keys larger: a row's running maximum grows from key block to key block, so the online
+    # softmax's rescaling of the earlier blocks' sums and outputs is exercised (alpha < 1).
+    # k, v as GatherKv leaves them: [Hkv, capacity, D], the request's keys first, stale ones after.
+    capacity = kv_len + 7
+    ramp = torch.linspace(1.0, 2.0, capacity, device=device)[None, :, None]
+    k = (torch.randn(kv_heads, capacity, head_dim, generator=gen, device=device) * ramp).bfloat16()
+    v = torch.randn(kv_heads, capacity, head_dim, generator=gen, device=device).bfloat16()
+    k[:, kv_len:] = 1e4  # stale keys past kv_len: reading one would swamp the softmax
+    out = torch.full((rows, q_heads, head_dim), float("nan"), device=device).bfloat16()
+    FlashAttention()(*[t.view(torch.int16) for t in (q, k, v, out)], kv_len)  # the simulator takes torch views too
+    expected = causal_attention(q, k, v, kv_len)
+    error = (out.double() - expected).abs().max().item()
+    assert error <= TOLERANCE, f"max |out - float64| = {error:.4f} > {TOLERANCE}"
+
+
+@pytest.mark.parametrize("rows,kv_len", [(70, 70), (9, 100)])
+def test_matches_float64_in_the_simulator(rows, kv_len):
+    """Head dim 32 stages 64 keys a block. A 70-row prompt: two query blocks, the second seeing
+    two key blocks (the online softmax rescales), ragged ends. A 9-row chunk after 91 cached
+    tokens: a whole key block before the diagonal. GQA group 2."""
+    run_case(rows, kv_len, q_heads=2, kv_heads=1, head_dim=32, device="cpu" if simulator_enabled() else "cuda")
+
+
+def test_block_shapes_fit_shared_memory():
+    assert block_shape(32) == block_shape(128) == BlockShape(4, 64) and block_shape(256) == BlockShape(8, 32)
+    assert staged_bytes(256, 64) > 48 * 1024 - 512  # why D 256 stages fewer keys
+
+
+def test_shape_errors_name_the_shapes():
+    flash = FlashAttention()
+    q = np.zeros((4, 2, 32), np.int16)
+    kv = np.zeros((1, 6, 32), np.int16)
+    with pytest.raises(ValueError, match="kv_len 7 .* 6 keys"):
+        flash(q, kv, kv, q.copy(), 7)
+    with pytest.raises(ValueError, match="kv_len 3 .* 4 rows"):
+        flash(q, kv, kv, q.copy(), 3)
+    with pytest.raises(ValueError, match="head_dim 24"):
+        flash(np.zeros((4, 2, 24), np.int16), np.zeros((1, 4, 24), np.int16), np.zeros((1, 4, 24), np.int16),
+              np.zeros((4, 2, 24), np.int16), 4)
+    with pytest.raises(ValueError, match="must match"):
+        flash(q, kv, kv, np.zeros((4, 2, 16), np.int16), 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,kv_len,q_heads,kv_heads,head_dim,strided", [
+    (1031, 1031, 32, 8, 128, False),   # Qwen3-8B heads, a ragged prompt
+    (700, 4099, 32, 8, 128, False),    # a chunk after 3399 cached tokens
+    (517, 517, 16, 4, 256, True),      # Qwen3.5-9B: D 256, gated (strided) q
+])
+def test_matches_float64_at_model_sizes(rows, kv_len, q_heads, kv_heads, head_dim, strided):
+    run_case(rows, kv_len, q_heads, kv_heads, head_dim, "cuda", strided_q=strided)
+
+
+@pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
+def test_compiles_to_unrolled_mmas_in_registers_on_sm90():
+    """Every fragment loop unrolled (one MMA per tile and k-step of both products) and no local memory:
+    an O or S accumulator indexed at run time would spill to local memory."""
+    compile_for_sm90(
+        """
+        from executor.kernels.flash_attention import block_shape, build_flash_attention
+        for head_dim, group in ((128, 4), (256, 4)):
+            keys = block_shape(head_dim).keys
+            text = ptx(build_flash_attention(head_dim, keys, group, block_shape(head_dim).warps), *[arr("int32", 3)] * 4,
+                       types.int32, types.int32, types.int32, types.float32)
+            mmas = text.count("mma.sync.aligned")
+            assert mmas == 2 * head_dim * keys // 128, (head_dim, mmas)
+            # One ldmatrix.x4 feeds two MMAs; K and V arrive by cp.async, 16 bytes a copy.
+            assert text.count("ldmatrix.sync.aligned.m8n8.x4") == mmas // 2, (head_dim, text.count("ldmatrix"))
+            assert "cp.async.cg.shared.global" in text and "cp.async.wait_all" in text
+            assert ".local" not in text, f"head_dim {head_dim}: local memory"
+        """
+    )

@@ -1,0 +1,47 @@
+"""Committed JSON Schemas match the models, and every shipped config and plan validates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from planner.loader import load_hardware, load_model, load_serving
+from planner.errors import PlanDoesNotFit
+from planner.plan import build_plan
+from planner.schema import MODELS, load_committed, schema_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_committed_schema_matches_the_models(kind):
+    assert load_committed(kind) == schema_for(kind), f"schemas/{kind}.schema.json drifted: run python -m planner.schema"
+
+
+@pytest.mark.parametrize("kind, folder", [("model", "models"), ("hardware", "hardware"), ("serving", "serving")])
+def test_every_shipped_config_validates(kind, folder):
+    schema = load_committed(kind)
+    files = sorted((ROOT / "configs" / folder).glob("*.yaml"))
+    assert files
+    for path in files:
+        jsonschema.validate(yaml.safe_load(path.read_text()), schema)
+
+
+def test_plan_of_every_shipped_model_and_hardware_pair_validates():
+    schema = jsonschema.Draft202012Validator(load_committed("plan"))
+    fitted = 0
+    for model_path in sorted((ROOT / "configs/models").glob("*.yaml")):
+        model = load_model(str(model_path))
+        for hardware_path in sorted((ROOT / "configs/hardware").glob("*.yaml")):
+            serving = load_serving("sim" if hardware_path.stem == "cpu-sim" else "default",
+                                   {"max_context": min(8192, model.max_position_embeddings)})
+            try:
+                plan = build_plan(model, load_hardware(str(hardware_path)), serving)
+            except PlanDoesNotFit:
+                continue
+            schema.validate(plan.model_dump(mode="json"))
+            fitted += 1
+    assert fitted >= 40

@@ -1,0 +1,326 @@
+"""Decode attention on tensor cores (bf16): the query heads that share a kv head are the rows of one
+``mma`` tile, and a warp attends to eight cached keys at a time.
+
+decode_attention.py's kernel does a decode step's dot products on CUDA cores: per key and lane, 16
+FMAs a head, a tree of shuffles per head, and the float conversions of K and V. On the H200 it
+reaches about 75% of the copy bandwidth at 64 requests x 4096 tokens, bound by issuing those
+instructions rather than by memory. Here one ``mma.sync`` m16n8k16 (mma.py) does what 128 of those
+FMAs do: the G <= 8 query heads of kv head h are rows 0 .. G - 1 of A (rows G .. 15 are zero), and
+a slot of eight keys is B's eight columns.
+
+- Block (tile, kv head h), W warps. Warps are independent until the end: warp w takes the chunk's
+  slots of eight keys w, w + W, w + 2W, ... and keeps its own online softmax and output; the warps
+  meet once, in shared memory, as the lane groups of decode_attention.py do.
+- K and V reach shared memory by ``cp.async`` (async_copy.py) into a ring of ``slots`` slots per
+  warp (K rows, then V rows, each padded by 16 bytes so that ``ldmatrix`` rows fall in different
+  banks). Lane l copies key l % 8 of a slot, chunks l // 8, l // 8 + 4, ...: one page-id lookup a
+  lane a slot, looked up a slot before its copy is issued. The copy of slot i + slots - 1 is issued
+  before slot i is waited for; a warp barrier (``syncwarp``) makes the lanes' copies visible, and a
+  second one frees the slot for its next copy.
+- Per slot: S = Q K^T by K_STEPS / 2 ``ldmatrix.x4`` loads and K_STEPS MMAs (lane (g, t) then holds
+  scores of head g, keys 2t and 2t + 1); the slot's maximum per head by a quad reduction; P rounded
+  to bf16 is already an A fragment (columns 0..7; 8..15 are zero), and P V is D / 8 MMAs whose B
+  fragments come from ``ldmatrix.x4.trans`` of the V rows (mma.py's ``build_eight_key_value_load``).
+  The sum of P stays a lane partial until the end.
+
+P enters the P V product rounded to bf16, as in FlashAttention's kernels (and the prefill kernel,
+flash_attention.py); scores and outputs accumulate in float32. The simulator runs the same kernel
+with mma.py's emulations (block-wide barriers: every warp makes the same calls, so a warp runs as
+many slot iterations as the busiest one, masking the slots past the chunk).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from executor.kernels.async_copy import build_chunk_pipeline, build_shared_address
+from executor.kernels.attention import NEG_INF
+from executor.kernels.codec import build_codec
+from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS
+from executor.kernels.mma import build_eight_key_value_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
+from executor.kernels.reduce import build_group_max, build_group_sum
+from executor.numba_cuda import load_cuda, simulator_enabled
+
+cuda = load_cuda()
+from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
+
+SLOT_KEYS = 8  # keys a warp attends to at a time: the n of Q K^T's mma tile
+MAX_GROUP = 8  # query heads a tile's rows hold (rows g < 8: the accumulator's c0, c1 half)
+MAX_WARPS = 4
+WARP_SLOTS = 2  # ring slots a warp: one slot in flight while the warp attends to the other
+PAD_WORDS = 4  # per staged row: consecutive rows 4 banks apart (16 bytes; rows stay 16-byte aligned)
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+
+
+def shared_bytes(head_dim: int, group_size: int, warps: int, slots: int) -> int:
+    """Static shared memory of one block: the warps' K/V rings, then where the warps meet (their
+    (max, sum) and outputs, the merged state) and the simulator's reduction scratch (4-byte words)."""
+    ring_words = warps * slots * 2 * SLOT_KEYS * (head_dim // 2 + PAD_WORDS)
+    meet_words = 2 * warps * group_size + warps * group_size * head_dim + 3 * group_size
+    return 4 * (ring_words + meet_words + WARP_THREADS * warps)
+
+
+def mma_warps(head_dim: int, group_size: int, slots: int = WARP_SLOTS) -> int | None:
+    """Warps a block (at most MAX_WARPS) whose rings fit the shared-memory limit, or None when this
+    kernel does not serve the shape (head_dim not a multiple of 32, more than MAX_GROUP heads a kv
+    head, or not even one warp fits)."""
+    if head_dim % 32 or not 1 <= group_size <= MAX_GROUP:
+        return None
+    fitting = [w for w in range(MAX_WARPS, 0, -1) if shared_bytes(head_dim, group_size, w, slots) <= SHARED_LIMIT_BYTES]
+    return fitting[0] if fitting else None
+
+
+def build_warp_barrier() -> Any:
+    """``warp_barrier()``: ``syncwarp`` on the GPU; in the simulator, which has none, a block barrier
+    (the kernel's warps make the same calls)."""
+    if simulator_enabled():
+        @cuda.jit(device=True)
+        def block_barrier():
+            cuda.syncthreads()
+
+        return block_barrier
+
+    @cuda.jit(device=True, inline=True)
+    def warp_barrier():
+        cuda.syncwarp(0xFFFFFFFF)
+
+    return warp_barrier
+
+
+def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots: int = WARP_SLOTS,
+                               blocks_per_sm: int | None = None) -> tuple[Any, Any]:
+    """(direct kernel, split kernel) for bf16 K/V, head_dim a multiple of 32, group_size <= 8;
+    arguments and grid as decode_attention.py's ``build_decode_attention`` (q, caches and out as
+    int16 bits), ``32 * warps`` threads a block."""
+    assert head_dim % 32 == 0 and 1 <= group_size <= MAX_GROUP and slots >= 2
+    D, G, W, SL = head_dim, group_size, warps, slots
+    NT = WARP_THREADS * W
+    ROW_WORDS = D // 2 + PAD_WORDS
+    RING_ROWS = W * SL * 2 * SLOT_KEYS  # warp w, slot s: K rows at (w * SL + s) * 16, V rows 8 after
+    CHUNKS_PER_ROW = D // 8  # 16-byte chunks of a K or V row
+    COPIES = CHUNKS_PER_ROW // 4  # chunks a lane copies of its key's K row (and of its V row)
+    K_STEPS = D // 16
+    O_TILES = D // 8
+    Q_WORDS, O_VALUES = 2 * K_STEPS, 2 * O_TILES  # a lane's q fragment words and output values
+    GROUP_STATES = W * G
+    launch_options = {} if simulator_enabled() or blocks_per_sm is None else {"launch_bounds": (NT, blocks_per_sm)}
+    TILE_ALIGNMENT = None if simulator_enabled() else 16
+    store = build_codec("bfloat16").store
+    mma = build_mma_bf16()
+    pack = build_pack_bf16x2()
+    lane_address, load_k_x4, _ = build_fragment_loads()
+    load_v8_x4 = build_eight_key_value_load()
+    copy_chunk, commit_group, wait_groups = build_chunk_pipeline(SL - 1)
+    shared_address = build_shared_address()
+    warp_barrier = build_warp_barrier()
+    quad_max = build_group_max()
+    quad_sum = build_group_sum()
+
+    @cuda.jit(device=True, inline=True)
+    def locate(page_indices, page_base, page_size, pos, k1):
+        """(page id, slot in the page) of key ``pos``, clamped to the chunk's last key (a valid address
+        for a copy that reads nothing)."""
+        pos = min(pos, k1 - 1)
+        logical = pos // page_size
+        return page_indices[page_base + logical], pos - logical * page_size
+
+    @cuda.jit(device=True, inline=True)
+    def issue(k_cache, v_cache, h, page, in_page, valid, ring, ring_address, first_row, lane):
+        """Start copying this lane's chunks of its key's K and V rows into the slot at first_row
+        (zeros when not ``valid``: stale V bits could be NaN, and 0 x NaN would reach the output)."""
+        key = lane % SLOT_KEYS
+        for i in range(COPIES):
+            chunk = lane // SLOT_KEYS + 4 * i
+            copy_chunk(ring, ring_address, (first_row + key, 4 * chunk), k_cache, (page, in_page, h, 8 * chunk), valid)
+            copy_chunk(ring, ring_address, (first_row + SLOT_KEYS + key, 4 * chunk), v_cache,
+                       (page, in_page, h, 8 * chunk), valid)
+
+    @cuda.jit(device=True, inline=True)
+    def q_word(q, row, head, d):
+        """Elements d and d + 1 of q[row, head] as one word of two bf16 (d's bits low)."""
+        return int32((int32(q[row, head, d]) & 0xFFFF) | (int32(q[row, head, d + 1]) << 16))
+
+    @cuda.jit(device=True, inline=True)
+    def attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
+               request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale,
+               s_sh, ring, state_sh, part_sh, scratch):
+        """decode_attention.py's ``attend`` contract: the tile's normalised output of head g in
+        ``part_sh[0, g, :]``, its natural-log (max, sum) in ``state_sh[0 / 1, g]``; returns (row,
+        chunk index, chunks of the row), row -1 when the block has nothing to do."""
+        tile = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        b = request_indices[tile]
+        if b < 0:  # padding tile (a graph's fixed grid)
+            return -1, 0, 0
+        row = q_indptr[b]
+        if row >= int32(total_num_rows[0]):
+            return -1, 0, 0
+        page_size = k_cache.shape[1]
+        kv_len = (page_indptr[b + 1] - page_indptr[b] - 1) * page_size + last_page_len[b]
+        chunk = kv_chunk_size[b]
+        c = kv_tile_indices[tile]
+        last = positions[row]  # the row sees keys 0 .. last
+        k0 = c * chunk
+        k1 = min(k0 + chunk, last + 1, kv_len)
+        if k0 >= k1:
+            return -1, 0, 0
+        page_base = page_indptr[b]
+        warp = tid // WARP_THREADS
+        lane = tid % WARP_THREADS
+        g = lane // 4
+        t = lane % 4
+        iterations = ((k1 - k0 + SLOT_KEYS - 1) // SLOT_KEYS + W - 1) // W  # the busiest warp's slots
+        ring_address = shared_address(ring, (0, 0))
+        fragment_address = lane_address(ring, False)
+        # The key this lane copies in iteration i: k0 + (i * W + warp) * 8 + lane % 8.
+        own_key = k0 + warp * SLOT_KEYS + lane % SLOT_KEYS
+        step_keys = W * SLOT_KEYS
+        for i in range(SL - 1):  # prologue: iterations 0 .. SL - 2 in flight, a group each
+            if i < iterations:
+                pos = own_key + i * step_keys
+                page, in_page = locate(page_indices, page_base, page_size, pos, k1)
+                issue(k_cache, v_cache, h, page, in_page, pos < k1, ring, ring_address,
+                      (warp * SL + i) * 2 * SLOT_KEYS, lane)
+            commit_group()
+        next_pos = own_key + (SL - 1) * step_keys
+        next_page, next_in_page = locate(page_indices, page_base, page_size, next_pos, k1)
+
+        qa = cuda.local.array(Q_WORDS, int32)  # a0, a2 of each k-step; a1, a3 (rows 8..15) are zero
+        o = cuda.local.array(O_VALUES, float32)  # head g's outputs 8j + 2t, 8j + 2t + 1
+        for s in range(K_STEPS):
+            qa[2 * s] = q_word(q, row, h * G + g, 16 * s + 2 * t) if g < G else int32(0)
+            qa[2 * s + 1] = q_word(q, row, h * G + g, 16 * s + 8 + 2 * t) if g < G else int32(0)
+        for j in range(2 * O_TILES):
+            o[j] = float32(0.0)
+        top = float32(-1e30)  # finite: a head with no key yet keeps alpha = 1 and sum 0
+        total = float32(0.0)  # this lane's part of the sum (its two keys of every slot)
+        scale_log2 = scale * float32(LOG2_E)
+
+        for i in range(iterations):
+            ahead = i + SL - 1
+            if ahead < iterations:  # refill the slot iteration i - 1 used
+                issue(k_cache, v_cache, h, next_page, next_in_page, next_pos < k1, ring, ring_address,
+                      (warp * SL + ahead % SL) * 2 * SLOT_KEYS, lane)
+            commit_group()
+            if ahead + 1 < iterations:  # the page id's latency passes while this slot is attended to
+                next_pos = own_key + (ahead + 1) * step_keys
+                next_page, next_in_page = locate(page_indices, page_base, page_size, next_pos, k1)
+            wait_groups()  # this lane's copies of slot i landed
+            warp_barrier()  # and every lane's
+            k_row = (warp * SL + i % SL) * 2 * SLOT_KEYS
+            c0 = float32(0.0)
+            c1 = float32(0.0)
+            c2 = float32(0.0)
+            c3 = float32(0.0)
+            for s in range(0, K_STEPS, 2):
+                b0, b1, b2, b3 = load_k_x4(ring, fragment_address, k_row, 8 * s)
+                c0, c1, c2, c3 = mma(qa[2 * s], int32(0), qa[2 * s + 1], int32(0), b0, b1, c0, c1, c2, c3)
+                c0, c1, c2, c3 = mma(qa[2 * s + 2], int32(0), qa[2 * s + 3], int32(0), b2, b3, c0, c1, c2, c3)
+            key = k0 + (i * W + warp) * SLOT_KEYS + 2 * t
+            s0 = c0 * scale_log2 if key < k1 else NEG_INF
+            s1 = c1 * scale_log2 if key + 1 < k1 else NEG_INF
+            best = max(top, quad_max(scratch, max(s0, s1), 4))
+            alpha = float32(math.exp2(top - best))
+            top = best
+            p0 = float32(math.exp2(s0 - best))
+            p1 = float32(math.exp2(s1 - best))
+            total = total * alpha + p0 + p1
+            pa = pack(p0, p1)
+            for j in range(2 * O_TILES):
+                o[j] *= alpha
+            for j4 in range(O_TILES // 4):
+                r0, r1, r2, r3 = load_v8_x4(ring, fragment_address, k_row + SLOT_KEYS, 16 * j4)
+                o[8 * j4], o[8 * j4 + 1], d2, d3 = mma(pa, int32(0), int32(0), int32(0), r0, int32(0),
+                                                       o[8 * j4], o[8 * j4 + 1], float32(0.0), float32(0.0))
+                o[8 * j4 + 2], o[8 * j4 + 3], d2, d3 = mma(pa, int32(0), int32(0), int32(0), r1, int32(0),
+                                                           o[8 * j4 + 2], o[8 * j4 + 3], float32(0.0), float32(0.0))
+                o[8 * j4 + 4], o[8 * j4 + 5], d2, d3 = mma(pa, int32(0), int32(0), int32(0), r2, int32(0),
+                                                           o[8 * j4 + 4], o[8 * j4 + 5], float32(0.0), float32(0.0))
+                o[8 * j4 + 6], o[8 * j4 + 7], d2, d3 = mma(pa, int32(0), int32(0), int32(0), r3, int32(0),
+                                                           o[8 * j4 + 6], o[8 * j4 + 7], float32(0.0), float32(0.0))
+            warp_barrier()  # every lane is done with the slot before its next copy is issued
+
+        total = quad_sum(scratch, total, 4)
+        # The warps meet: warp w's (max, sum) of head g in s_sh[0 / 1, w * G + g], its output in part_sh[w, g].
+        if g < G:
+            if t == 0:
+                s_sh[0, warp * G + g] = top
+                s_sh[1, warp * G + g] = total
+            for j in range(O_TILES):
+                part_sh[warp, g, 8 * j + 2 * t] = o[2 * j]
+                part_sh[warp, g, 8 * j + 2 * t + 1] = o[2 * j + 1]
+        cuda.syncthreads()
+        for j in range(tid, G * D, NT):
+            hg = j // D
+            d = j - hg * D
+            best = float32(-1e30)
+            for w in range(W):
+                best = max(best, s_sh[0, w * G + hg])
+            out_sum = float32(0.0)
+            weight_sum = float32(0.0)
+            for w in range(W):
+                weight = float32(math.exp2(s_sh[0, w * G + hg] - best))
+                out_sum += weight * part_sh[w, hg, d]
+                weight_sum += weight * s_sh[1, w * G + hg]
+            part_sh[0, hg, d] = out_sum / weight_sum
+            if d == 0:  # natural-log maximum and the sum under it
+                state_sh[0, hg] = best * float32(LN_2)
+                state_sh[1, hg] = weight_sum
+        cuda.syncthreads()
+        return row, c, last // chunk + 1
+
+    @cuda.jit(device=True, inline=True)
+    def store_heads(out, row, part_sh):
+        """out[row, h * G + g, :] <- part_sh[0, g, :], rounded to bf16."""
+        h = cuda.blockIdx.y
+        for j in range(cuda.threadIdx.x, G * D, NT):
+            hg = j // D
+            d = j - hg * D
+            out[row, h * G + hg, d] = store(part_sh[0, hg, d])
+
+    @cuda.jit(**launch_options)
+    def direct_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
+                      request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale):
+        s_sh = cuda.shared.array((2, GROUP_STATES), float32)
+        ring = cuda.shared.array((RING_ROWS, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
+        state_sh = cuda.shared.array((3, G), float32)
+        part_sh = cuda.shared.array((W, G, D), float32)
+        scratch = cuda.shared.array(NT, float32)  # the simulator's quad reductions
+        row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
+                                    positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
+                                    scale, s_sh, ring, state_sh, part_sh, scratch)
+        if row < 0:
+            return
+        store_heads(out, row, part_sh)
+
+    @cuda.jit(**launch_options)
+    def split_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
+                     request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, partial_out,
+                     partial_lse, scale):
+        s_sh = cuda.shared.array((2, GROUP_STATES), float32)
+        ring = cuda.shared.array((RING_ROWS, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
+        state_sh = cuda.shared.array((3, G), float32)
+        part_sh = cuda.shared.array((W, G, D), float32)
+        scratch = cuda.shared.array(NT, float32)
+        row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
+                                    positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
+                                    scale, s_sh, ring, state_sh, part_sh, scratch)
+        if row < 0:
+            return
+        if num_chunks == 1:
+            store_heads(out, row, part_sh)
+            return
+        if c >= partial_out.shape[1]:
+            return
+        h = cuda.blockIdx.y
+        for j in range(cuda.threadIdx.x, G * D, NT):
+            hg = j // D
+            d = j - hg * D
+            partial_out[row, c, h * G + hg, d] = part_sh[0, hg, d]
+            if d == 0:
+                partial_lse[row, c, h * G + hg] = state_sh[0, hg] + math.log(state_sh[1, hg])
+
+    return direct_kernel, split_kernel
