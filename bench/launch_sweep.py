@@ -5,7 +5,8 @@
 
 - Decode attention (executor/kernels/decode_attention.py) at Qwen3-8B's heads (32 q / 8 kv heads of
   128, bf16, shuffled pages of 16). Configuration ``mma:W:S``: the tensor-core kernel
-  (decode_attention_mma.py) with W warps a block and S ring slots a warp; ``NT:U:B``: the CUDA-core
+  (decode_attention_mma.py) with W warps a block, S ring slots a warp and optionally B, its launch bound's blocks
+  an SM; ``NT:U:B``: the CUDA-core
   kernel with NT threads a block, U keys a lane group loads before using any, B the launch bound's
   blocks an SM ("none": no bound, "auto": the kernel's rule). Shapes (requests x cached tokens): unsplit ones, as bench/kernels.py times, get their K/V
   bytes over the time as a share of the copy bandwidth; split ones (batch 1, kv chunks of 64 or 128
@@ -68,13 +69,15 @@ SMOKE_GEMVS = (("qkv", 24, 64, "norm_project"), ("gate_up", 32, 64, "norm_swiglu
 
 def parse_attention(text: str) -> list[dict[str, Any]]:
     """``NT:U:B,...`` -> DecodeAttention keywords of the CUDA-core kernel (threads, unroll_keys,
-    blocks_per_sm: an int, None ("none") or "auto"); ``mma:W:S`` -> the tensor-core kernel's (warps,
-    slots)."""
+    blocks_per_sm: an int, None ("none") or "auto"); ``mma:W:S[:B]`` -> the tensor-core kernel's (warps,
+    slots, blocks_per_sm; default none)."""
     configs: list[dict[str, Any]] = []
     for item in text.split(","):
-        first, second, third = item.split(":")
+        first, second, third, *rest = item.split(":")
         if first == "mma":
-            configs.append({"warps": int(second), "slots": int(third)})
+            bound = rest[0] if rest else "none"
+            configs.append({"warps": int(second), "slots": int(third),
+                            "blocks_per_sm": None if bound == "none" else int(bound)})
             continue
         blocks = None if third == "none" else third if third == "auto" else int(third)
         configs.append({"tensor_cores": False, "threads": int(first), "unroll_keys": int(second),
@@ -84,7 +87,8 @@ def parse_attention(text: str) -> list[dict[str, Any]]:
 
 def config_name(config: dict[str, Any]) -> str:
     if config.get("tensor_cores", True):
-        return f"mma:{config['warps']}:{config['slots']}"
+        bound = config["blocks_per_sm"]
+        return f"mma:{config['warps']}:{config['slots']}:{'none' if bound is None else bound}"
     bound = config["blocks_per_sm"]
     return f"{config['threads']}:{config['unroll_keys']}:{'none' if bound is None else bound}"
 
@@ -189,7 +193,7 @@ def sweep_gemv(env: Env, args: argparse.Namespace) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--attention", type=parse_attention, default=parse_attention(
-        "mma:4:2,mma:2:4,mma:2:3,mma:1:6,mma:1:4,128:4:auto"), help="NT:U:B or mma:W:S configurations (module docstring)")
+        "mma:4:2,mma:4:2:4,mma:4:2:3,mma:2:3,mma:2:3:6,mma:2:4:6,mma:1:4,128:4:auto"), help="NT:U:B or mma:W:S configurations (module docstring)")
     parser.add_argument("--gemv", type=parse_gemv, default=parse_gemv("4x4,8x2,16x1,2x8,4x3,8x3"),
                         help="WxB configurations (module docstring)")
     parser.add_argument("--no-attention", action="store_true")
@@ -201,7 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in the Numba CUDA simulator (CPU)")
     args = parser.parse_args(argv)
     if args.smoke:  # the simulator runs a thread per Python thread: one-warp blocks, few configs, one launch
-        args.attention = [{"warps": 1, "slots": 2}, {**args.attention[-1], "threads": 32}]
+        args.attention = [{"warps": 1, "slots": 2, "blocks_per_sm": None}, {**args.attention[-1], "threads": 32}]
         args.gemv = args.gemv[:1]
         args.repeats, args.inner = 1, 1
     return args

@@ -49,6 +49,7 @@ import numpy as np
 from executor.kernels.attention import NEG_INF, PagedAttention, build_kv_staging, check_heads
 from executor.kernels.codec import Codec
 from executor.kernels.decode_attention_mma import WARP_SLOTS, build_decode_attention_mma, mma_warps
+MMA_BLOCKS_PER_SM = None
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS, Kernel
 from executor.kernels.reduce import build_group_sum
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
@@ -312,7 +313,8 @@ class DecodeAttention:
     lane group loads before using any, ``blocks_per_sm`` the launch bound ("auto":
     ``min_blocks_per_sm``'s rule, None: no bound). bf16 shapes that decode_attention_mma.py serves
     run its tensor-core kernel instead (``tensor_cores``; ``warps`` a block, default the most that
-    fit with ``slots`` ring slots a warp), and those four settings do not apply.
+    fit with ``slots`` ring slots a warp; ``blocks_per_sm`` its launch bound), and ``threads``,
+    ``round_keys`` and ``unroll_keys`` do not apply.
     """
 
     def __init__(self, codec: Codec, head_dim: int, group_size: int, fallback: PagedAttention, *,
@@ -327,7 +329,8 @@ class DecodeAttention:
             # bf16 heads an mma tile serves: decode_attention_mma.py (its own shared-memory sizing).
             self.warps = warps or mma_fit
             self.threads = WARP_THREADS * self.warps
-            direct, split = build_decode_attention_mma(head_dim, group_size, self.warps, slots)
+            bound = MMA_BLOCKS_PER_SM if blocks_per_sm == "auto" else blocks_per_sm
+            direct, split = build_decode_attention_mma(head_dim, group_size, self.warps, slots, bound)
             self.kernels = (Kernel(direct), Kernel(split))
             return
         self.threads = threads or (32 if simulator_enabled() else 128)
