@@ -394,7 +394,8 @@ def decode_attention_case(env: Env, s: Shapes) -> Case:
             as_int32([c - 1] * b), *tiles, torch.tensor([b], dtype=torch.uint32, device=env.device))
     codec = build_codec("bfloat16")
     general = PagedAttention(codec, d, hq // hkv, **({"threads": 32} if env.smoke else {}))
-    ours = DecodeAttention(codec, d, hq // hkv, general)
+    num_sms = None if env.smoke else torch.cuda.get_device_properties(0).multi_processor_count
+    ours = DecodeAttention(codec, d, hq // hkv, general, num_sms=num_sms)  # the shape a decode step's grid gets
     bits = lambda x: x.view(torch.int16)  # noqa: E731
     args = (bits(q), bits(k_cache), bits(v_cache), *meta, bits(out), d ** -0.5)
     pages = order.to(env.device).long().view(b, pages_per_request)

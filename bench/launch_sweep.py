@@ -6,7 +6,7 @@
 - Decode attention (executor/kernels/decode_attention.py) at Qwen3-8B's heads (32 q / 8 kv heads of
   128, bf16, shuffled pages of 16). Configuration ``mma:W:S``: the tensor-core kernel
   (decode_attention_mma.py) with W warps a block, S ring slots a warp and optionally B, its launch bound's blocks
-  an SM; ``NT:U:B``: the CUDA-core
+  an SM; ``mma:auto``: the launcher's own pick between its two shapes by the grid's blocks an SM; ``NT:U:B``: the CUDA-core
   kernel with NT threads a block, U keys a lane group loads before using any, B the launch bound's
   blocks an SM ("none": no bound, "auto": the kernel's rule). Shapes (requests x cached tokens): unsplit ones, as bench/kernels.py times, get their K/V
   bytes over the time as a share of the copy bandwidth; split ones (batch 1, kv chunks of 64 or 128
@@ -73,10 +73,15 @@ def parse_attention(text: str) -> list[dict[str, Any]]:
     slots, blocks_per_sm; default none)."""
     configs: list[dict[str, Any]] = []
     for item in text.split(","):
+        if item == "mma:auto":
+            configs.append({"num_sms": "device"})
+            continue
         first, second, third, *rest = item.split(":")
         if first == "mma":
+            from executor.kernels.decode_attention_mma import MmaShape
+
             bound = rest[0] if rest else "none"
-            configs.append({"warps": int(second), "slots": int(third),
+            configs.append({"mma_shape": MmaShape(int(second), int(third)),
                             "blocks_per_sm": None if bound == "none" else int(bound)})
             continue
         blocks = None if third == "none" else third if third == "auto" else int(third)
@@ -86,9 +91,11 @@ def parse_attention(text: str) -> list[dict[str, Any]]:
 
 
 def config_name(config: dict[str, Any]) -> str:
+    if "num_sms" in config:
+        return "mma:auto"
     if config.get("tensor_cores", True):
-        bound = config["blocks_per_sm"]
-        return f"mma:{config['warps']}:{config['slots']}:{'none' if bound is None else bound}"
+        shape, bound = config["mma_shape"], config["blocks_per_sm"]
+        return f"mma:{shape.warps}:{shape.slots}:{'none' if bound is None else bound}"
     bound = config["blocks_per_sm"]
     return f"{config['threads']}:{config['unroll_keys']}:{'none' if bound is None else bound}"
 
@@ -142,8 +149,10 @@ def sweep_attention(env: Env, args: argparse.Namespace, copy_bytes_per_s: float)
     general = PagedAttention(codec, heads.dim, group, **({"threads": 32} if args.smoke else {}))
     calls = [attention_call(env, heads, shape, general) for shape in shapes]
     rows = []
+    num_sms = None if args.smoke else env.torch.cuda.get_device_properties(0).multi_processor_count
     for config in args.attention:
-        launcher = DecodeAttention(codec, heads.dim, group, general, **config)
+        launcher = DecodeAttention(codec, heads.dim, group, general,
+                                   **{**config, **({"num_sms": num_sms} if "num_sms" in config else {})})
         cells = []
         for shape, (call, kv_bytes) in zip(shapes, calls):
             us = time_us(env, lambda stream, call=call: call(launcher, stream), args.inner, args.repeats, True)
@@ -193,7 +202,8 @@ def sweep_gemv(env: Env, args: argparse.Namespace) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--attention", type=parse_attention, default=parse_attention(
-        "mma:4:2,mma:4:2:4,mma:4:2:3,mma:2:3,mma:2:3:6,mma:2:4:6,mma:1:4,128:4:auto"), help="NT:U:B or mma:W:S configurations (module docstring)")
+        "mma:auto,mma:4:2,mma:2:3,mma:2:4,128:4:auto"),
+        help="NT:U:B, mma:W:S[:B] or mma:auto configurations (module docstring)")
     parser.add_argument("--gemv", type=parse_gemv, default=parse_gemv("4x4,8x2,16x1,2x8,4x3,8x3"),
                         help="WxB configurations (module docstring)")
     parser.add_argument("--no-attention", action="store_true")
@@ -205,7 +215,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in the Numba CUDA simulator (CPU)")
     args = parser.parse_args(argv)
     if args.smoke:  # the simulator runs a thread per Python thread: one-warp blocks, few configs, one launch
-        args.attention = [{"warps": 1, "slots": 2, "blocks_per_sm": None}, {**args.attention[-1], "threads": 32}]
+        args.attention = [args.attention[0], {**args.attention[-1], "threads": 32}]
         args.gemv = args.gemv[:1]
         args.repeats, args.inner = 1, 1
     return args

@@ -48,8 +48,7 @@ import numpy as np
 
 from executor.kernels.attention import NEG_INF, PagedAttention, build_kv_staging, check_heads
 from executor.kernels.codec import Codec
-from executor.kernels.decode_attention_mma import WARP_SLOTS, build_decode_attention_mma, mma_warps
-MMA_BLOCKS_PER_SM = None
+from executor.kernels.decode_attention_mma import FEW_BLOCKS_PER_SM, MmaShape, build_decode_attention_mma, mma_shapes
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS, Kernel
 from executor.kernels.reduce import build_group_sum
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
@@ -312,28 +311,36 @@ class DecodeAttention:
     sweeps it): ``threads`` a block, ``round_keys`` page ids staged a round, ``unroll_keys`` keys a
     lane group loads before using any, ``blocks_per_sm`` the launch bound ("auto":
     ``min_blocks_per_sm``'s rule, None: no bound). bf16 shapes that decode_attention_mma.py serves
-    run its tensor-core kernel instead (``tensor_cores``; ``warps`` a block, default the most that
-    fit with ``slots`` ring slots a warp; ``blocks_per_sm`` its launch bound), and ``threads``,
-    ``round_keys`` and ``unroll_keys`` do not apply.
+    run its tensor-core kernel instead (``tensor_cores``): in its few-block shape for grids of at
+    most FEW_BLOCKS_PER_SM x ``num_sms`` blocks and its many-block shape past that (``num_sms``
+    None: the few-block shape throughout), or in ``mma_shape`` throughout; ``blocks_per_sm`` an int
+    is then its launch bound, and ``threads``, ``round_keys`` and ``unroll_keys`` do not apply.
     """
 
     def __init__(self, codec: Codec, head_dim: int, group_size: int, fallback: PagedAttention, *,
                  threads: int | None = None, round_keys: int = ROUND_KEYS, unroll_keys: int = UNROLL_KEYS,
-                 blocks_per_sm: int | None | Literal["auto"] = "auto", tensor_cores: bool = True,
-                 warps: int | None = None, slots: int = WARP_SLOTS):
+                 blocks_per_sm: int | None | Literal["auto"] = "auto", num_sms: int | None = None,
+                 tensor_cores: bool = True, mma_shape: MmaShape | None = None):
         self.head_dim, self.group_size, self.fallback = head_dim, group_size, fallback
         self.kernels: tuple[Kernel, Kernel] | None = None
-        lanes = key_lanes(codec, head_dim)
-        mma_fit = mma_warps(head_dim, group_size, slots) if np.dtype(codec.storage_numpy_dtype) == np.int16 else None
-        if tensor_cores and mma_fit is not None:
-            # bf16 heads an mma tile serves: decode_attention_mma.py (its own shared-memory sizing).
-            self.warps = warps or mma_fit
-            self.threads = WARP_THREADS * self.warps
-            bound = MMA_BLOCKS_PER_SM if blocks_per_sm == "auto" else blocks_per_sm
-            direct, split = build_decode_attention_mma(head_dim, group_size, self.warps, slots, bound)
-            self.kernels = (Kernel(direct), Kernel(split))
+        self.many_blocks: tuple[Kernel, Kernel, int] | None = None  # (direct, split, threads) past few_blocks
+        self.few_blocks = 0
+        shapes = mma_shapes(head_dim, group_size) if np.dtype(codec.storage_numpy_dtype) == np.int16 else None
+        if tensor_cores and shapes is not None:
+            # bf16 heads an mma tile serves: decode_attention_mma.py, a shape for grids of few blocks and
+            # one for many (by the grid's blocks an SM; one shape throughout without num_sms or with mma_shape).
+            few, many = (mma_shape, None) if mma_shape else (shapes[0], shapes[1] if num_sms else None)
+            bound = None if blocks_per_sm == "auto" else blocks_per_sm
+            self.threads = WARP_THREADS * few.warps
+            self.kernels = tuple(map(Kernel, build_decode_attention_mma(head_dim, group_size, few.warps, few.slots,
+                                                                        bound)))
+            if many is not None:
+                self.few_blocks = FEW_BLOCKS_PER_SM * num_sms
+                direct, split = build_decode_attention_mma(head_dim, group_size, many.warps, many.slots, bound)
+                self.many_blocks = (Kernel(direct), Kernel(split), WARP_THREADS * many.warps)
             return
         self.threads = threads or (32 if simulator_enabled() else 128)
+        lanes = key_lanes(codec, head_dim)
         if lanes is not None and self.threads % lanes == 0:
             needed = shared_bytes(codec, head_dim, group_size, self.threads, round_keys)
             if needed > SHARED_LIMIT_BYTES:
@@ -370,12 +377,15 @@ class DecodeAttention:
         if num_tiles == 0 or num_rows == 0:
             return
         direct, split = self.kernels
+        threads = self.threads
+        if self.many_blocks is not None and num_tiles * num_kv_heads > self.few_blocks:
+            direct, split, threads = self.many_blocks
         grid, scale32 = (num_tiles, num_kv_heads), np.float32(scale)
         meta = (page_indices, page_indptr, last_page_len, q_indptr, positions, request_indices, kv_tile_indices,
                 kv_chunk_size, total_num_rows)
         if partial_out is None:
-            direct[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, scale32)
+            direct[grid, threads, stream](q, k_cache, v_cache, *meta, out, scale32)
             return
-        split[grid, self.threads, stream](q, k_cache, v_cache, *meta, out, partial_out, partial_lse, scale32)
+        split[grid, threads, stream](q, k_cache, v_cache, *meta, out, partial_out, partial_lse, scale32)
         self.fallback.merge_splits(partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows,
                                    out, stream)

@@ -17,8 +17,8 @@ a slot of eight keys is B's eight columns.
   lane a slot, looked up a slot before its copy is issued. The copy of slot i + slots - 1 is issued
   before slot i is waited for; a warp barrier (``syncwarp``) makes the lanes' copies visible, and a
   second one frees the slot for its next copy.
-- Per slot: S = Q K^T by K_STEPS / 2 ``ldmatrix.x4`` loads and K_STEPS MMAs (lane (g, t) then holds
-  scores of head g, keys 2t and 2t + 1); the slot's maximum per head by a quad reduction; P rounded
+- Per slot: S = Q K^T by K_STEPS / 2 ``ldmatrix.x4`` loads and K_STEPS MMAs in two independent
+  chains (lane (g, t) then holds scores of head g, keys 2t and 2t + 1); the slot's maximum per head by a quad reduction; P rounded
   to bf16 is already an A fragment (columns 0..7; 8..15 are zero), and P V is D / 8 MMAs whose B
   fragments come from ``ldmatrix.x4.trans`` of the V rows (mma.py's ``build_eight_key_value_load``).
   The sum of P stays a lane partial until the end.
@@ -32,6 +32,7 @@ many slot iterations as the busiest one, masking the slots past the chunk).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from executor.kernels.async_copy import build_chunk_pipeline, build_shared_address
@@ -49,6 +50,9 @@ SLOT_KEYS = 8  # keys a warp attends to at a time: the n of Q K^T's mma tile
 MAX_GROUP = 8  # query heads a tile's rows hold (rows g < 8: the accumulator's c0, c1 half)
 MAX_WARPS = 4
 WARP_SLOTS = 2  # ring slots a warp: one slot in flight while the warp attends to the other
+MANY_BLOCK_SLOTS = 3  # ring slots a warp of the many-block shape
+#: Grids of at most this many (tile, kv head) blocks an SM take the few-block shape (module docstring).
+FEW_BLOCKS_PER_SM = 2
 PAD_WORDS = 4  # per staged row: consecutive rows 4 banks apart (16 bytes; rows stay 16-byte aligned)
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
@@ -60,6 +64,26 @@ def shared_bytes(head_dim: int, group_size: int, warps: int, slots: int) -> int:
     ring_words = warps * slots * 2 * SLOT_KEYS * (head_dim // 2 + PAD_WORDS)
     meet_words = 2 * warps * group_size + warps * group_size * head_dim + 3 * group_size
     return 4 * (ring_words + meet_words + WARP_THREADS * warps)
+
+
+@dataclass(frozen=True)
+class MmaShape:
+    """A block of the kernel: ``warps`` warps with ``slots`` ring slots each."""
+
+    warps: int
+    slots: int
+
+
+def mma_shapes(head_dim: int, group_size: int) -> tuple[MmaShape, MmaShape] | None:
+    """(few-block shape, many-block shape) for the head shape, or None when the kernel does not
+    serve it: the most warps a block that fit with WARP_SLOTS slots each, and half as many (at
+    least one) with MANY_BLOCK_SLOTS (WARP_SLOTS where those do not fit)."""
+    few = mma_warps(head_dim, group_size)
+    if few is None:
+        return None
+    warps = max(1, few // 2)
+    fits = shared_bytes(head_dim, group_size, warps, MANY_BLOCK_SLOTS) <= SHARED_LIMIT_BYTES
+    return MmaShape(few, WARP_SLOTS), MmaShape(warps, MANY_BLOCK_SLOTS if fits else WARP_SLOTS)
 
 
 def mma_warps(head_dim: int, group_size: int, slots: int = WARP_SLOTS) -> int | None:
@@ -211,17 +235,22 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
             wait_groups()  # this lane's copies of slot i landed
             warp_barrier()  # and every lane's
             k_row = (warp * SL + i % SL) * 2 * SLOT_KEYS
+            # Even and odd k-steps accumulate apart: two dependent MMA chains of half the length.
             c0 = float32(0.0)
             c1 = float32(0.0)
             c2 = float32(0.0)
             c3 = float32(0.0)
+            e0 = float32(0.0)
+            e1 = float32(0.0)
+            e2 = float32(0.0)
+            e3 = float32(0.0)
             for s in range(0, K_STEPS, 2):
                 b0, b1, b2, b3 = load_k_x4(ring, fragment_address, k_row, 8 * s)
                 c0, c1, c2, c3 = mma(qa[2 * s], int32(0), qa[2 * s + 1], int32(0), b0, b1, c0, c1, c2, c3)
-                c0, c1, c2, c3 = mma(qa[2 * s + 2], int32(0), qa[2 * s + 3], int32(0), b2, b3, c0, c1, c2, c3)
+                e0, e1, e2, e3 = mma(qa[2 * s + 2], int32(0), qa[2 * s + 3], int32(0), b2, b3, e0, e1, e2, e3)
             key = k0 + (i * W + warp) * SLOT_KEYS + 2 * t
-            s0 = c0 * scale_log2 if key < k1 else NEG_INF
-            s1 = c1 * scale_log2 if key + 1 < k1 else NEG_INF
+            s0 = (c0 + e0) * scale_log2 if key < k1 else NEG_INF
+            s1 = (c1 + e1) * scale_log2 if key + 1 < k1 else NEG_INF
             best = max(top, quad_max(scratch, max(s0, s1), 4))
             alpha = float32(math.exp2(top - best))
             top = best

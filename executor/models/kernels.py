@@ -62,8 +62,9 @@ class Kernels:
     gated_norm: GatedRmsNorm | None = None
 
 
-def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle) -> Kernels:
-    """Launchers for a model of ``geometry`` in ``activation_dtype`` storage."""
+def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle, num_sms: int) -> Kernels:
+    """Launchers for a model of ``geometry`` in ``activation_dtype`` storage, on a GPU of ``num_sms`` SMs
+    (the plan's hardware: launchers that pick a block shape by the grid's blocks an SM)."""
     codec = build_codec(activation_dtype)
     # A simulator thread is a Python thread: smaller blocks there (the kernels loop over what a
     # block does not cover), full-size blocks on the GPU.
@@ -86,7 +87,7 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle) ->
         add_rms_norm=AddRmsNormInplace(codec, norm.round_before_weight),
         qk_norm_rope_write_kv=QkNormRopeWriteKv(codec, norm.round_before_weight),
         attention=attention,
-        decode_attention=DecodeAttention(codec, geometry.head_dim, geometry.gqa_group, attention),
+        decode_attention=DecodeAttention(codec, geometry.head_dim, geometry.gqa_group, attention, num_sms=num_sms),
         gather_kv=GatherKv(),
         causal_softmax=CausalSoftmax(codec),
         chunk_copy=ChunkCopy(),
