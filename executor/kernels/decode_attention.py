@@ -311,9 +311,12 @@ class DecodeAttention:
     sweeps it): ``threads`` a block, ``round_keys`` page ids staged a round, ``unroll_keys`` keys a
     lane group loads before using any, ``blocks_per_sm`` the launch bound ("auto":
     ``min_blocks_per_sm``'s rule, None: no bound). bf16 shapes that decode_attention_mma.py serves
-    run its tensor-core kernel instead (``tensor_cores``): in its few-block shape for grids of at
-    most FEW_BLOCKS_PER_SM x ``num_sms`` blocks and its many-block shape past that (``num_sms``
-    None: the few-block shape throughout), or in ``mma_shape`` throughout; ``blocks_per_sm`` an int
+    run its tensor-core kernel instead (``tensor_cores``): in its few-block shape for calls of at
+    most FEW_BLOCKS_PER_SM x ``num_sms`` (row, kv head) pairs and its many-block shape past that
+    (``num_sms`` None: the few-block shape throughout), or in ``mma_shape`` throughout. Pairs, not
+    tiles: a decode step splits rows into kv chunks until it has about FEW_BLOCKS_PER_SM blocks an
+    SM (step.decode_kv_chunk), and a graph's grid has room for every row's most chunks, so the
+    pairs say how many blocks do work; ``blocks_per_sm`` an int
     is then its launch bound, and ``threads``, ``round_keys`` and ``unroll_keys`` do not apply.
     """
 
@@ -325,13 +328,14 @@ class DecodeAttention:
         self.kernels: tuple[Kernel, Kernel] | None = None
         self.many_blocks: tuple[Kernel, Kernel, int] | None = None  # (direct, split, threads) past few_blocks
         self.few_blocks = 0
+        self.mma = False
         shapes = mma_shapes(head_dim, group_size) if np.dtype(codec.storage_numpy_dtype) == np.int16 else None
         if tensor_cores and shapes is not None:
-            # bf16 heads an mma tile serves: decode_attention_mma.py, a shape for grids of few blocks and
-            # one for many (by the grid's blocks an SM; one shape throughout without num_sms or with mma_shape).
+            # bf16 heads an mma tile serves: decode_attention_mma.py, a shape for calls of few blocks an SM
+            # and one for many (one shape throughout without num_sms or with mma_shape).
             few, many = (mma_shape, None) if mma_shape else (shapes[0], shapes[1] if num_sms else None)
             bound = None if blocks_per_sm == "auto" else blocks_per_sm
-            self.threads = WARP_THREADS * few.warps
+            self.threads, self.mma = WARP_THREADS * few.warps, True
             self.kernels = tuple(map(Kernel, build_decode_attention_mma(head_dim, group_size, few.warps, few.slots,
                                                                         bound)))
             if many is not None:
@@ -377,10 +381,12 @@ class DecodeAttention:
         if num_tiles == 0 or num_rows == 0:
             return
         direct, split = self.kernels
-        threads = self.threads
-        if self.many_blocks is not None and num_tiles * num_kv_heads > self.few_blocks:
-            direct, split, threads = self.many_blocks
-        grid, scale32 = (num_tiles, num_kv_heads), np.float32(scale)
+        threads, grid = self.threads, (num_tiles, num_kv_heads)
+        if self.mma:  # its grid is (Hkv, tiles) (decode_attention_mma.py)
+            grid = (num_kv_heads, num_tiles)
+            if self.many_blocks is not None and num_rows * num_kv_heads > self.few_blocks:
+                direct, split, threads = self.many_blocks
+        scale32 = np.float32(scale)
         meta = (page_indices, page_indptr, last_page_len, q_indptr, positions, request_indices, kv_tile_indices,
                 kv_chunk_size, total_num_rows)
         if partial_out is None:

@@ -8,7 +8,10 @@ instructions rather than by memory. Here one ``mma.sync`` m16n8k16 (mma.py) does
 FMAs do: the G <= 8 query heads of kv head h are rows 0 .. G - 1 of A (rows G .. 15 are zero), and
 a slot of eight keys is B's eight columns.
 
-- Block (tile, kv head h), W warps. Warps are independent until the end: warp w takes the chunk's
+- Block (kv head h, tile), W warps: grid (Hkv, tiles), so that blocks dispatch tile by tile. A
+  decode graph's grid has room for every request of its bucket to split into the plan's most kv
+  chunks, and the step's real tiles come first: padding blocks, which exit at once, dispatch after
+  all real ones instead of between them. Warps are independent until the end: warp w takes the chunk's
   slots of eight keys w, w + W, w + 2W, ... and keeps its own online softmax and output; the warps
   meet once, in shared memory, as the lane groups of decode_attention.py do.
 - K and V reach shared memory by ``cp.async`` (async_copy.py) into a ring of ``slots`` slots per
@@ -51,7 +54,7 @@ MAX_GROUP = 8  # query heads a tile's rows hold (rows g < 8: the accumulator's c
 MAX_WARPS = 4
 WARP_SLOTS = 2  # ring slots a warp: one slot in flight while the warp attends to the other
 MANY_BLOCK_SLOTS = 3  # ring slots a warp of the many-block shape
-#: Grids of at most this many (tile, kv head) blocks an SM take the few-block shape (module docstring).
+#: Calls of at most this many (row, kv head) pairs an SM take the few-block shape (DecodeAttention).
 FEW_BLOCKS_PER_SM = 2
 PAD_WORDS = 4  # per staged row: consecutive rows 4 banks apart (16 bytes; rows stay 16-byte aligned)
 LOG2_E = 1.4426950408889634
@@ -116,8 +119,8 @@ def build_warp_barrier() -> Any:
 def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots: int = WARP_SLOTS,
                                blocks_per_sm: int | None = None) -> tuple[Any, Any]:
     """(direct kernel, split kernel) for bf16 K/V, head_dim a multiple of 32, group_size <= 8;
-    arguments and grid as decode_attention.py's ``build_decode_attention`` (q, caches and out as
-    int16 bits), ``32 * warps`` threads a block."""
+    arguments as decode_attention.py's ``build_decode_attention`` (q, caches and out as int16 bits);
+    grid (Hkv, tiles), ``32 * warps`` threads a block."""
     assert head_dim % 32 == 0 and 1 <= group_size <= MAX_GROUP and slots >= 2
     D, G, W, SL = head_dim, group_size, warps, slots
     NT = WARP_THREADS * W
@@ -173,8 +176,8 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         """decode_attention.py's ``attend`` contract: the tile's normalised output of head g in
         ``part_sh[0, g, :]``, its natural-log (max, sum) in ``state_sh[0 / 1, g]``; returns (row,
         chunk index, chunks of the row), row -1 when the block has nothing to do."""
-        tile = cuda.blockIdx.x
-        h = cuda.blockIdx.y
+        h = cuda.blockIdx.x
+        tile = cuda.blockIdx.y
         tid = cuda.threadIdx.x
         b = request_indices[tile]
         if b < 0:  # padding tile (a graph's fixed grid)
@@ -304,7 +307,7 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     @cuda.jit(device=True, inline=True)
     def store_heads(out, row, part_sh):
         """out[row, h * G + g, :] <- part_sh[0, g, :], rounded to bf16."""
-        h = cuda.blockIdx.y
+        h = cuda.blockIdx.x
         for j in range(cuda.threadIdx.x, G * D, NT):
             hg = j // D
             d = j - hg * D
@@ -344,7 +347,7 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
             return
         if c >= partial_out.shape[1]:
             return
-        h = cuda.blockIdx.y
+        h = cuda.blockIdx.x
         for j in range(cuda.threadIdx.x, G * D, NT):
             hg = j // D
             d = j - hg * D

@@ -45,9 +45,8 @@ def run_decode(group: int, kv_chunk: int | None, seed: int, threads: int = 64, *
     general = PagedAttention(codec, HEAD_DIM, group, threads=32, block_keys=4)
     attention = DecodeAttention(codec, HEAD_DIM, group, general, **(launcher or {"mma_shape": MmaShape(2, 2)}))
     assert attention.uses_vector(k_cache, v_cache)
-    # The shape the grid gets: (direct, split, threads) of the many-block shape, or the few-block one.
-    blocks = (num_rows * (3 if kv_chunk else 1)) * NUM_KV_HEADS
-    many = attention.many_blocks is not None and blocks > attention.few_blocks
+    # The shape the call gets: (direct, split, threads) of the many-block shape, or the few-block one.
+    many = attention.many_blocks is not None and num_rows * NUM_KV_HEADS > attention.few_blocks
     assert (attention.many_blocks[2] if many else attention.threads) == threads
     max_splits = 3 if kv_chunk else 1
     capacity = num_rows * max_splits + 2  # a graph-sized grid: the -1 tail must be skipped
@@ -72,8 +71,8 @@ def test_mma_decode_attention_matches_reference(group, kv_chunk):
 
 @pytest.mark.parametrize("num_sms,threads", [(4, 128), (3, 64)])
 def test_grids_of_many_blocks_take_the_many_block_shape(num_sms, threads):
-    """Four rows x two kv heads: 8 blocks, few for 4 SMs (four warps, two slots each) and many for 3
-    (two warps, three slots each); both give the reference's output."""
+    """Four rows x two kv heads: 8 (row, kv head) pairs, few for 4 SMs (four warps, two slots each)
+    and many for 3 (two warps, three slots each); both give the reference's output."""
     run_decode(3, None, seed=11, threads=threads, num_sms=num_sms)
 
 
