@@ -17,6 +17,7 @@ from itertools import chain, islice
 import numpy as np
 
 from executor.kernels.attention import NO_SPLIT_CHUNK, PREFILL_ROWS_PER_TILE, plan_decode_tiles, plan_tiles
+from executor.kernels.decode_attention_mma import FEW_BLOCKS_PER_SM
 from executor.page_tables import PageTables
 from planner.capacity import MIN_KV_CHUNK_TOKENS
 from planner.plan import MemoryPlan
@@ -276,12 +277,13 @@ def decode_kv_chunk(plan: MemoryPlan, kv_lens: np.ndarray) -> int:
     """KV tokens per attention tile of a decode step.
 
     A decode row is one query, so without splitting the step has only B x Hkv blocks (8 at
-    batch 1 on Qwen3-8B, for 132 SMs). Aim for about two blocks per SM: split each request's
-    kv into chunks of a whole number of MIN_KV_CHUNK_TOKENS (the attention kernels' 64-key block),
-    never more chunks than the plan's decode_kv_splits (the split scratch depth).
+    batch 1 on Qwen3-8B, for 132 SMs). Aim for at most FEW_BLOCKS_PER_SM blocks an SM, the most the
+    tensor-core decode kernel keeps resident (more would run in a second wave): split each
+    request's kv into chunks of a whole number of MIN_KV_CHUNK_TOKENS (the attention kernels'
+    64-key block), never more chunks than the plan's decode_kv_splits (the split scratch depth).
     """
     blocks = len(kv_lens) * plan.geometry.num_kv_heads
-    wanted = max(1, min(plan.capacity.decode_kv_splits, -(-2 * plan.hardware.num_sms // blocks)))
+    wanted = max(1, min(plan.capacity.decode_kv_splits, FEW_BLOCKS_PER_SM * plan.hardware.num_sms // blocks))
     chunk = -(-int(kv_lens.max()) // wanted)
     return -(-chunk // MIN_KV_CHUNK_TOKENS) * MIN_KV_CHUNK_TOKENS
 

@@ -48,7 +48,8 @@ import numpy as np
 
 from executor.kernels.attention import NEG_INF, PagedAttention, build_kv_staging, check_heads
 from executor.kernels.codec import Codec
-from executor.kernels.decode_attention_mma import FEW_BLOCKS_PER_SM, MmaShape, build_decode_attention_mma, mma_shapes
+from executor.kernels.decode_attention_mma import (FEW_BLOCKS_PER_SM, MmaShape, build_decode_attention_mma,
+                                                  default_mma_shape)
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS, Kernel
 from executor.kernels.reduce import build_group_sum
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
@@ -310,14 +311,15 @@ class DecodeAttention:
     The launch configuration defaults to the measured one (module docstring; bench/launch_sweep.py
     sweeps it): ``threads`` a block, ``round_keys`` page ids staged a round, ``unroll_keys`` keys a
     lane group loads before using any, ``blocks_per_sm`` the launch bound ("auto":
-    ``min_blocks_per_sm``'s rule, None: no bound). bf16 shapes that decode_attention_mma.py serves
-    run its tensor-core kernel instead (``tensor_cores``): in its few-block shape for calls of at
-    most FEW_BLOCKS_PER_SM x ``num_sms`` (row, kv head) pairs and its many-block shape past that
-    (``num_sms`` None: the few-block shape throughout), or in ``mma_shape`` throughout. Pairs, not
-    tiles: a decode step splits rows into kv chunks until it has about FEW_BLOCKS_PER_SM blocks an
-    SM (step.decode_kv_chunk), and a graph's grid has room for every row's most chunks, so the
-    pairs say how many blocks do work; ``blocks_per_sm`` an int
-    is then its launch bound, and ``threads``, ``round_keys`` and ``unroll_keys`` do not apply.
+    ``min_blocks_per_sm``'s rule, None: no bound).
+
+    bf16 heads that decode_attention_mma.py serves by default (``default_mma_shape``; or in
+    ``mma_shape``) run its tensor-core kernel in calls of at most FEW_BLOCKS_PER_SM x ``num_sms``
+    (row, kv head) pairs (any call without ``num_sms``, or with ``mma_shape``): a decode step splits
+    such rows into kv chunks up to that many blocks (step.decode_kv_chunk), one wave of the kernel.
+    Calls of more pairs (no split; a second wave of the tensor-core kernel's four-warp blocks) run
+    the CUDA-core kernel: docs/benchmarks.md has the measurements. ``blocks_per_sm`` an int is then
+    the tensor-core kernel's launch bound too.
     """
 
     def __init__(self, codec: Codec, head_dim: int, group_size: int, fallback: PagedAttention, *,
@@ -326,23 +328,17 @@ class DecodeAttention:
                  tensor_cores: bool = True, mma_shape: MmaShape | None = None):
         self.head_dim, self.group_size, self.fallback = head_dim, group_size, fallback
         self.kernels: tuple[Kernel, Kernel] | None = None
-        self.many_blocks: tuple[Kernel, Kernel, int] | None = None  # (direct, split, threads) past few_blocks
-        self.few_blocks = 0
-        self.mma = False
-        shapes = mma_shapes(head_dim, group_size) if np.dtype(codec.storage_numpy_dtype) == np.int16 else None
-        if tensor_cores and shapes is not None:
-            # bf16 heads an mma tile serves: decode_attention_mma.py, a shape for calls of few blocks an SM
-            # and one for many (one shape throughout without num_sms or with mma_shape).
-            few, many = (mma_shape, None) if mma_shape else (shapes[0], shapes[1] if num_sms else None)
-            bound = None if blocks_per_sm == "auto" else blocks_per_sm
-            self.threads, self.mma = WARP_THREADS * few.warps, True
-            self.kernels = tuple(map(Kernel, build_decode_attention_mma(head_dim, group_size, few.warps, few.slots,
-                                                                        bound)))
-            if many is not None:
-                self.few_blocks = FEW_BLOCKS_PER_SM * num_sms
-                direct, split = build_decode_attention_mma(head_dim, group_size, many.warps, many.slots, bound)
-                self.many_blocks = (Kernel(direct), Kernel(split), WARP_THREADS * many.warps)
-            return
+        self.mma_kernels: tuple[Kernel, Kernel] | None = None
+        self.mma_threads = 0
+        self.mma_max_pairs: int | None = None  # (row, kv head) pairs a call may have for tensor cores; None: any
+        bf16 = np.dtype(codec.storage_numpy_dtype) == np.int16
+        shape = (mma_shape or default_mma_shape(head_dim, group_size)) if tensor_cores and bf16 else None
+        if shape is not None:
+            direct, split = build_decode_attention_mma(head_dim, group_size, shape.warps, shape.slots,
+                                                       None if blocks_per_sm == "auto" else blocks_per_sm)
+            self.mma_kernels, self.mma_threads = (Kernel(direct), Kernel(split)), WARP_THREADS * shape.warps
+            if num_sms is not None and mma_shape is None:
+                self.mma_max_pairs = FEW_BLOCKS_PER_SM * num_sms
         self.threads = threads or (32 if simulator_enabled() else 128)
         lanes = key_lanes(codec, head_dim)
         if lanes is not None and self.threads % lanes == 0:
@@ -356,9 +352,15 @@ class DecodeAttention:
                                                    blocks_per_sm=bound, unroll_keys=unroll_keys)
             self.kernels = (Kernel(direct), Kernel(split))
 
+    def runs_tensor_cores(self, num_rows: int, num_kv_heads: int) -> bool:
+        """Whether a call of ``num_rows`` rows over ``num_kv_heads`` kv heads runs the tensor-core kernel
+        (also past the pairs it is picked for where the CUDA-core kernel cannot split the rows)."""
+        pairs_fit = self.mma_max_pairs is None or num_rows * num_kv_heads <= self.mma_max_pairs
+        return self.mma_kernels is not None and (pairs_fit or self.kernels is None)
+
     def uses_vector(self, k_cache: Any, v_cache: Any) -> bool:
         """Whether a call with these caches runs this module's kernel (else the fallback's)."""
-        return self.kernels is not None and vector_aligned(k_cache, v_cache)
+        return (self.kernels is not None or self.mma_kernels is not None) and vector_aligned(k_cache, v_cache)
 
     def __call__(self, q: Any, k_cache: Any, v_cache: Any, page_indices: Any, page_indptr: Any, last_page_len: Any,
                  q_indptr: Any, batch_indices: Any, positions: Any, request_indices: Any, qo_tile_indices: Any,
@@ -380,12 +382,10 @@ class DecodeAttention:
         num_tiles = request_indices.shape[0]
         if num_tiles == 0 or num_rows == 0:
             return
-        direct, split = self.kernels
-        threads, grid = self.threads, (num_tiles, num_kv_heads)
-        if self.mma:  # its grid is (Hkv, tiles) (decode_attention_mma.py)
-            grid = (num_kv_heads, num_tiles)
-            if self.many_blocks is not None and num_rows * num_kv_heads > self.few_blocks:
-                direct, split, threads = self.many_blocks
+        if self.runs_tensor_cores(num_rows, num_kv_heads):  # grid (Hkv, tiles): decode_attention_mma.py
+            (direct, split), threads, grid = self.mma_kernels, self.mma_threads, (num_kv_heads, num_tiles)
+        else:
+            (direct, split), threads, grid = self.kernels, self.threads, (num_tiles, num_kv_heads)
         scale32 = np.float32(scale)
         meta = (page_indices, page_indptr, last_page_len, q_indptr, positions, request_indices, kv_tile_indices,
                 kv_chunk_size, total_num_rows)

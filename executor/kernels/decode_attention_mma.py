@@ -53,9 +53,13 @@ SLOT_KEYS = 8  # keys a warp attends to at a time: the n of Q K^T's mma tile
 MAX_GROUP = 8  # query heads a tile's rows hold (rows g < 8: the accumulator's c0, c1 half)
 MAX_WARPS = 4
 WARP_SLOTS = 2  # ring slots a warp: one slot in flight while the warp attends to the other
-MANY_BLOCK_SLOTS = 3  # ring slots a warp of the many-block shape
-#: Calls of at most this many (row, kv head) pairs an SM take the few-block shape (DecodeAttention).
+#: Calls of at most this many (row, kv head) pairs an SM run this kernel (DecodeAttention). At 178
+#: registers a thread (sm_90, D 128) two blocks of four warps are resident an SM; a decode step splits
+#: its rows into at most this many blocks an SM (step.decode_kv_chunk), one wave.
 FEW_BLOCKS_PER_SM = 2
+#: Heads the launcher runs on tensor cores by default: measured at D 128. At D 256 a lane holds 64
+#: output and 32 q registers, and the local ptxas spills at sm_90.
+MAX_DEFAULT_HEAD_DIM = 128
 PAD_WORDS = 4  # per staged row: consecutive rows 4 banks apart (16 bytes; rows stay 16-byte aligned)
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
@@ -77,16 +81,12 @@ class MmaShape:
     slots: int
 
 
-def mma_shapes(head_dim: int, group_size: int) -> tuple[MmaShape, MmaShape] | None:
-    """(few-block shape, many-block shape) for the head shape, or None when the kernel does not
-    serve it: the most warps a block that fit with WARP_SLOTS slots each, and half as many (at
-    least one) with MANY_BLOCK_SLOTS (WARP_SLOTS where those do not fit)."""
-    few = mma_warps(head_dim, group_size)
-    if few is None:
-        return None
-    warps = max(1, few // 2)
-    fits = shared_bytes(head_dim, group_size, warps, MANY_BLOCK_SLOTS) <= SHARED_LIMIT_BYTES
-    return MmaShape(few, WARP_SLOTS), MmaShape(warps, MANY_BLOCK_SLOTS if fits else WARP_SLOTS)
+def default_mma_shape(head_dim: int, group_size: int) -> MmaShape | None:
+    """The shape the launcher runs by default (the most warps a block that fit, WARP_SLOTS slots
+    each), or None where it keeps the CUDA-core kernel: heads past MAX_DEFAULT_HEAD_DIM, or shapes
+    the kernel does not serve."""
+    warps = mma_warps(head_dim, group_size)
+    return None if warps is None or head_dim > MAX_DEFAULT_HEAD_DIM else MmaShape(warps, WARP_SLOTS)
 
 
 def mma_warps(head_dim: int, group_size: int, slots: int = WARP_SLOTS) -> int | None:

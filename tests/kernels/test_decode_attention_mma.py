@@ -1,7 +1,7 @@
 """Tensor-core decode attention (decode_attention_mma.py) against the float64 reference of test_attention.
 
 Simulator shapes: D = 32 (the smallest head an ldmatrix.x4 load covers), 2 kv heads, bf16, page size
-4, two warps a block with two ring slots each (and both of the launcher's shapes, picked by the grid), so a warp's slots of eight keys cross pages, refill
+4, two warps a block with two ring slots each (and the launcher's default shape), so a warp's slots of eight keys cross pages, refill
 ring slots they used, end past the chunk and, at one key, leave the other warp no slot at all; one
 request is split into kv chunks.
 """
@@ -15,7 +15,7 @@ import torch
 from executor.kernels.attention import PagedAttention, plan_tiles
 from executor.kernels.codec import build_codec
 from executor.kernels.decode_attention import DecodeAttention
-from executor.kernels.decode_attention_mma import MAX_GROUP, MmaShape, mma_shapes, mma_warps, shared_bytes
+from executor.kernels.decode_attention_mma import MAX_GROUP, MmaShape, default_mma_shape, mma_warps, shared_bytes
 from executor.kernels.launch import SHARED_LIMIT_BYTES
 from executor.numba_cuda import load_cuda
 from tests.kernels.compile_check import compile_for_sm90
@@ -29,7 +29,7 @@ BATCH = [(1, 37), (1, 19), (1, 1), (1, 8)]  # (rows, kv_len): decode rows only
 NUM_PAGES = 24
 
 
-def run_decode(group: int, kv_chunk: int | None, seed: int, threads: int = 64, **launcher: object) -> None:
+def run_decode(group: int, kv_chunk: int | None, seed: int, tensor_cores: bool = True, **launcher: object) -> None:
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     meta = make_batch(BATCH, PAGE_SIZE, NUM_PAGES, rng)
@@ -45,9 +45,7 @@ def run_decode(group: int, kv_chunk: int | None, seed: int, threads: int = 64, *
     general = PagedAttention(codec, HEAD_DIM, group, threads=32, block_keys=4)
     attention = DecodeAttention(codec, HEAD_DIM, group, general, **(launcher or {"mma_shape": MmaShape(2, 2)}))
     assert attention.uses_vector(k_cache, v_cache)
-    # The shape the call gets: (direct, split, threads) of the many-block shape, or the few-block one.
-    many = attention.many_blocks is not None and num_rows * NUM_KV_HEADS > attention.few_blocks
-    assert (attention.many_blocks[2] if many else attention.threads) == threads
+    assert attention.runs_tensor_cores(num_rows, NUM_KV_HEADS) == tensor_cores
     max_splits = 3 if kv_chunk else 1
     capacity = num_rows * max_splits + 2  # a graph-sized grid: the -1 tail must be skipped
     buffers = tuple(np.zeros(capacity, np.int32) for _ in range(3)) + (np.zeros(num_rows, np.int32),)
@@ -69,18 +67,20 @@ def test_mma_decode_attention_matches_reference(group, kv_chunk):
     run_decode(group, kv_chunk, seed=group + (kv_chunk or 0))
 
 
-@pytest.mark.parametrize("num_sms,threads", [(4, 128), (3, 64)])
-def test_grids_of_many_blocks_take_the_many_block_shape(num_sms, threads):
-    """Four rows x two kv heads: 8 (row, kv head) pairs, few for 4 SMs (four warps, two slots each)
-    and many for 3 (two warps, three slots each); both give the reference's output."""
-    run_decode(3, None, seed=11, threads=threads, num_sms=num_sms)
+@pytest.mark.parametrize("num_sms,tensor_cores", [(4, True), (3, False)])
+def test_calls_of_many_pairs_run_the_cuda_core_kernel(num_sms, tensor_cores):
+    """Four rows x two kv heads: 8 (row, kv head) pairs, within two an SM for 4 SMs (the default
+    tensor-core shape, four warps of two slots) and past it for 3 (the CUDA-core kernel); both give
+    the reference's output."""
+    run_decode(3, None, seed=11, tensor_cores=tensor_cores, num_sms=num_sms)
 
 
 def test_mma_shapes_and_shared_memory():
     """Qwen3 (D 128, G 4) gets four warps and Qwen3.5 (D 256, G 4) two, each within the shared-memory
-    limit; heads the tile cannot hold, or not a multiple of 32, get none (the CUDA-core kernel)."""
+    limit; heads the tile cannot hold, or not a multiple of 32, get none (the CUDA-core kernel), and
+    by default only heads of at most 128 run on tensor cores."""
     assert mma_warps(128, 4) == 4 and mma_warps(256, 4) == 2
-    assert mma_shapes(128, 4) == (MmaShape(4, 2), MmaShape(2, 3)) and mma_shapes(256, 4) == (MmaShape(2, 2), MmaShape(1, 3))
+    assert default_mma_shape(128, 4) == MmaShape(4, 2) and default_mma_shape(256, 4) is None
     for head_dim, group in ((128, 4), (256, 4), (256, 6), (128, 8)):
         warps = mma_warps(head_dim, group)
         assert shared_bytes(head_dim, group, warps, 2) <= SHARED_LIMIT_BYTES
@@ -124,9 +124,9 @@ def test_mma_decode_attention_gpu_bf16_long_contexts(num_q_heads, num_kv_heads, 
     k_cache, v_cache = pool[:, 0], pool[:, 1]
     q = torch.randn(len(batch), num_q_heads, head_dim, device=device).to(torch.bfloat16)
     codec = build_codec("bfloat16")
-    attention = DecodeAttention(codec, head_dim, group, PagedAttention(codec, head_dim, group),
-                                num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
-    assert attention.threads == 32 * mma_warps(head_dim, group)
+    shape = MmaShape(mma_warps(head_dim, group), 2)
+    attention = DecodeAttention(codec, head_dim, group, PagedAttention(codec, head_dim, group), mma_shape=shape)
+    assert attention.runs_tensor_cores(len(batch), num_kv_heads)
     dev = {k: torch.as_tensor(v, device=device) for k, v in meta.items() if isinstance(v, np.ndarray)}
     dev["total_num_rows"] = cuda.to_device(meta["total_num_rows"])
     scale = head_dim**-0.5
