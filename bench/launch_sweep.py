@@ -1,17 +1,17 @@
 """Launch-configuration sweeps of the decode kernels whose defaults came from measurement (issue 6).
 
-    python3 bench/launch_sweep.py [--attention 128:4:4,256:4:2,...] [--gemv 4x4,16x1,...] [--out FILE]
+    python3 bench/launch_sweep.py [--attention mma:auto,mma:2:3,128:4:4,...] [--gemv 4x4,16x1,...] [--out FILE]
     python3 bench/launch_sweep.py --smoke     # tiny shapes in the Numba CUDA simulator (checks the script)
 
 - Decode attention (executor/kernels/decode_attention.py) at Qwen3-8B's heads (32 q / 8 kv heads of
-  128, bf16, shuffled pages of 16). Configuration ``mma:W:S``: the tensor-core kernel
-  (decode_attention_mma.py) with W warps a block, S ring slots a warp and optionally B, its launch bound's blocks
-  an SM; ``mma:auto``: the launcher's own pick (tensor cores up to two (row, kv head) pairs an SM, CUDA
-  cores past that); ``NT:U:B``: the CUDA-core
-  kernel with NT threads a block, U keys a lane group loads before using any, B the launch bound's
-  blocks an SM ("none": no bound, "auto": the kernel's rule). Shapes (requests x cached tokens): unsplit ones, as bench/kernels.py times, get their K/V
-  bytes over the time as a share of the copy bandwidth; split ones (batch 1, kv chunks of 64 or 128
-  keys, as a decode step plans them) include the merge launch.
+  128, bf16, shuffled pages of 16). Configurations: ``mma:W:S[:B]``, the tensor-core kernel
+  (decode_attention_mma.py) with W warps a block, S ring slots a warp and optionally B, its launch
+  bound's blocks an SM; ``mma:auto``, the launcher's own pick (tensor cores up to two (row, kv head)
+  pairs an SM, CUDA cores past that); ``NT:U:B``, the CUDA-core kernel with NT threads a block, U
+  keys a lane group loads before using any, B the launch bound's blocks an SM ("none": no bound,
+  "auto": the kernel's rule). Shapes (requests x cached tokens): unsplit ones, as bench/kernels.py
+  times, get their K/V bytes over the time as a share of the copy bandwidth; split ones (batch 1, kv
+  chunks of 64 or 128 keys, as a decode step plans them) include the merge launch.
 - The fused GEMVs (executor/kernels/gemv.py) at batch 1 on Qwen3-8B's projections: qkv and gate_up
   with their RMSNorm prologue (gate_up with SwiGLU), o_proj and down with the residual add.
   Configuration ``WxB``: W warps a block, B blocks an SM. Each graph cycles over distinct weight
@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
                    f"CUDA-graph timing, median of {args.repeats} replays, per launch; us.")]
     if not args.no_attention:
         sections.append("Decode attention (mma:W:S: tensor cores, W warps a block, S ring slots a warp; NT:U:B: "
-                        "CUDA cores, NT threads, U keys in flight a lane group, B blocks an SM; unsplit shapes: K/V bytes over time as a share of the copy bandwidth):\n\n"
+                        "CUDA cores, NT threads, U keys in flight a lane group, B blocks an SM; unsplit shapes: "
+                        "K/V bytes over time as a share of the copy bandwidth):\n\n"
                         + sweep_attention(env, args, copy_bytes_per_s))
     if not args.no_gemv:
         sections.append("Fused GEMVs at batch 1 (W warps a block x B blocks an SM; weight bytes over time):\n\n"

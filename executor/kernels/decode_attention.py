@@ -33,6 +33,14 @@ at 4096 tokens 20 us (22) and at 512 tokens 12.6 us (13.1). Without the register
 cap the streaming kernel ran at 164 registers and took 496 us; capping harder
 (5 or 6 blocks an SM) spilled and was slower.
 
+``DecodeAttention`` runs bf16 heads of at most 128 on tensor cores instead
+(decode_attention_mma.py) in calls of up to two (row, kv head) pairs an SM, the
+batch-1 and small-batch steps: there that kernel took 11.7 / 18.6 us at batch 1
+(512 / 4096 tokens, split) and 154 us at 32 x 4096 unsplit, against this one's
+12.3 / 19.9 and 264 (docs/benchmarks.md, fifteenth session). Larger calls stay
+here: in the 64 x 4096 decode step the tensor-core kernel was slower, for a
+reason not yet measured.
+
 The launcher falls back to attention.py's general kernel (which handles one
 row per request too) when the cache rows are not whole, aligned 16-byte chunks
 or the group would not be a power of two lanes. The simulator runs the same

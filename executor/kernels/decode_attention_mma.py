@@ -3,17 +3,25 @@
 
 decode_attention.py's kernel does a decode step's dot products on CUDA cores: per key and lane, 16
 FMAs a head, a tree of shuffles per head, and the float conversions of K and V. On the H200 it
-reaches about 75% of the copy bandwidth at 64 requests x 4096 tokens, bound by issuing those
-instructions rather than by memory. Here one ``mma.sync`` m16n8k16 (mma.py) does what 128 of those
-FMAs do: the G <= 8 query heads of kv head h are rows 0 .. G - 1 of A (rows G .. 15 are zero), and
-a slot of eight keys is B's eight columns.
+reaches about 75% of the copy bandwidth at 64 requests x 4096 tokens, and staging its K/V through a
+cp.async pipeline made it slower: our reading (not profiled) is that issuing those instructions
+bounds it. Here one ``mma.sync`` m16n8k16 (mma.py) does what 128 of those FMAs do: the G <= 8 query
+heads of kv head h are rows 0 .. G - 1 of A (rows G .. 15 are zero), and a slot of eight keys is
+B's eight columns.
+
+Measured on the H200 (docs/benchmarks.md, fifteenth session; CUDA-graph timing, us): four warps of
+two slots, 11.7 / 18.6 at batch 1 (512 / 4096 tokens, split) and 154 at 32 x 4096 (85% of copy
+bandwidth), against the CUDA-core kernel's 12.3 / 19.9 and 264; two warps of three slots, 304 at
+64 x 4096 (86%) against 344. DecodeAttention runs the four-warp shape where a call has at most
+FEW_BLOCKS_PER_SM (row, kv head) pairs an SM; in the 64 x 4096 decode step both shapes were slower
+than the CUDA-core kernel, which keeps those calls.
 
 - Block (kv head h, tile), W warps: grid (Hkv, tiles), so that blocks dispatch tile by tile. A
   decode graph's grid has room for every request of its bucket to split into the plan's most kv
   chunks, and the step's real tiles come first: padding blocks, which exit at once, dispatch after
-  all real ones instead of between them. Warps are independent until the end: warp w takes the chunk's
-  slots of eight keys w, w + W, w + 2W, ... and keeps its own online softmax and output; the warps
-  meet once, in shared memory, as the lane groups of decode_attention.py do.
+  all real ones instead of between them. Warps are independent until the end: warp w takes the
+  chunk's slots of eight keys w, w + W, w + 2W, ... and keeps its own online softmax and output;
+  the warps meet once, in shared memory, as the lane groups of decode_attention.py do.
 - K and V reach shared memory by ``cp.async`` (async_copy.py) into a ring of ``slots`` slots per
   warp (K rows, then V rows, each padded by 16 bytes so that ``ldmatrix`` rows fall in different
   banks). Lane l copies key l % 8 of a slot, chunks l // 8, l // 8 + 4, ...: one page-id lookup a
@@ -21,10 +29,10 @@ a slot of eight keys is B's eight columns.
   before slot i is waited for; a warp barrier (``syncwarp``) makes the lanes' copies visible, and a
   second one frees the slot for its next copy.
 - Per slot: S = Q K^T by K_STEPS / 2 ``ldmatrix.x4`` loads and K_STEPS MMAs in two independent
-  chains (lane (g, t) then holds scores of head g, keys 2t and 2t + 1); the slot's maximum per head by a quad reduction; P rounded
-  to bf16 is already an A fragment (columns 0..7; 8..15 are zero), and P V is D / 8 MMAs whose B
-  fragments come from ``ldmatrix.x4.trans`` of the V rows (mma.py's ``build_eight_key_value_load``).
-  The sum of P stays a lane partial until the end.
+  chains (lane (g, t) then holds scores of head g, keys 2t and 2t + 1); the slot's maximum per head
+  by a quad reduction; P rounded to bf16 is already an A fragment (columns 0..7; 8..15 are zero),
+  and P V is D / 8 MMAs whose B fragments come from ``ldmatrix.x4.trans`` of the V rows (mma.py's
+  ``build_eight_key_value_load``). The sum of P stays a lane partial until the end.
 
 P enters the P V product rounded to bf16, as in FlashAttention's kernels (and the prefill kernel,
 flash_attention.py); scores and outputs accumulate in float32. The simulator runs the same kernel

@@ -1,9 +1,9 @@
 """Tensor-core decode attention (decode_attention_mma.py) against the float64 reference of test_attention.
 
 Simulator shapes: D = 32 (the smallest head an ldmatrix.x4 load covers), 2 kv heads, bf16, page size
-4, two warps a block with two ring slots each (and the launcher's default shape), so a warp's slots of eight keys cross pages, refill
-ring slots they used, end past the chunk and, at one key, leave the other warp no slot at all; one
-request is split into kv chunks.
+4, two warps a block with two ring slots each (and the launcher's default shape), so a warp's slots of
+eight keys cross pages, refill ring slots they used, end past the chunk and, at one key, leave the
+other warp no slot at all; one request is split into kv chunks.
 """
 
 from __future__ import annotations
