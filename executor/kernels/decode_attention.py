@@ -58,6 +58,7 @@ from executor.kernels.attention import NEG_INF, PagedAttention, build_kv_staging
 from executor.kernels.codec import Codec
 from executor.kernels.decode_attention_mma import (FEW_BLOCKS_PER_SM, MmaShape, build_decode_attention_mma,
                                                   default_mma_shape)
+from executor.kernels.decode_tiles import build_meet, build_tile_span, build_tile_store
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS, Kernel
 from executor.kernels.reduce import build_group_sum
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
@@ -71,7 +72,6 @@ UNROLL_KEYS = 4  # keys each lane group loads before using them: 4 x 2 x 16 byte
 MIN_BLOCKS_PER_SM = 4  # launch_bounds: 128 registers a thread at 128 threads
 CAPPED_REGISTER_VALUES = 64  # q and output registers a lane may hold for the cap to spill nothing
 LOG2_E = 1.4426950408889634
-LN_2 = 0.6931471805599453
 
 
 def key_lanes(codec: Codec, head_dim: int) -> int | None:
@@ -132,6 +132,9 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     launch_options = {} if simulator_enabled() or blocks_per_sm is None else {"launch_bounds": (NT, blocks_per_sm)}
     stage_pages = build_kv_staging(load, D, NT)[0]
     group_sum = build_group_sum()
+    tile_span = build_tile_span()
+    meet = build_meet(G, D, NT, KPP)
+    store_out, store_split = build_tile_store(G, D, NT, store)
 
     @cuda.jit(device=True, inline=True)
     def load_rows(cache, h, base, n, gid, lane, page_sh, offset_sh, buffer):
@@ -151,25 +154,14 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         chunk index, chunks of the row); row -1: nothing to do (uniform per block, decided before
         any barrier). Scores are in log2 units inside (q scaled by scale * log2(e)): every
         exponent is one exp2."""
-        tile = cuda.blockIdx.x
         h = cuda.blockIdx.y
         tid = cuda.threadIdx.x
-        b = request_indices[tile]
-        if b < 0:  # padding tile (a graph's fixed grid)
-            return -1, 0, 0
-        row = q_indptr[b]
-        if row >= int32(total_num_rows[0]):
-            return -1, 0, 0
         page_size = k_cache.shape[1]
-        kv_len = (page_indptr[b + 1] - page_indptr[b] - 1) * page_size + last_page_len[b]
-        chunk = kv_chunk_size[b]
-        c = kv_tile_indices[tile]
-        last = positions[row]  # the row sees keys 0 .. last
-        k0 = c * chunk
-        k1 = min(k0 + chunk, last + 1, kv_len)
-        if k0 >= k1:
+        row, c, k0, k1, page_base, num_chunks = tile_span(
+            cuda.blockIdx.x, page_size, page_indptr, last_page_len, q_indptr, positions, request_indices,
+            kv_tile_indices, kv_chunk_size, total_num_rows)
+        if row < 0:
             return -1, 0, 0
-        page_base = page_indptr[b]
         lane = tid % L
         gid = tid // L
         q_lane = cuda.local.array(ACC, float32)
@@ -240,24 +232,8 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
                 for e in range(E):
                     part_sh[gid, g, (lane + ci * L) * E + e] = acc[(g * CPL + ci) * E + e]
         cuda.syncthreads()
-        for j in range(tid, G * D, NT):
-            g = j // D
-            d = j - g * D
-            best = float32(-1e30)
-            for k in range(KPP):
-                best = max(best, s_sh[0, k * G + g])
-            out_sum = float32(0.0)
-            weight_sum = float32(0.0)
-            for k in range(KPP):
-                w = float32(math.exp2(s_sh[0, k * G + g] - best))
-                out_sum += w * part_sh[k, g, d]
-                weight_sum += w * s_sh[1, k * G + g]
-            part_sh[0, g, d] = out_sum / weight_sum
-            if d == 0:  # attend's contract: natural-log maximum and the sum under it
-                state_sh[0, g] = best * float32(LN_2)
-                state_sh[1, g] = weight_sum
-        cuda.syncthreads()
-        return row, c, last // chunk + 1
+        meet(s_sh, part_sh, state_sh)
+        return row, c, num_chunks
 
     @cuda.jit(**launch_options)
     def direct_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
@@ -271,13 +247,8 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
                                     scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
-        if row < 0:
-            return
-        h = cuda.blockIdx.y
-        for j in range(cuda.threadIdx.x, G * D, NT):
-            g = j // D
-            d = j - g * D
-            out[row, h * G + g, d] = store(part_sh[0, g, d])
+        if row >= 0:
+            store_out(out, row, cuda.blockIdx.y, part_sh)
 
     @cuda.jit(**launch_options)
     def split_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
@@ -292,19 +263,8 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
                                     scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
-        if row < 0:
-            return
-        h = cuda.blockIdx.y
-        for j in range(cuda.threadIdx.x, G * D, NT):
-            g = j // D
-            d = j - g * D
-            head = h * G + g
-            if num_chunks == 1:
-                out[row, head, d] = store(part_sh[0, g, d])
-            elif c < partial_out.shape[1]:
-                partial_out[row, c, head, d] = part_sh[0, g, d]
-                if d == 0:
-                    partial_lse[row, c, head] = state_sh[0, g] + math.log(state_sh[1, g])
+        if row >= 0:
+            store_split(out, partial_out, partial_lse, row, c, num_chunks, cuda.blockIdx.y, part_sh, state_sh)
 
     return direct_kernel, split_kernel
 

@@ -49,6 +49,7 @@ from typing import Any
 from executor.kernels.async_copy import build_chunk_pipeline, build_shared_address
 from executor.kernels.attention import NEG_INF
 from executor.kernels.codec import build_codec
+from executor.kernels.decode_tiles import build_meet, build_tile_span, build_tile_store
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS
 from executor.kernels.mma import build_eight_key_value_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.reduce import build_group_max, build_group_sum
@@ -70,7 +71,6 @@ FEW_BLOCKS_PER_SM = 2
 MAX_DEFAULT_HEAD_DIM = 128
 PAD_WORDS = 4  # per staged row: consecutive rows 4 banks apart (16 bytes; rows stay 16-byte aligned)
 LOG2_E = 1.4426950408889634
-LN_2 = 0.6931471805599453
 
 
 def shared_bytes(head_dim: int, group_size: int, warps: int, slots: int) -> int:
@@ -142,7 +142,6 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     GROUP_STATES = W * G
     launch_options = {} if simulator_enabled() or blocks_per_sm is None else {"launch_bounds": (NT, blocks_per_sm)}
     TILE_ALIGNMENT = None if simulator_enabled() else 16
-    store = build_codec("bfloat16").store
     mma = build_mma_bf16()
     pack = build_pack_bf16x2()
     lane_address, load_k_x4, _ = build_fragment_loads()
@@ -152,6 +151,9 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     warp_barrier = build_warp_barrier()
     quad_max = build_group_max()
     quad_sum = build_group_sum()
+    tile_span = build_tile_span()
+    meet = build_meet(G, D, NT, W)
+    store_out, store_split = build_tile_store(G, D, NT, build_codec("bfloat16").store)
 
     @cuda.jit(device=True, inline=True)
     def locate(page_indices, page_base, page_size, pos, k1):
@@ -185,24 +187,13 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         ``part_sh[0, g, :]``, its natural-log (max, sum) in ``state_sh[0 / 1, g]``; returns (row,
         chunk index, chunks of the row), row -1 when the block has nothing to do."""
         h = cuda.blockIdx.x
-        tile = cuda.blockIdx.y
         tid = cuda.threadIdx.x
-        b = request_indices[tile]
-        if b < 0:  # padding tile (a graph's fixed grid)
-            return -1, 0, 0
-        row = q_indptr[b]
-        if row >= int32(total_num_rows[0]):
-            return -1, 0, 0
         page_size = k_cache.shape[1]
-        kv_len = (page_indptr[b + 1] - page_indptr[b] - 1) * page_size + last_page_len[b]
-        chunk = kv_chunk_size[b]
-        c = kv_tile_indices[tile]
-        last = positions[row]  # the row sees keys 0 .. last
-        k0 = c * chunk
-        k1 = min(k0 + chunk, last + 1, kv_len)
-        if k0 >= k1:
+        row, c, k0, k1, page_base, num_chunks = tile_span(
+            cuda.blockIdx.y, page_size, page_indptr, last_page_len, q_indptr, positions, request_indices,
+            kv_tile_indices, kv_chunk_size, total_num_rows)
+        if row < 0:
             return -1, 0, 0
-        page_base = page_indptr[b]
         warp = tid // WARP_THREADS
         lane = tid % WARP_THREADS
         g = lane // 4
@@ -293,33 +284,8 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
                 part_sh[warp, g, 8 * j + 2 * t] = o[2 * j]
                 part_sh[warp, g, 8 * j + 2 * t + 1] = o[2 * j + 1]
         cuda.syncthreads()
-        for j in range(tid, G * D, NT):
-            hg = j // D
-            d = j - hg * D
-            best = float32(-1e30)
-            for w in range(W):
-                best = max(best, s_sh[0, w * G + hg])
-            out_sum = float32(0.0)
-            weight_sum = float32(0.0)
-            for w in range(W):
-                weight = float32(math.exp2(s_sh[0, w * G + hg] - best))
-                out_sum += weight * part_sh[w, hg, d]
-                weight_sum += weight * s_sh[1, w * G + hg]
-            part_sh[0, hg, d] = out_sum / weight_sum
-            if d == 0:  # natural-log maximum and the sum under it
-                state_sh[0, hg] = best * float32(LN_2)
-                state_sh[1, hg] = weight_sum
-        cuda.syncthreads()
-        return row, c, last // chunk + 1
-
-    @cuda.jit(device=True, inline=True)
-    def store_heads(out, row, part_sh):
-        """out[row, h * G + g, :] <- part_sh[0, g, :], rounded to bf16."""
-        h = cuda.blockIdx.x
-        for j in range(cuda.threadIdx.x, G * D, NT):
-            hg = j // D
-            d = j - hg * D
-            out[row, h * G + hg, d] = store(part_sh[0, hg, d])
+        meet(s_sh, part_sh, state_sh)
+        return row, c, num_chunks
 
     @cuda.jit(**launch_options)
     def direct_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
@@ -332,9 +298,8 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
                                     scale, s_sh, ring, state_sh, part_sh, scratch)
-        if row < 0:
-            return
-        store_heads(out, row, part_sh)
+        if row >= 0:
+            store_out(out, row, cuda.blockIdx.x, part_sh)
 
     @cuda.jit(**launch_options)
     def split_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
@@ -348,19 +313,7 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
                                     scale, s_sh, ring, state_sh, part_sh, scratch)
-        if row < 0:
-            return
-        if num_chunks == 1:
-            store_heads(out, row, part_sh)
-            return
-        if c >= partial_out.shape[1]:
-            return
-        h = cuda.blockIdx.x
-        for j in range(cuda.threadIdx.x, G * D, NT):
-            hg = j // D
-            d = j - hg * D
-            partial_out[row, c, h * G + hg, d] = part_sh[0, hg, d]
-            if d == 0:
-                partial_lse[row, c, h * G + hg] = state_sh[0, hg] + math.log(state_sh[1, hg])
+        if row >= 0:
+            store_split(out, partial_out, partial_lse, row, c, num_chunks, cuda.blockIdx.x, part_sh, state_sh)
 
     return direct_kernel, split_kernel

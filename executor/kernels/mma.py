@@ -218,12 +218,7 @@ def build_eight_key_value_load() -> Callable[..., Any]:
     simulator each lane reads its own words from ``tile``. Every lane of the warp calls it together.
     """
     if simulator_enabled():
-        @cuda.jit(device=True)
-        def pair(tile, row, word, high):
-            shift = 16 * high
-            first = (int(tile[row, word]) >> shift) & 0xFFFF
-            second = (int(tile[row + 1, word]) >> shift) & 0xFFFF
-            return int32(np.uint32(first | (second << 16)).view(np.int32))
+        pair = _simulated_pair()
 
         @cuda.jit(device=True)
         def simulated_load_v8_x4(tile, address, row0, word0):
@@ -267,6 +262,20 @@ def _ldmatrix_intrinsic(transposed: bool) -> Callable[..., Any]:
     return ldmatrix_x4
 
 
+def _simulated_pair() -> Callable[..., Any]:
+    """The simulator's ``pair(tile, row, word, high)``: half ``high`` (0 or 1) of the word in rows
+    ``row`` and ``row + 1``, (that of row) | (that of row + 1) << 16, as ldmatrix's .trans deals it."""
+
+    @cuda.jit(device=True)
+    def pair(tile, row, word, high):
+        shift = 16 * high
+        first = (int(tile[row, word]) >> shift) & 0xFFFF
+        second = (int(tile[row + 1, word]) >> shift) & 0xFFFF
+        return int32(np.uint32(first | (second << 16)).view(np.int32))
+
+    return pair
+
+
 def _simulated_fragment_loads() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
     @cuda.jit(device=True)
     def lane_address(tile, transposed):
@@ -279,13 +288,7 @@ def _simulated_fragment_loads() -> tuple[Callable[..., Any], Callable[..., Any],
         row = tile[row0 + g]
         return int32(row[word0 + t]), int32(row[word0 + 4 + t]), int32(row[word0 + 8 + t]), int32(row[word0 + 12 + t])
 
-    @cuda.jit(device=True)
-    def pair(tile, row, word, high):
-        """Column ``high`` (0 or 1) of the word in rows ``row`` and ``row + 1``: (that of row) | (that of row + 1) << 16."""
-        shift = 16 * high
-        first = (int(tile[row, word]) >> shift) & 0xFFFF
-        second = (int(tile[row + 1, word]) >> shift) & 0xFFFF
-        return int32(np.uint32(first | (second << 16)).view(np.int32))
+    pair = _simulated_pair()
 
     @cuda.jit(device=True)
     def load_b_x4_trans(tile, address, row0, word0):

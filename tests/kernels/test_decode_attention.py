@@ -25,25 +25,29 @@ BATCH = [(1, 7), (1, 19), (1, 1), (1, 8)]  # (rows, kv_len): decode rows only
 NUM_PAGES = 16
 
 
-def run_decode(dtype_name: str, group: int, kv_chunk: int | None, seed: int, misaligned: bool = False) -> None:
+def run_decode(dtype_name: str, group: int, kv_chunk: int | None, seed: int, misaligned: bool = False,
+               head_dim: int = HEAD_DIM, batch: list[tuple[int, int]] = BATCH, num_pages: int = NUM_PAGES,
+               **launcher: object) -> DecodeAttention:
+    """One decode call against the float64 reference; ``launcher``: DecodeAttention's keywords
+    (default the CUDA-core kernel's small simulator blocks). Returns the launcher."""
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
-    meta = make_batch(BATCH, PAGE_SIZE, NUM_PAGES, rng)
-    num_rows, num_q_heads = len(BATCH), NUM_KV_HEADS * group
+    meta = make_batch(batch, PAGE_SIZE, num_pages, rng)
+    num_rows, num_q_heads = len(batch), NUM_KV_HEADS * group
     # misaligned: every cache row starts one element past a 16-byte boundary
     shift = int(misaligned)
-    padded = to_storage(torch.randn(NUM_PAGES, 2, 2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM + shift, generator=gen),
+    padded = to_storage(torch.randn(num_pages, 2, 2, PAGE_SIZE, NUM_KV_HEADS, head_dim + shift, generator=gen),
                         dtype_name)
     pool = np.ascontiguousarray(padded[..., shift:])
     pool_device = cuda.to_device(padded)[:, :, :, :, :, shift:]  # device arrays take no Ellipsis
     k_cache, v_cache = pool_device[:, 1, 0], pool_device[:, 1, 1]
-    qproj = to_storage(torch.randn(num_rows, num_q_heads, 2 * HEAD_DIM, generator=gen), dtype_name)
-    q = cuda.to_device(qproj)[:, :, :HEAD_DIM]  # strided, as the q part of the fused qkv buffer
-    out = cuda.to_device(poisoned((num_rows, num_q_heads, HEAD_DIM), dtype_name))
-    scale = HEAD_DIM**-0.5
+    qproj = to_storage(torch.randn(num_rows, num_q_heads, 2 * head_dim, generator=gen), dtype_name)
+    q = cuda.to_device(qproj)[:, :, :head_dim]  # strided, as the q part of the fused qkv buffer
+    out = cuda.to_device(poisoned((num_rows, num_q_heads, head_dim), dtype_name))
+    scale = head_dim**-0.5
     codec = build_codec(dtype_name)
-    general = PagedAttention(codec, HEAD_DIM, group, threads=32, block_keys=4)
-    attention = DecodeAttention(codec, HEAD_DIM, group, general, threads=32, round_keys=8)
+    general = PagedAttention(codec, head_dim, group, threads=32, block_keys=4)
+    attention = DecodeAttention(codec, head_dim, group, general, **(launcher or {"threads": 32, "round_keys": 8}))
     assert attention.uses_vector(k_cache, v_cache) == (not misaligned)
     max_splits = 3 if kv_chunk else 1
     capacity = num_rows * max_splits + 2  # a graph-sized grid: the -1 tail must be skipped
@@ -51,15 +55,16 @@ def run_decode(dtype_name: str, group: int, kv_chunk: int | None, seed: int, mis
     plan_tiles(meta["q_indptr"], meta["kv_lens"], kv_chunk=kv_chunk, max_splits=max_splits, out=buffers)
     partial_out = partial_lse = None
     if kv_chunk:
-        partial_out = np.full((num_rows, max_splits, num_q_heads, HEAD_DIM), np.nan, np.float32)
+        partial_out = np.full((num_rows, max_splits, num_q_heads, head_dim), np.nan, np.float32)
         partial_lse = np.full((num_rows, max_splits, num_q_heads), np.nan, np.float32)
     attention(q, k_cache, v_cache, meta["page_indices"], meta["page_indptr"], meta["last_page_len"],
               meta["q_indptr"], meta["batch_indices"], meta["positions"], buffers[0], buffers[1], buffers[2],
               buffers[3], meta["total_num_rows"], out, scale, partial_out=partial_out, partial_lse=partial_lse)
-    expected = reference(from_storage(np.ascontiguousarray(qproj[..., :HEAD_DIM]), dtype_name),
+    expected = reference(from_storage(np.ascontiguousarray(qproj[..., :head_dim]), dtype_name),
                          from_storage(pool[:, 1, 0], dtype_name), from_storage(pool[:, 1, 1], dtype_name),
                          meta, scale)
     assert_close_rel(from_storage(out.copy_to_host(), dtype_name), expected, TOL[dtype_name])
+    return attention
 
 
 @pytest.mark.parametrize("dtype_name,group,kv_chunk", [
@@ -96,9 +101,13 @@ def test_decode_attention_compiles_for_sm90():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (16, 4, 256), (24, 4, 256)])
-def test_decode_attention_gpu_bf16_long_contexts(num_q_heads, num_kv_heads, head_dim):
-    """Real sizes in bf16, contexts up to 32k split into kv chunks, against float64 sdpa."""
+def test_decode_attention_gpu_bf16_long_contexts(num_q_heads, num_kv_heads, head_dim, tensor_cores):
+    """Real sizes in bf16, contexts up to 32k, unsplit and split into kv chunks, against float64 sdpa:
+    the CUDA-core kernel, and the tensor-core kernel (in its most warps a block, also at D 256,
+    which the launcher leaves to CUDA cores by default)."""
+    from executor.kernels.decode_attention_mma import MmaShape, mma_warps
     from planner.capacity import MIN_KV_CHUNK_TOKENS
 
     device = torch.device("cuda")
@@ -111,30 +120,34 @@ def test_decode_attention_gpu_bf16_long_contexts(num_q_heads, num_kv_heads, head
     pool = torch.randn(num_pages, 2, page_size, num_kv_heads, head_dim, device=device).to(torch.bfloat16)
     k_cache, v_cache = pool[:, 0], pool[:, 1]
     q = torch.randn(len(batch), num_q_heads, head_dim, device=device).to(torch.bfloat16)
-    out = torch.full(q.shape, float("nan"), device=device, dtype=torch.bfloat16)
     codec = build_codec("bfloat16")
-    attention = DecodeAttention(codec, head_dim, group, PagedAttention(codec, head_dim, group))
+    shape = {"mma_shape": MmaShape(mma_warps(head_dim, group), 2)} if tensor_cores else {"tensor_cores": False}
+    attention = DecodeAttention(codec, head_dim, group, PagedAttention(codec, head_dim, group), **shape)
     assert attention.uses_vector(k_cache, v_cache)
-    kv_chunk = -(-32768 // max_splits // MIN_KV_CHUNK_TOKENS) * MIN_KV_CHUNK_TOKENS
-    tiles = plan_tiles(meta["q_indptr"], meta["kv_lens"], kv_chunk=kv_chunk, max_splits=max_splits)
+    assert attention.runs_tensor_cores(len(batch), num_kv_heads) == tensor_cores
     dev = {k: torch.as_tensor(v, device=device) for k, v in meta.items() if isinstance(v, np.ndarray)}
     dev["total_num_rows"] = cuda.to_device(meta["total_num_rows"])
-    tiles = [torch.as_tensor(a, device=device) for a in tiles]
-    partial_out = torch.empty(len(batch), max_splits, num_q_heads, head_dim, device=device)
-    partial_lse = torch.empty(len(batch), max_splits, num_q_heads, device=device)
     scale = head_dim**-0.5
-    attention(q.view(torch.int16), k_cache.view(torch.int16), v_cache.view(torch.int16), dev["page_indices"],
-              dev["page_indptr"], dev["last_page_len"], dev["q_indptr"], dev["batch_indices"], dev["positions"],
-              *tiles, dev["total_num_rows"], out.view(torch.int16), scale, partial_out=partial_out,
-              partial_lse=partial_lse, stream=cuda.external_stream(torch.cuda.current_stream().cuda_stream))
-    torch.cuda.synchronize()
-    for b, (_, kv_len) in enumerate(batch):
-        pages = torch.as_tensor(meta["page_lists"][b], device=device, dtype=torch.long)
-        keys = k_cache[pages].flatten(0, 1)[:kv_len].transpose(0, 1).double()
-        values = v_cache[pages].flatten(0, 1)[:kv_len].transpose(0, 1).double()
-        expected = torch.nn.functional.scaled_dot_product_attention(
-            q[b : b + 1].transpose(0, 1).double(), keys, values, scale=scale, enable_gqa=True).transpose(0, 1)
-        got = out[b : b + 1].double()
-        assert torch.isfinite(got).all()
-        error = (got - expected).abs().max().item() / expected.abs().max().item()
-        assert error <= 1e-2, (b, error)
+    kv_chunk = -(-32768 // max_splits // MIN_KV_CHUNK_TOKENS) * MIN_KV_CHUNK_TOKENS
+    for split in ({}, {"kv_chunk": kv_chunk, "max_splits": max_splits}):
+        tiles = [torch.as_tensor(a, device=device) for a in plan_tiles(meta["q_indptr"], meta["kv_lens"], **split)]
+        out = torch.full(q.shape, float("nan"), device=device, dtype=torch.bfloat16)
+        scratch = {}
+        if split:
+            scratch = {"partial_out": torch.empty(len(batch), max_splits, num_q_heads, head_dim, device=device),
+                       "partial_lse": torch.empty(len(batch), max_splits, num_q_heads, device=device)}
+        attention(q.view(torch.int16), k_cache.view(torch.int16), v_cache.view(torch.int16), dev["page_indices"],
+                  dev["page_indptr"], dev["last_page_len"], dev["q_indptr"], dev["batch_indices"], dev["positions"],
+                  *tiles, dev["total_num_rows"], out.view(torch.int16), scale, **scratch,
+                  stream=cuda.external_stream(torch.cuda.current_stream().cuda_stream))
+        torch.cuda.synchronize()
+        for b, (_, kv_len) in enumerate(batch):
+            pages = torch.as_tensor(meta["page_lists"][b], device=device, dtype=torch.long)
+            keys = k_cache[pages].flatten(0, 1)[:kv_len].transpose(0, 1).double()
+            values = v_cache[pages].flatten(0, 1)[:kv_len].transpose(0, 1).double()
+            expected = torch.nn.functional.scaled_dot_product_attention(
+                q[b : b + 1].transpose(0, 1).double(), keys, values, scale=scale, enable_gqa=True).transpose(0, 1)
+            got = out[b : b + 1].double()
+            assert torch.isfinite(got).all()
+            error = (got - expected).abs().max().item() / expected.abs().max().item()
+            assert error <= 1e-2, (split, b, error)

@@ -1,4 +1,5 @@
-"""Tensor-core decode attention (decode_attention_mma.py) against the float64 reference of test_attention.
+"""Tensor-core decode attention (decode_attention_mma.py) against the float64 reference of test_attention
+(test_decode_attention's ``run_decode``; its GPU test covers this kernel at real sizes too).
 
 Simulator shapes: D = 32 (the smallest head an ldmatrix.x4 load covers), 2 kv heads, bf16, page size
 4, two warps a block with two ring slots each (and the launcher's default shape), so a warp's slots of
@@ -8,21 +9,13 @@ other warp no slot at all; one request is split into kv chunks.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
-from executor.kernels.attention import PagedAttention, plan_tiles
-from executor.kernels.codec import build_codec
-from executor.kernels.decode_attention import DecodeAttention
 from executor.kernels.decode_attention_mma import MAX_GROUP, MmaShape, default_mma_shape, mma_warps, shared_bytes
 from executor.kernels.launch import SHARED_LIMIT_BYTES
-from executor.numba_cuda import load_cuda
+from tests.kernels import test_decode_attention
 from tests.kernels.compile_check import compile_for_sm90
-from tests.kernels.storage import TOL, assert_close_rel, from_storage, poisoned, to_storage
-from tests.kernels.test_attention import NUM_KV_HEADS, PAGE_SIZE, make_batch, reference
-
-cuda = load_cuda()
+from tests.kernels.test_attention import NUM_KV_HEADS
 
 HEAD_DIM = 32
 BATCH = [(1, 37), (1, 19), (1, 1), (1, 8)]  # (rows, kv_len): decode rows only
@@ -30,36 +23,10 @@ NUM_PAGES = 24
 
 
 def run_decode(group: int, kv_chunk: int | None, seed: int, tensor_cores: bool = True, **launcher: object) -> None:
-    rng = np.random.default_rng(seed)
-    gen = torch.Generator().manual_seed(seed)
-    meta = make_batch(BATCH, PAGE_SIZE, NUM_PAGES, rng)
-    num_rows, num_q_heads = len(BATCH), NUM_KV_HEADS * group
-    pool = to_storage(torch.randn(NUM_PAGES, 2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen), "bfloat16")
-    pool_device = cuda.to_device(pool)
-    k_cache, v_cache = pool_device[:, 0], pool_device[:, 1]
-    qproj = to_storage(torch.randn(num_rows, num_q_heads, 2 * HEAD_DIM, generator=gen), "bfloat16")
-    q = cuda.to_device(qproj)[:, :, :HEAD_DIM]  # strided, as the q part of the fused qkv buffer
-    out = cuda.to_device(poisoned((num_rows, num_q_heads, HEAD_DIM), "bfloat16"))
-    scale = HEAD_DIM**-0.5
-    codec = build_codec("bfloat16")
-    general = PagedAttention(codec, HEAD_DIM, group, threads=32, block_keys=4)
-    attention = DecodeAttention(codec, HEAD_DIM, group, general, **(launcher or {"mma_shape": MmaShape(2, 2)}))
-    assert attention.uses_vector(k_cache, v_cache)
-    assert attention.runs_tensor_cores(num_rows, NUM_KV_HEADS) == tensor_cores
-    max_splits = 3 if kv_chunk else 1
-    capacity = num_rows * max_splits + 2  # a graph-sized grid: the -1 tail must be skipped
-    buffers = tuple(np.zeros(capacity, np.int32) for _ in range(3)) + (np.zeros(num_rows, np.int32),)
-    plan_tiles(meta["q_indptr"], meta["kv_lens"], kv_chunk=kv_chunk, max_splits=max_splits, out=buffers)
-    partial_out = partial_lse = None
-    if kv_chunk:
-        partial_out = np.full((num_rows, max_splits, num_q_heads, HEAD_DIM), np.nan, np.float32)
-        partial_lse = np.full((num_rows, max_splits, num_q_heads), np.nan, np.float32)
-    attention(q, k_cache, v_cache, meta["page_indices"], meta["page_indptr"], meta["last_page_len"],
-              meta["q_indptr"], meta["batch_indices"], meta["positions"], buffers[0], buffers[1], buffers[2],
-              buffers[3], meta["total_num_rows"], out, scale, partial_out=partial_out, partial_lse=partial_lse)
-    expected = reference(from_storage(np.ascontiguousarray(qproj[..., :HEAD_DIM]), "bfloat16"),
-                         from_storage(pool[:, 0], "bfloat16"), from_storage(pool[:, 1], "bfloat16"), meta, scale)
-    assert_close_rel(from_storage(out.copy_to_host(), "bfloat16"), expected, TOL["bfloat16"])
+    attention = test_decode_attention.run_decode("bfloat16", group, kv_chunk, seed, head_dim=HEAD_DIM, batch=BATCH,
+                                                 num_pages=NUM_PAGES,
+                                                 **(launcher or {"mma_shape": MmaShape(2, 2)}))
+    assert attention.runs_tensor_cores(len(BATCH), NUM_KV_HEADS) == tensor_cores
 
 
 @pytest.mark.parametrize("group,kv_chunk", [(1, None), (5, None), (8, None), (4, 16)])
@@ -107,49 +74,3 @@ def test_mma_decode_attention_compiles_for_sm90():
                 assert ".local" not in text, "q fragments or accumulators in local memory"
         """
     )
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (16, 4, 256)])
-def test_mma_decode_attention_gpu_bf16_long_contexts(num_q_heads, num_kv_heads, head_dim):
-    """Real sizes in bf16, contexts up to 32k, unsplit and split into kv chunks, against float64 sdpa."""
-    device = torch.device("cuda")
-    page_size, group = 16, num_q_heads // num_kv_heads
-    batch = [(1, 32768), (1, 4097), (1, 1), (1, 700)]
-    rng = np.random.default_rng(0)
-    num_pages = sum(-(-kv // page_size) for _, kv in batch) + 4
-    meta = make_batch(batch, page_size, num_pages, rng)
-    torch.manual_seed(0)
-    pool = torch.randn(num_pages, 2, page_size, num_kv_heads, head_dim, device=device).to(torch.bfloat16)
-    k_cache, v_cache = pool[:, 0], pool[:, 1]
-    q = torch.randn(len(batch), num_q_heads, head_dim, device=device).to(torch.bfloat16)
-    codec = build_codec("bfloat16")
-    shape = MmaShape(mma_warps(head_dim, group), 2)
-    attention = DecodeAttention(codec, head_dim, group, PagedAttention(codec, head_dim, group), mma_shape=shape)
-    assert attention.runs_tensor_cores(len(batch), num_kv_heads)
-    dev = {k: torch.as_tensor(v, device=device) for k, v in meta.items() if isinstance(v, np.ndarray)}
-    dev["total_num_rows"] = cuda.to_device(meta["total_num_rows"])
-    scale = head_dim**-0.5
-    for kv_chunk, max_splits in ((None, 1), (1024, 32)):
-        split = {"kv_chunk": kv_chunk, "max_splits": max_splits} if kv_chunk else {}
-        tiles = [torch.as_tensor(a, device=device) for a in plan_tiles(meta["q_indptr"], meta["kv_lens"], **split)]
-        out = torch.full(q.shape, float("nan"), device=device, dtype=torch.bfloat16)
-        scratch = {}
-        if kv_chunk:
-            scratch = {"partial_out": torch.empty(len(batch), max_splits, num_q_heads, head_dim, device=device),
-                       "partial_lse": torch.empty(len(batch), max_splits, num_q_heads, device=device)}
-        attention(q.view(torch.int16), k_cache.view(torch.int16), v_cache.view(torch.int16), dev["page_indices"],
-                  dev["page_indptr"], dev["last_page_len"], dev["q_indptr"], dev["batch_indices"], dev["positions"],
-                  *tiles, dev["total_num_rows"], out.view(torch.int16), scale, **scratch,
-                  stream=cuda.external_stream(torch.cuda.current_stream().cuda_stream))
-        torch.cuda.synchronize()
-        for b, (_, kv_len) in enumerate(batch):
-            pages = torch.as_tensor(meta["page_lists"][b], device=device, dtype=torch.long)
-            keys = k_cache[pages].flatten(0, 1)[:kv_len].transpose(0, 1).double()
-            values = v_cache[pages].flatten(0, 1)[:kv_len].transpose(0, 1).double()
-            expected = torch.nn.functional.scaled_dot_product_attention(
-                q[b : b + 1].transpose(0, 1).double(), keys, values, scale=scale, enable_gqa=True).transpose(0, 1)
-            got = out[b : b + 1].double()
-            assert torch.isfinite(got).all()
-            error = (got - expected).abs().max().item() / expected.abs().max().item()
-            assert error <= 1e-2, (kv_chunk, b, error)

@@ -1,0 +1,116 @@
+"""The steps both decode attention kernels share: where a tile's keys are, how a block's groups meet,
+and where the tile's output goes.
+
+decode_attention.py (CUDA cores, lane groups) and decode_attention_mma.py (tensor cores, warps)
+differ in how a block attends to its keys, not in what a tile is (attention.py's ``plan_tiles``:
+tile = request ``b`` and kv chunk ``c``, one query row per request) nor in how a block's partial
+softmaxes combine. Each builder here returns inline device functions for one head shape:
+
+    tile_span(tile, page_size, page_indptr, last_page_len, q_indptr, positions, request_indices,
+              kv_tile_indices, kv_chunk_size, total_num_rows) -> (row, c, k0, k1, page_base, num_chunks)
+        the tile's query row, chunk index, keys k0 .. k1 - 1, first page-table entry and the row's
+        chunks; row -1 when the block has nothing to do (a graph's padding tile, a row past the
+        step's rows, or a chunk past the row's keys), decided before any barrier.
+    meet(s_sh, part_sh, state_sh)
+        after each of the block's ``groups`` groups k wrote its running (max, sum) of head g to
+        s_sh[0 / 1, k * G + g] (max in log2 units) and its output to part_sh[k, g, :], and a
+        barrier: the tile's normalised output of head g in part_sh[0, g, :] and its natural-log
+        (max, sum) in state_sh[0 / 1, g]. Ends with a barrier.
+    store_out(out, row, h, part_sh)
+        out[row, h * G + g, :] <- part_sh[0, g, :] in the storage codec.
+    store_split(out, partial_out, partial_lse, row, c, num_chunks, h, part_sh, state_sh)
+        a split kernel's output: ``out`` for a row of one chunk, else the chunk's float32 partial
+        output and log-sum-exp for the merge launch (chunks past the scratch depth write nothing).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from executor.numba_cuda import load_cuda
+
+cuda = load_cuda()
+from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
+
+LN_2 = 0.6931471805599453
+
+
+def build_tile_span() -> Any:
+    """``tile_span`` (module docstring)."""
+
+    @cuda.jit(device=True, inline=True)
+    def tile_span(tile, page_size, page_indptr, last_page_len, q_indptr, positions, request_indices,
+                  kv_tile_indices, kv_chunk_size, total_num_rows):
+        b = request_indices[tile]
+        if b < 0:  # padding tile (a graph's fixed grid)
+            return -1, 0, 0, 0, 0, 0
+        row = q_indptr[b]
+        if row >= int32(total_num_rows[0]):
+            return -1, 0, 0, 0, 0, 0
+        kv_len = (page_indptr[b + 1] - page_indptr[b] - 1) * page_size + last_page_len[b]
+        chunk = kv_chunk_size[b]
+        c = kv_tile_indices[tile]
+        last = positions[row]  # the row sees keys 0 .. last
+        k0 = c * chunk
+        k1 = min(k0 + chunk, last + 1, kv_len)
+        if k0 >= k1:
+            return -1, 0, 0, 0, 0, 0
+        return row, c, k0, k1, page_indptr[b], last // chunk + 1
+
+    return tile_span
+
+
+def build_meet(group_size: int, head_dim: int, threads: int, groups: int) -> Any:
+    """``meet`` (module docstring) for blocks of ``threads`` threads in ``groups`` groups."""
+    G, D, NT, K = group_size, head_dim, threads, groups
+
+    @cuda.jit(device=True, inline=True)
+    def meet(s_sh, part_sh, state_sh):
+        for j in range(cuda.threadIdx.x, G * D, NT):
+            g = j // D
+            d = j - g * D
+            best = float32(-1e30)
+            for k in range(K):
+                best = max(best, s_sh[0, k * G + g])
+            out_sum = float32(0.0)
+            weight_sum = float32(0.0)
+            for k in range(K):
+                w = float32(math.exp2(s_sh[0, k * G + g] - best))
+                out_sum += w * part_sh[k, g, d]
+                weight_sum += w * s_sh[1, k * G + g]
+            part_sh[0, g, d] = out_sum / weight_sum
+            if d == 0:  # natural-log maximum and the sum under it
+                state_sh[0, g] = best * float32(LN_2)
+                state_sh[1, g] = weight_sum
+        cuda.syncthreads()
+
+    return meet
+
+
+def build_tile_store(group_size: int, head_dim: int, threads: int, store: Any) -> tuple[Any, Any]:
+    """``(store_out, store_split)`` (module docstring); ``store`` is the codec's float32 -> storage."""
+    G, D, NT = group_size, head_dim, threads
+
+    @cuda.jit(device=True, inline=True)
+    def store_out(out, row, h, part_sh):
+        for j in range(cuda.threadIdx.x, G * D, NT):
+            g = j // D
+            d = j - g * D
+            out[row, h * G + g, d] = store(part_sh[0, g, d])
+
+    @cuda.jit(device=True, inline=True)
+    def store_split(out, partial_out, partial_lse, row, c, num_chunks, h, part_sh, state_sh):
+        if num_chunks == 1:
+            store_out(out, row, h, part_sh)
+            return
+        if c >= partial_out.shape[1]:
+            return
+        for j in range(cuda.threadIdx.x, G * D, NT):
+            g = j // D
+            d = j - g * D
+            partial_out[row, c, h * G + g, d] = part_sh[0, g, d]
+            if d == 0:
+                partial_lse[row, c, h * G + g] = state_sh[0, g] + math.log(state_sh[1, g])
+
+    return store_out, store_split
