@@ -4,14 +4,16 @@
     python3 bench/launch_sweep.py --smoke     # tiny shapes in the Numba CUDA simulator (checks the script)
 
 - Decode attention (executor/kernels/decode_attention.py) at Qwen3-8B's heads (32 q / 8 kv heads of
-  128, bf16, shuffled pages of 16). Configurations: ``mma:W:S[:B]``, the tensor-core kernel
+  128, bf16, pages of 16). Configurations: ``mma:W:S[:B]``, the tensor-core kernel
   (decode_attention_mma.py) with W warps a block, S ring slots a warp and optionally B, its launch
   bound's blocks an SM; ``mma:auto``, the launcher's own pick (tensor cores up to two (row, kv head)
   pairs an SM, CUDA cores past that); ``NT:U:B``, the CUDA-core kernel with NT threads a block, U
   keys a lane group loads before using any, B the launch bound's blocks an SM ("none": no bound,
   "auto": the kernel's rule). Shapes (requests x cached tokens): unsplit ones, as bench/kernels.py
   times, get their K/V bytes over the time as a share of the copy bandwidth; split ones (batch 1, kv
-  chunks of 64 or 128 keys, as a decode step plans them) include the merge launch.
+  chunks of 64 or 128 keys, as a decode step plans them) include the merge launch. K and V are
+  separate caches with shuffled pages, or with ``--kv-layers N`` the engine's pool, where a page
+  holds N layers' K and V and each request's pages come in order (as in bench/decode.py).
 - The fused GEMVs (executor/kernels/gemv.py) at batch 1 on Qwen3-8B's projections: qkv and gate_up
   with their RMSNorm prologue (gate_up with SwiGLU), o_proj and down with the residual add.
   Configuration ``WxB``: W warps a block, B blocks an SM. Each graph cycles over distinct weight
@@ -106,17 +108,30 @@ def parse_gemv(text: str) -> list[tuple[int, int]]:
     return [tuple(int(n) for n in item.split("x")) for item in text.split(",")]  # type: ignore[misc]
 
 
-def attention_call(env: Env, heads: Heads, shape: AttentionShape, general: Any) -> tuple[Callable[..., None], int]:
-    """(call(launcher, stream), K/V bytes read): one decode-attention call's arguments at ``shape``."""
+def attention_call(env: Env, heads: Heads, shape: AttentionShape, general: Any,
+                   kv_layers: int = 0) -> tuple[Callable[..., None], int]:
+    """(call(launcher, stream), K/V bytes read): one decode-attention call's arguments at ``shape``.
+
+    ``kv_layers`` 0: K and V caches of their own, [pages, S, Hkv, D], pages shuffled. Otherwise the
+    engine's layout: one pool [pages, kv_layers, 2, S, Hkv, D] (a page holds every layer's K and V,
+    executor/models/blocks.py), the middle layer's K and V, each request's pages in order as
+    bench/decode.py gives them; only that layer's bytes are filled."""
     from executor.kernels.attention import plan_tiles
 
     torch = env.torch
     b, c, page = shape.batch, shape.context, heads.page_size
     pages_per_request = -(-c // page)
     num_pages = 1 + b * pages_per_request
-    k_cache, v_cache = (env.randn(num_pages, page, heads.kv, heads.dim) for _ in range(2))
+    if kv_layers:
+        pool = torch.empty(num_pages, kv_layers, 2, page, heads.kv, heads.dim, dtype=torch.bfloat16,
+                           device=env.device)
+        pool[:, kv_layers // 2].copy_(env.randn(num_pages, 2, page, heads.kv, heads.dim))
+        k_cache, v_cache = pool[:, kv_layers // 2, 0], pool[:, kv_layers // 2, 1]
+        order = torch.arange(1, num_pages)
+    else:
+        k_cache, v_cache = (env.randn(num_pages, page, heads.kv, heads.dim) for _ in range(2))
+        order = torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(0)) + 1  # page 0 is padding
     q, out = env.randn(b, heads.q, heads.dim), env.randn(b, heads.q, heads.dim)
-    order = torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(0)) + 1  # page 0 is padding
     as_int32 = lambda values: torch.as_tensor(values, dtype=torch.int32, device=env.device)  # noqa: E731
     q_indptr, kv_lens = list(range(b + 1)), [c] * b
     max_splits = -(-c // shape.kv_chunk) if shape.kv_chunk else 1
@@ -148,7 +163,7 @@ def sweep_attention(env: Env, args: argparse.Namespace, copy_bytes_per_s: float)
     codec = build_codec("bfloat16")
     group = heads.q // heads.kv
     general = PagedAttention(codec, heads.dim, group, **({"threads": 32} if args.smoke else {}))
-    calls = [attention_call(env, heads, shape, general) for shape in shapes]
+    calls = [attention_call(env, heads, shape, general, args.kv_layers) for shape in shapes]
     rows = []
     num_sms = None if args.smoke else env.torch.cuda.get_device_properties(0).multi_processor_count
     for config in args.attention:
@@ -207,6 +222,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="NT:U:B, mma:W:S[:B] or mma:auto configurations (module docstring)")
     parser.add_argument("--gemv", type=parse_gemv, default=parse_gemv("4x4,8x2,16x1,2x8,4x3,8x3"),
                         help="WxB configurations (module docstring)")
+    parser.add_argument("--kv-layers", type=int, default=0,
+                        help="decode attention over the engine's KV layout with this many layers a page "
+                             "(36: Qwen3-8B; 0: separate shuffled K/V caches)")
     parser.add_argument("--no-attention", action="store_true")
     parser.add_argument("--no-gemv", action="store_true")
     parser.add_argument("--repeats", type=int, default=30, help="timed graph replays (median)")
@@ -233,7 +251,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_attention:
         sections.append("Decode attention (mma:W:S: tensor cores, W warps a block, S ring slots a warp; NT:U:B: "
                         "CUDA cores, NT threads, U keys in flight a lane group, B blocks an SM; unsplit shapes: "
-                        "K/V bytes over time as a share of the copy bandwidth):\n\n"
+                        "K/V bytes over time as a share of the copy bandwidth; "
+                        + (f"the engine's KV layout, {args.kv_layers} layers a page" if args.kv_layers else
+                           "separate K/V caches, pages shuffled") + "):\n\n"
                         + sweep_attention(env, args, copy_bytes_per_s))
     if not args.no_gemv:
         sections.append("Fused GEMVs at batch 1 (W warps a block x B blocks an SM; weight bytes over time):\n\n"
