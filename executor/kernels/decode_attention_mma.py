@@ -60,11 +60,11 @@ from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
 SLOT_KEYS = 8  # keys a warp attends to at a time: the n of Q K^T's mma tile
 MAX_GROUP = 8  # query heads a tile's rows hold (rows g < 8: the accumulator's c0, c1 half)
-MAX_WARPS = 4
+MAX_WARPS = 4  # warps a block: more would only raise the registers a block holds (two blocks an SM)
 WARP_SLOTS = 2  # ring slots a warp: one slot in flight while the warp attends to the other
-#: Calls of at most this many (row, kv head) pairs an SM run this kernel (DecodeAttention). At 178
-#: registers a thread (sm_90, D 128) two blocks of four warps are resident an SM; a decode step splits
-#: its rows into at most this many blocks an SM (step.decode_kv_chunk), one wave.
+#: Calls of at most this many (row, kv head) pairs an SM run this kernel (DecodeAttention). At about
+#: 180 registers a thread (sm_90, D 128; the local ptxas) two blocks of four warps are resident an SM;
+#: a decode step splits its rows into at most this many blocks an SM (step.decode_kv_chunk), one wave.
 FEW_BLOCKS_PER_SM = 2
 #: Heads the launcher runs on tensor cores by default: measured at D 128. At D 256 a lane holds 64
 #: output and 32 q registers, and the local ptxas spills at sm_90.
