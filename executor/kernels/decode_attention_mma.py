@@ -60,7 +60,7 @@ from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
 SLOT_KEYS = 8  # keys a warp attends to at a time: the n of Q K^T's mma tile
 MAX_GROUP = 8  # query heads a tile's rows hold (rows g < 8: the accumulator's c0, c1 half)
-MAX_WARPS = 4  # warps a block: more would only raise the registers a block holds (two blocks an SM)
+MAX_WARPS = 4  # warps a block: eight warps' rings would pass the static shared-memory limit at D 128
 WARP_SLOTS = 2  # ring slots a warp: one slot in flight while the warp attends to the other
 #: Calls of at most this many (row, kv head) pairs an SM run this kernel (DecodeAttention). At about
 #: 180 registers a thread (sm_90, D 128; the local ptxas) two blocks of four warps are resident an SM;
