@@ -322,7 +322,8 @@ class DecodeAttention:
 
     def runs_tensor_cores(self, num_rows: int, num_kv_heads: int) -> bool:
         """Whether a call of ``num_rows`` rows over ``num_kv_heads`` kv heads runs the tensor-core kernel
-        (also past the pairs it is picked for where the CUDA-core kernel cannot split the rows)."""
+        (also past ``mma_max_pairs`` for heads with no CUDA-core kernel: rows no power-of-two lane
+        group splits evenly)."""
         pairs_fit = self.mma_max_pairs is None or num_rows * num_kv_heads <= self.mma_max_pairs
         return self.mma_kernels is not None and (pairs_fit or self.kernels is None)
 
