@@ -10,20 +10,19 @@ the next step lands while the current one is in use:
         tile's address once; the copies (and mma.py's fragment loads) then add constant
         offsets in 32-bit arithmetic instead of converting a 64-bit pointer each time.
     copy_async(tile, tile_address, dst_index, src, src_index, valid)
-        starts copying the 16 bytes at src[src_index] (int32 words, 4 of them) to
-        tile[dst_index] in shared memory (tile_address = shared_address(tile, (0, 0)), tile
-        2-D); when ``valid`` is false it writes 16 zero bytes and reads nothing (src_index
-        must still name an element of src).
+        starts copying the 16 bytes from src[src_index] on (any element type: int32 words, the
+        codec's int16 bf16 bits or float32) to tile[dst_index] in shared memory (tile 2-D, of the
+        words the bytes make; tile_address = shared_address(tile, (0, 0))); when ``valid`` is
+        false it writes 16 zero bytes and reads nothing (src_index must still name an element
+        of src).
     copy_async_wait_all()
         waits until this thread's copies have landed. Other threads' copies are visible
-        after a ``cuda.syncthreads()`` that follows every thread's wait.
+        after a barrier (``cuda.syncthreads()``, or ``syncwarp`` among one warp's threads)
+        that follows every thread's wait.
 
-A pipeline that keeps several tiles in flight (``build_chunk_pipeline``) numbers its copies by
-group instead:
+A pipeline that keeps several tiles in flight numbers its copies by group instead
+(``build_copy_groups(pending)``):
 
-    copy_chunk_async(tile, tile_address, dst_index, src, src_index, valid)
-        as copy_async, from an array of any element type (the codec's storage: int16 bf16 bits
-        or float32), the chunk being the 16 bytes from src[src_index] on.
     commit_group()
         closes this thread's copies issued since the last commit into one group.
     wait_groups()
@@ -38,11 +37,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from executor.kernels.vector import VECTOR_WORDS, build_vector_access, element_pointer
+from executor.kernels.vector import build_vector_access, element_pointer
 from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
-from numba import int32, types, uint32  # noqa: E402  (after load_cuda's numpy fix)
+from numba import types, uint32  # noqa: E402  (after load_cuda's numpy fix)
 
 CHUNK_WORDS = 4
 
@@ -65,63 +64,31 @@ def build_async_copy() -> tuple[Callable[..., Any], Callable[..., Any]]:
     return _intrinsics()
 
 
-def build_chunk_pipeline(pending: int) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
-    """``(copy_chunk_async, commit_group, wait_groups)`` (module docstring); ``wait_groups`` leaves at
-    most ``pending`` groups in flight (a compile-time immediate in PTX)."""
+def build_copy_groups(pending: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(commit_group, wait_groups)`` (module docstring); ``wait_groups`` leaves at most ``pending``
+    groups in flight (a compile-time immediate in PTX). No-ops in the simulator."""
     if simulator_enabled():
-        return _simulated_pipeline()
-    from llvmlite import ir
-    from numba.cuda.extending import intrinsic
+        @cuda.jit(device=True)
+        def no_op():
+            pass
 
-    copy_to_shared = _copy_to_shared_intrinsic()
-
-    @cuda.jit(device=True, inline=True)
-    def copy_chunk_async(tile, tile_address, dst_index, src, src_index, valid):
-        row, word = dst_index
-        copy_to_shared(tile_address + uint32(4 * (row * tile.shape[1] + word)), src, src_index, valid)
-
-    def bare(asm: str) -> Callable[..., Any]:
-        @intrinsic
-        def instruction(typingctx):
-            def codegen(context, builder, signature, args):
-                builder.asm(ir.FunctionType(ir.VoidType(), []), asm, "~{memory}", [], side_effect=True)
-                return context.get_dummy_value()
-
-            return types.void(), codegen
-
-        return instruction
-
-    return copy_chunk_async, bare("cp.async.commit_group;"), bare(f"cp.async.wait_group {int(pending)};")
-
-
-def _simulated_pipeline() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
-    load_vector = build_vector_access()[0]
-
-    @cuda.jit(device=True)
-    def copy_chunk_async(tile, tile_address, dst_index, src, src_index, valid):
-        row, word = dst_index
-        words = cuda.local.array(VECTOR_WORDS, tile.dtype)
-        for w in range(VECTOR_WORDS):
-            words[w] = 0
-        if valid:
-            load_vector(src, src_index, words, 0)
-        for w in range(VECTOR_WORDS):
-            tile[row, word + w] = words[w]
-
-    @cuda.jit(device=True)
-    def no_op():
-        pass
-
-    return copy_chunk_async, no_op, no_op
+        return no_op, no_op
+    return _bare_instruction("cp.async.commit_group;"), _bare_instruction(f"cp.async.wait_group {int(pending)};")
 
 
 def _simulated() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    load_vector = build_vector_access()[0]  # the same bytes, from any element type, alignment checked
+
     @cuda.jit(device=True)
     def copy_async(tile, tile_address, dst_index, src, src_index, valid):
         row, word = dst_index
-        *src_outer, src_word = src_index
+        words = cuda.local.array(CHUNK_WORDS, tile.dtype)
         for w in range(CHUNK_WORDS):
-            tile[row, word + w] = src[(*src_outer, src_word + w)] if valid else int32(0)
+            words[w] = 0
+        if valid:
+            load_vector(src, src_index, words, 0)
+        for w in range(CHUNK_WORDS):
+            tile[row, word + w] = words[w]
 
     @cuda.jit(device=True)
     def copy_async_wait_all():
@@ -148,8 +115,24 @@ def _shared_address_intrinsic() -> Callable[..., Any]:
     return shared_address
 
 
-def _copy_to_shared_intrinsic() -> Callable[..., Any]:
-    """``copy_to_shared(shared address uint32, src, src_index, valid)``: one 16-byte cp.async."""
+def _bare_instruction(asm: str) -> Callable[..., Any]:
+    """A device function issuing one operand-less PTX instruction (a memory clobber: loads and
+    stores do not move across it)."""
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def instruction(typingctx):
+        def codegen(context, builder, signature, args):
+            builder.asm(ir.FunctionType(ir.VoidType(), []), asm, "~{memory}", [], side_effect=True)
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    return instruction
+
+
+def _intrinsics() -> tuple[Callable[..., Any], Callable[..., Any]]:
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
 
@@ -170,26 +153,9 @@ def _copy_to_shared_intrinsic() -> Callable[..., Any]:
 
         return types.void(types.uint32, src, src_index, types.boolean), codegen
 
-    return copy_to_shared
-
-
-def _intrinsics() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    from llvmlite import ir
-    from numba.cuda.extending import intrinsic
-
-    copy_to_shared = _copy_to_shared_intrinsic()
-
     @cuda.jit(device=True, inline=True)
     def copy_async(tile, tile_address, dst_index, src, src_index, valid):
         row, word = dst_index
         copy_to_shared(tile_address + uint32(4 * (row * tile.shape[1] + word)), src, src_index, valid)
 
-    @intrinsic
-    def copy_async_wait_all(typingctx):
-        def codegen(context, builder, signature, args):
-            builder.asm(ir.FunctionType(ir.VoidType(), []), "cp.async.wait_all;", "~{memory}", [], side_effect=True)
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
-    return copy_async, copy_async_wait_all
+    return copy_async, _bare_instruction("cp.async.wait_all;")

@@ -58,7 +58,7 @@ from executor.kernels.attention import NEG_INF, PagedAttention, build_kv_staging
 from executor.kernels.codec import Codec
 from executor.kernels.decode_attention_mma import (FEW_BLOCKS_PER_SM, MmaShape, build_decode_attention_mma,
                                                   default_mma_shape)
-from executor.kernels.decode_tiles import build_meet, build_tile_span, build_tile_store
+from executor.kernels.decode_tiles import LOG2_E, build_meet, build_tile_span, build_tile_store
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS, Kernel
 from executor.kernels.reduce import build_group_sum
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
@@ -71,7 +71,6 @@ ROUND_KEYS = 256  # keys whose page ids a round stages in shared memory
 UNROLL_KEYS = 4  # keys each lane group loads before using them: 4 x 2 x 16 bytes (K and V) in flight per lane
 MIN_BLOCKS_PER_SM = 4  # launch_bounds: 128 registers a thread at 128 threads
 CAPPED_REGISTER_VALUES = 64  # q and output registers a lane may hold for the cap to spill nothing
-LOG2_E = 1.4426950408889634
 
 
 def key_lanes(codec: Codec, head_dim: int) -> int | None:

@@ -46,10 +46,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from executor.kernels.async_copy import build_chunk_pipeline, build_shared_address
+from executor.kernels.async_copy import build_async_copy, build_copy_groups, build_shared_address
 from executor.kernels.attention import NEG_INF
 from executor.kernels.codec import build_codec
-from executor.kernels.decode_tiles import build_meet, build_tile_span, build_tile_store
+from executor.kernels.decode_tiles import LOG2_E, build_meet, build_tile_span, build_tile_store
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS
 from executor.kernels.mma import build_eight_key_value_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.reduce import build_group_max, build_group_sum
@@ -70,7 +70,6 @@ FEW_BLOCKS_PER_SM = 2
 #: output and 32 q registers, and the local ptxas spills at sm_90.
 MAX_DEFAULT_HEAD_DIM = 128
 PAD_WORDS = 4  # per staged row: consecutive rows 4 banks apart (16 bytes; rows stay 16-byte aligned)
-LOG2_E = 1.4426950408889634
 
 
 def shared_bytes(head_dim: int, group_size: int, warps: int, slots: int) -> int:
@@ -146,7 +145,8 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     pack = build_pack_bf16x2()
     lane_address, load_k_x4, _ = build_fragment_loads()
     load_v8_x4 = build_eight_key_value_load()
-    copy_chunk, commit_group, wait_groups = build_chunk_pipeline(SL - 1)
+    copy_chunk = build_async_copy()[0]
+    commit_group, wait_groups = build_copy_groups(SL - 1)
     shared_address = build_shared_address()
     warp_barrier = build_warp_barrier()
     quad_max = build_group_max()

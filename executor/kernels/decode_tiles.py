@@ -33,6 +33,7 @@ from executor.numba_cuda import load_cuda
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
+LOG2_E = 1.4426950408889634  # the kernels' scores are in log2 units: every exponent is one exp2
 LN_2 = 0.6931471805599453
 
 
