@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python3 bench/launch_sweep.py` puts bench/ first on the path, not the repo
     sys.path.insert(0, str(ROOT))
@@ -109,13 +111,15 @@ def parse_gemv(text: str) -> list[tuple[int, int]]:
 
 
 def attention_call(env: Env, heads: Heads, shape: AttentionShape, general: Any,
-                   kv_layers: int = 0) -> tuple[Callable[..., None], int]:
+                   kv_layers: int = 0, grid_tiles: int = 0) -> tuple[Callable[..., None], int]:
     """(call(launcher, stream), K/V bytes read): one decode-attention call's arguments at ``shape``.
 
     ``kv_layers`` 0: K and V caches of their own, [pages, S, Hkv, D], pages shuffled. Otherwise the
     engine's layout: one pool [pages, kv_layers, 2, S, Hkv, D] (a page holds every layer's K and V,
     executor/models/blocks.py), the middle layer's K and V, each request's pages in order as
-    bench/decode.py gives them; only that layer's bytes are filled."""
+    bench/decode.py gives them; only that layer's bytes are filled. ``grid_tiles`` > 0: the tile list
+    padded with empty tiles to ``grid_tiles`` x batch entries, as a decode graph's grid of that many
+    tiles a request (the kernels' padding blocks exit at once)."""
     from executor.kernels.attention import plan_tiles
 
     torch = env.torch
@@ -136,7 +140,11 @@ def attention_call(env: Env, heads: Heads, shape: AttentionShape, general: Any,
     q_indptr, kv_lens = list(range(b + 1)), [c] * b
     max_splits = -(-c // shape.kv_chunk) if shape.kv_chunk else 1
     split = {"kv_chunk": shape.kv_chunk, "max_splits": max_splits} if shape.kv_chunk else {}
-    tiles = [as_int32(a) for a in plan_tiles(q_indptr, kv_lens, **split)]
+    tiles = plan_tiles(q_indptr, kv_lens, **split)
+    if grid_tiles:
+        pad = grid_tiles * b - len(tiles[0])
+        tiles = (np.r_[tiles[0], np.full(pad, -1)], *(np.r_[t, np.zeros(pad, int)] for t in tiles[1:3]), tiles[3])
+    tiles = [as_int32(a) for a in tiles]
     meta = (as_int32(order), as_int32([r * pages_per_request for r in range(b + 1)]),
             as_int32([c - (pages_per_request - 1) * page] * b), as_int32(q_indptr), as_int32(range(b)),
             as_int32([c - 1] * b), *tiles, torch.tensor([b], dtype=torch.uint32, device=env.device))
@@ -163,7 +171,7 @@ def sweep_attention(env: Env, args: argparse.Namespace, copy_bytes_per_s: float)
     codec = build_codec("bfloat16")
     group = heads.q // heads.kv
     general = PagedAttention(codec, heads.dim, group, **({"threads": 32} if args.smoke else {}))
-    calls = [attention_call(env, heads, shape, general, args.kv_layers) for shape in shapes]
+    calls = [attention_call(env, heads, shape, general, args.kv_layers, args.grid_tiles) for shape in shapes]
     rows = []
     num_sms = None if args.smoke else env.torch.cuda.get_device_properties(0).multi_processor_count
     for config in args.attention:
@@ -225,6 +233,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-layers", type=int, default=0,
                         help="decode attention over the engine's KV layout with this many layers a page "
                              "(36: Qwen3-8B; 0: separate shuffled K/V caches)")
+    parser.add_argument("--grid-tiles", type=int, default=0,
+                        help="pad each attention call's grid to this many tiles a request with empty tiles, as a "
+                             "decode graph sized for that many kv chunks a row (0: the call's tiles only)")
     parser.add_argument("--no-attention", action="store_true")
     parser.add_argument("--no-gemv", action="store_true")
     parser.add_argument("--repeats", type=int, default=30, help="timed graph replays (median)")
@@ -253,7 +264,9 @@ def main(argv: list[str] | None = None) -> None:
                         "CUDA cores, NT threads, U keys in flight a lane group, B blocks an SM; unsplit shapes: "
                         "K/V bytes over time as a share of the copy bandwidth; "
                         + (f"the engine's KV layout, {args.kv_layers} layers a page" if args.kv_layers else
-                           "separate K/V caches, pages shuffled") + "):\n\n"
+                           "separate K/V caches, pages shuffled")
+                        + (f"; grids padded to {args.grid_tiles} tiles a request" if args.grid_tiles else "")
+                        + "):\n\n"
                         + sweep_attention(env, args, copy_bytes_per_s))
     if not args.no_gemv:
         sections.append("Fused GEMVs at batch 1 (W warps a block x B blocks an SM; weight bytes over time):\n\n"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from executor.arena import materialize
 from executor.device import open_device
-from executor.step import CapacityError, RequestChunk, plan_step
+from executor.kernels.attention import plan_decode_tiles
+from executor.kernels.decode_attention_mma import FEW_BLOCKS_PER_SM
+from executor.step import CapacityError, RequestChunk, decode_kv_chunk, decode_tiles, pad_decode, plan_step
 from executor.step_writer import StepWriter
 from planner.loader import load_hardware, load_model, load_serving
 from planner.plan import build_plan
@@ -91,6 +94,31 @@ def test_a_full_batch_at_full_context_uses_every_logical_page(arena):
     meta = plan_step(arena.plan, chunks)
     assert meta.page_indices.shape[0] == cap.logical_pages
     assert len(set(meta.page_indices.tolist())) < cap.logical_pages
+
+
+@pytest.mark.parametrize("model,hardware", [("qwen3-8b", "h200"), ("qwen3.5-9b", "h200"),
+                                            ("qwen3-0.6b", "a100-80gb"), ("qwen3-14b", "l40s")])
+def test_a_decode_graph_grid_holds_every_step_of_its_bucket_with_less_than_a_wave_of_padding(model, hardware):
+    plan = build_plan(load_model(model), load_hardware(hardware), load_serving("default"))
+    cap, num_kv_heads = plan.capacity, plan.geometry.num_kv_heads
+    wave = FEW_BLOCKS_PER_SM * plan.hardware.num_sms  # blocks a decode step aims to run at once
+    most = 0  # the most tiles a step of at most `bucket` requests makes, all rows long or one long
+    for bucket in range(1, cap.max_batch + 1):
+        for kv_lens in (np.full(bucket, cap.max_context), np.r_[cap.max_context, np.ones(bucket - 1, np.int64)]):
+            tiles = plan_decode_tiles(kv_lens, decode_kv_chunk(plan, kv_lens), cap.decode_kv_splits)
+            most = max(most, len(tiles[0]))
+        assert most <= decode_tiles(plan, bucket) <= cap.tiles
+        assert (decode_tiles(plan, bucket) - most) * num_kv_heads < wave, bucket
+
+
+def test_a_padded_decode_step_pads_its_tiles_to_the_graph_grid(arena):
+    plan = arena.plan.model_copy(update={"hardware": arena.plan.hardware.model_copy(update={"num_sms": 132})})
+    meta = plan_step(plan, [RequestChunk([5], 59, list(range(1, 16)), slot=0)])
+    padded = pad_decode(plan, meta, 2)
+    num_tiles = decode_tiles(plan, 2)
+    assert meta.num_tiles < num_tiles == len(padded.request_indices)
+    assert padded.request_indices[:meta.num_tiles].tolist() == meta.request_indices.tolist()
+    assert (padded.request_indices[meta.num_tiles:] == -1).all()
 
 
 def _over(arena, dimension):
