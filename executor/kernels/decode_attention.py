@@ -57,7 +57,7 @@ import numpy as np
 from executor.kernels.attention import NEG_INF, PagedAttention, build_kv_staging, check_heads
 from executor.kernels.codec import Codec
 from executor.kernels.decode_attention_mma import (FEW_BLOCKS_PER_SM, MmaShape, build_decode_attention_mma,
-                                                  default_mma_shape)
+                                                  default_mma_shapes)
 from executor.kernels.decode_tiles import LOG2_E, build_meet, build_tile_span, build_tile_store
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS, Kernel
 from executor.kernels.reduce import build_group_sum
@@ -280,13 +280,13 @@ class DecodeAttention:
     lane group loads before using any, ``blocks_per_sm`` the launch bound ("auto":
     ``min_blocks_per_sm``'s rule, None: no bound).
 
-    bf16 heads that decode_attention_mma.py serves by default (``default_mma_shape``; or in
-    ``mma_shape``) run its tensor-core kernel in calls of at most FEW_BLOCKS_PER_SM x ``num_sms``
-    (row, kv head) pairs (any call without ``num_sms``, or with ``mma_shape``): a decode step splits
-    such rows into kv chunks up to that many blocks (step.decode_kv_chunk), one wave of the kernel.
-    Calls of more pairs (no split; a second wave of the tensor-core kernel's four-warp blocks) run
-    the CUDA-core kernel: docs/benchmarks.md has the measurements. ``blocks_per_sm`` an int is then
-    the tensor-core kernel's launch bound too.
+    bf16 heads that decode_attention_mma.py serves by default (``default_mma_shapes``) run its
+    tensor-core kernel instead, in one shape for calls of at most FEW_BLOCKS_PER_SM x ``num_sms``
+    (row, kv head) pairs, which a decode step splits into kv chunks up to that many blocks
+    (step.decode_kv_chunk, one wave), and in another for larger calls (without ``num_sms``: the
+    first throughout); ``mma_shape`` runs one shape throughout. ``blocks_per_sm`` an int is then
+    that kernel's launch bound, and ``threads``, ``round_keys`` and ``unroll_keys`` do not apply.
+    docs/benchmarks.md has the measurements.
     """
 
     def __init__(self, codec: Codec, head_dim: int, group_size: int, fallback: PagedAttention, *,
@@ -295,17 +295,22 @@ class DecodeAttention:
                  tensor_cores: bool = True, mma_shape: MmaShape | None = None):
         self.head_dim, self.group_size, self.fallback = head_dim, group_size, fallback
         self.kernels: tuple[Kernel, Kernel] | None = None
-        self.mma_kernels: tuple[Kernel, Kernel] | None = None
-        self.mma_threads = 0
-        self.mma_max_pairs: int | None = None  # (row, kv head) pairs a call may have for tensor cores; None: any
+        # Tensor-core (kernels, threads, shape) for calls of few (row, kv head) pairs and for many.
+        self.mma_few: tuple[tuple[Kernel, Kernel], int, MmaShape] | None = None
+        self.mma_many: tuple[tuple[Kernel, Kernel], int, MmaShape] | None = None
+        self.mma_max_pairs: int | None = None  # (row, kv head) pairs of a call in mma_few; None: any
         bf16 = np.dtype(codec.storage_numpy_dtype) == np.int16
-        shape = (mma_shape or default_mma_shape(head_dim, group_size)) if tensor_cores and bf16 else None
-        if shape is not None:
-            direct, split = build_decode_attention_mma(head_dim, group_size, shape.warps, shape.slots,
-                                                       None if blocks_per_sm == "auto" else blocks_per_sm)
-            self.mma_kernels, self.mma_threads = (Kernel(direct), Kernel(split)), WARP_THREADS * shape.warps
-            if num_sms is not None and mma_shape is None:
+        shapes = ((mma_shape, mma_shape) if mma_shape else default_mma_shapes(head_dim, group_size)) \
+            if tensor_cores and bf16 else None
+        if shapes is not None:
+            bound = None if blocks_per_sm == "auto" else blocks_per_sm
+            built = {shape: ((*map(Kernel, build_decode_attention_mma(head_dim, group_size, shape.warps,
+                                                                      shape.slots, bound)),),
+                             WARP_THREADS * shape.warps, shape) for shape in set(shapes)}
+            self.mma_few, self.mma_many = built[shapes[0]], built[shapes[1]]
+            if num_sms is not None:
                 self.mma_max_pairs = FEW_BLOCKS_PER_SM * num_sms
+            return
         self.threads = threads or (32 if simulator_enabled() else 128)
         lanes = key_lanes(codec, head_dim)
         if lanes is not None and self.threads % lanes == 0:
@@ -319,16 +324,16 @@ class DecodeAttention:
                                                    blocks_per_sm=bound, unroll_keys=unroll_keys)
             self.kernels = (Kernel(direct), Kernel(split))
 
-    def runs_tensor_cores(self, num_rows: int, num_kv_heads: int) -> bool:
-        """Whether a call of ``num_rows`` rows over ``num_kv_heads`` kv heads runs the tensor-core kernel
-        (also past ``mma_max_pairs`` for heads with no CUDA-core kernel: rows no power-of-two lane
-        group splits evenly)."""
-        pairs_fit = self.mma_max_pairs is None or num_rows * num_kv_heads <= self.mma_max_pairs
-        return self.mma_kernels is not None and (pairs_fit or self.kernels is None)
+    def mma_launch(self, num_rows: int, num_kv_heads: int) -> tuple[tuple[Kernel, Kernel], int, MmaShape] | None:
+        """(kernels, threads a block, shape) of the tensor-core kernel for a call of ``num_rows`` rows
+        over ``num_kv_heads`` kv heads, or None where the CUDA-core kernel runs it."""
+        if self.mma_max_pairs is None or num_rows * num_kv_heads <= self.mma_max_pairs:
+            return self.mma_few
+        return self.mma_many
 
     def uses_vector(self, k_cache: Any, v_cache: Any) -> bool:
         """Whether a call with these caches runs this module's kernel (else the fallback's)."""
-        return (self.kernels is not None or self.mma_kernels is not None) and vector_aligned(k_cache, v_cache)
+        return (self.kernels is not None or self.mma_few is not None) and vector_aligned(k_cache, v_cache)
 
     def __call__(self, q: Any, k_cache: Any, v_cache: Any, page_indices: Any, page_indptr: Any, last_page_len: Any,
                  q_indptr: Any, batch_indices: Any, positions: Any, request_indices: Any, qo_tile_indices: Any,
@@ -350,8 +355,10 @@ class DecodeAttention:
         num_tiles = request_indices.shape[0]
         if num_tiles == 0 or num_rows == 0:
             return
-        if self.runs_tensor_cores(num_rows, num_kv_heads):  # grid (Hkv, tiles): decode_attention_mma.py
-            (direct, split), threads, grid = self.mma_kernels, self.mma_threads, (num_kv_heads, num_tiles)
+        mma = self.mma_launch(num_rows, num_kv_heads)
+        if mma is not None:  # grid (Hkv, tiles): decode_attention_mma.py
+            (direct, split), threads, _ = mma
+            grid = (num_kv_heads, num_tiles)
         else:
             (direct, split), threads, grid = self.kernels, self.threads, (num_tiles, num_kv_heads)
         scale32 = np.float32(scale)

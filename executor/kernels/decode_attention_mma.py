@@ -88,12 +88,23 @@ class MmaShape:
     slots: int
 
 
-def default_mma_shape(head_dim: int, group_size: int) -> MmaShape | None:
-    """The shape the launcher runs by default (the most warps a block that fit, WARP_SLOTS slots
-    each), or None where it keeps the CUDA-core kernel: heads past MAX_DEFAULT_HEAD_DIM, or shapes
+#: The launcher's shape for calls of more than FEW_BLOCKS_PER_SM (row, kv head) pairs an SM (not
+#: split; blocks run in waves): two warps of three slots, five blocks resident an SM, where four-warp
+#: blocks leave an SM two (measured on the H200: 304 us at 64 x 4096 against 397; docs/benchmarks.md).
+MANY_PAIRS_SHAPE = MmaShape(2, 3)
+
+
+def default_mma_shapes(head_dim: int, group_size: int) -> tuple[MmaShape, MmaShape] | None:
+    """The shapes the launcher runs by default, for calls of few (row, kv head) pairs (the most warps
+    a block that fit, WARP_SLOTS slots each) and of many (MANY_PAIRS_SHAPE where it fits, else the
+    first), or None where it keeps the CUDA-core kernel: heads past MAX_DEFAULT_HEAD_DIM, or shapes
     the kernel does not serve."""
     warps = mma_warps(head_dim, group_size)
-    return None if warps is None or head_dim > MAX_DEFAULT_HEAD_DIM else MmaShape(warps, WARP_SLOTS)
+    if warps is None or head_dim > MAX_DEFAULT_HEAD_DIM:
+        return None
+    many = MANY_PAIRS_SHAPE
+    fits = shared_bytes(head_dim, group_size, many.warps, many.slots) <= SHARED_LIMIT_BYTES
+    return MmaShape(warps, WARP_SLOTS), many if fits else MmaShape(warps, WARP_SLOTS)
 
 
 def mma_warps(head_dim: int, group_size: int, slots: int = WARP_SLOTS) -> int | None:

@@ -14,6 +14,7 @@ import torch
 from executor.kernels.attention import PagedAttention, plan_tiles
 from executor.kernels.codec import build_codec
 from executor.kernels.decode_attention import DecodeAttention
+from executor.kernels.launch import SHARED_LIMIT_BYTES
 from executor.numba_cuda import load_cuda
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import TOL, assert_close_rel, from_storage, poisoned, to_storage
@@ -101,13 +102,13 @@ def test_decode_attention_compiles_for_sm90():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
+@pytest.mark.parametrize("kernel", ["cuda-cores", "tensor-cores", "tensor-cores-many-pairs"])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(32, 8, 128), (16, 4, 256), (24, 4, 256)])
-def test_decode_attention_gpu_bf16_long_contexts(num_q_heads, num_kv_heads, head_dim, tensor_cores):
+def test_decode_attention_gpu_bf16_long_contexts(num_q_heads, num_kv_heads, head_dim, kernel):
     """Real sizes in bf16, contexts up to 32k, unsplit and split into kv chunks, against float64 sdpa:
-    the CUDA-core kernel, and the tensor-core kernel (in its most warps a block, also at D 256,
-    which the launcher leaves to CUDA cores by default)."""
-    from executor.kernels.decode_attention_mma import MmaShape, mma_warps
+    the CUDA-core kernel, and the tensor-core kernel in its most warps a block (also at D 256, which
+    the launcher leaves to CUDA cores by default) and in its shape for calls of many pairs."""
+    from executor.kernels.decode_attention_mma import MANY_PAIRS_SHAPE, MmaShape, mma_warps, shared_bytes
     from planner.capacity import MIN_KV_CHUNK_TOKENS
 
     device = torch.device("cuda")
@@ -121,10 +122,14 @@ def test_decode_attention_gpu_bf16_long_contexts(num_q_heads, num_kv_heads, head
     k_cache, v_cache = pool[:, 0], pool[:, 1]
     q = torch.randn(len(batch), num_q_heads, head_dim, device=device).to(torch.bfloat16)
     codec = build_codec("bfloat16")
-    shape = {"mma_shape": MmaShape(mma_warps(head_dim, group), 2)} if tensor_cores else {"tensor_cores": False}
-    attention = DecodeAttention(codec, head_dim, group, PagedAttention(codec, head_dim, group), **shape)
+    shape = {"tensor-cores": MmaShape(mma_warps(head_dim, group), 2), "tensor-cores-many-pairs": MANY_PAIRS_SHAPE,
+             "cuda-cores": None}[kernel]
+    if shape is not None and shared_bytes(head_dim, group, shape.warps, shape.slots) > SHARED_LIMIT_BYTES:
+        pytest.skip(f"{shape} does not fit D {head_dim}, G {group}")
+    launcher = {"mma_shape": shape} if shape else {"tensor_cores": False}
+    attention = DecodeAttention(codec, head_dim, group, PagedAttention(codec, head_dim, group), **launcher)
     assert attention.uses_vector(k_cache, v_cache)
-    assert attention.runs_tensor_cores(len(batch), num_kv_heads) == tensor_cores
+    assert (attention.mma_launch(len(batch), num_kv_heads) or (None, None, None))[2] == shape
     dev = {k: torch.as_tensor(v, device=device) for k, v in meta.items() if isinstance(v, np.ndarray)}
     dev["total_num_rows"] = cuda.to_device(meta["total_num_rows"])
     scale = head_dim**-0.5

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from executor.kernels.decode_attention_mma import MAX_GROUP, MmaShape, default_mma_shape, mma_warps, shared_bytes
+from executor.kernels.decode_attention_mma import (MANY_PAIRS_SHAPE, MAX_GROUP, MmaShape, default_mma_shapes, mma_warps,
+                                                  shared_bytes)
 from executor.kernels.launch import SHARED_LIMIT_BYTES
 from tests.kernels import test_decode_attention
 from tests.kernels.compile_check import compile_for_sm90
@@ -22,11 +23,11 @@ BATCH = [(1, 37), (1, 19), (1, 1), (1, 8)]  # (rows, kv_len): decode rows only
 NUM_PAGES = 24
 
 
-def run_decode(group: int, kv_chunk: int | None, seed: int, tensor_cores: bool = True, **launcher: object) -> None:
+def run_decode(group: int, kv_chunk: int | None, seed: int, shape: MmaShape = MmaShape(2, 2),
+               **launcher: object) -> None:
     attention = test_decode_attention.run_decode("bfloat16", group, kv_chunk, seed, head_dim=HEAD_DIM, batch=BATCH,
-                                                 num_pages=NUM_PAGES,
-                                                 **(launcher or {"mma_shape": MmaShape(2, 2)}))
-    assert attention.runs_tensor_cores(len(BATCH), NUM_KV_HEADS) == tensor_cores
+                                                 num_pages=NUM_PAGES, **(launcher or {"mma_shape": shape}))
+    assert attention.mma_launch(len(BATCH), NUM_KV_HEADS)[2] == shape
 
 
 @pytest.mark.parametrize("group,kv_chunk", [(1, None), (5, None), (8, None), (4, 16)])
@@ -34,12 +35,12 @@ def test_mma_decode_attention_matches_reference(group, kv_chunk):
     run_decode(group, kv_chunk, seed=group + (kv_chunk or 0))
 
 
-@pytest.mark.parametrize("num_sms,tensor_cores", [(4, True), (3, False)])
-def test_calls_of_many_pairs_run_the_cuda_core_kernel(num_sms, tensor_cores):
-    """Four rows x two kv heads: 8 (row, kv head) pairs, within two an SM for 4 SMs (the default
-    tensor-core shape, four warps of two slots) and past it for 3 (the CUDA-core kernel); both give
-    the reference's output."""
-    run_decode(3, None, seed=11, tensor_cores=tensor_cores, num_sms=num_sms)
+@pytest.mark.parametrize("num_sms,shape", [(4, MmaShape(4, 2)), (3, MANY_PAIRS_SHAPE)])
+def test_calls_of_many_pairs_run_the_many_pairs_shape(num_sms, shape):
+    """Four rows x two kv heads: 8 (row, kv head) pairs, within two an SM for 4 SMs (the few-pairs
+    shape, four warps of two slots) and past it for 3 (two warps of three slots); both give the
+    reference's output."""
+    run_decode(3, None, 11, shape, num_sms=num_sms)
 
 
 def test_mma_shapes_and_shared_memory():
@@ -47,7 +48,7 @@ def test_mma_shapes_and_shared_memory():
     limit; heads the tile cannot hold, or not a multiple of 32, get none (the CUDA-core kernel), and
     by default only heads of at most 128 run on tensor cores."""
     assert mma_warps(128, 4) == 4 and mma_warps(256, 4) == 2
-    assert default_mma_shape(128, 4) == MmaShape(4, 2) and default_mma_shape(256, 4) is None
+    assert default_mma_shapes(128, 4) == (MmaShape(4, 2), MANY_PAIRS_SHAPE) and default_mma_shapes(256, 4) is None
     for head_dim, group in ((128, 4), (256, 4), (256, 6), (128, 8)):
         warps = mma_warps(head_dim, group)
         assert shared_bytes(head_dim, group, warps, 2) <= SHARED_LIMIT_BYTES
