@@ -6,8 +6,8 @@
 - Decode attention (executor/kernels/decode_attention.py) at Qwen3-8B's heads (32 q / 8 kv heads of
   128, bf16, pages of 16). Configurations: ``mma:W:S[:B]``, the tensor-core kernel
   (decode_attention_mma.py) with W warps a block, S ring slots a warp and optionally B, its launch
-  bound's blocks an SM; ``mma:auto``, the launcher's own pick (tensor cores up to two (row, kv head)
-  pairs an SM, CUDA cores past that); ``NT:U:B``, the CUDA-core kernel with NT threads a block, U
+  bound's blocks an SM; ``mma:auto``, the launcher's own pick (four warps of two slots up to two
+  (row, kv head) pairs an SM, two warps of three slots past that); ``NT:U:B``, the CUDA-core kernel with NT threads a block, U
   keys a lane group loads before using any, B the launch bound's blocks an SM ("none": no bound,
   "auto": the kernel's rule). Shapes (requests x cached tokens): unsplit ones, as bench/kernels.py
   times, get their K/V bytes over the time as a share of the copy bandwidth; split ones (batch 1, kv

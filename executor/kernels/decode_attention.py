@@ -34,12 +34,12 @@ cap the streaming kernel ran at 164 registers and took 496 us; capping harder
 (5 or 6 blocks an SM) spilled and was slower.
 
 ``DecodeAttention`` runs bf16 heads of at most 128 on tensor cores instead
-(decode_attention_mma.py) in calls of up to two (row, kv head) pairs an SM, the
-batch-1 and small-batch steps: there that kernel took 11.7 / 18.6 us at batch 1
-(512 / 4096 tokens, split) and 154 us at 32 x 4096 unsplit, against this one's
-12.3 / 19.9 and 264 (docs/benchmarks.md, fifteenth session). Larger calls stay
-here: in the 64 x 4096 decode step the tensor-core kernel was slower, for a
-reason not yet measured.
+(decode_attention_mma.py), in four-warp blocks for calls of up to two (row,
+kv head) pairs an SM (the batch-1 and small-batch steps: 11.7 / 18.6 us at
+batch 1, 512 / 4096 tokens split, and 154 us at 32 x 4096, against this
+kernel's 12.3 / 19.9 and 264) and in two-warp blocks past that (304 us at 64 x
+4096 against 344; docs/benchmarks.md, fifteenth and sixteenth sessions). This
+kernel keeps float32 caches and the wider heads (Qwen3.5's 256).
 
 The launcher falls back to attention.py's general kernel (which handles one
 row per request too) when the cache rows are not whole, aligned 16-byte chunks

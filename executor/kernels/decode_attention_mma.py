@@ -9,17 +9,19 @@ bounds it. Here one ``mma.sync`` m16n8k16 (mma.py) does what 128 of those FMAs d
 heads of kv head h are rows 0 .. G - 1 of A (rows G .. 15 are zero), and a slot of eight keys is
 B's eight columns.
 
-Measured on the H200 (docs/benchmarks.md, fifteenth session; CUDA-graph timing, us): four warps of
-two slots, 11.7 / 18.6 at batch 1 (512 / 4096 tokens, split) and 154 at 32 x 4096 (85% of copy
-bandwidth), against the CUDA-core kernel's 12.3 / 19.9 and 264; two warps of three slots, 304 at
-64 x 4096 (86%) against 344. DecodeAttention runs the four-warp shape where a call has at most
-FEW_BLOCKS_PER_SM (row, kv head) pairs an SM; in the 64 x 4096 decode step both shapes were slower
-than the CUDA-core kernel, which keeps those calls.
+Measured on the H200 (docs/benchmarks.md, fifteenth and sixteenth sessions; CUDA-graph timing, us):
+four warps of two slots, 11.7 / 18.6 at batch 1 (512 / 4096 tokens, split) and 154 at 32 x 4096
+(85% of copy bandwidth), against the CUDA-core kernel's 12.3 / 19.9 and 264; two warps of three
+slots, 304 at 64 x 4096 (86%) against 344. DecodeAttention runs the four-warp shape where a call
+has at most FEW_BLOCKS_PER_SM (row, kv head) pairs an SM and MANY_PAIRS_SHAPE past that. (In the
+64 x 4096 decode step both shapes first measured slower than the CUDA-core kernel: the decode
+graph's grid then had 16,384 blocks for 512 real ones, step.decode_tiles. With the grid sized to
+the step, the step took 15.99 ms against the CUDA-core kernel's 17.48.)
 
 - Block (kv head h, tile), W warps: grid (Hkv, tiles), so that blocks dispatch tile by tile. A
-  decode graph's grid has room for every request of its bucket to split into the plan's most kv
-  chunks, and the step's real tiles come first: padding blocks, which exit at once, dispatch after
-  all real ones instead of between them. Warps are independent until the end: warp w takes the
+  decode graph's grid has room for the most tiles a step of its bucket makes, and the step's real
+  tiles come first: padding blocks, which exit at once, dispatch after all real ones instead of
+  between them. Warps are independent until the end: warp w takes the
   chunk's slots of eight keys w, w + W, w + 2W, ... and keeps its own online softmax and output;
   the warps meet once, in shared memory, as the lane groups of decode_attention.py do.
 - K and V reach shared memory by ``cp.async`` (async_copy.py) into a ring of ``slots`` slots per
@@ -62,9 +64,10 @@ SLOT_KEYS = 8  # keys a warp attends to at a time: the n of Q K^T's mma tile
 MAX_GROUP = 8  # query heads a tile's rows hold (rows g < 8: the accumulator's c0, c1 half)
 MAX_WARPS = 4  # warps a block: eight warps' rings would pass the static shared-memory limit at D 128
 WARP_SLOTS = 2  # ring slots a warp: one slot in flight while the warp attends to the other
-#: Calls of at most this many (row, kv head) pairs an SM run this kernel (DecodeAttention). At about
-#: 180 registers a thread (sm_90, D 128; the local ptxas) two blocks of four warps are resident an SM;
-#: a decode step splits its rows into at most this many blocks an SM (step.decode_kv_chunk), one wave.
+#: Calls of at most this many (row, kv head) pairs an SM run the few-pairs shape (DecodeAttention). At
+#: about 180 registers a thread (sm_90, D 128; the local ptxas) two blocks of four warps are resident
+#: an SM; a decode step splits its rows into at most this many blocks an SM (step.decode_kv_chunk), one
+#: wave.
 FEW_BLOCKS_PER_SM = 2
 #: Heads the launcher runs on tensor cores by default: measured at D 128. At D 256 a lane holds 64
 #: output and 32 q registers, and the local ptxas spills at sm_90.
