@@ -1,5 +1,12 @@
 """The specialized q/k norm + RoPE kernel's unit layout: a thread owns one unit of each of its heads
-(a pair unit or a pass-through chunk; rope_specialized.py describes the layout and its launch rule)."""
+(a pair unit or a pass-through chunk; rope_specialized.py describes the layout and its launch rule).
+
+A pair unit needs its 8 frequencies' rounded cos/sin each row. The same unit of adjacent head slots
+in a warp needs the same 8, so ``cos_sin_slots`` (P) slots share them: each computes 8 / P (one
+sincos each) and the unit's 8 come back by lane exchanges (rope_chunk_layout.build_lane_exchange),
+bit for bit the values a thread computing all 8 would get. On Qwen3-8B's q (8-thread groups, 4 slots
+a warp) that is 2 sincos a thread a row instead of 8.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +16,29 @@ from typing import Any, Callable
 from executor.kernels.codec import Codec
 from executor.kernels.norm import inv_rms_from_sum
 from executor.kernels.reduce import build_group_sum
+from executor.kernels.launch import WARP_THREADS
+from executor.kernels.mma import build_pack_bf16x2
 from executor.kernels.rope_bf16 import BF16_LANES, NVVM_INLINE, bf16_functions
+from executor.kernels.rope_chunk_layout import build_lane_exchange
 from executor.kernels.rope_layout import MAX_GROUP_THREADS, rope_inv_freq
 from executor.kernels.vector import VECTOR_WORDS, build_vector_access
-from executor.kernels.mma import build_pack_bf16x2
-from executor.numba_cuda import load_cuda
+from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
 UNIT_WORDS = 2 * VECTOR_WORDS  # a thread's unit of one head: two chunks (a pass-through unit uses the first)
+
+
+def cos_sin_slots(slots: int, group_threads: int) -> int:
+    """Head slots that share a pair unit's cos/sin (module docstring): the largest power of two whose
+    slots of ``group_threads`` threads fit a warp and that divides both ``slots`` (so a sharing group
+    is all real slots or all idle ones) and a chunk's BF16_LANES frequencies."""
+    share = 1
+    while (2 * share * group_threads <= WARP_THREADS and slots % (2 * share) == 0
+           and BF16_LANES % (2 * share) == 0):
+        share *= 2
+    return share
 
 
 def build_unit_kernel(
@@ -42,9 +62,16 @@ def build_unit_kernel(
     if not units <= gt <= MAX_GROUP_THREADS or gt & (gt - 1):
         raise ValueError(f"group_threads {gt} must be a power of two in [{units} units, {MAX_GROUP_THREADS}]")
 
+    share = cos_sin_slots(slots, gt)
+    per_slot = lanes // share  # frequencies of a pair unit a thread computes a row
+    share_threads = share * gt
+    sim = simulator_enabled()
+
+    load = codec.load
     pack = build_pack_bf16x2()
     load_vector, store_vector = build_vector_access()
     group_sum = build_group_sum()
+    exchange = build_lane_exchange()
     element, rounded_pair, chunk_squares, normalized_pair = bf16_functions(codec, round_before_weight)
 
     @cuda.jit(device=True, **NVVM_INLINE)
@@ -79,6 +106,22 @@ def build_unit_kernel(
         for k in range(lanes):
             angle = position * inv_freq[k]
             cos[k], sin[k] = rounded_pair(math.cos(angle), math.sin(angle))
+
+    @cuda.jit(device=True, **NVVM_INLINE)
+    def shared_cos_sin(word_scratch, position, inv_freq, source, cos, sin):
+        """A pair unit's 8 cos/sin at ``position``, rounded: this thread computes per_slot of them (its
+        slot's in the sharing group), and frequency k comes from the group's slot k // per_slot, whose
+        unit-mate is thread ``source + (k // per_slot) * gt``. Every thread of the block calls it."""
+        mine = cuda.local.array(per_slot, int32)
+        for i in range(per_slot):
+            angle = position * inv_freq[i]
+            mine[i] = pack(math.cos(angle), math.sin(angle))  # rounded_pair's rounding, as one word
+        for k in range(lanes):
+            from_thread = source + (k // per_slot) * gt
+            if sim:  # an idle slot's partial group in a block of whole groups (not whole warps)
+                from_thread = min(from_thread, cuda.blockDim.x - 1)
+            word = exchange(word_scratch, mine[k % per_slot], from_thread)
+            cos[k], sin[k] = load(word), load(word >> 16)
 
     @cuda.jit(device=True, **NVVM_INLINE)
     def unit_norm_rope(words, w, pair, cos, sin, inv_rms, weight_offset):
@@ -122,11 +165,13 @@ def build_unit_kernel(
                 load_unit(x, t, slot + 3 * slots, col_lo, col_hi, pair, head3)
 
     @cuda.jit(device=True, **NVVM_INLINE)
-    def finish_row(x, positions, t, scratch, eps, weight_offset, slot, col_lo, col_hi, active, pair, w, inv_freq,
-                   cos, sin, head0, head1, head2, head3):
+    def finish_row(x, positions, t, scratch, word_scratch, eps, weight_offset, slot, col_lo, col_hi, active, pair, w,
+                   inv_freq, cos_source, cos, sin, head0, head1, head2, head3):
         """Row t from its loaded units: cos/sin (while the loads are in flight), the heads' inv_rms,
         pass 2, the stores."""
-        if active and pair:
+        if share > 1:
+            shared_cos_sin(word_scratch, float32(positions[t]), inv_freq, cos_source, cos, sin)
+        elif active and pair:
             unit_cos_sin(float32(positions[t]), inv_freq, cos, sin)
         # Every thread reduces nh times (whole warps on the GPU, the block's barriers in the simulator).
         inv_rms0 = head_inv_rms(scratch, head0, active, pair, eps)
@@ -147,7 +192,8 @@ def build_unit_kernel(
 
     @cuda.jit(**launch_options)
     def qk_norm_rope_specialized(x, norm_weight, positions, eps, weight_offset, theta):
-        scratch = cuda.shared.array(0, float32)  # group_sum's, in the simulator only
+        scratch = cuda.shared.array(0, float32)  # group_sum's and the exchanges', in the simulator only
+        word_scratch = cuda.shared.array(0, int32)  # the same memory, for the exchanges of int32 words
         unit = cuda.threadIdx.x % gt
         slot = cuda.threadIdx.x // gt  # heads slot, slot + slots, ...
         active = unit < units and slot < slots
@@ -157,7 +203,7 @@ def build_unit_kernel(
         col_lo = unit * lanes if pair else half + unit * lanes
         col_hi = half + unit * lanes
         w = cuda.local.array(UNIT_WORDS, int32)
-        inv_freq = cuda.local.array(lanes, float32)
+        inv_freq = cuda.local.array(per_slot, float32)  # the frequencies this thread computes
         cos = cuda.local.array(lanes, float32)
         sin = cuda.local.array(lanes, float32)
         head0 = cuda.local.array(UNIT_WORDS, int32)  # this thread's unit of head slot + n * slots
@@ -168,12 +214,16 @@ def build_unit_kernel(
         next1 = cuda.local.array(UNIT_WORDS, int32)
         next2 = cuda.local.array(UNIT_WORDS, int32)
         next3 = cuda.local.array(UNIT_WORDS, int32)
+        # Frequencies unit * lanes + first_frequency + i: all 8 of the unit when nothing is shared.
+        first_frequency = (slot % share) * per_slot
+        cos_source = cuda.threadIdx.x - cuda.threadIdx.x % share_threads + unit  # the group's slot 0, this unit
+        for i in range(per_slot):
+            inv_freq[i] = rope_inv_freq(unit * lanes + first_frequency + i, rotary_dim, theta) if pair \
+                else float32(0.0)
         if active:
             load_vector(norm_weight, (col_lo,), w, 0)
             if pair:
                 load_vector(norm_weight, (col_hi,), w, VECTOR_WORDS)
-                for k in range(lanes):
-                    inv_freq[k] = rope_inv_freq(unit * lanes + k, rotary_dim, theta)
         rows = x.shape[0]
         if pipelined:
             # Two rows a trip, each buffer set loaded a row ahead of its finish: one row's loads are
@@ -186,19 +236,19 @@ def build_unit_kernel(
                 t_next = t + cuda.gridDim.x
                 if t_next < rows:
                     load_row(x, t_next, slot, col_lo, col_hi, active, pair, next0, next1, next2, next3)
-                finish_row(x, positions, t, scratch, eps, weight_offset, slot, col_lo, col_hi, active, pair, w,
-                           inv_freq, cos, sin, head0, head1, head2, head3)
+                finish_row(x, positions, t, scratch, word_scratch, eps, weight_offset, slot, col_lo, col_hi, active,
+                           pair, w, inv_freq, cos_source, cos, sin, head0, head1, head2, head3)
                 if t_next >= rows:
                     break
                 t = t_next + cuda.gridDim.x
                 if t < rows:
                     load_row(x, t, slot, col_lo, col_hi, active, pair, head0, head1, head2, head3)
-                finish_row(x, positions, t_next, scratch, eps, weight_offset, slot, col_lo, col_hi, active, pair,
-                           w, inv_freq, cos, sin, next0, next1, next2, next3)
+                finish_row(x, positions, t_next, scratch, word_scratch, eps, weight_offset, slot, col_lo, col_hi,
+                           active, pair, w, inv_freq, cos_source, cos, sin, next0, next1, next2, next3)
         else:
             for t in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
                 load_row(x, t, slot, col_lo, col_hi, active, pair, head0, head1, head2, head3)
-                finish_row(x, positions, t, scratch, eps, weight_offset, slot, col_lo, col_hi, active, pair, w,
-                           inv_freq, cos, sin, head0, head1, head2, head3)
+                finish_row(x, positions, t, scratch, word_scratch, eps, weight_offset, slot, col_lo, col_hi, active,
+                           pair, w, inv_freq, cos_source, cos, sin, head0, head1, head2, head3)
 
     return qk_norm_rope_specialized
