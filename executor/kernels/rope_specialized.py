@@ -26,9 +26,10 @@ Both layouts:
 
 Unit layout (``chunks_per_thread`` 0): a thread owns one unit of each of its heads, a pair unit
 (chunk j of the rotary first half with chunk j of the second) or a pass-through chunk
-(rope_layout.py); G is ``vector_group_threads`` (one unit a thread), and a pair unit computes its
-own 8 rounded cos/sin a row. On Qwen3-8B's q (8 pair units on 8 threads) every lane does the same
-work. On Qwen3.5's strided q (4 pair units and 24 pass-through chunks on 32 threads, 4 idle) a warp
+(rope_layout.py); G is ``vector_group_threads`` (one unit a thread). A pair unit needs 8 rounded
+cos/sin a row; the same unit of P adjacent head slots in a warp shares them (rope_unit_layout's
+``cos_sin_slots``: each computes 8 / P and gathers the rest by lane exchanges). On Qwen3-8B's q (8
+pair units on 8 threads, P 4) every lane does the same work, 2 sincos a row. On Qwen3.5's strided q (4 pair units and 24 pass-through chunks on 32 threads, 4 idle) a warp
 is one head, and it issues the pair units' norm, rotation and 8 sincos for 4 lanes, then the
 pass-through path for 24: about 330-360 instructions a head in the loop's SASS (ptxas, slow paths
 left out), against about 77 a head on Qwen3-8B's q; at 262,144 heads that is most of the time
@@ -80,7 +81,9 @@ SM; k: 32 threads, 16 blocks an SM).
 Measured on the H200 (16384 rows; bytes = read + write of x; copy bandwidth 4.2 TB/s):
 
 - Qwen3-8B q, unit layout, GT 8, NH 4, 64 threads, 8 blocks an SM (the rule's pick, unchanged):
-  80.5 us, 79% of copy bandwidth (bench/kernels.py, 2026-11-30).
+  80.5 us, 79% of copy bandwidth, with 8 sincos a pair unit a row (bench/kernels.py, 2026-11-30);
+  77.5 us, 82% (4,233 GB/s), with the 4 slots of a warp sharing them (2 sincos a thread; 96
+  registers, 101 before, local ptxas), bit for bit the vector kernel's output on the GPU.
 - Qwen3.5 strided q, unit layout, GT 32 (the rule's pick before the chunk layout: NH 2, 256
   threads, 4 blocks an SM): 191.5-211 us, about 33%. A sweep of NH and blocks an SM (events around
   one launch; the same bits from every configuration): NH 1 (512 threads, 72 registers) 293-304

@@ -17,6 +17,7 @@ from executor.kernels.qk_rope_kv import QkNormRopeWriteKv, fused_block_threads
 from executor.kernels.norm import SCRATCH_BYTES_PER_THREAD
 from executor.kernels.rope import VECTOR_ROWS, QkNormRopeInplace, vector_shared_bytes
 from executor.kernels.rope_layout import vector_group_threads
+from executor.kernels.rope_unit_layout import cos_sin_slots
 from executor.kernels.rope_specialized import (
     SpecializedLaunch,
     block_threads,
@@ -464,6 +465,22 @@ def test_default_chunks_per_thread():
     assert default_chunks_per_thread(256, 64, 32) == 0  # Qwen3.5's unit layout (the sweeps before the chunk one)
     assert not chunk_layout_fits(128, 128, 1)  # Qwen3-8B: 64 frequencies, more than a warp's lanes
     assert not chunk_layout_fits(128, 64, 4)  # 4-lane groups cannot hold 8 rotary chunks on their slot 0
+
+
+def test_unit_layout_slots_share_cos_sin_within_a_warp():
+    """Qwen3-8B's q and k (8-thread groups, 8 head slots): 4 slots a warp share each pair unit's cos/sin,
+    2 frequencies each; sharing groups never straddle idle slots or a warp, and never split a chunk's 8
+    frequencies unevenly."""
+    for heads, heads_per_thread in ((32, 4), (8, 1)):
+        launch = specialized_launch(heads, 128, 128)
+        assert (launch.group_threads, launch.heads_per_thread) == (8, heads_per_thread)
+        assert cos_sin_slots(heads // heads_per_thread, launch.group_threads) == 4
+    assert cos_sin_slots(3, 8) == 1  # 3 slots: a pair would straddle the idle fourth
+    assert cos_sin_slots(2, 4) == 2 and cos_sin_slots(16, 32) == 1 and cos_sin_slots(16, 1) == 8
+    for slots in range(1, 17):
+        for group in (1, 2, 4, 8, 16, 32):
+            share = cos_sin_slots(slots, group)
+            assert slots % share == 0 and 8 % share == 0 and share * group <= 32
 
 
 def test_specialized_only_for_bf16_prefill_rows():
