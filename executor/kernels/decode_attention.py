@@ -284,7 +284,8 @@ class DecodeAttention:
     tensor-core kernel instead, in one shape for calls of at most FEW_BLOCKS_PER_SM x ``num_sms``
     (row, kv head) pairs, which a decode step splits into kv chunks up to that many blocks
     (step.decode_kv_chunk, one wave), and in another for larger calls (without ``num_sms``: the
-    first throughout); ``mma_shape`` runs one shape throughout. ``blocks_per_sm`` an int is then
+    first throughout); ``mma_shape`` runs one shape throughout, ``tensor_cores=False`` none (the
+    CUDA-core kernel). ``blocks_per_sm`` an int is then
     that kernel's launch bound, and ``threads``, ``round_keys`` and ``unroll_keys`` do not apply.
     docs/benchmarks.md has the measurements.
     """
@@ -300,17 +301,22 @@ class DecodeAttention:
         self.mma_many: tuple[tuple[Kernel, Kernel], int, MmaShape] | None = None
         self.mma_max_pairs: int | None = None  # (row, kv head) pairs of a call in mma_few; None: any
         bf16 = np.dtype(codec.storage_numpy_dtype) == np.int16
-        shapes = ((mma_shape, mma_shape) if mma_shape else default_mma_shapes(head_dim, group_size)) \
-            if tensor_cores and bf16 else None
+        shapes = None
+        if tensor_cores and bf16:
+            shapes = (mma_shape, mma_shape) if mma_shape else default_mma_shapes(head_dim, group_size)
         if shapes is not None:
             bound = None if blocks_per_sm == "auto" else blocks_per_sm
-            built = {shape: ((*map(Kernel, build_decode_attention_mma(head_dim, group_size, shape.warps,
-                                                                      shape.slots, bound)),),
-                             WARP_THREADS * shape.warps, shape) for shape in set(shapes)}
-            self.mma_few, self.mma_many = built[shapes[0]], built[shapes[1]]
+
+            def build(shape: MmaShape) -> tuple[tuple[Kernel, Kernel], int, MmaShape]:
+                direct, split = build_decode_attention_mma(head_dim, group_size, shape.warps, shape.slots, bound)
+                return (Kernel(direct), Kernel(split)), WARP_THREADS * shape.warps, shape
+
+            few, many = shapes
+            self.mma_few = build(few)
+            self.mma_many = self.mma_few if many == few else build(many)
             if num_sms is not None:
                 self.mma_max_pairs = FEW_BLOCKS_PER_SM * num_sms
-            return
+            return  # every call of these heads runs on tensor cores
         self.threads = threads or (32 if simulator_enabled() else 128)
         lanes = key_lanes(codec, head_dim)
         if lanes is not None and self.threads % lanes == 0:

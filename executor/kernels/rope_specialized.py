@@ -29,11 +29,11 @@ Unit layout (``chunks_per_thread`` 0): a thread owns one unit of each of its hea
 (rope_layout.py); G is ``vector_group_threads`` (one unit a thread). A pair unit needs 8 rounded
 cos/sin a row; the same unit of P adjacent head slots in a warp shares them (rope_unit_layout's
 ``cos_sin_slots``: each computes 8 / P and gathers the rest by lane exchanges). On Qwen3-8B's q (8
-pair units on 8 threads, P 4) every lane does the same work, 2 sincos a row. On Qwen3.5's strided q (4 pair units and 24 pass-through chunks on 32 threads, 4 idle) a warp
-is one head, and it issues the pair units' norm, rotation and 8 sincos for 4 lanes, then the
-pass-through path for 24: about 330-360 instructions a head in the loop's SASS (ptxas, slow paths
-left out), against about 77 a head on Qwen3-8B's q; at 262,144 heads that is most of the time
-measured below.
+pair units on 8 threads, P 4) every lane does the same work, 2 sincos a row. On Qwen3.5's strided
+q (4 pair units and 24 pass-through chunks on 32 threads, 4 idle) a warp is one head, and it issues
+the pair units' norm, rotation and 8 sincos for 4 lanes, then the pass-through path for 24: about
+330-360 instructions a head in the loop's SASS (ptxas, slow paths left out), against about 77 a head
+on Qwen3-8B's q (before the sharing); at 262,144 heads that is most of the time measured below.
 
 Chunk layout (``chunks_per_thread`` K = 1, 2 or 4): a head's 16-byte chunks in memory order, lane u
 of its G-lane group holding chunks u + m G (chunk slot m < K; G K = SPAN, the head's chunks rounded

@@ -14,10 +14,10 @@ import math
 from typing import Any, Callable
 
 from executor.kernels.codec import Codec
-from executor.kernels.norm import inv_rms_from_sum
-from executor.kernels.reduce import build_group_sum
 from executor.kernels.launch import WARP_THREADS
 from executor.kernels.mma import build_pack_bf16x2
+from executor.kernels.norm import inv_rms_from_sum
+from executor.kernels.reduce import build_group_sum
 from executor.kernels.rope_bf16 import BF16_LANES, NVVM_INLINE, bf16_functions
 from executor.kernels.rope_chunk_layout import build_lane_exchange
 from executor.kernels.rope_layout import MAX_GROUP_THREADS, rope_inv_freq
