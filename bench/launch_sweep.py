@@ -7,9 +7,9 @@
   128, bf16, pages of 16). Configurations: ``mma:W:S[:B]``, the tensor-core kernel
   (decode_attention_mma.py) with W warps a block, S ring slots a warp and optionally B, its launch
   bound's blocks an SM; ``mma:auto``, the launcher's own pick (four warps of two slots up to two
-  (row, kv head) pairs an SM, two warps of three slots past that); ``NT:U:B``, the CUDA-core kernel with NT threads a block, U
-  keys a lane group loads before using any, B the launch bound's blocks an SM ("none": no bound,
-  "auto": the kernel's rule). Shapes (requests x cached tokens): unsplit ones, as bench/kernels.py
+  (row, kv head) pairs an SM, two warps of three slots past that); ``NT:U:B``, the CUDA-core kernel
+  with NT threads a block, U keys a lane group loads before using any, B the launch bound's blocks
+  an SM ("none": no bound, "auto": the kernel's rule). Shapes (requests x cached tokens): unsplit ones, as bench/kernels.py
   times, get their K/V bytes over the time as a share of the copy bandwidth; split ones (batch 1, kv
   chunks of 64 or 128 keys, as a decode step plans them) include the merge launch. K and V are
   separate caches with shuffled pages, or with ``--kv-layers N`` the engine's pool, where a page

@@ -274,13 +274,12 @@ def decode_tiles(plan: MemoryPlan, bucket: int) -> int:
     Qwen3-8B where a step runs 512, cost the step tens of microseconds a layer in dispatching
     blocks that only exit.)
 
-    n requests get n x min(decode_kv_splits, max(1, F // (n x Hkv))) tiles, F = FEW_BLOCKS_PER_SM x
-    num_sms: at most F // Hkv while n x Hkv <= F (n x floor(F / (n x Hkv)) <= F / Hkv), n <= bucket
-    past it, and never more than bucket x decode_kv_splits.
+    n requests get n x min(decode_kv_splits, max(1, F // (n x Hkv))) tiles (``decode_splits``, F =
+    ``_wave_blocks``): at most F // Hkv while n x Hkv <= F (n x floor(F / (n x Hkv)) <= F / Hkv), n <=
+    bucket past it, and never more than bucket x decode_kv_splits.
     """
-    cap = plan.capacity
-    few_pairs = FEW_BLOCKS_PER_SM * plan.hardware.num_sms // plan.geometry.num_kv_heads
-    return max(bucket, min(bucket * cap.decode_kv_splits, few_pairs))
+    few_pairs = _wave_blocks(plan) // plan.geometry.num_kv_heads
+    return max(bucket, min(bucket * plan.capacity.decode_kv_splits, few_pairs))
 
 
 def decode_splits(plan: MemoryPlan, num_requests: int) -> int:
@@ -292,7 +291,12 @@ def decode_splits(plan: MemoryPlan, num_requests: int) -> int:
     chunks than the plan's decode_kv_splits (the split scratch depth).
     """
     blocks = num_requests * plan.geometry.num_kv_heads
-    return max(1, min(plan.capacity.decode_kv_splits, FEW_BLOCKS_PER_SM * plan.hardware.num_sms // blocks))
+    return max(1, min(plan.capacity.decode_kv_splits, _wave_blocks(plan) // blocks))
+
+
+def _wave_blocks(plan: MemoryPlan) -> int:
+    """Decode attention blocks a step aims to run at once: FEW_BLOCKS_PER_SM on each of the plan's SMs."""
+    return FEW_BLOCKS_PER_SM * plan.hardware.num_sms
 
 
 def decode_kv_chunk(plan: MemoryPlan, kv_lens: np.ndarray) -> int:

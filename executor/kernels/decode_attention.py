@@ -285,9 +285,8 @@ class DecodeAttention:
     (row, kv head) pairs, which a decode step splits into kv chunks up to that many blocks
     (step.decode_kv_chunk, one wave), and in another for larger calls (without ``num_sms``: the
     first throughout); ``mma_shape`` runs one shape throughout, ``tensor_cores=False`` none (the
-    CUDA-core kernel). ``blocks_per_sm`` an int is then
-    that kernel's launch bound, and ``threads``, ``round_keys`` and ``unroll_keys`` do not apply.
-    docs/benchmarks.md has the measurements.
+    CUDA-core kernel). ``blocks_per_sm`` an int is then that kernel's launch bound, and ``threads``,
+    ``round_keys`` and ``unroll_keys`` do not apply. docs/benchmarks.md has the measurements.
     """
 
     def __init__(self, codec: Codec, head_dim: int, group_size: int, fallback: PagedAttention, *,
