@@ -105,6 +105,16 @@ def config_name(config: dict[str, Any]) -> str:
     return f"{config['threads']}:{config['unroll_keys']}:{'none' if bound is None else bound}"
 
 
+def parse_shapes(text: str) -> tuple[AttentionShape, ...]:
+    """``B:C[:K],...`` -> attention shapes: B requests of C cached tokens, in kv chunks of K keys (none:
+    one tile per (request, kv head))."""
+    shapes = []
+    for item in text.split(","):
+        batch, context, *chunk = (int(n) for n in item.split(":"))
+        shapes.append(AttentionShape(batch, context, chunk[0] if chunk else None))
+    return tuple(shapes)
+
+
 def parse_gemv(text: str) -> list[tuple[int, int]]:
     """``WxB,...`` -> [(warps, blocks_per_sm)]."""
     return [tuple(int(n) for n in item.split("x")) for item in text.split(",")]  # type: ignore[misc]
@@ -167,7 +177,7 @@ def sweep_attention(env: Env, args: argparse.Namespace, copy_bytes_per_s: float)
     from executor.kernels.decode_attention import DecodeAttention
 
     heads = SMOKE_HEADS if args.smoke else REAL_HEADS
-    shapes = SMOKE_ATTENTION if args.smoke else REAL_ATTENTION
+    shapes = SMOKE_ATTENTION if args.smoke else args.shapes or REAL_ATTENTION
     codec = build_codec("bfloat16")
     group = heads.q // heads.kv
     general = PagedAttention(codec, heads.dim, group, **({"threads": 32} if args.smoke else {}))
@@ -228,6 +238,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention", type=parse_attention, default=parse_attention(
         "mma:auto,mma:4:2,mma:2:3,mma:2:4,128:4:auto"),
         help="NT:U:B, mma:W:S[:B] or mma:auto configurations (module docstring)")
+    parser.add_argument("--shapes", type=parse_shapes, default=None,
+                        help="decode attention shapes B:C[:K] (B requests of C tokens, kv chunks of K keys; "
+                             "default: 64:4096,32:4096,1:512:64,1:4096:128)")
     parser.add_argument("--gemv", type=parse_gemv, default=parse_gemv("4x4,8x2,16x1,2x8,4x3,8x3"),
                         help="WxB configurations (module docstring)")
     parser.add_argument("--kv-layers", type=int, default=0,
