@@ -22,8 +22,7 @@ once into shared memory (rope.py's tables) for q and k heads alike, then its gro
 heads. A v group copies its head's 16-byte chunks to the cache in pass 1 and idles through
 the norm's group reduction. The launcher gives every walk head its group when the block
 allows (``fused_block_threads``; Qwen3-8B: 48 heads x 8 threads), so one round covers the
-row and the v copy overlaps the q/k loads. A thread of one unit (Qwen3-8B's) issues its loads
-before the row's cos/sin are computed. Barriers per row on the GPU: one after cos/sin,
+row and the v copy overlaps the q/k loads. Barriers per row on the GPU: one after cos/sin,
 plus one at the row's end only when the block has another row (never with the launcher's
 grid of one block per row); the group reductions are warp shuffles.
 
@@ -52,7 +51,7 @@ from executor.kernels.rope import (
 )
 from executor.kernels.rope_layout import MAX_THREADS as ROPE_MAX_THREADS
 from executor.kernels.rope_layout import vector_group_threads
-from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
+from executor.kernels.vector import VECTOR_WORDS, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
@@ -97,35 +96,6 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
     group_sum = build_group_sum()
     lanes = lanes_for(codec)
     words = word_type(codec)
-    load = codec.load
-    get_lane = build_lanes(codec)[0]
-
-    @cuda.jit(device=True, inline=True)
-    def load_unit(x, t, h, unit, half, pairs, lo, hi):
-        """A thread's one unit of head (t, h) into lo/hi, as head_squares loads it."""
-        if unit < pairs:
-            load_vector(x, (t, h, unit * lanes), lo, 0)
-            load_vector(x, (t, h, half + unit * lanes), hi, 0)
-        else:
-            load_vector(x, (t, h, half + unit * lanes), lo, 0)
-
-    @cuda.jit(device=True, inline=True)
-    def squares(chunk):
-        total = float32(0.0)
-        for j in range(lanes):
-            value = load(get_lane(chunk, j))
-            total += value * value
-        return total
-
-    @cuda.jit(device=True, inline=True)
-    def unit_squares(unit, pairs, lo, hi):
-        """head_squares' sum over one loaded unit, in its order (0 + the unit's squares)."""
-        partial = float32(0.0)
-        if unit < pairs:
-            partial += squares(lo) + squares(hi)
-        else:
-            partial += squares(lo)
-        return partial
 
     # The simulator's jit takes no launch_bounds (and has no registers to bound).
     launch_options = {} if simulator_enabled() else {"launch_bounds": MAX_FUSED_THREADS}
@@ -148,31 +118,20 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
             shared, head_dim, rotary_dim, theta, group_threads)
         for t in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
             page, slot = cache_slot(t, batch_indices, positions, page_indices, page_indptr, k_cache.shape[1])
+            store_cos_sin(shared, inv_freq_at, cos_at, sin_at, half, float32(positions[t]))
+            cuda.syncthreads()
             # Every thread runs every head round (group_sum needs the whole block / warp).
             for first_head in range(0, walk_heads, groups):
                 h = first_head + cuda.threadIdx.x // group_threads
-                # A thread of one unit issues its loads before the row's cos/sin, so the sincos and the
-                # barrier run while they are in flight (decode: a latency-bound block a row).
-                loaded = one_unit and lane < units and h < norm_heads
-                if loaded:
-                    if h < q_heads:
-                        load_unit(q, t, h, lane, half, pairs, lo, hi)
-                    else:
-                        load_unit(k, t, h - q_heads, lane, half, pairs, lo, hi)
-                elif h >= norm_heads and h < walk_heads:  # a v head: a plain copy, no reduction of its own
-                    for chunk in range(lane, v_chunks, group_threads):
-                        load_vector(v, (t, h - norm_heads, chunk * lanes), lo, 0)
-                        store_vector(v_cache, (page, slot, h - norm_heads, chunk * lanes), lo, 0)
-                if first_head == 0:
-                    store_cos_sin(shared, inv_freq_at, cos_at, sin_at, half, float32(positions[t]))
-                    cuda.syncthreads()
                 partial = float32(0.0)
-                if loaded:
-                    partial = unit_squares(lane, pairs, lo, hi)
-                elif h < q_heads:
+                if h < q_heads:
                     partial = head_squares(q, t, h, lane, group_threads, half, pairs, units, lo, hi)
                 elif h < norm_heads:
                     partial = head_squares(k, t, h - q_heads, lane, group_threads, half, pairs, units, lo, hi)
+                elif h < walk_heads:  # a v head: a plain copy, done before the reduction it does not need
+                    for chunk in range(lane, v_chunks, group_threads):
+                        load_vector(v, (t, h - norm_heads, chunk * lanes), lo, 0)
+                        store_vector(v_cache, (page, slot, h - norm_heads, chunk * lanes), lo, 0)
                 inv_rms = inv_rms_from_sum(group_sum(shared, partial, group_threads), head_dim, eps)
                 if h < q_heads:
                     # q has no cache: q_norm_rope's put_chunk ignores the (q, 0, 0) passed as cache, page, slot.
