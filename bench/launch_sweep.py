@@ -69,7 +69,7 @@ SMOKE_ATTENTION = (AttentionShape(2, 12, None), AttentionShape(1, 12, 8))
 #: (name, out rows N, in features K, kernel): Qwen3-8B's projections.
 REAL_GEMVS = (("qkv", 6144, 4096, "norm_project"), ("gate_up", 24576, 4096, "norm_swiglu"),
               ("o_proj", 4096, 4096, "project_add"), ("down", 4096, 12288, "project_add"))
-SMOKE_GEMVS = (("qkv", 32, 64, "norm_project"), ("gate_up", 64, 64, "norm_swiglu"), ("down", 16, 32, "project_add"))
+SMOKE_GEMVS = (("qkv", 24, 64, "norm_project"), ("gate_up", 32, 64, "norm_swiglu"), ("down", 16, 32, "project_add"))
 
 
 def parse_attention(text: str) -> list[dict[str, Any]]:
@@ -233,54 +233,6 @@ def sweep_gemv(env: Env, args: argparse.Namespace) -> str:
                           [False, *(True for _ in args.gemv)])
 
 
-def sweep_small_batch(env: Env, args: argparse.Namespace) -> str:
-    """Each projection at each batch of ``--small-batches``: gemv.py's CUDA-core kernel (where its
-    staged rows fit), gemv_mma.py's tensor-core kernel, and cuBLAS (``torch.matmul`` alone, without
-    the RMSNorm, SwiGLU or residual launches the fused kernels include)."""
-    from executor.kernels.codec import build_codec
-    from executor.kernels.gemv import Gemv
-    from executor.kernels.gemv_mma import GemvMma
-
-    torch, bits = env.torch, (lambda x: x.view(env.torch.int16))
-    gemvs = SMOKE_GEMVS if args.smoke else REAL_GEMVS
-    copies = 1 if args.smoke else GEMV_WEIGHT_COPIES
-    kernels = {"cuda cores": Gemv(build_codec("bfloat16"), True), "tensor cores": GemvMma(True)}
-    headers, rows = ["projection"], []
-    for name, out_rows, in_features, kernel in gemvs:
-        gated = kernel == "norm_swiglu"
-        weights = [env.randn(out_rows, in_features, scale=in_features ** -0.5) for _ in range(copies)]
-        norm_weight = env.randn(in_features)
-        cells = []
-        for batch in args.small_batches:
-            x = env.randn(batch, in_features)
-            out = torch.empty(batch, out_rows // 2 if gated else out_rows, dtype=torch.bfloat16, device=env.device)
-            full = torch.empty(batch, out_rows, dtype=torch.bfloat16, device=env.device)
-            for label, gemv in (*kernels.items(), ("cuBLAS", None)):
-                if not rows:
-                    headers.append(f"{label}, batch {batch}")
-                if label == "cuda cores" and batch > 2:  # its staged rows: 2 of Qwen3-8B's hidden size
-                    cells.append("-")
-                    continue
-                turn = iter(range(10**9))
-
-                def launch(stream: Any, gemv: Any = gemv, x: Any = x, out: Any = out, full: Any = full) -> None:
-                    weight = weights[next(turn) % copies]
-                    if gemv is None:
-                        torch.matmul(x, weight.t(), out=full)
-                    elif kernel == "project_add":
-                        gemv.project_add(bits(x), bits(weight), bits(out), stream=stream)
-                    else:
-                        getattr(gemv, kernel)(bits(x), bits(norm_weight), 1e-6, 0.0, bits(weight), bits(out),
-                                              stream=stream)
-
-                us = time_us(env, launch, max(args.inner, copies), args.repeats, True)
-                cells.append(f"{fmt(us, 1)}")
-        rows.append([f"{name} {out_rows} x {in_features}", *cells])
-        print(f"small batch {rows[-1]}", file=sys.stderr)
-        del weights
-    return markdown_table(headers, rows, [False, *(True for _ in headers[1:])])
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--attention", type=parse_attention, default=parse_attention(
@@ -297,8 +249,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grid-tiles", type=int, default=0,
                         help="pad each attention call's grid to this many tiles a request with empty tiles, as a "
                              "decode graph sized for that many kv chunks a row (0: the call's tiles only)")
-    parser.add_argument("--small-batches", type=lambda text: [int(n) for n in text.split(",")], default=None,
-                        help="also time each projection at these batches (1..8) on CUDA cores, tensor cores and cuBLAS")
     parser.add_argument("--no-attention", action="store_true")
     parser.add_argument("--no-gemv", action="store_true")
     parser.add_argument("--repeats", type=int, default=30, help="timed graph replays (median)")
@@ -334,9 +284,6 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_gemv:
         sections.append("Fused GEMVs at batch 1 (W warps a block x B blocks an SM; weight bytes over time):\n\n"
                         + sweep_gemv(env, args))
-    if args.small_batches:
-        sections.append("Small-batch projections (fused GEMVs on CUDA cores or tensor cores, cuBLAS GEMM alone; "
-                        "us):\n\n" + sweep_small_batch(env, args))
     emit("Decode kernel launch configurations (bench/launch_sweep.py)", run_info(env.device),
          "\n\n".join(sections), args.out)
 
