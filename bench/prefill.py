@@ -10,9 +10,10 @@ One request per prompt length, random ids, random bf16 weights of the real shape
   asks for max_prefill_tokens = the longest prompt), each ``model.step(plan_step(plan, [chunk]))``; the
   recurrent slot is reset between repeats. Time = the whole prefill, median of ``--repeats``.
 - ``--prefill-attention``: the serving prefill_attention backend(s) of chunks of >= gemm_attention_min_tokens
-  tokens: gemm (two batched GEMMs over a score tile, the default) and/or flash (one FlashAttention launch a
-  chunk; bf16 models with head_dim a multiple of 32, so not the float32 --smoke configs). One plan, arena
-  and row set per backend, run one after the other in the same process.
+  tokens: auto (the serving default, which plans flash where the kernel takes the model, else gemm), gemm
+  (two batched GEMMs over a score tile) and/or flash (one FlashAttention launch a chunk; bf16 models with
+  head_dim a multiple of 32, so not the float32 --smoke configs). One plan, arena and row set per backend,
+  run one after the other in the same process; rows name the plan's backend.
 - HF eager (SDPA): one forward of the prompt into a fresh DynamicCache, logits of the last row only (once
   per model and prompt, shown on every backend's row).
 - GEMM rate: FLOPs of every GEMM of the prefill = 2 x tokens x (elements of every weight matrix but the
@@ -225,7 +226,7 @@ def notes(cells: list[Cell], plans: dict[tuple[str, str], MemoryPlan], matmul_ra
     lines = [f"{args.matmul_dtype} matmul peak: {matmul_rate / 1e12:,.0f} TFLOP/s (`torch.matmul` of two "
              f"{args.matmul_size}^2 matrices, median)."]
     for (name, backend), plan in plans.items():
-        lines.append(f"{name} ({backend}): plan max_prefill_tokens {plan.capacity.max_prefill_tokens}, max_context "
+        lines.append(f"{name} ({plan.capacity.prefill_attention}): plan max_prefill_tokens {plan.capacity.max_prefill_tokens}, max_context "
                      f"{plan.capacity.max_context}, gpu_memory_utilization {plan.serving.gpu_memory_utilization}, "
                      f"prefill pool {plan.pool('prefill').bytes / 2**20:,.1f} MiB; {_long_chunks(plan)}")
     if not args.profile:
@@ -257,16 +258,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-profile", dest="profile", action="store_false", help="skip the torch.profiler run")
     parser.add_argument("--matmul-size", type=int, default=8192)
-    parser.add_argument("--prefill-attention", type=str_list, default=["gemm"],
-                        help="comma-separated serving prefill_attention backends to run side by side: gemm, flash "
-                             "(default gemm)")
+    parser.add_argument("--prefill-attention", type=str_list, default=["auto"],
+                        help="comma-separated serving prefill_attention backends to run side by side: auto, gemm, "
+                             "flash (default auto, the serving default: flash where the kernel takes the model)")
     add_plan_arguments(parser, "default: the smallest that holds the longest prompt",
                        "tiny configs in the simulator, prompts 8,24 in chunks of 16, HF on CPU")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.prefill_attention) - set(get_args(PrefillAttention)))
+    choices = ("auto", *get_args(PrefillAttention))
+    unknown = sorted(set(args.prefill_attention) - set(choices))
     if unknown or not args.prefill_attention:
-        parser.error(f"--prefill-attention {','.join(args.prefill_attention)}: each must be one of "
-                     f"{', '.join(get_args(PrefillAttention))}")
+        parser.error(f"--prefill-attention {','.join(args.prefill_attention)}: each must be one of {', '.join(choices)}")
     resolve_plan_arguments(args)
     if args.smoke:
         args.prompts = args.prompts or [8, 24]
@@ -292,7 +293,9 @@ def main(argv: list[str] | None = None) -> None:
         by_backend = {}
         for backend in args.prefill_attention:
             plan = plans[(model_name, backend)] = prefill_plan(model_name, backend, args)
-            cells = by_backend[backend] = [Cell(plan.model.name, backend, n) for n in sorted(args.prompts)]
+            # The plan's backend: "auto" resolved (flash or gemm).
+            cells = by_backend[backend] = [Cell(plan.model.name, plan.capacity.prefill_attention, n)
+                                           for n in sorted(args.prompts)]
             run_memplan(plan, cells, args, device)
             all_cells += cells
         if not args.no_hf:  # once per model: the same HF forward is every backend's reference
