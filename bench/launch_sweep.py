@@ -1,6 +1,7 @@
 """Launch-configuration sweeps of the decode kernels whose defaults came from measurement (issue 6).
 
-    python3 bench/launch_sweep.py [--attention mma:auto,mma:2:3,128:4:4,...] [--gemv 4x4,16x1,...] [--out FILE]
+    python3 bench/launch_sweep.py [--attention mma:auto,mma:2:3,128:4:4,...] [--shapes 1:512:64,64:4096,...]
+                                  [--gemv 4x4,16x1,...] [--out FILE]
     python3 bench/launch_sweep.py --smoke     # tiny shapes in the Numba CUDA simulator (checks the script)
 
 - Decode attention (executor/kernels/decode_attention.py) at Qwen3-8B's heads (32 q / 8 kv heads of
@@ -9,11 +10,12 @@
   bound's blocks an SM; ``mma:auto``, the launcher's own pick (four warps of two slots up to two
   (row, kv head) pairs an SM, two warps of three slots past that); ``NT:U:B``, the CUDA-core kernel
   with NT threads a block, U keys a lane group loads before using any, B the launch bound's blocks
-  an SM ("none": no bound, "auto": the kernel's rule). Shapes (requests x cached tokens): unsplit ones, as bench/kernels.py
-  times, get their K/V bytes over the time as a share of the copy bandwidth; split ones (batch 1, kv
-  chunks of 64 or 128 keys, as a decode step plans them) include the merge launch. K and V are
-  separate caches with shuffled pages, or with ``--kv-layers N`` the engine's pool, where a page
-  holds N layers' K and V and each request's pages come in order (as in bench/decode.py).
+  an SM ("none": no bound, "auto": the kernel's rule). Shapes (requests x cached tokens, ``--shapes``
+  B:C[:K], kv chunks of K keys): unsplit ones, as bench/kernels.py times, get their K/V bytes over the
+  time as a share of the copy bandwidth; split ones (by default batch 1 in chunks of 64 or 128 keys, as
+  a decode step plans them) include the merge launch. K and V are separate caches with shuffled
+  pages, or with ``--kv-layers N`` the engine's pool, where a page holds N layers' K and V and each
+  request's pages come in order (as in bench/decode.py).
 - The fused GEMVs (executor/kernels/gemv.py) at batch 1 on Qwen3-8B's projections: qkv and gate_up
   with their RMSNorm prologue (gate_up with SwiGLU), o_proj and down with the residual add.
   Configuration ``WxB``: W warps a block, B blocks an SM. Each graph cycles over distinct weight
