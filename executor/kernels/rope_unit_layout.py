@@ -101,26 +101,22 @@ def build_unit_kernel(
         return a_cos - b_sin, b_cos + a_sin
 
     @cuda.jit(device=True, **NVVM_INLINE)
-    def unit_cos_sin(position, inv_freq, cos, sin):
-        """A pair unit's 8 cos/sin at ``position``, rounded (HF casts them to the activation dtype)."""
-        for k in range(lanes):
-            angle = position * inv_freq[k]
-            cos[k], sin[k] = rounded_pair(math.cos(angle), math.sin(angle))
-
-    @cuda.jit(device=True, **NVVM_INLINE)
-    def shared_cos_sin(word_scratch, position, inv_freq, source, cos, sin):
-        """A pair unit's 8 cos/sin at ``position``, rounded: this thread computes per_slot of them (its
-        slot's in the sharing group), and frequency k comes from the group's slot k // per_slot, whose
-        unit-mate is thread ``source + (k // per_slot) * gt``. Every thread of the block calls it."""
+    def unit_cos_sin(word_scratch, position, inv_freq, source, cos, sin):
+        """A pair unit's 8 cos/sin at ``position``, rounded (HF casts them to the activation dtype, one
+        cvt.rn.bf16x2 a pair here): this thread computes per_slot of them (its slot's in the sharing
+        group), and with share > 1 frequency k comes from the group's slot k // per_slot, whose
+        unit-mate is thread ``source + (k // per_slot) * gt``; then every thread of the block calls it."""
         mine = cuda.local.array(per_slot, int32)
         for i in range(per_slot):
             angle = position * inv_freq[i]
-            mine[i] = pack(math.cos(angle), math.sin(angle))  # rounded_pair's rounding, as one word
+            mine[i] = pack(math.cos(angle), math.sin(angle))
         for k in range(lanes):
-            from_thread = source + (k // per_slot) * gt
-            if sim:  # an idle slot's partial group in a block of whole groups (not whole warps)
-                from_thread = min(from_thread, cuda.blockDim.x - 1)
-            word = exchange(word_scratch, mine[k % per_slot], from_thread)
+            word = mine[k % per_slot]
+            if share > 1:
+                from_thread = source + (k // per_slot) * gt
+                if sim:  # an idle slot's partial group in a block of whole groups (not whole warps)
+                    from_thread = min(from_thread, cuda.blockDim.x - 1)
+                word = exchange(word_scratch, word, from_thread)
             cos[k], sin[k] = load(word), load(word >> 16)
 
     @cuda.jit(device=True, **NVVM_INLINE)
@@ -169,10 +165,8 @@ def build_unit_kernel(
                    inv_freq, cos_source, cos, sin, head0, head1, head2, head3):
         """Row t from its loaded units: cos/sin (while the loads are in flight), the heads' inv_rms,
         pass 2, the stores."""
-        if share > 1:
-            shared_cos_sin(word_scratch, float32(positions[t]), inv_freq, cos_source, cos, sin)
-        elif active and pair:
-            unit_cos_sin(float32(positions[t]), inv_freq, cos, sin)
+        if share > 1 or (active and pair):  # sharing exchanges need every thread
+            unit_cos_sin(word_scratch, float32(positions[t]), inv_freq, cos_source, cos, sin)
         # Every thread reduces nh times (whole warps on the GPU, the block's barriers in the simulator).
         inv_rms0 = head_inv_rms(scratch, head0, active, pair, eps)
         inv_rms1 = head_inv_rms(scratch, head1, active, pair, eps) if nh > 1 else inv_rms0
