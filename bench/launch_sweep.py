@@ -65,8 +65,7 @@ class Heads:
 
 REAL_HEADS = Heads(32, 8, 128, 16)  # Qwen3-8B
 SMOKE_HEADS = Heads(4, 2, 32, 4)  # the smallest head the tensor-core kernel takes
-REAL_ATTENTION = (AttentionShape(64, 4096, None), AttentionShape(32, 4096, None), AttentionShape(1, 512, 64),
-                  AttentionShape(1, 4096, 128))
+REAL_ATTENTION = "64:4096,32:4096,1:512:64,1:4096:128"  # --shapes' default (parse_shapes)
 SMOKE_ATTENTION = (AttentionShape(2, 12, None), AttentionShape(1, 12, 8))
 #: (name, out rows N, in features K, kernel): Qwen3-8B's projections.
 REAL_GEMVS = (("qkv", 6144, 4096, "norm_project"), ("gate_up", 24576, 4096, "norm_swiglu"),
@@ -152,10 +151,11 @@ def attention_call(env: Env, heads: Heads, shape: AttentionShape, general: Any,
     q_indptr, kv_lens = list(range(b + 1)), [c] * b
     max_splits = -(-c // shape.kv_chunk) if shape.kv_chunk else 1
     split = {"kv_chunk": shape.kv_chunk, "max_splits": max_splits} if shape.kv_chunk else {}
-    tiles = plan_tiles(q_indptr, kv_lens, **split)
-    if grid_tiles:
-        pad = grid_tiles * b - len(tiles[0])
-        tiles = (np.r_[tiles[0], np.full(pad, -1)], *(np.r_[t, np.zeros(pad, int)] for t in tiles[1:3]), tiles[3])
+    if grid_tiles:  # plan_tiles fills the capacity-sized buffers and marks the tail tiles padding (-1)
+        tiles = (*(np.zeros(grid_tiles * b, np.int32) for _ in range(3)), np.zeros(b, np.int32))
+        plan_tiles(q_indptr, kv_lens, out=tiles, **split)
+    else:
+        tiles = plan_tiles(q_indptr, kv_lens, **split)
     tiles = [as_int32(a) for a in tiles]
     meta = (as_int32(order), as_int32([r * pages_per_request for r in range(b + 1)]),
             as_int32([c - (pages_per_request - 1) * page] * b), as_int32(q_indptr), as_int32(range(b)),
@@ -179,7 +179,7 @@ def sweep_attention(env: Env, args: argparse.Namespace, copy_bytes_per_s: float)
     from executor.kernels.decode_attention import DecodeAttention
 
     heads = SMOKE_HEADS if args.smoke else REAL_HEADS
-    shapes = SMOKE_ATTENTION if args.smoke else args.shapes or REAL_ATTENTION
+    shapes = SMOKE_ATTENTION if args.smoke else args.shapes
     codec = build_codec("bfloat16")
     group = heads.q // heads.kv
     general = PagedAttention(codec, heads.dim, group, **({"threads": 32} if args.smoke else {}))
@@ -240,9 +240,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention", type=parse_attention, default=parse_attention(
         "mma:auto,mma:4:2,mma:2:3,mma:2:4,128:4:auto"),
         help="NT:U:B, mma:W:S[:B] or mma:auto configurations (module docstring)")
-    parser.add_argument("--shapes", type=parse_shapes, default=None,
+    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(REAL_ATTENTION),
                         help="decode attention shapes B:C[:K] (B requests of C tokens, kv chunks of K keys; "
-                             "default: 64:4096,32:4096,1:512:64,1:4096:128)")
+                             f"default: {REAL_ATTENTION})")
     parser.add_argument("--gemv", type=parse_gemv, default=parse_gemv("4x4,8x2,16x1,2x8,4x3,8x3"),
                         help="WxB configurations (module docstring)")
     parser.add_argument("--kv-layers", type=int, default=0,

@@ -225,8 +225,9 @@ def notes(cells: list[Cell], plans: dict[tuple[str, str], MemoryPlan], matmul_ra
           args: argparse.Namespace) -> str:
     lines = [f"{args.matmul_dtype} matmul peak: {matmul_rate / 1e12:,.0f} TFLOP/s (`torch.matmul` of two "
              f"{args.matmul_size}^2 matrices, median)."]
-    for (name, backend), plan in plans.items():
-        lines.append(f"{name} ({plan.capacity.prefill_attention}): plan max_prefill_tokens {plan.capacity.max_prefill_tokens}, max_context "
+    for (name, _), plan in plans.items():
+        lines.append(f"{name} ({plan.capacity.prefill_attention}): plan max_prefill_tokens "
+                     f"{plan.capacity.max_prefill_tokens}, max_context "
                      f"{plan.capacity.max_context}, gpu_memory_utilization {plan.serving.gpu_memory_utilization}, "
                      f"prefill pool {plan.pool('prefill').bytes / 2**20:,.1f} MiB; {_long_chunks(plan)}")
     if not args.profile:
