@@ -1,6 +1,7 @@
 """Causal prefill attention of one layer: memplan's tensor-core flash kernel vs torch SDPA.
 
     python3 bench/attention.py [--models qwen3-8b,qwen3.5-9b] [--prompts 4096,16384] [--out FILE]
+                               [--block-shapes default,4:32:2]   # warps:keys:m-tiles, a row each
     python3 bench/attention.py --smoke     # a tiny shape in the Numba CUDA simulator (checks the script)
 
 For each model's attention heads (Qwen3-8B: 32 q / 8 kv heads of 128; Qwen3.5-9B: 16 / 4 of 256
@@ -13,16 +14,21 @@ to itself, bf16. The script reports:
   calls it after ``repeat_kv``. (Unbatched [heads, tokens, D] inputs with ``enable_gqa=True`` ran at
   10-15 TFLOP/s on the H200 with torch 2.11: not its flash kernel.)
 
-Time is the median of ``--repeats`` launches between CUDA events. TFLOP/s counts the causal
+``--block-shapes`` times the kernel at other block shapes (executor.kernels.flash_attention.BlockShape)
+beside the one ``block_shape`` picks, SDPA once for them all; each row names its shape and the
+registers and spilled (local) bytes a thread of that kernel holds. Time is the median of
+``--repeats`` launches between CUDA events. TFLOP/s counts the causal
 half of 4 x T^2 x Hq x D (QK^T and PV). The memplan kernel's largest difference from float64
 attention over the first and last 64 query rows is printed too.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -42,8 +48,37 @@ HEADS = {"qwen3-8b": Heads(32, 8, 128, False), "qwen3.5-9b": Heads(16, 4, 256, T
 SMOKE_HEADS = Heads(2, 1, 32, True)
 
 
-def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, smoke: bool) -> list[str]:
-    from executor.kernels.flash_attention import FlashAttention
+def parse_shapes(text: str) -> list[Any]:
+    """``default,4:32:2`` -> [None, BlockShape(4, 32, 2)] (None: block_shape's choice)."""
+    from executor.kernels.flash_attention import BlockShape
+
+    shapes = []
+    for item in str_list(text):
+        if item == "default":
+            shapes.append(None)
+            continue
+        try:
+            warps, keys, m_tiles = (int(part) for part in item.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"block shape {item!r}: expected warps:keys:m-tiles or default") from None
+        shapes.append(BlockShape(warps, keys, m_tiles))
+    return shapes
+
+
+def kernel_registers(flash: Any, heads: Heads) -> str:
+    """``registers / local bytes`` a thread of the compiled kernel holds (n/a in the simulator)."""
+    _, kernel = flash.kernel(heads.head_dim, heads.q_heads // heads.kv_heads)
+    if kernel.simulated:
+        return "n/a"
+    attributes = next(iter(kernel.dispatcher.overloads.values()))._codelibrary.get_cufunc().attrs
+    return f"{attributes.regs} / {attributes.local}"
+
+
+def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, shapes: list[Any],
+            smoke: bool) -> list[list[str]]:
+    """One row per block shape: [shape, prompt tokens, heads, registers, ours us, TFLOP/s, SDPA us, TFLOP/s,
+    SDPA / ours, error]."""
+    from executor.kernels.flash_attention import FlashAttention, block_shape
     from tests.kernels.attention_reference import causal_attention
 
     width = 2 * heads.head_dim if heads.strided_q else heads.head_dim
@@ -51,12 +86,7 @@ def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, smo
     k = torch.randn(heads.kv_heads, tokens, heads.head_dim, device=device).bfloat16()  # GatherKv's layout
     v = torch.randn(heads.kv_heads, tokens, heads.head_dim, device=device).bfloat16()
     out = torch.empty(tokens, heads.q_heads, heads.head_dim, device=device).bfloat16()
-    flash = FlashAttention()
     bits = [t.view(torch.int16) for t in (q, k, v, out)]  # the simulator, too, takes torch tensors as they are
-
-    def ours() -> None:
-        flash(*bits, tokens, stream=runtime.current_stream())
-
     qt = q.transpose(0, 1)[None]  # [1, Hq, T, D], batched like HF's call
     group = heads.q_heads // heads.kv_heads
     k_repeated, v_repeated = (t.repeat_interleave(group, dim=0)[None] for t in (k, v))
@@ -64,30 +94,45 @@ def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, smo
     def sdpa() -> None:
         torch.nn.functional.scaled_dot_product_attention(qt, k_repeated, v_repeated, is_causal=True)
 
-    ours()
+    flops = 4 * tokens * tokens * heads.q_heads * heads.head_dim / 2
+    sdpa_us = None
+    if not smoke:
+        sdpa()  # warm-up
+        sdpa_us = event_median_us(sdpa, repeats)
     # float64 check on the first and last query rows (all T x T scores would not fit at 16384 tokens).
     rows = torch.cat([torch.arange(min(64, tokens)), torch.arange(max(0, tokens - 64), tokens)]).unique().to(device)
-    error = (out[rows].double() - causal_attention(q, k, v, tokens, rows)).abs().max().item()
-    flops = 4 * tokens * tokens * heads.q_heads * heads.head_dim / 2
-    if smoke:
-        return [str(tokens), f"{heads.q_heads}/{heads.kv_heads} x {heads.head_dim}", "n/a", "n/a", "n/a", "n/a",
-                "n/a", f"{error:.4f}"]
-    sdpa()  # warm-up (ours ran above)
-    ours_us, sdpa_us = event_median_us(ours, repeats), event_median_us(sdpa, repeats)
-    log(f"{tokens} tokens: ours {ours_us:.1f} us, SDPA {sdpa_us:.1f} us")
-    return [f"{tokens:,}", f"{heads.q_heads}/{heads.kv_heads} x {heads.head_dim}", fmt(ours_us, 1),
-            fmt(flops / ours_us / 1e6, 0), fmt(sdpa_us, 1), fmt(flops / sdpa_us / 1e6, 0), fmt(sdpa_us / ours_us),
-            f"{error:.4f}"]
+    expected = causal_attention(q, k, v, tokens, rows)
+    table = []
+    for shape in shapes:
+        flash = FlashAttention(shape)
+        used = shape or block_shape(heads.head_dim)
+        name = f"{used.warps}:{used.keys}:{used.m_tiles}" + (" (default)" if shape is None else "")
+
+        def ours() -> None:
+            flash(*bits, tokens, stream=runtime.current_stream())
+
+        out.fill_(float("nan"))
+        ours()
+        error = (out[rows].double() - expected).abs().max().item()
+        cells = [name, f"{tokens:,}", f"{heads.q_heads}/{heads.kv_heads} x {heads.head_dim}", kernel_registers(flash, heads)]
+        if smoke:
+            table.append([*cells, "n/a", "n/a", "n/a", "n/a", "n/a", f"{error:.4f}"])
+            continue
+        ours_us = event_median_us(ours, repeats)
+        log(f"{tokens} tokens, block {name}: ours {ours_us:.1f} us, SDPA {sdpa_us:.1f} us")
+        table.append([*cells, fmt(ours_us, 1), fmt(flops / ours_us / 1e6, 0), fmt(sdpa_us, 1),
+                      fmt(flops / sdpa_us / 1e6, 0), fmt(sdpa_us / ours_us), f"{error:.4f}"])
+    return table
 
 
 def main() -> None:
-    import argparse
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", type=str_list, default=list(HEADS), help="comma-separated: " + ", ".join(HEADS))
     parser.add_argument("--prompts", type=int_list, default=[4096, 16384], help="prompt tokens (default 4096,16384)")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--block-shapes", type=parse_shapes, default=[None],
+                        help="comma-separated warps:keys:m-tiles, or default (block_shape's choice); default: default")
     parser.add_argument("--smoke", action="store_true", help="a 70-token prompt of tiny heads in the simulator")
     parser.add_argument("--out", default=None, help="append the result as a markdown section to this file")
     args = parser.parse_args()
@@ -103,14 +148,16 @@ def main() -> None:
     for model in args.models:
         for tokens in [70] if args.smoke else args.prompts:
             heads = SMOKE_HEADS if args.smoke else HEADS[model]
-            rows.append(["tiny (smoke)" if args.smoke else model, *measure(torch, device, runtime, heads, tokens, args.repeats, args.smoke)])
+            for row in measure(torch, device, runtime, heads, tokens, args.repeats, args.block_shapes, args.smoke):
+                rows.append(["tiny (smoke)" if args.smoke else model, *row])
             if args.smoke:
                 break
         if args.smoke:
             break
-    table = markdown_table(["model", "prompt tokens", "q/kv heads x D", "memplan us", "memplan TFLOP/s", "SDPA us",
-                            "SDPA TFLOP/s", "SDPA / memplan", "max abs err vs float64"],
-                           rows, [False, True, False, True, True, True, True, True, True])
+    table = markdown_table(["model", "block (warps:keys:m-tiles)", "prompt tokens", "q/kv heads x D",
+                            "registers / local bytes", "memplan us", "memplan TFLOP/s", "SDPA us", "SDPA TFLOP/s",
+                            "SDPA / memplan", "max abs err vs float64"],
+                           rows, [False, False, True, False, False, True, True, True, True, True, True])
     emit("Causal prefill attention of one layer (bench/attention.py)", run_info(device), table, args.out)
 
 

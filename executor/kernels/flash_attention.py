@@ -42,8 +42,9 @@ import numpy as np
 
 from executor.kernels.launch import Kernel
 from executor.kernels.async_copy import build_async_copy, build_shared_address
-from executor.kernels.mma import build_fragment_loads, build_mma_bf16, build_pack_bf16x2
+from executor.kernels.mma import build_a_fragment_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.reduce import build_group_max, build_group_sum
+from executor.kernels.shared_tile import build_shared_tile
 from executor.kernels.vector import as_words, vector_aligned
 from executor.numba_cuda import load_cuda, simulator_enabled
 
@@ -52,20 +53,23 @@ from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
 PAD_WORDS = 4  # per staged row: shifts consecutive rows by 4 banks (16 bytes, keeping rows 16-byte aligned)
 LOG2_E = 1.4426950408889634
-#: Shared memory a block may use without the opt-in attribute (launch.py's limit).
+#: Static shared memory a block may declare (PTX's limit): the K and V tiles must fit it; Q's tile is dynamic.
 STATIC_SHARED_BYTES = 48 * 1024
+#: Registers a thread may hold, and the float32 O accumulators that leave room for the rest of the loop.
+MAX_O_VALUES_PER_THREAD = 128
 
 
 @dataclass(frozen=True)
 class BlockShape:
-    """A block's work: ``warps`` warps of 16 query rows each, ``keys`` keys staged a round."""
+    """A block's work: ``warps`` warps of ``m_tiles`` 16-row query tiles each, ``keys`` keys staged a round."""
 
     warps: int
     keys: int
+    m_tiles: int
 
     @property
     def rows(self) -> int:
-        return 16 * self.warps
+        return 16 * self.m_tiles * self.warps
 
     @property
     def threads(self) -> int:
@@ -73,62 +77,77 @@ class BlockShape:
 
 
 def block_shape(head_dim: int) -> BlockShape:
-    """4 warps and 64 keys where K and V of 64 keys fit STATIC_SHARED_BYTES, else 8 warps and 32 keys.
+    """Two query m-tiles a warp where their O accumulators fit registers (D <= 128), else one; 64 keys a
+    round where K and V of 64 keys fit STATIC_SHARED_BYTES, else 32; 4 warps.
 
-    Measured on the H200 (2026-11-30, one layer at 4096 / 16384 tokens, TFLOP/s): D 128 with 4
-    warps ran at 211 / 277 with 64 keys, 177 / 227 with 32; 8 warps and 64 keys 189 / 250. For
-    D 256, 64 keys do not fit: 8 warps and 32 keys 160 / 224, 4 warps and 16 keys 151 / 206.
-    Capping registers for more blocks an SM only spilled and slowed it (D 128, 4 warps: 64 keys at
-    3 blocks an SM 181 / 243, 32 keys at 3 / 4 blocks 175 / 230 and 148 / 191; docs/benchmarks.md).
+    A warp's second m-tile reuses every K and V fragment it loads from shared memory, which halves the
+    shared-memory bytes an MMA of P V costs: the loop is bound by those loads, not by the tensor cores.
     """
-    for shape in (BlockShape(4, 64), BlockShape(8, 32)):
-        if staged_bytes(head_dim, shape.keys) + shape.threads * 4 <= STATIC_SHARED_BYTES:
-            return shape
+    m_tiles = 2 if 2 * (head_dim // 8) * 4 <= MAX_O_VALUES_PER_THREAD else 1
+    for keys in (64, 32):
+        if staged_bytes(head_dim, keys) <= STATIC_SHARED_BYTES:
+            return BlockShape(4, keys, m_tiles)
     raise ValueError(f"flash attention: head_dim {head_dim} does not fit a 32-key block in shared memory")
 
 
 def staged_bytes(head_dim: int, keys: int) -> int:
-    """Shared memory of one staged key block: K and V, each [keys, D/2 + pad] words."""
+    """Static shared memory of one staged key block: K and V, each [keys, D/2 + pad] words."""
     return 2 * 4 * keys * (head_dim // 2 + PAD_WORDS)
 
 
-def build_flash_attention(head_dim: int, keys: int, group: int, warps: int) -> Callable[..., Any]:
+def query_tile_bytes(head_dim: int, shape: BlockShape) -> int:
+    """Dynamic shared memory of a block's query tile: [rows, D/2 + pad] words."""
+    return 4 * shape.rows * (head_dim // 2 + PAD_WORDS)
+
+
+def build_flash_attention(head_dim: int, keys: int, group: int, warps: int, m_tiles: int) -> Callable[..., Any]:
     """Kernel ``(q [rows, Hq, D/2], k, v [Hkv, >= kv_len, D/2], out [rows, Hq, D/2] int32 words,
-    rows, kv_len, first_position int32, scale_log2 f32)``; grid (ceil(rows / (16 warps)), Hq),
-    32 warps threads, 128 warps bytes of dynamic shared memory (the simulator's quad reductions).
+    rows, kv_len, first_position int32, scale_log2 f32)``; grid (ceil(rows / (16 m_tiles warps)), Hq),
+    32 warps threads, ``query_tile_bytes`` of dynamic shared memory.
 
     head_dim a multiple of 32 (a fragment load covers two k-steps of Q K^T), keys of 16, q head h
     reads kv head h // group. scale_log2 is D^-0.5 * log2(e).
     """
-    assert head_dim % 32 == 0 and keys % 16 == 0
-    D, KB = head_dim, keys
-    ROW_WORDS = D // 2 + PAD_WORDS         # a staged K or V row
+    assert head_dim % 32 == 0 and keys % 16 == 0 and m_tiles >= 1
+    D, KB, M = head_dim, keys, m_tiles
+    ROW_WORDS = D // 2 + PAD_WORDS         # a staged Q, K or V row
     K_STEPS = D // 16                      # k-steps of Q K^T
     S_TILES = KB // 8                      # n-tiles of S
     P_STEPS = KB // 16                     # k-steps of P V
     O_TILES = D // 8                       # n-tiles of O
-    CHUNKS_PER_ROW = D // 8                # 16-byte chunks of a K or V row
-    THREADS, ROWS_PER_BLOCK = 32 * warps, 16 * warps
+    CHUNKS_PER_ROW = D // 8                # 16-byte chunks of a Q, K or V row
+    THREADS, WARP_ROWS = 32 * warps, 16 * M
+    ROWS_PER_BLOCK = WARP_ROWS * warps
     COPIES = KB * CHUNKS_PER_ROW // THREADS  # chunks a thread stages of K, and of V, per key block
-    assert COPIES * THREADS == KB * CHUNKS_PER_ROW
-    Q_WORDS, S_VALUES, P_WORDS, O_VALUES = 4 * K_STEPS, 4 * S_TILES, 4 * P_STEPS, 4 * O_TILES
+    Q_COPIES = ROWS_PER_BLOCK * CHUNKS_PER_ROW // THREADS  # chunks a thread stages of Q, once
+    assert COPIES * THREADS == KB * CHUNKS_PER_ROW and Q_COPIES * THREADS == ROWS_PER_BLOCK * CHUNKS_PER_ROW
+    # Per m-tile: a lane's S values, P words and O values.
+    S_VALUES, P_WORDS, O_VALUES = 4 * S_TILES, 4 * P_STEPS, 4 * O_TILES
+    # A lane's registers over all its m-tiles (local arrays need constant sizes).
+    QA_WORDS, SACC_VALUES, PA_WORDS, ACC_VALUES, ROW_STATES = 4 * M, M * S_VALUES, M * P_WORDS, M * O_VALUES, 2 * M
     mma = build_mma_bf16()
     pack = build_pack_bf16x2()
-    lane_address, load_b_x4, load_b_x4_trans = build_fragment_loads()
+    lane_address, _, load_b_x4_trans = build_fragment_loads()
+    load_a_x4 = build_a_fragment_load()
     copy_async, copy_async_wait_all = build_async_copy()
     shared_address = build_shared_address()
+    query_tile = build_shared_tile(ROWS_PER_BLOCK, ROW_WORDS)
     quad_max = build_group_max()
     quad_sum = build_group_sum()
     # ldmatrix and cp.async need 16-byte aligned rows; the simulator takes no alignment (and needs none).
     TILE_ALIGNMENT = None if simulator_enabled() else 16
+    SCRATCH_VALUES = THREADS if simulator_enabled() else 1  # the simulator's quad reductions
 
     @cuda.jit(device=True, inline=True)
-    def load_q(q, r0, r1, h, rows, qa, t):
-        for s in range(K_STEPS):
-            qa[4 * s] = q[r0, h, 8 * s + t] if r0 < rows else 0
-            qa[4 * s + 1] = q[r1, h, 8 * s + t] if r1 < rows else 0
-            qa[4 * s + 2] = q[r0, h, 8 * s + t + 4] if r0 < rows else 0
-            qa[4 * s + 3] = q[r1, h, 8 * s + t + 4] if r1 < rows else 0
+    def stage_q(q, h, first_row, rows, tile, tile_address):
+        """Start copying the block's query rows of head h into tile; zeros past the chunk's rows."""
+        tid = cuda.threadIdx.x
+        for i in range(Q_COPIES):
+            c = tid + i * THREADS
+            row = c // CHUNKS_PER_ROW
+            col = (c % CHUNKS_PER_ROW) * 4
+            valid = first_row + row < rows
+            copy_async(tile, tile_address, (row, col), q, (first_row + row if valid else 0, h, col), valid)
 
     @cuda.jit(device=True, inline=True)
     def stage(src, kvh, first_key, kv_len, tile, tile_address):
@@ -143,44 +162,48 @@ def build_flash_attention(head_dim: int, keys: int, group: int, warps: int) -> C
             copy_async(tile, tile_address, (key, col), src, (kvh, first_key + key if valid else 0, col), valid)
 
     @cuda.jit(device=True, inline=True)
-    def scores(qa, ks, k_lane, sacc):
-        """sacc <- Q K^T of this warp's 16 rows and the staged keys (raw dot products)."""
-        for j in range(S_TILES):
-            c0 = float32(0.0)
-            c1 = float32(0.0)
-            c2 = float32(0.0)
-            c3 = float32(0.0)
-            for s in range(0, K_STEPS, 2):
-                b0, b1, b2, b3 = load_b_x4(ks, k_lane, 8 * j, 8 * s)
-                c0, c1, c2, c3 = mma(qa[4 * s], qa[4 * s + 1], qa[4 * s + 2], qa[4 * s + 3], b0, b1, c0, c1, c2, c3)
-                c0, c1, c2, c3 = mma(qa[4 * s + 4], qa[4 * s + 5], qa[4 * s + 6], qa[4 * s + 7], b2, b3,
-                                     c0, c1, c2, c3)
-            sacc[4 * j] = c0
-            sacc[4 * j + 1] = c1
-            sacc[4 * j + 2] = c2
-            sacc[4 * j + 3] = c3
+    def scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc):
+        """sacc <- Q K^T of this warp's m-tiles and the staged keys (raw dot products). Per k-step,
+        each m-tile's A fragment loads once, and every K fragment (two n-tiles a load) feeds all m-tiles."""
+        for i in range(SACC_VALUES):
+            sacc[i] = float32(0.0)
+        for s in range(K_STEPS):
+            for i in range(M):
+                qa[4 * i], qa[4 * i + 1], qa[4 * i + 2], qa[4 * i + 3] = load_a_x4(qs, q_lane, warp_row + 16 * i, 8 * s)
+            for j in range(0, S_TILES, 2):
+                # K rows 8j.. are n-tile j, rows 8j + 8.. n-tile j + 1: A's quarters are their b0, b1.
+                b0, b0_next, b1, b1_next = load_a_x4(ks, k_lane, 8 * j, 8 * s)
+                for i in range(M):
+                    c = i * S_VALUES + 4 * j
+                    sacc[c], sacc[c + 1], sacc[c + 2], sacc[c + 3] = mma(
+                        qa[4 * i], qa[4 * i + 1], qa[4 * i + 2], qa[4 * i + 3], b0, b1,
+                        sacc[c], sacc[c + 1], sacc[c + 2], sacc[c + 3])
+                    sacc[c + 4], sacc[c + 5], sacc[c + 6], sacc[c + 7] = mma(
+                        qa[4 * i], qa[4 * i + 1], qa[4 * i + 2], qa[4 * i + 3], b0_next, b1_next,
+                        sacc[c + 4], sacc[c + 5], sacc[c + 6], sacc[c + 7])
 
     @cuda.jit(device=True, inline=True)
-    def mask(sacc, first_key, p0, p1, t):
-        """Keys after a row's position to -inf. A stored row's position is below kv_len, so this also
-        drops the zero-filled keys past it."""
+    def mask(sacc, tile, first_key, p0, p1, t):
+        """One m-tile's keys after a row's position to -inf. A stored row's position is below kv_len,
+        so this also drops the zero-filled keys past it."""
         for j in range(S_TILES):
+            c = tile * S_VALUES + 4 * j
             key = first_key + 8 * j + 2 * t
             if key > p0:
-                sacc[4 * j] = -math.inf
+                sacc[c] = -math.inf
             if key + 1 > p0:
-                sacc[4 * j + 1] = -math.inf
+                sacc[c + 1] = -math.inf
             if key > p1:
-                sacc[4 * j + 2] = -math.inf
+                sacc[c + 2] = -math.inf
             if key + 1 > p1:
-                sacc[4 * j + 3] = -math.inf
+                sacc[c + 3] = -math.inf
 
     @cuda.jit(device=True, inline=True)
     def row_max(sacc, first, start):
-        # first: 0 for row g (values 0, 1 of each tile), 2 for row g + 8
+        # first: an m-tile's S values at 0, + 0 for row g (values 0, 1 of each n-tile), + 2 for row g + 8
         best = start
         for j in range(S_TILES):
-            best = max(best, max(sacc[4 * j + first], sacc[4 * j + first + 1]))
+            best = max(best, max(sacc[first + 4 * j], sacc[first + 4 * j + 1]))
         return best
 
     @cuda.jit(device=True, inline=True)
@@ -189,50 +212,61 @@ def build_flash_attention(head_dim: int, keys: int, group: int, warps: int) -> C
         total = float32(0.0)
         for j in range(S_TILES):
             for i in range(2):
-                p = float32(math.exp2(sacc[4 * j + first + i] * scale_log2 - max_log2))
-                sacc[4 * j + first + i] = p
+                p = float32(math.exp2(sacc[first + 4 * j + i] * scale_log2 - max_log2))
+                sacc[first + 4 * j + i] = p
                 total += p
         return total
 
     @cuda.jit(device=True, inline=True)
     def accumulate(sacc, pa, vs, v_lane, o):
         """o += P V: P's bf16 A fragments from the S tiles (two n-tiles make one k-step); V's B
-        fragments transposed out of the key-major tile, two output n-tiles a load."""
-        for s in range(P_STEPS):
-            pa[4 * s] = pack(sacc[8 * s], sacc[8 * s + 1])
-            pa[4 * s + 1] = pack(sacc[8 * s + 2], sacc[8 * s + 3])
-            pa[4 * s + 2] = pack(sacc[8 * s + 4], sacc[8 * s + 5])
-            pa[4 * s + 3] = pack(sacc[8 * s + 6], sacc[8 * s + 7])
-        for j in range(0, O_TILES, 2):
+        fragments transposed out of the key-major tile, two output n-tiles a load, each feeding
+        every m-tile."""
+        for i in range(M):
             for s in range(P_STEPS):
+                c, p = i * S_VALUES + 8 * s, i * P_WORDS + 4 * s
+                pa[p] = pack(sacc[c], sacc[c + 1])
+                pa[p + 1] = pack(sacc[c + 2], sacc[c + 3])
+                pa[p + 2] = pack(sacc[c + 4], sacc[c + 5])
+                pa[p + 3] = pack(sacc[c + 6], sacc[c + 7])
+        for s in range(P_STEPS):
+            for j in range(0, O_TILES, 2):
                 b0, b1, b2, b3 = load_b_x4_trans(vs, v_lane, 16 * s, 4 * j)
-                o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3] = mma(
-                    pa[4 * s], pa[4 * s + 1], pa[4 * s + 2], pa[4 * s + 3], b0, b1,
-                    o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3])
-                o[4 * j + 4], o[4 * j + 5], o[4 * j + 6], o[4 * j + 7] = mma(
-                    pa[4 * s], pa[4 * s + 1], pa[4 * s + 2], pa[4 * s + 3], b2, b3,
-                    o[4 * j + 4], o[4 * j + 5], o[4 * j + 6], o[4 * j + 7])
+                for i in range(M):
+                    p, c = i * P_WORDS + 4 * s, i * O_VALUES + 4 * j
+                    o[c], o[c + 1], o[c + 2], o[c + 3] = mma(
+                        pa[p], pa[p + 1], pa[p + 2], pa[p + 3], b0, b1, o[c], o[c + 1], o[c + 2], o[c + 3])
+                    o[c + 4], o[c + 5], o[c + 6], o[c + 7] = mma(
+                        pa[p], pa[p + 1], pa[p + 2], pa[p + 3], b2, b3, o[c + 4], o[c + 5], o[c + 6], o[c + 7])
 
     @cuda.jit(device=True, inline=True)
     def rescale(o, first, alpha):
+        # first: an m-tile's O values at 0, + 0 for row g, + 2 for row g + 8
         for j in range(O_TILES):
-            o[4 * j + first] *= alpha
-            o[4 * j + first + 1] *= alpha
+            o[first + 4 * j] *= alpha
+            o[first + 4 * j + 1] *= alpha
 
     @cuda.jit
     def flash_attention(q, k, v, out, rows, kv_len, first_position, scale_log2):
-        scratch = cuda.shared.array(0, float32)  # the simulator's quad reductions
+        scratch = cuda.shared.array(SCRATCH_VALUES, float32)
+        dynamic = cuda.shared.array(0, int32, alignment=TILE_ALIGNMENT)
+        qs = query_tile(dynamic, 0)
         ks = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
         vs = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
         # Shared addresses taken once: each copy and fragment load then adds a constant offset.
+        qs_address = shared_address(qs, (0, 0))
         ks_address = shared_address(ks, (0, 0))
         vs_address = shared_address(vs, (0, 0))
-        k_lane = lane_address(ks, False)
+        # A's quarters are the transposed load's matrices, untransposed: Q's, and K's two n-tiles at a time.
+        q_lane = lane_address(qs, True)
+        k_lane = lane_address(ks, True)
         v_lane = lane_address(vs, True)
-        qa = cuda.local.array(Q_WORDS, int32)
-        sacc = cuda.local.array(S_VALUES, float32)
-        pa = cuda.local.array(P_WORDS, int32)
-        o = cuda.local.array(O_VALUES, float32)
+        qa = cuda.local.array(QA_WORDS, int32)
+        sacc = cuda.local.array(SACC_VALUES, float32)
+        pa = cuda.local.array(PA_WORDS, int32)
+        o = cuda.local.array(ACC_VALUES, float32)
+        row_maxima = cuda.local.array(ROW_STATES, float32)  # running, raw score units; [2 i] row g, [2 i + 1] g + 8
+        row_sums = cuda.local.array(ROW_STATES, float32)
         lane = cuda.threadIdx.x % 32
         g = lane // 4
         t = lane % 4
@@ -241,52 +275,47 @@ def build_flash_attention(head_dim: int, keys: int, group: int, warps: int) -> C
         # Causal blocks differ in work: the last query rows see the most keys. Launch them first so
         # the short blocks fill the tail of the grid.
         first_row = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * ROWS_PER_BLOCK
-        r0 = first_row + (cuda.threadIdx.x // 32) * 16 + g
-        r1 = r0 + 8
-        p0 = first_position + r0
-        p1 = first_position + r1
-        load_q(q, r0, r1, h, rows, qa, t)
-        for i in range(O_VALUES):
+        warp_row = (cuda.threadIdx.x // 32) * WARP_ROWS  # the warp's first row in the block
+        for i in range(ACC_VALUES):
             o[i] = float32(0.0)
-        # Running maxima in raw score units. Finite start: a row whose keys are all masked so far
-        # keeps alpha = 1 and sum 0, not NaN.
-        m0 = float32(-1e30)
-        m1 = float32(-1e30)
-        l0 = float32(0.0)
-        l1 = float32(0.0)
+        # Finite start: a row whose keys are all masked so far keeps alpha = 1 and sum 0, not NaN.
+        for i in range(ROW_STATES):
+            row_maxima[i] = float32(-1e30)
+            row_sums[i] = float32(0.0)
         unmasked_end = first_position + first_row + 1  # keys below this are visible to every row of the block
         key_end = first_position + min(first_row + ROWS_PER_BLOCK, rows)  # the block's last row sees up to here
-        # Pipeline: V of a key block lands during its Q K^T and softmax, K of the next during its P V.
+        # Pipeline: Q lands with the first K; V of a key block lands during its Q K^T and softmax, K of
+        # the next during its P V.
+        stage_q(q, h, first_row, rows, qs, qs_address)
         stage(k, kvh, 0, kv_len, ks, ks_address)
         for first_key in range(0, key_end, KB):
             copy_async_wait_all()
             cuda.syncthreads()  # K landed for every thread; every warp is done with the last block's V
             stage(v, kvh, first_key, kv_len, vs, vs_address)
-            scores(qa, ks, k_lane, sacc)
+            scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc)
             if first_key + KB > unmasked_end:
-                mask(sacc, first_key, p0, p1, t)
-            x0 = quad_max(scratch, row_max(sacc, 0, m0), 4)
-            x1 = quad_max(scratch, row_max(sacc, 2, m1), 4)
-            alpha0 = float32(math.exp2((m0 - x0) * scale_log2))
-            alpha1 = float32(math.exp2((m1 - x1) * scale_log2))
-            m0 = x0
-            m1 = x1
-            l0 = l0 * alpha0 + exponentiate(sacc, 0, scale_log2, m0 * scale_log2)
-            l1 = l1 * alpha1 + exponentiate(sacc, 2, scale_log2, m1 * scale_log2)
-            rescale(o, 0, alpha0)
-            rescale(o, 2, alpha1)
+                for i in range(M):
+                    p0 = first_position + first_row + warp_row + 16 * i + g
+                    mask(sacc, i, first_key, p0, p0 + 8, t)
+            for r in range(ROW_STATES):
+                first = (r // 2) * S_VALUES + 2 * (r % 2)
+                best = quad_max(scratch, row_max(sacc, first, row_maxima[r]), 4)
+                alpha = float32(math.exp2((row_maxima[r] - best) * scale_log2))
+                row_maxima[r] = best
+                row_sums[r] = row_sums[r] * alpha + exponentiate(sacc, first, scale_log2, best * scale_log2)
+                rescale(o, (r // 2) * O_VALUES + 2 * (r % 2), alpha)
             copy_async_wait_all()
             cuda.syncthreads()  # V landed for every thread; every warp is done with this block's K
             if first_key + KB < key_end:
                 stage(k, kvh, first_key + KB, kv_len, ks, ks_address)
             accumulate(sacc, pa, vs, v_lane, o)
-        inv_l0 = float32(1.0) / quad_sum(scratch, l0, 4)
-        inv_l1 = float32(1.0) / quad_sum(scratch, l1, 4)
-        for j in range(O_TILES):
-            if r0 < rows:
-                out[r0, h, 4 * j + t] = pack(o[4 * j] * inv_l0, o[4 * j + 1] * inv_l0)
-            if r1 < rows:
-                out[r1, h, 4 * j + t] = pack(o[4 * j + 2] * inv_l1, o[4 * j + 3] * inv_l1)
+        for r in range(ROW_STATES):
+            inv_sum = float32(1.0) / quad_sum(scratch, row_sums[r], 4)
+            row = first_row + warp_row + 16 * (r // 2) + 8 * (r % 2) + g
+            c = (r // 2) * O_VALUES + 2 * (r % 2)
+            if row < rows:
+                for j in range(O_TILES):
+                    out[row, h, 4 * j + t] = pack(o[c + 4 * j] * inv_sum, o[c + 4 * j + 1] * inv_sum)
 
     return flash_attention
 
@@ -300,16 +329,19 @@ class FlashAttention:
     kv_len - rows + r and sees keys 0..kv_len - rows + r.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shape: BlockShape | None = None) -> None:
+        """``shape``: one block shape for every head size instead of ``block_shape``'s (for benchmarks)."""
+        self.shape = shape
         self._kernels: dict[tuple[int, int], tuple[BlockShape, Kernel]] = {}
 
     def kernel(self, head_dim: int, group: int) -> tuple[BlockShape, Kernel]:
         """The block shape and kernel for this head size and GQA group (built once)."""
         entry = self._kernels.get((head_dim, group))
         if entry is None:
-            shape = block_shape(head_dim)
-            entry = self._kernels[(head_dim, group)] = (
-                shape, Kernel(build_flash_attention(head_dim, shape.keys, group, shape.warps)))
+            shape = self.shape or block_shape(head_dim)
+            kernel = Kernel(build_flash_attention(head_dim, shape.keys, group, shape.warps, shape.m_tiles),
+                            dynamic_shared_bytes=query_tile_bytes(head_dim, shape))
+            entry = self._kernels[(head_dim, group)] = (shape, kernel)
         return entry
 
     def __call__(self, q: Any, k: Any, v: Any, out: Any, kv_len: int, stream: Any = 0) -> None:
@@ -333,7 +365,7 @@ class FlashAttention:
         shape, kernel = self.kernel(head_dim, q_heads // kv_heads)
         grid = (-(-rows // shape.rows), q_heads)
         scale_log2 = np.float32(LOG2_E / math.sqrt(head_dim))
-        kernel[grid, shape.threads, stream, shape.threads * 4](
+        kernel[grid, shape.threads, stream, query_tile_bytes(head_dim, shape)](
             as_words(q), as_words(k), as_words(v), as_words(out), np.int32(rows), np.int32(kv_len),
             np.int32(kv_len - rows), scale_log2)
 

@@ -38,8 +38,8 @@ import torch
 
 from executor.numba_cuda import load_cuda, simulator_enabled
 
-#: Shared memory (static and dynamic together) a block may use without the opt-in attribute, which no
-#: launcher here sets.
+#: Shared memory (static and dynamic together) a block may use without the opt-in attribute
+#: (``Kernel(dynamic_shared_bytes=...)`` sets it).
 SHARED_LIMIT_BYTES = 48 * 1024
 #: sm_90's limits that launchers size blocks and launch bounds by.
 WARP_THREADS = 32
@@ -54,10 +54,16 @@ Packer = Callable[[Any, list], None]
 
 
 class Kernel:
-    """A Numba kernel (``cuda.jit`` dispatcher) that also launches cheaply with torch tensors."""
+    """A Numba kernel (``cuda.jit`` dispatcher) that also launches cheaply with torch tensors.
 
-    def __init__(self, dispatcher: Any) -> None:
+    ``dynamic_shared_bytes``: the most dynamic shared memory a launch of it takes. Each compiled
+    overload is allowed that much (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) before its first
+    launch, so a block may use more than the SHARED_LIMIT_BYTES it gets without opting in.
+    """
+
+    def __init__(self, dispatcher: Any, dynamic_shared_bytes: int = 0) -> None:
         self.dispatcher = dispatcher
+        self.dynamic_shared_bytes = dynamic_shared_bytes
         self.simulated = simulator_enabled()
         if not self.simulated:
             from cuda.core import LaunchConfig, launch  # what Numba launches through
@@ -79,6 +85,8 @@ class Kernel:
         if entry is False:
             entry = self._launches[key] = self._compile(args)
         if entry is None:  # the simulator, an argument that is not a CUDA tensor or scalar, or an unpacked type
+            if key is None and self.dynamic_shared_bytes and not self.simulated:
+                self._compile(args)  # opts the overload Numba launches in to the dynamic shared memory
             self.dispatcher[grid, block, stream, shared_bytes](*(_numba_argument(a, self.simulated) for a in args))
             return
         kernel, packers = entry
@@ -93,6 +101,8 @@ class Kernel:
         converted = [_numba_argument(a, False) for a in args]
         argtypes = tuple(self.dispatcher.typeof_pyval(a) for a in converted)
         overload = self.dispatcher.compile(argtypes)
+        if self.dynamic_shared_bytes:
+            _allow_dynamic_shared(overload, self.dynamic_shared_bytes)
         if overload.debug or overload.extensions or getattr(overload, "launch_config_sensitive", False):
             return None
         try:
@@ -108,6 +118,16 @@ class Kernel:
 
             entry = self._streams[id(stream)] = (stream, _to_core_stream(stream))
         return entry[1]
+
+
+def _allow_dynamic_shared(overload: Any, shared_bytes: int) -> None:
+    """Let ``overload``'s launches take ``shared_bytes`` of dynamic shared memory (Numba's launch path
+    runs the same compiled function, so it is allowed too)."""
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    function = overload._codelibrary.get_cufunc()
+    attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attribute, int(shared_bytes), function.handle, function.device.id)
 
 
 def _launch_key(args: tuple) -> tuple | None:

@@ -1,5 +1,5 @@
 """Tensor-core building blocks for Numba kernels: the bf16 ``mma.sync`` tile, bf16x2 packing, and
-the ``ldmatrix`` fragment loads (``build_fragment_loads``).
+the ``ldmatrix`` fragment loads (``build_fragment_loads``, ``build_a_fragment_load``).
 
 Numba exposes no tensor-core instruction, so on the GPU these are PTX through
 llvmlite inline asm (as codec.py's bf16 store is):
@@ -204,6 +204,35 @@ def build_fragment_loads() -> tuple[Callable[..., Any], Callable[..., Any], Call
         return ldmatrix_x4_trans(address + offset_bytes(tile, row0, word0))
 
     return lane_address, load_b_x4, load_b_x4_trans
+
+
+def build_a_fragment_load() -> Callable[..., Any]:
+    """``load_a_x4(tile, address, row0, word0) -> (a0, a1, a2, a3)``: the A fragment of one m16n8k16
+    k-step from a shared tile of row-major A rows (int32 words of two bf16, 16-byte aligned rows),
+    rows row0 .. row0 + 15 and words word0 .. word0 + 7 (the module docstring's a0..a3): lane (g, t)
+    gets tile[row0 + g, word0 + t], tile[row0 + 8 + g, word0 + t], tile[row0 + g, word0 + 4 + t]
+    and tile[row0 + 8 + g, word0 + 4 + t].
+
+    ``address`` is ``lane_address(tile, True)`` (build_fragment_loads): its matrices are A's four
+    8x8 quarters in a0..a3 order, so on the GPU this is one plain ``ldmatrix.sync.aligned.m8n8.x4``;
+    in the simulator each lane reads its own words. Every lane of the warp calls it together.
+    """
+    if simulator_enabled():
+        @cuda.jit(device=True)
+        def simulated_load_a_x4(tile, address, row0, word0):
+            lane = cuda.threadIdx.x % 32
+            g, t = lane // 4, lane % 4
+            return (int32(tile[row0 + g, word0 + t]), int32(tile[row0 + 8 + g, word0 + t]),
+                    int32(tile[row0 + g, word0 + 4 + t]), int32(tile[row0 + 8 + g, word0 + 4 + t]))
+
+        return simulated_load_a_x4
+    ldmatrix_x4 = _ldmatrix_intrinsic(transposed=False)
+
+    @cuda.jit(device=True, inline=True)
+    def load_a_x4(tile, address, row0, word0):
+        return ldmatrix_x4(address + uint32(4 * (row0 * tile.shape[1] + word0)))
+
+    return load_a_x4
 
 
 def build_eight_key_value_load() -> Callable[..., Any]:

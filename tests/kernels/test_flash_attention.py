@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.flash_attention import BlockShape, FlashAttention, block_shape, staged_bytes
+from executor.kernels.flash_attention import (
+    STATIC_SHARED_BYTES, BlockShape, FlashAttention, block_shape, query_tile_bytes, staged_bytes)
 from executor.numba_cuda import simulator_enabled
 from tests.kernels.attention_reference import causal_attention
 from tests.kernels.compile_check import compile_for_sm90
@@ -15,7 +16,7 @@ from tests.kernels.compile_check import compile_for_sm90
 TOLERANCE = 0.02
 
 
-def run_case(rows, kv_len, q_heads, kv_heads, head_dim, device, strided_q=False, seed=0):
+def run_case(rows, kv_len, q_heads, kv_heads, head_dim, device, strided_q=False, seed=0, shape=None):
     gen = torch.Generator(device=device).manual_seed(seed)
     width = 2 * head_dim if strided_q else head_dim  # Qwen3.5: q heads sit 2 D apart (q | gate)
     q_buffer = torch.randn(rows, q_heads, width, generator=gen, device=device).bfloat16()
@@ -29,7 +30,7 @@ def run_case(rows, kv_len, q_heads, kv_heads, head_dim, device, strided_q=False,
     v = torch.randn(kv_heads, capacity, head_dim, generator=gen, device=device).bfloat16()
     k[:, kv_len:] = 1e4  # stale keys past kv_len: reading one would swamp the softmax
     out = torch.full((rows, q_heads, head_dim), float("nan"), device=device).bfloat16()
-    FlashAttention()(*[t.view(torch.int16) for t in (q, k, v, out)], kv_len)  # the simulator takes torch views too
+    FlashAttention(shape)(*[t.view(torch.int16) for t in (q, k, v, out)], kv_len)  # the simulator takes torch views too
     expected = causal_attention(q, k, v, kv_len)
     error = (out.double() - expected).abs().max().item()
     assert error <= TOLERANCE, f"max |out - float64| = {error:.4f} > {TOLERANCE}"
@@ -37,15 +38,26 @@ def run_case(rows, kv_len, q_heads, kv_heads, head_dim, device, strided_q=False,
 
 @pytest.mark.parametrize("rows,kv_len", [(70, 70), (9, 100)])
 def test_matches_float64_in_the_simulator(rows, kv_len):
-    """Head dim 32 stages 64 keys a block. A 70-row prompt: two query blocks, the second seeing
-    two key blocks (the online softmax rescales), ragged ends. A 9-row chunk after 91 cached
-    tokens: a whole key block before the diagonal. GQA group 2."""
+    """Head dim 32's own shape: 64 keys a round, two m-tiles a warp, 128 rows a block. A 70-row
+    prompt: two key blocks (the online softmax rescales), ragged ends. A 9-row chunk after 91
+    cached tokens: a whole key block before the diagonal. GQA group 2."""
     run_case(rows, kv_len, q_heads=2, kv_heads=1, head_dim=32, device="cpu" if simulator_enabled() else "cuda")
 
 
+@pytest.mark.parametrize("shape", [BlockShape(warps=1, keys=16, m_tiles=2), BlockShape(warps=2, keys=16, m_tiles=1)])
+def test_small_blocks_match_float64_in_the_simulator(shape):
+    """Blocks of 32 rows (one warp of two m-tiles) and of two one-tile warps: a 70-row prompt takes
+    three query blocks, the last launched first, and five key blocks, the diagonal ones masked."""
+    run_case(70, 70, q_heads=2, kv_heads=1, head_dim=32, device="cpu" if simulator_enabled() else "cuda",
+             shape=shape)
+
+
 def test_block_shapes_fit_shared_memory():
-    assert block_shape(32) == block_shape(128) == BlockShape(4, 64) and block_shape(256) == BlockShape(8, 32)
-    assert staged_bytes(256, 64) > 48 * 1024 - 512  # why D 256 stages fewer keys
+    assert block_shape(32) == block_shape(128) == BlockShape(warps=4, keys=64, m_tiles=2)
+    assert block_shape(256) == BlockShape(warps=4, keys=32, m_tiles=1)
+    assert staged_bytes(256, 64) > STATIC_SHARED_BYTES  # why D 256 stages fewer keys
+    # Q's tile is dynamic: past the 48 KiB a block gets without opting in, which the launcher does.
+    assert query_tile_bytes(128, block_shape(128)) + staged_bytes(128, 64) > 48 * 1024
 
 
 def test_shape_errors_name_the_shapes():
@@ -81,13 +93,15 @@ def test_compiles_to_unrolled_mmas_in_registers_on_sm90():
         """
         from executor.kernels.flash_attention import block_shape, build_flash_attention
         for head_dim, group in ((128, 4), (256, 4)):
-            keys = block_shape(head_dim).keys
-            text = ptx(build_flash_attention(head_dim, keys, group, block_shape(head_dim).warps), *[arr("int32", 3)] * 4,
-                       types.int32, types.int32, types.int32, types.float32)
+            shape = block_shape(head_dim)
+            text = ptx(build_flash_attention(head_dim, shape.keys, group, shape.warps, shape.m_tiles),
+                       *[arr("int32", 3)] * 4, types.int32, types.int32, types.int32, types.float32)
             mmas = text.count("mma.sync.aligned")
-            assert mmas == 2 * head_dim * keys // 128, (head_dim, mmas)
-            # One ldmatrix.x4 feeds two MMAs; K and V arrive by cp.async, 16 bytes a copy.
-            assert text.count("ldmatrix.sync.aligned.m8n8.x4") == mmas // 2, (head_dim, text.count("ldmatrix"))
+            assert mmas == 2 * head_dim * shape.keys * shape.m_tiles // 128, (head_dim, mmas)
+            # A K or V ldmatrix.x4 feeds two MMAs of each m-tile; each m-tile's Q fragments load once a
+            # key block (D / 16 k-steps); K, V and Q arrive by cp.async, 16 bytes a copy.
+            loads = mmas // (2 * shape.m_tiles) + shape.m_tiles * head_dim // 16
+            assert text.count("ldmatrix.sync.aligned.m8n8.x4") == loads, (head_dim, text.count("ldmatrix"))
             assert "cp.async.cg.shared.global" in text and "cp.async.wait_all" in text
             assert ".local" not in text, f"head_dim {head_dim}: local memory"
         """
