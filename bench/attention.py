@@ -1,7 +1,7 @@
 """Causal prefill attention of one layer: memplan's tensor-core flash kernel vs torch SDPA.
 
     python3 bench/attention.py [--models qwen3-8b,qwen3.5-9b] [--prompts 4096,16384] [--out FILE]
-                               [--block-shapes default,4:32:2]   # warps:keys:m-tiles, a row each
+                               [--block-shapes default,4:32:2:shared]   # warps:keys:m-tiles:Q's place, a row each
     python3 bench/attention.py --smoke     # a tiny shape in the Numba CUDA simulator (checks the script)
 
 For each model's attention heads (Qwen3-8B: 32 q / 8 kv heads of 128; Qwen3.5-9B: 16 / 4 of 256
@@ -49,7 +49,8 @@ SMOKE_HEADS = Heads(2, 1, 32, True)
 
 
 def parse_shapes(text: str) -> list[Any]:
-    """``default,4:32:2`` -> [None, BlockShape(4, 32, 2)] (None: block_shape's choice)."""
+    """``default,4:64:1:registers,4:32:2:shared`` -> [None, BlockShape(4, 64, 1, False), ...] (None:
+    block_shape's choice)."""
     from executor.kernels.flash_attention import BlockShape
 
     shapes = []
@@ -58,11 +59,19 @@ def parse_shapes(text: str) -> list[Any]:
             shapes.append(None)
             continue
         try:
-            warps, keys, m_tiles = (int(part) for part in item.split(":"))
+            warps, keys, m_tiles, query = item.split(":")
+            if query not in ("registers", "shared"):
+                raise ValueError(query)
+            shapes.append(BlockShape(int(warps), int(keys), int(m_tiles), query == "shared"))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"block shape {item!r}: expected warps:keys:m-tiles or default") from None
-        shapes.append(BlockShape(warps, keys, m_tiles))
+            raise argparse.ArgumentTypeError(
+                f"block shape {item!r}: expected warps:keys:m-tiles:registers|shared (where Q's fragments live), "
+                "or default") from None
     return shapes
+
+
+def shape_name(shape: Any) -> str:
+    return f"{shape.warps}:{shape.keys}:{shape.m_tiles}:{'shared' if shape.query_in_shared else 'registers'}"
 
 
 def kernel_registers(flash: Any, heads: Heads) -> str:
@@ -106,7 +115,7 @@ def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, sha
     for shape in shapes:
         flash = FlashAttention(shape)
         used = shape or block_shape(heads.head_dim)
-        name = f"{used.warps}:{used.keys}:{used.m_tiles}" + (" (default)" if shape is None else "")
+        name = shape_name(used) + (" (default)" if shape is None else "")
 
         def ours() -> None:
             flash(*bits, tokens, stream=runtime.current_stream())
@@ -132,7 +141,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int_list, default=[4096, 16384], help="prompt tokens (default 4096,16384)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--block-shapes", type=parse_shapes, default=[None],
-                        help="comma-separated warps:keys:m-tiles, or default (block_shape's choice); default: default")
+                        help="comma-separated warps:keys:m-tiles:registers|shared (Q fragments' place), or default "
+                             "(block_shape's choice); default: default")
     parser.add_argument("--smoke", action="store_true", help="a 70-token prompt of tiny heads in the simulator")
     parser.add_argument("--out", default=None, help="append the result as a markdown section to this file")
     args = parser.parse_args()
@@ -154,7 +164,7 @@ def main() -> None:
                 break
         if args.smoke:
             break
-    table = markdown_table(["model", "block (warps:keys:m-tiles)", "prompt tokens", "q/kv heads x D",
+    table = markdown_table(["model", "block (warps:keys:m-tiles:Q)", "prompt tokens", "q/kv heads x D",
                             "registers / local bytes", "memplan us", "memplan TFLOP/s", "SDPA us", "SDPA TFLOP/s",
                             "SDPA / memplan", "max abs err vs float64"],
                            rows, [False, False, True, False, False, True, True, True, True, True, True])

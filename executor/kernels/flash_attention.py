@@ -42,6 +42,7 @@ import numpy as np
 
 from executor.kernels.launch import Kernel
 from executor.kernels.async_copy import build_async_copy, build_shared_address
+from executor.kernels.fast_math import build_exp2_scaled
 from executor.kernels.mma import build_a_fragment_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.reduce import build_group_max, build_group_sum
 from executor.kernels.shared_tile import build_shared_tile
@@ -55,17 +56,24 @@ PAD_WORDS = 4  # per staged row: shifts consecutive rows by 4 banks (16 bytes, k
 LOG2_E = 1.4426950408889634
 #: Static shared memory a block may declare (PTX's limit): the K and V tiles must fit it; Q's tile is dynamic.
 STATIC_SHARED_BYTES = 48 * 1024
-#: Registers a thread may hold, and the float32 O accumulators that leave room for the rest of the loop.
-MAX_O_VALUES_PER_THREAD = 128
+#: Head sizes whose Q fragments a thread keeps in registers for the whole loop (D / 2 words); larger
+#: heads read them from shared memory each key block, leaving the registers to O (D / 2 float32).
+MAX_REGISTER_QUERY_HEAD_DIM = 128
 
 
 @dataclass(frozen=True)
 class BlockShape:
-    """A block's work: ``warps`` warps of ``m_tiles`` 16-row query tiles each, ``keys`` keys staged a round."""
+    """A block's work: ``warps`` warps of ``m_tiles`` 16-row query tiles each, ``keys`` keys staged a
+    round; the query fragments in registers (one m-tile only) or read from a shared query tile."""
 
     warps: int
     keys: int
-    m_tiles: int
+    m_tiles: int = 1
+    query_in_shared: bool = False
+
+    def __post_init__(self) -> None:
+        if self.m_tiles > 1 and not self.query_in_shared:
+            raise ValueError(f"flash attention block {self}: {self.m_tiles} m-tiles a warp need the shared query tile")
 
     @property
     def rows(self) -> int:
@@ -77,16 +85,19 @@ class BlockShape:
 
 
 def block_shape(head_dim: int) -> BlockShape:
-    """Two query m-tiles a warp where their O accumulators fit registers (D <= 128), else one; 64 keys a
-    round where K and V of 64 keys fit STATIC_SHARED_BYTES, else 32; 4 warps.
+    """4 warps of one m-tile; 64 keys a round where K and V of 64 keys fit STATIC_SHARED_BYTES, else 32;
+    Q in registers up to MAX_REGISTER_QUERY_HEAD_DIM, else in shared memory.
 
-    A warp's second m-tile reuses every K and V fragment it loads from shared memory, which halves the
-    shared-memory bytes an MMA of P V costs: the loop is bound by those loads, not by the tensor cores.
+    Measured on the H200 (bench/attention.py --block-shapes, 2026-11-30, one layer at 4096 / 16384
+    tokens, us): D 128 with Q in registers, 4:64 673 / 7,894; with Q in shared memory 4:64 709 / 9,036,
+    and two m-tiles a warp (each K and V fragment feeding both) 4:32 723 / 8,389, 8:32 754 / 8,162,
+    4:64 784 / 8,918 (spilled). D 256 with Q in shared memory 4:32 777 / 8,767 against 8:32 898 / 10,009
+    and, with Q in registers (255 registers), 8:32 901 / 9,937.
     """
-    m_tiles = 2 if 2 * (head_dim // 8) * 4 <= MAX_O_VALUES_PER_THREAD else 1
+    query_in_shared = head_dim > MAX_REGISTER_QUERY_HEAD_DIM
     for keys in (64, 32):
         if staged_bytes(head_dim, keys) <= STATIC_SHARED_BYTES:
-            return BlockShape(4, keys, m_tiles)
+            return BlockShape(4, keys, 1, query_in_shared)
     raise ValueError(f"flash attention: head_dim {head_dim} does not fit a 32-key block in shared memory")
 
 
@@ -96,37 +107,39 @@ def staged_bytes(head_dim: int, keys: int) -> int:
 
 
 def query_tile_bytes(head_dim: int, shape: BlockShape) -> int:
-    """Dynamic shared memory of a block's query tile: [rows, D/2 + pad] words."""
-    return 4 * shape.rows * (head_dim // 2 + PAD_WORDS)
+    """Dynamic shared memory of a block's query tile, [rows, D/2 + pad] words (0 with Q in registers)."""
+    return 4 * shape.rows * (head_dim // 2 + PAD_WORDS) if shape.query_in_shared else 0
 
 
-def build_flash_attention(head_dim: int, keys: int, group: int, warps: int, m_tiles: int) -> Callable[..., Any]:
+def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Callable[..., Any]:
     """Kernel ``(q [rows, Hq, D/2], k, v [Hkv, >= kv_len, D/2], out [rows, Hq, D/2] int32 words,
-    rows, kv_len, first_position int32, scale_log2 f32)``; grid (ceil(rows / (16 m_tiles warps)), Hq),
-    32 warps threads, ``query_tile_bytes`` of dynamic shared memory.
+    rows, kv_len, first_position int32, scale_log2 f32)``; grid (ceil(rows / shape.rows), Hq),
+    shape.threads threads, ``query_tile_bytes`` of dynamic shared memory.
 
     head_dim a multiple of 32 (a fragment load covers two k-steps of Q K^T), keys of 16, q head h
     reads kv head h // group. scale_log2 is D^-0.5 * log2(e).
     """
-    assert head_dim % 32 == 0 and keys % 16 == 0 and m_tiles >= 1
-    D, KB, M = head_dim, keys, m_tiles
+    assert head_dim % 32 == 0 and shape.keys % 16 == 0 and shape.m_tiles >= 1
+    D, KB, M, Q_IN_SHARED = head_dim, shape.keys, shape.m_tiles, shape.query_in_shared
     ROW_WORDS = D // 2 + PAD_WORDS         # a staged Q, K or V row
     K_STEPS = D // 16                      # k-steps of Q K^T
     S_TILES = KB // 8                      # n-tiles of S
     P_STEPS = KB // 16                     # k-steps of P V
     O_TILES = D // 8                       # n-tiles of O
     CHUNKS_PER_ROW = D // 8                # 16-byte chunks of a Q, K or V row
-    THREADS, WARP_ROWS = 32 * warps, 16 * M
-    ROWS_PER_BLOCK = WARP_ROWS * warps
+    THREADS, WARP_ROWS, ROWS_PER_BLOCK = shape.threads, 16 * M, shape.rows
     COPIES = KB * CHUNKS_PER_ROW // THREADS  # chunks a thread stages of K, and of V, per key block
     Q_COPIES = ROWS_PER_BLOCK * CHUNKS_PER_ROW // THREADS  # chunks a thread stages of Q, once
     assert COPIES * THREADS == KB * CHUNKS_PER_ROW and Q_COPIES * THREADS == ROWS_PER_BLOCK * CHUNKS_PER_ROW
     # Per m-tile: a lane's S values, P words and O values.
     S_VALUES, P_WORDS, O_VALUES = 4 * S_TILES, 4 * P_STEPS, 4 * O_TILES
-    # A lane's registers over all its m-tiles (local arrays need constant sizes).
-    QA_WORDS, SACC_VALUES, PA_WORDS, ACC_VALUES, ROW_STATES = 4 * M, M * S_VALUES, M * P_WORDS, M * O_VALUES, 2 * M
+    # A lane's registers over all its m-tiles (local arrays need constant sizes): Q fragments (all
+    # k-steps in registers, or one k-step of each m-tile read from shared memory), S, P, O, row states.
+    QA_WORDS = 4 * M if Q_IN_SHARED else 4 * K_STEPS
+    SACC_VALUES, PA_WORDS, ACC_VALUES, ROW_STATES = M * S_VALUES, M * P_WORDS, M * O_VALUES, 2 * M
     mma = build_mma_bf16()
     pack = build_pack_bf16x2()
+    exp2_scaled = build_exp2_scaled()
     lane_address, _, load_b_x4_trans = build_fragment_loads()
     load_a_x4 = build_a_fragment_load()
     copy_async, copy_async_wait_all = build_async_copy()
@@ -138,16 +151,50 @@ def build_flash_attention(head_dim: int, keys: int, group: int, warps: int, m_ti
     TILE_ALIGNMENT = None if simulator_enabled() else 16
     SCRATCH_VALUES = THREADS if simulator_enabled() else 1  # the simulator's quad reductions
 
-    @cuda.jit(device=True, inline=True)
-    def stage_q(q, h, first_row, rows, tile, tile_address):
-        """Start copying the block's query rows of head h into tile; zeros past the chunk's rows."""
-        tid = cuda.threadIdx.x
-        for i in range(Q_COPIES):
-            c = tid + i * THREADS
-            row = c // CHUNKS_PER_ROW
-            col = (c % CHUNKS_PER_ROW) * 4
-            valid = first_row + row < rows
-            copy_async(tile, tile_address, (row, col), q, (first_row + row if valid else 0, h, col), valid)
+    if Q_IN_SHARED:
+        @cuda.jit(device=True, inline=True)
+        def start_queries(q, h, first_row, rows, warp_row, dynamic, ks, qa):
+            """Start copying the block's query rows of head h into the dynamic query tile (zeros past
+            the chunk's rows); returns the tile."""
+            qs = query_tile(dynamic, 0)
+            qs_address = shared_address(qs, (0, 0))
+            tid = cuda.threadIdx.x
+            for i in range(Q_COPIES):
+                c = tid + i * THREADS
+                row = c // CHUNKS_PER_ROW
+                col = (c % CHUNKS_PER_ROW) * 4
+                valid = first_row + row < rows
+                copy_async(qs, qs_address, (row, col), q, (first_row + row if valid else 0, h, col), valid)
+            return qs
+
+        @cuda.jit(device=True, inline=True)
+        def query_fragments(qs, q_lane, warp_row, s, qa):
+            """qa[4 i .. 4 i + 3] <- m-tile i's A fragment of k-step s."""
+            for i in range(M):
+                qa[4 * i], qa[4 * i + 1], qa[4 * i + 2], qa[4 * i + 3] = load_a_x4(qs, q_lane, warp_row + 16 * i, 8 * s)
+
+        QA_STEP = 0  # m-tile i's fragment of any k-step sits at qa[4 i]
+    else:
+        @cuda.jit(device=True, inline=True)
+        def start_queries(q, h, first_row, rows, warp_row, dynamic, ks, qa):
+            """qa[4 s ..] <- the warp's A fragments of every k-step, from global memory (zeros past the
+            chunk's rows); returns a stand-in tile (K's) that nothing reads as queries."""
+            lane = cuda.threadIdx.x % 32
+            t = lane % 4
+            r0 = first_row + warp_row + lane // 4
+            r1 = r0 + 8
+            for s in range(K_STEPS):
+                qa[4 * s] = q[r0, h, 8 * s + t] if r0 < rows else 0
+                qa[4 * s + 1] = q[r1, h, 8 * s + t] if r1 < rows else 0
+                qa[4 * s + 2] = q[r0, h, 8 * s + t + 4] if r0 < rows else 0
+                qa[4 * s + 3] = q[r1, h, 8 * s + t + 4] if r1 < rows else 0
+            return ks
+
+        @cuda.jit(device=True, inline=True)
+        def query_fragments(qs, q_lane, warp_row, s, qa):
+            pass  # loaded once by start_queries
+
+        QA_STEP = 4  # k-step s's fragment sits at qa[4 s]
 
     @cuda.jit(device=True, inline=True)
     def stage(src, kvh, first_key, kv_len, tile, tile_address):
@@ -164,22 +211,20 @@ def build_flash_attention(head_dim: int, keys: int, group: int, warps: int, m_ti
     @cuda.jit(device=True, inline=True)
     def scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc):
         """sacc <- Q K^T of this warp's m-tiles and the staged keys (raw dot products). Per k-step,
-        each m-tile's A fragment loads once, and every K fragment (two n-tiles a load) feeds all m-tiles."""
+        every K fragment (two n-tiles a load) feeds all m-tiles."""
         for i in range(SACC_VALUES):
             sacc[i] = float32(0.0)
         for s in range(K_STEPS):
-            for i in range(M):
-                qa[4 * i], qa[4 * i + 1], qa[4 * i + 2], qa[4 * i + 3] = load_a_x4(qs, q_lane, warp_row + 16 * i, 8 * s)
+            query_fragments(qs, q_lane, warp_row, s, qa)
             for j in range(0, S_TILES, 2):
                 # K rows 8j.. are n-tile j, rows 8j + 8.. n-tile j + 1: A's quarters are their b0, b1.
                 b0, b0_next, b1, b1_next = load_a_x4(ks, k_lane, 8 * j, 8 * s)
                 for i in range(M):
-                    c = i * S_VALUES + 4 * j
+                    a, c = QA_STEP * s + 4 * i, i * S_VALUES + 4 * j
                     sacc[c], sacc[c + 1], sacc[c + 2], sacc[c + 3] = mma(
-                        qa[4 * i], qa[4 * i + 1], qa[4 * i + 2], qa[4 * i + 3], b0, b1,
-                        sacc[c], sacc[c + 1], sacc[c + 2], sacc[c + 3])
+                        qa[a], qa[a + 1], qa[a + 2], qa[a + 3], b0, b1, sacc[c], sacc[c + 1], sacc[c + 2], sacc[c + 3])
                     sacc[c + 4], sacc[c + 5], sacc[c + 6], sacc[c + 7] = mma(
-                        qa[4 * i], qa[4 * i + 1], qa[4 * i + 2], qa[4 * i + 3], b0_next, b1_next,
+                        qa[a], qa[a + 1], qa[a + 2], qa[a + 3], b0_next, b1_next,
                         sacc[c + 4], sacc[c + 5], sacc[c + 6], sacc[c + 7])
 
     @cuda.jit(device=True, inline=True)
@@ -208,11 +253,11 @@ def build_flash_attention(head_dim: int, keys: int, group: int, warps: int, m_ti
 
     @cuda.jit(device=True, inline=True)
     def exponentiate(sacc, first, scale_log2, max_log2):
-        """p = 2^(score * scale_log2 - max_log2), one FMA and one exp2 a score; returns the row's partial sum."""
+        """p = 2^(score * scale_log2 - max_log2), one FMA and one ex2 a score; returns the row's partial sum."""
         total = float32(0.0)
         for j in range(S_TILES):
             for i in range(2):
-                p = float32(math.exp2(sacc[first + 4 * j + i] * scale_log2 - max_log2))
+                p = exp2_scaled(sacc[first + 4 * j + i], scale_log2, max_log2)
                 sacc[first + 4 * j + i] = p
                 total += p
         return total
@@ -250,17 +295,8 @@ def build_flash_attention(head_dim: int, keys: int, group: int, warps: int, m_ti
     def flash_attention(q, k, v, out, rows, kv_len, first_position, scale_log2):
         scratch = cuda.shared.array(SCRATCH_VALUES, float32)
         dynamic = cuda.shared.array(0, int32, alignment=TILE_ALIGNMENT)
-        qs = query_tile(dynamic, 0)
         ks = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
         vs = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
-        # Shared addresses taken once: each copy and fragment load then adds a constant offset.
-        qs_address = shared_address(qs, (0, 0))
-        ks_address = shared_address(ks, (0, 0))
-        vs_address = shared_address(vs, (0, 0))
-        # A's quarters are the transposed load's matrices, untransposed: Q's, and K's two n-tiles at a time.
-        q_lane = lane_address(qs, True)
-        k_lane = lane_address(ks, True)
-        v_lane = lane_address(vs, True)
         qa = cuda.local.array(QA_WORDS, int32)
         sacc = cuda.local.array(SACC_VALUES, float32)
         pa = cuda.local.array(PA_WORDS, int32)
@@ -276,6 +312,14 @@ def build_flash_attention(head_dim: int, keys: int, group: int, warps: int, m_ti
         # the short blocks fill the tail of the grid.
         first_row = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * ROWS_PER_BLOCK
         warp_row = (cuda.threadIdx.x // 32) * WARP_ROWS  # the warp's first row in the block
+        qs = start_queries(q, h, first_row, rows, warp_row, dynamic, ks, qa)
+        # Shared addresses taken once: each copy and fragment load then adds a constant offset. A's
+        # quarters are the transposed load's matrices, untransposed: Q's, and K's two n-tiles at a time.
+        ks_address = shared_address(ks, (0, 0))
+        vs_address = shared_address(vs, (0, 0))
+        q_lane = lane_address(qs, True)
+        k_lane = lane_address(ks, True)
+        v_lane = lane_address(vs, True)
         for i in range(ACC_VALUES):
             o[i] = float32(0.0)
         # Finite start: a row whose keys are all masked so far keeps alpha = 1 and sum 0, not NaN.
@@ -284,9 +328,8 @@ def build_flash_attention(head_dim: int, keys: int, group: int, warps: int, m_ti
             row_sums[i] = float32(0.0)
         unmasked_end = first_position + first_row + 1  # keys below this are visible to every row of the block
         key_end = first_position + min(first_row + ROWS_PER_BLOCK, rows)  # the block's last row sees up to here
-        # Pipeline: Q lands with the first K; V of a key block lands during its Q K^T and softmax, K of
-        # the next during its P V.
-        stage_q(q, h, first_row, rows, qs, qs_address)
+        # Pipeline: a shared Q lands with the first K; V of a key block lands during its Q K^T and
+        # softmax, K of the next during its P V.
         stage(k, kvh, 0, kv_len, ks, ks_address)
         for first_key in range(0, key_end, KB):
             copy_async_wait_all()
@@ -303,7 +346,8 @@ def build_flash_attention(head_dim: int, keys: int, group: int, warps: int, m_ti
                 alpha = float32(math.exp2((row_maxima[r] - best) * scale_log2))
                 row_maxima[r] = best
                 row_sums[r] = row_sums[r] * alpha + exponentiate(sacc, first, scale_log2, best * scale_log2)
-                rescale(o, (r // 2) * O_VALUES + 2 * (r % 2), alpha)
+                if alpha != float32(1.0):  # the row's maximum grew: rare once a few key blocks are in
+                    rescale(o, (r // 2) * O_VALUES + 2 * (r % 2), alpha)
             copy_async_wait_all()
             cuda.syncthreads()  # V landed for every thread; every warp is done with this block's K
             if first_key + KB < key_end:
@@ -339,7 +383,7 @@ class FlashAttention:
         entry = self._kernels.get((head_dim, group))
         if entry is None:
             shape = self.shape or block_shape(head_dim)
-            kernel = Kernel(build_flash_attention(head_dim, shape.keys, group, shape.warps, shape.m_tiles),
+            kernel = Kernel(build_flash_attention(head_dim, group, shape),
                             dynamic_shared_bytes=query_tile_bytes(head_dim, shape))
             entry = self._kernels[(head_dim, group)] = (shape, kernel)
         return entry

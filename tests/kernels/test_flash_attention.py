@@ -44,20 +44,28 @@ def test_matches_float64_in_the_simulator(rows, kv_len):
     run_case(rows, kv_len, q_heads=2, kv_heads=1, head_dim=32, device="cpu" if simulator_enabled() else "cuda")
 
 
-@pytest.mark.parametrize("shape", [BlockShape(warps=1, keys=16, m_tiles=2), BlockShape(warps=2, keys=16, m_tiles=1)])
+@pytest.mark.parametrize("shape", [
+    BlockShape(warps=2, keys=16, m_tiles=1, query_in_shared=False),
+    BlockShape(warps=2, keys=16, m_tiles=1, query_in_shared=True),
+    BlockShape(warps=1, keys=16, m_tiles=2, query_in_shared=True),
+])
 def test_small_blocks_match_float64_in_the_simulator(shape):
-    """Blocks of 32 rows (one warp of two m-tiles) and of two one-tile warps: a 70-row prompt takes
-    three query blocks, the last launched first, and five key blocks, the diagonal ones masked."""
+    """Blocks of 32 rows (two one-tile warps, Q in registers or in the shared tile; one warp of two
+    m-tiles): a 70-row prompt takes three query blocks, the last launched first, and five key blocks,
+    the diagonal ones masked."""
     run_case(70, 70, q_heads=2, kv_heads=1, head_dim=32, device="cpu" if simulator_enabled() else "cuda",
              shape=shape)
 
 
 def test_block_shapes_fit_shared_memory():
-    assert block_shape(32) == block_shape(128) == BlockShape(warps=4, keys=64, m_tiles=2)
-    assert block_shape(256) == BlockShape(warps=4, keys=32, m_tiles=1)
+    assert block_shape(32) == block_shape(128) == BlockShape(warps=4, keys=64, m_tiles=1, query_in_shared=False)
+    assert block_shape(256) == BlockShape(warps=4, keys=32, m_tiles=1, query_in_shared=True)
     assert staged_bytes(256, 64) > STATIC_SHARED_BYTES  # why D 256 stages fewer keys
-    # Q's tile is dynamic: past the 48 KiB a block gets without opting in, which the launcher does.
-    assert query_tile_bytes(128, block_shape(128)) + staged_bytes(128, 64) > 48 * 1024
+    # D 256's query tile is dynamic: past the 48 KiB a block gets without opting in, which the launcher does.
+    assert query_tile_bytes(256, block_shape(256)) + staged_bytes(256, 32) > 48 * 1024
+    assert query_tile_bytes(128, block_shape(128)) == 0
+    with pytest.raises(ValueError, match="2 m-tiles a warp need the shared query tile"):
+        BlockShape(warps=4, keys=32, m_tiles=2, query_in_shared=False)
 
 
 def test_shape_errors_name_the_shapes():
@@ -94,15 +102,17 @@ def test_compiles_to_unrolled_mmas_in_registers_on_sm90():
         from executor.kernels.flash_attention import block_shape, build_flash_attention
         for head_dim, group in ((128, 4), (256, 4)):
             shape = block_shape(head_dim)
-            text = ptx(build_flash_attention(head_dim, shape.keys, group, shape.warps, shape.m_tiles),
+            text = ptx(build_flash_attention(head_dim, group, shape),
                        *[arr("int32", 3)] * 4, types.int32, types.int32, types.int32, types.float32)
             mmas = text.count("mma.sync.aligned")
             assert mmas == 2 * head_dim * shape.keys * shape.m_tiles // 128, (head_dim, mmas)
-            # A K or V ldmatrix.x4 feeds two MMAs of each m-tile; each m-tile's Q fragments load once a
-            # key block (D / 16 k-steps); K, V and Q arrive by cp.async, 16 bytes a copy.
-            loads = mmas // (2 * shape.m_tiles) + shape.m_tiles * head_dim // 16
+            # A K or V ldmatrix.x4 feeds two MMAs of each m-tile; a shared Q's fragments load once a key
+            # block (D / 16 k-steps an m-tile); K, V (and a shared Q) arrive by cp.async, 16 bytes a copy.
+            loads = mmas // (2 * shape.m_tiles) + (shape.m_tiles * head_dim // 16 if shape.query_in_shared else 0)
             assert text.count("ldmatrix.sync.aligned.m8n8.x4") == loads, (head_dim, text.count("ldmatrix"))
             assert "cp.async.cg.shared.global" in text and "cp.async.wait_all" in text
             assert ".local" not in text, f"head_dim {head_dim}: local memory"
+            # The exponent is one FMA and one flush-to-zero ex2 a score (fast_math.py).
+            assert text.count("ex2.approx.ftz.f32") >= shape.m_tiles * shape.keys // 2, (head_dim, "ex2")
         """
     )
