@@ -54,10 +54,8 @@ from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
 PAD_WORDS = 4  # per staged row: shifts consecutive rows by 4 banks (16 bytes, keeping rows 16-byte aligned)
 LOG2_E = 1.4426950408889634
-#: Shared memory of an SM (sm_90: 228 KiB, 1 KiB of it reserved a block): block_shape keeps two blocks an SM.
-SM_SHARED_BYTES = 228 * 1024
-BLOCK_RESERVED_SHARED_BYTES = 1024
-BLOCKS_PER_SM = 2
+#: Static shared memory a block may declare (PTX's limit): the K and V tiles must fit it; Q's tile is dynamic.
+STATIC_SHARED_BYTES = 48 * 1024
 #: Head sizes whose Q fragments a thread keeps in registers for the whole loop (D / 2 words); larger
 #: heads read them from shared memory each key block, leaving the registers to O (D / 2 float32).
 MAX_REGISTER_QUERY_HEAD_DIM = 128
@@ -87,43 +85,36 @@ class BlockShape:
 
 
 def block_shape(head_dim: int) -> BlockShape:
-    """4 warps of one m-tile; 64 keys a round where two blocks of them fit an SM's shared memory, else
-    32; Q in registers up to MAX_REGISTER_QUERY_HEAD_DIM, else in shared memory.
+    """4 warps of one m-tile; 64 keys a round where K and V of 64 keys fit STATIC_SHARED_BYTES, else 32;
+    Q in registers up to MAX_REGISTER_QUERY_HEAD_DIM, else in shared memory.
 
     Measured on the H200 (bench/attention.py --block-shapes, 2026-11-30, one layer at 4096 / 16384
-    tokens, us, one K and V buffer then): D 128 with Q in registers, 4:64 673 / 7,894; with Q in shared
-    memory 4:64 709 / 9,036, and two m-tiles a warp (each K and V fragment feeding both) 4:32 723 /
-    8,389, 8:32 754 / 8,162, 4:64 784 / 8,918 (spilled). D 256 with Q in shared memory 4:32 777 / 8,767
-    against 8:32 898 / 10,009 and, with Q in registers (255 registers), 8:32 901 / 9,937.
+    tokens, us): D 128 with Q in registers, 4:64 673 / 7,894; with Q in shared memory 4:64 709 / 9,036,
+    and two m-tiles a warp (each K and V fragment feeding both) 4:32 723 / 8,389, 8:32 754 / 8,162,
+    4:64 784 / 8,918 (spilled). D 256 with Q in shared memory 4:32 777 / 8,767 against 8:32 898 / 10,009
+    and, with Q in registers (255 registers), 8:32 901 / 9,937.
     """
     query_in_shared = head_dim > MAX_REGISTER_QUERY_HEAD_DIM
     for keys in (64, 32):
-        shape = BlockShape(4, keys, 1, query_in_shared)
-        if BLOCKS_PER_SM * (dynamic_shared_bytes(head_dim, shape) + BLOCK_RESERVED_SHARED_BYTES) <= SM_SHARED_BYTES:
-            return shape
-    raise ValueError(f"flash attention: head_dim {head_dim} does not fit two blocks of 32 keys in an SM's shared memory")
+        if staged_bytes(head_dim, keys) <= STATIC_SHARED_BYTES:
+            return BlockShape(4, keys, 1, query_in_shared)
+    raise ValueError(f"flash attention: head_dim {head_dim} does not fit a 32-key block in shared memory")
 
 
 def staged_bytes(head_dim: int, keys: int) -> int:
-    """Shared memory of one staged key block: K and V, each [keys, D/2 + pad] words."""
+    """Static shared memory of one staged key block: K and V, each [keys, D/2 + pad] words."""
     return 2 * 4 * keys * (head_dim // 2 + PAD_WORDS)
 
 
 def query_tile_bytes(head_dim: int, shape: BlockShape) -> int:
-    """Shared memory of a block's query tile, [rows, D/2 + pad] words (0 with Q in registers)."""
+    """Dynamic shared memory of a block's query tile, [rows, D/2 + pad] words (0 with Q in registers)."""
     return 4 * shape.rows * (head_dim // 2 + PAD_WORDS) if shape.query_in_shared else 0
-
-
-def dynamic_shared_bytes(head_dim: int, shape: BlockShape) -> int:
-    """A block's (dynamic) shared memory: the query tile, then two staged key blocks (the one in use
-    and the next, landing meanwhile)."""
-    return query_tile_bytes(head_dim, shape) + 2 * staged_bytes(head_dim, shape.keys)
 
 
 def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Callable[..., Any]:
     """Kernel ``(q [rows, Hq, D/2], k, v [Hkv, >= kv_len, D/2], out [rows, Hq, D/2] int32 words,
     rows, kv_len, first_position int32, scale_log2 f32)``; grid (ceil(rows / shape.rows), Hq),
-    shape.threads threads, ``dynamic_shared_bytes`` of dynamic shared memory.
+    shape.threads threads, ``query_tile_bytes`` of dynamic shared memory.
 
     head_dim a multiple of 32 (a fragment load covers two k-steps of Q K^T), keys of 16, q head h
     reads kv head h // group. scale_log2 is D^-0.5 * log2(e).
@@ -154,10 +145,6 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     copy_async, copy_async_wait_all = build_async_copy()
     shared_address = build_shared_address()
     query_tile = build_shared_tile(ROWS_PER_BLOCK, ROW_WORDS)
-    key_tile = build_shared_tile(KB, ROW_WORDS)  # a K or V tile
-    # Dynamic shared memory in words: [query tile] [K, V of buffer 0] [K, V of buffer 1].
-    QUERY_WORDS = query_tile_bytes(D, shape) // 4
-    TILE_WORDS = KB * ROW_WORDS
     quad_max = build_group_max()
     quad_sum = build_group_sum()
     # ldmatrix and cp.async need 16-byte aligned rows; the simulator takes no alignment (and needs none).
@@ -304,17 +291,12 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
             o[first + 4 * j] *= alpha
             o[first + 4 * j + 1] *= alpha
 
-    @cuda.jit(device=True, inline=True)
-    def buffer_tiles(dynamic, buffer):
-        """Buffer 0 or 1's K and V tiles, and their shared addresses."""
-        ks = key_tile(dynamic, QUERY_WORDS + 2 * buffer * TILE_WORDS)
-        vs = key_tile(dynamic, QUERY_WORDS + (2 * buffer + 1) * TILE_WORDS)
-        return ks, vs, shared_address(ks, (0, 0)), shared_address(vs, (0, 0))
-
     @cuda.jit
     def flash_attention(q, k, v, out, rows, kv_len, first_position, scale_log2):
         scratch = cuda.shared.array(SCRATCH_VALUES, float32)
         dynamic = cuda.shared.array(0, int32, alignment=TILE_ALIGNMENT)
+        ks = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
+        vs = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
         qa = cuda.local.array(QA_WORDS, int32)
         sacc = cuda.local.array(SACC_VALUES, float32)
         pa = cuda.local.array(PA_WORDS, int32)
@@ -330,10 +312,14 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
         # the short blocks fill the tail of the grid.
         first_row = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * ROWS_PER_BLOCK
         warp_row = (cuda.threadIdx.x // 32) * WARP_ROWS  # the warp's first row in the block
-        ks, vs, ks_address, vs_address = buffer_tiles(dynamic, 0)
         qs = start_queries(q, h, first_row, rows, warp_row, dynamic, ks, qa)
-        # A's quarters are the transposed load's matrices, untransposed: Q's, and K's two n-tiles at a time.
+        # Shared addresses taken once: each copy and fragment load then adds a constant offset. A's
+        # quarters are the transposed load's matrices, untransposed: Q's, and K's two n-tiles at a time.
+        ks_address = shared_address(ks, (0, 0))
+        vs_address = shared_address(vs, (0, 0))
         q_lane = lane_address(qs, True)
+        k_lane = lane_address(ks, True)
+        v_lane = lane_address(vs, True)
         for i in range(ACC_VALUES):
             o[i] = float32(0.0)
         # Finite start: a row whose keys are all masked so far keeps alpha = 1 and sum 0, not NaN.
@@ -342,21 +328,14 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
             row_sums[i] = float32(0.0)
         unmasked_end = first_position + first_row + 1  # keys below this are visible to every row of the block
         key_end = first_position + min(first_row + ROWS_PER_BLOCK, rows)  # the block's last row sees up to here
-        # Pipeline: K and V of the next key block land in the other buffer while the warps work on this
-        # one; a shared Q lands with the first.
+        # Pipeline: a shared Q lands with the first K; V of a key block lands during its Q K^T and
+        # softmax, K of the next during its P V.
         stage(k, kvh, 0, kv_len, ks, ks_address)
-        stage(v, kvh, 0, kv_len, vs, vs_address)
-        buffer = 0
         for first_key in range(0, key_end, KB):
             copy_async_wait_all()
-            # This block's K and V landed for every thread, and every warp is done with the other buffer.
-            cuda.syncthreads()
-            if first_key + KB < key_end:
-                next_ks, next_vs, next_ks_address, next_vs_address = buffer_tiles(dynamic, 1 - buffer)
-                stage(k, kvh, first_key + KB, kv_len, next_ks, next_ks_address)
-                stage(v, kvh, first_key + KB, kv_len, next_vs, next_vs_address)
-            ks, vs, ks_address, vs_address = buffer_tiles(dynamic, buffer)
-            scores(qs, q_lane, warp_row, ks, lane_address(ks, True), qa, sacc)
+            cuda.syncthreads()  # K landed for every thread; every warp is done with the last block's V
+            stage(v, kvh, first_key, kv_len, vs, vs_address)
+            scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc)
             if first_key + KB > unmasked_end:
                 for i in range(M):
                     p0 = first_position + first_row + warp_row + 16 * i + g
@@ -369,8 +348,11 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
                 row_sums[r] = row_sums[r] * alpha + exponentiate(sacc, first, scale_log2, best * scale_log2)
                 if alpha != float32(1.0):  # the row's maximum grew: rare once a few key blocks are in
                     rescale(o, (r // 2) * O_VALUES + 2 * (r % 2), alpha)
-            accumulate(sacc, pa, vs, lane_address(vs, True), o)
-            buffer = 1 - buffer
+            copy_async_wait_all()
+            cuda.syncthreads()  # V landed for every thread; every warp is done with this block's K
+            if first_key + KB < key_end:
+                stage(k, kvh, first_key + KB, kv_len, ks, ks_address)
+            accumulate(sacc, pa, vs, v_lane, o)
         for r in range(ROW_STATES):
             inv_sum = float32(1.0) / quad_sum(scratch, row_sums[r], 4)
             row = first_row + warp_row + 16 * (r // 2) + 8 * (r % 2) + g
@@ -402,7 +384,7 @@ class FlashAttention:
         if entry is None:
             shape = self.shape or block_shape(head_dim)
             kernel = Kernel(build_flash_attention(head_dim, group, shape),
-                            dynamic_shared_bytes=dynamic_shared_bytes(head_dim, shape))
+                            dynamic_shared_bytes=query_tile_bytes(head_dim, shape))
             entry = self._kernels[(head_dim, group)] = (shape, kernel)
         return entry
 
@@ -427,7 +409,7 @@ class FlashAttention:
         shape, kernel = self.kernel(head_dim, q_heads // kv_heads)
         grid = (-(-rows // shape.rows), q_heads)
         scale_log2 = np.float32(LOG2_E / math.sqrt(head_dim))
-        kernel[grid, shape.threads, stream, dynamic_shared_bytes(head_dim, shape)](
+        kernel[grid, shape.threads, stream, query_tile_bytes(head_dim, shape)](
             as_words(q), as_words(k), as_words(v), as_words(out), np.int32(rows), np.int32(kv_len),
             np.int32(kv_len - rows), scale_log2)
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.flash_attention import BlockShape, FlashAttention, block_shape, dynamic_shared_bytes
+from executor.kernels.flash_attention import (
+    STATIC_SHARED_BYTES, BlockShape, FlashAttention, block_shape, query_tile_bytes, staged_bytes)
 from executor.numba_cuda import simulator_enabled
 from tests.kernels.attention_reference import causal_attention
 from tests.kernels.compile_check import compile_for_sm90
@@ -56,13 +57,13 @@ def test_small_blocks_match_float64_in_the_simulator(shape):
              shape=shape)
 
 
-def test_block_shapes_keep_two_blocks_an_sm():
+def test_block_shapes_fit_shared_memory():
     assert block_shape(32) == block_shape(128) == BlockShape(warps=4, keys=64, m_tiles=1, query_in_shared=False)
     assert block_shape(256) == BlockShape(warps=4, keys=32, m_tiles=1, query_in_shared=True)
-    # D 256 stages 32 keys: 64 (two buffers of K and V, and Q's tile) would leave one block an SM.
-    assert 2 * (dynamic_shared_bytes(256, BlockShape(4, 64, 1, True)) + 1024) > 228 * 1024
-    # Past the 48 KiB a block gets without opting in, which the launcher does.
-    assert dynamic_shared_bytes(128, block_shape(128)) > 48 * 1024
+    assert staged_bytes(256, 64) > STATIC_SHARED_BYTES  # why D 256 stages fewer keys
+    # D 256's query tile is dynamic: past the 48 KiB a block gets without opting in, which the launcher does.
+    assert query_tile_bytes(256, block_shape(256)) + staged_bytes(256, 32) > 48 * 1024
+    assert query_tile_bytes(128, block_shape(128)) == 0
     with pytest.raises(ValueError, match="2 m-tiles a warp need the shared query tile"):
         BlockShape(warps=4, keys=32, m_tiles=2, query_in_shared=False)
 
