@@ -13,23 +13,29 @@ the probabilities P to bf16 for the P V product. The scores never reach memory: 
 an online softmax (running row maximum and sum, in exp2 units) across key blocks.
 
 Layout:
-- A block has ``block_shape(D).warps`` warps over one q head's query rows, 16 rows a warp. Blocks
-  of the last rows (the most keys under the causal mask) are launched first.
-- Q's fragments stay in registers for the whole key loop.
-- Per key block of ``block_shape(D).keys`` keys, the block stages K and V key-major in shared memory
-  by cp.async (executor/kernels/async_copy.py), each row padded by 4 words so that the 8 rows
-  an ldmatrix phase reads fall in 32 distinct banks. V of a key block is copied while the warps
+- A block has ``warps`` warps over one q head's query rows, ``m_tiles`` 16-row tiles a warp
+  (``BlockShape``; ``block_shape`` picks one m-tile). Blocks of the last rows (the most keys under
+  the causal mask) are launched first.
+- Q's fragments stay in registers for the whole key loop where D <= 128. For D 256 they would take
+  64 of a thread's 255 registers beside O's 128, so the block stages its Q rows once in dynamic
+  shared memory (past the 48 KiB a block gets by default: ``Kernel`` opts in) and each warp reads
+  its A fragments there by ``ldmatrix`` per key block.
+- Per key block of ``keys`` keys, the block stages K and V key-major in static shared memory by
+  cp.async (executor/kernels/async_copy.py), each row padded by 4 words so that the 8 rows an
+  ldmatrix phase reads fall in 32 distinct banks. V of a key block is copied while the warps
   compute its scores, K of the next while they compute P V: one K and one V buffer.
-- Each warp then runs S = Q K^T, the softmax update and O += P V with ``mma_bf16``, its B
-  fragments from ``ldmatrix.x4`` (V's with ``.trans``, so V needs no transposed copy; mma.py).
-  The O accumulators (D / 2 float32 a lane) and S stay in registers: every fragment loop has
-  constant bounds. The sm_90 compile test checks for no local memory.
+- Each warp then runs S = Q K^T, the softmax update and O += P V with ``mma_bf16``, its K
+  fragments from ``ldmatrix.x4`` two n-tiles a load, V's with ``.trans`` (so V needs no transposed
+  copy; mma.py). The O accumulators (D / 2 float32 a lane) and S stay in registers: every fragment
+  loop has constant bounds. The sm_90 compile test checks for no local memory.
 - Scores stay raw until the exponent: 2^(s * scale_log2 - max * scale_log2) is one FMA and one
-  ex2. Only key blocks that cross the diagonal of the block's rows are masked.
+  ex2.approx.ftz (fast_math.py). O is rescaled only when a row's maximum grew (alpha = 1 exactly
+  otherwise). Only key blocks that cross the diagonal of the block's rows are masked.
 
-On the H200 (bench/attention.py), one Qwen3-8B layer's attention at 16,384 tokens ran at 269
-TFLOP/s, 0.41x torch SDPA's fused kernel (648 TFLOP/s). A thread holds 236 registers at D 128
-(255 at D 256), so an SM keeps two blocks: little latency hiding around the mma.sync chain.
+On the H200 (bench/attention.py, 2026-11-30), one layer's attention at 16,384 tokens ran at 272
+TFLOP/s for Qwen3-8B's heads (D 128; 0.41x torch SDPA's fused kernel) and 250 TFLOP/s for
+Qwen3.5-9B's (D 256; 0.36x), up from 220 with Q in registers. Neither two m-tiles a warp, nor a
+second K/V buffer, nor the FMA + ftz exponent made D 128 faster (``block_shape``'s measurements).
 """
 
 from __future__ import annotations
