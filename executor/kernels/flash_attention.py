@@ -98,7 +98,10 @@ def block_shape(head_dim: int) -> BlockShape:
     tokens, us): D 128 with Q in registers, 4:64 673 / 7,894; with Q in shared memory 4:64 709 / 9,036,
     and two m-tiles a warp (each K and V fragment feeding both) 4:32 723 / 8,389, 8:32 754 / 8,162,
     4:64 784 / 8,918 (spilled). D 256 with Q in shared memory 4:32 777 / 8,767 against 8:32 898 / 10,009
-    and, with Q in registers (255 registers), 8:32 901 / 9,937.
+    and, with Q in registers (255 registers), 8:32 901 / 9,937. A later start: the default 727 / 8,292,
+    4:32 with Q in registers (164 registers, three blocks an SM) 791 / 8,782, 8:64 748 / 8,816. Two K/V
+    buffers (the next block landing during all of this one's work) ran D 128 at 9,154 and D 256 at
+    9,660 us at 16,384 tokens (commit 8f4590a, reverted).
     """
     query_in_shared = head_dim > MAX_REGISTER_QUERY_HEAD_DIM
     for keys in (64, 32):
