@@ -218,6 +218,15 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
             copy_async(tile, tile_address, (key, col), src, (kvh, first_key + key if valid else 0, col), valid)
 
     @cuda.jit(device=True, inline=True)
+    def mma_pair(a0, a1, a2, a3, b0, b1, b2, b3, acc, c):
+        """acc[c .. c + 3] += A (b0, b1) and acc[c + 4 .. c + 7] += A (b2, b3): one A fragment against
+        two n-tiles' B fragments."""
+        acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma(a0, a1, a2, a3, b0, b1, acc[c], acc[c + 1], acc[c + 2],
+                                                         acc[c + 3])
+        acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7] = mma(a0, a1, a2, a3, b2, b3, acc[c + 4], acc[c + 5],
+                                                             acc[c + 6], acc[c + 7])
+
+    @cuda.jit(device=True, inline=True)
     def scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc):
         """sacc <- Q K^T of this warp's m-tiles and the staged keys (raw dot products). Per k-step,
         every K fragment (two n-tiles a load) feeds all m-tiles."""
@@ -229,12 +238,9 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
                 # K rows 8j.. are n-tile j, rows 8j + 8.. n-tile j + 1: A's quarters are their b0, b1.
                 b0, b0_next, b1, b1_next = load_a_x4(ks, k_lane, 8 * j, 8 * s)
                 for i in range(M):
-                    a, c = QA_STEP * s + 4 * i, i * S_VALUES + 4 * j
-                    sacc[c], sacc[c + 1], sacc[c + 2], sacc[c + 3] = mma(
-                        qa[a], qa[a + 1], qa[a + 2], qa[a + 3], b0, b1, sacc[c], sacc[c + 1], sacc[c + 2], sacc[c + 3])
-                    sacc[c + 4], sacc[c + 5], sacc[c + 6], sacc[c + 7] = mma(
-                        qa[a], qa[a + 1], qa[a + 2], qa[a + 3], b0_next, b1_next,
-                        sacc[c + 4], sacc[c + 5], sacc[c + 6], sacc[c + 7])
+                    a = QA_STEP * s + 4 * i
+                    mma_pair(qa[a], qa[a + 1], qa[a + 2], qa[a + 3], b0, b1, b0_next, b1_next, sacc,
+                             i * S_VALUES + 4 * j)
 
     @cuda.jit(device=True, inline=True)
     def mask(sacc, tile, first_key, p0, p1, t):
@@ -287,11 +293,8 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
             for j in range(0, O_TILES, 2):
                 b0, b1, b2, b3 = load_b_x4_trans(vs, v_lane, 16 * s, 4 * j)
                 for i in range(M):
-                    p, c = i * P_WORDS + 4 * s, i * O_VALUES + 4 * j
-                    o[c], o[c + 1], o[c + 2], o[c + 3] = mma(
-                        pa[p], pa[p + 1], pa[p + 2], pa[p + 3], b0, b1, o[c], o[c + 1], o[c + 2], o[c + 3])
-                    o[c + 4], o[c + 5], o[c + 6], o[c + 7] = mma(
-                        pa[p], pa[p + 1], pa[p + 2], pa[p + 3], b2, b3, o[c + 4], o[c + 5], o[c + 6], o[c + 7])
+                    p = i * P_WORDS + 4 * s
+                    mma_pair(pa[p], pa[p + 1], pa[p + 2], pa[p + 3], b0, b1, b2, b3, o, i * O_VALUES + 4 * j)
 
     @cuda.jit(device=True, inline=True)
     def rescale(o, first, alpha):

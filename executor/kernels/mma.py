@@ -226,13 +226,7 @@ def build_a_fragment_load() -> Callable[..., Any]:
                     int32(tile[row0 + g, word0 + 4 + t]), int32(tile[row0 + 8 + g, word0 + 4 + t]))
 
         return simulated_load_a_x4
-    ldmatrix_x4 = _ldmatrix_intrinsic(transposed=False)
-
-    @cuda.jit(device=True, inline=True)
-    def load_a_x4(tile, address, row0, word0):
-        return ldmatrix_x4(address + uint32(4 * (row0 * tile.shape[1] + word0)))
-
-    return load_a_x4
+    return _load_at(_ldmatrix_intrinsic(transposed=False))
 
 
 def build_eight_key_value_load() -> Callable[..., Any]:
@@ -258,13 +252,18 @@ def build_eight_key_value_load() -> Callable[..., Any]:
                     pair(tile, row, word + 12, high))
 
         return simulated_load_v8_x4
-    ldmatrix_x4_trans = _ldmatrix_intrinsic(transposed=True)
+    return _load_at(_ldmatrix_intrinsic(transposed=True))
+
+
+def _load_at(ldmatrix_x4: Callable[..., Any]) -> Callable[..., Any]:
+    """``load(tile, address, row0, word0)``: ``ldmatrix_x4`` at this lane's ``address`` plus the byte
+    offset of tile[row0, word0] (a constant once the caller's loops unroll)."""
 
     @cuda.jit(device=True, inline=True)
-    def load_v8_x4(tile, address, row0, word0):
-        return ldmatrix_x4_trans(address + uint32(4 * (row0 * tile.shape[1] + word0)))
+    def load(tile, address, row0, word0):
+        return ldmatrix_x4(address + uint32(4 * (row0 * tile.shape[1] + word0)))
 
-    return load_v8_x4
+    return load
 
 
 def _ldmatrix_intrinsic(transposed: bool) -> Callable[..., Any]:
