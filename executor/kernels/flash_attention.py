@@ -160,33 +160,41 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     TILE_ALIGNMENT = None if simulator_enabled() else 16
     SCRATCH_VALUES = THREADS if simulator_enabled() else 1  # the simulator's quad reductions
 
-    def build_stage(copies: int) -> Callable[..., Any]:
+    @cuda.jit(device=True, inline=True)
+    def key_index(head, row, col):
+        return head, row, col  # k, v: [Hkv, C, D/2]
+
+    @cuda.jit(device=True, inline=True)
+    def query_index(head, row, col):
+        return row, head, col  # q: [rows, Hq, D/2]
+
+    def build_stage(copies: int, index: Callable[..., Any]) -> Callable[..., Any]:
         @cuda.jit(device=True, inline=True)
-        def stage(src, first, limit, tile, tile_address):
-            """Start copying rows first.. of ``src`` ([rows, D/2] words: one head's Q, K or V) into
-            tile, ``copies`` 16-byte chunks a thread; zeros from row ``limit`` on (V's stale rows
-            could hold NaN bits, and 0 x NaN would reach the output)."""
+        def stage(src, head, first, limit, tile, tile_address):
+            """Start copying rows first.. of one head of ``src`` (Q, K or V; ``index`` places the
+            head's axis) into tile, ``copies`` 16-byte chunks a thread; zeros from row ``limit`` on
+            (V's stale rows could hold NaN bits, and 0 x NaN would reach the output)."""
             tid = cuda.threadIdx.x
             for i in range(copies):
                 c = tid + i * THREADS
                 row = c // CHUNKS_PER_ROW
                 col = (c % CHUNKS_PER_ROW) * 4
                 valid = first + row < limit
-                copy_async(tile, tile_address, (row, col), src, (first + row if valid else 0, col), valid)
+                copy_async(tile, tile_address, (row, col), src, index(head, first + row if valid else 0, col), valid)
 
         return stage
 
-    stage = build_stage(COPIES)
+    stage = build_stage(COPIES, key_index)
 
     if Q_IN_SHARED:
-        stage_queries = build_stage(Q_COPIES)
+        stage_queries = build_stage(Q_COPIES, query_index)
 
         @cuda.jit(device=True, inline=True)
         def start_queries(q, h, first_row, rows, warp_row, dynamic, ks, qa):
             """Start copying the block's query rows of head h into the dynamic query tile (zeros past
             the chunk's rows); returns the tile."""
             qs = query_tile(dynamic, 0)
-            stage_queries(q[:, h], first_row, rows, qs, shared_address(qs, (0, 0)))
+            stage_queries(q, h, first_row, rows, qs, shared_address(qs, (0, 0)))
             return qs
 
         @cuda.jit(device=True, inline=True)
@@ -343,12 +351,11 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
         key_end = first_position + min(first_row + ROWS_PER_BLOCK, rows)  # the block's last row sees up to here
         # Pipeline: a shared Q lands with the first K; V of a key block lands during its Q K^T and
         # softmax, K of the next during its P V.
-        k_rows, v_rows = k[kvh], v[kvh]  # [>= kv_len, D/2]
-        stage(k_rows, 0, kv_len, ks, ks_address)
+        stage(k, kvh, 0, kv_len, ks, ks_address)
         for first_key in range(0, key_end, KB):
             copy_async_wait_all()
             cuda.syncthreads()  # K landed for every thread; every warp is done with the last block's V
-            stage(v_rows, first_key, kv_len, vs, vs_address)
+            stage(v, kvh, first_key, kv_len, vs, vs_address)
             scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc)
             if first_key + KB > unmasked_end:
                 for i in range(M):
@@ -365,7 +372,7 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
             copy_async_wait_all()
             cuda.syncthreads()  # V landed for every thread; every warp is done with this block's K
             if first_key + KB < key_end:
-                stage(k_rows, first_key + KB, kv_len, ks, ks_address)
+                stage(k, kvh, first_key + KB, kv_len, ks, ks_address)
             accumulate(sacc, pa, vs, v_lane, o)
         for r in range(ROW_STATES):
             inv_sum = float32(1.0) / quad_sum(scratch, row_sums[r], 4)
