@@ -57,7 +57,6 @@ from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
-from numba.cuda.misc.special import literal_unroll  # noqa: E402
 
 PAD_WORDS = 4  # per staged row: shifts consecutive rows by 4 banks (16 bytes, keeping rows 16-byte aligned)
 LOG2_E = 1.4426950408889634
@@ -141,12 +140,6 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     COPIES = KB * CHUNKS_PER_ROW // THREADS  # chunks a thread stages of K, and of V, per key block
     Q_COPIES = ROWS_PER_BLOCK * CHUNKS_PER_ROW // THREADS  # chunks a thread stages of Q, once
     assert COPIES * THREADS == KB * CHUNKS_PER_ROW and Q_COPIES * THREADS == ROWS_PER_BLOCK * CHUNKS_PER_ROW
-    # A staged key block's softmax and P V run in PARTS parts, so that a warp's MMAs of the next part
-    # are in flight while it exponentiates this one: two parts of 32 keys or more (of 16, D 256's
-    # kernel spilled in the local ptxas).
-    PARTS = 2 if KB % 64 == 0 else 1
-    PART_TILES, PART_STEPS = S_TILES // PARTS, P_STEPS // PARTS  # n-tiles of S, k-steps of P V a part
-    PART_INDICES = tuple(range(PARTS))
     # Per m-tile: a lane's S values, P words and O values.
     S_VALUES, P_WORDS, O_VALUES = 4 * S_TILES, 4 * P_STEPS, 4 * O_TILES
     # A lane's registers over all its m-tiles (local arrays need constant sizes): Q fragments (all
@@ -244,31 +237,25 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
 
     @cuda.jit(device=True, inline=True)
     def scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc):
-        """sacc <- Q K^T of this warp's m-tiles and the staged keys (raw dot products), one part of
-        the keys after the other (the first part's scores are done while the second's are in flight).
-        Per k-step, every K fragment (two n-tiles a load) feeds all m-tiles."""
+        """sacc <- Q K^T of this warp's m-tiles and the staged keys (raw dot products). Per k-step,
+        every K fragment (two n-tiles a load) feeds all m-tiles."""
         for i in range(SACC_VALUES):
             sacc[i] = float32(0.0)
-        for part in literal_unroll(PART_INDICES):
-            for s in range(K_STEPS):
-                part_scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc, part, s)
+        for s in range(K_STEPS):
+            query_fragments(qs, q_lane, warp_row, s, qa)
+            for j in range(0, S_TILES, 2):
+                # K rows 8j.. are n-tile j, rows 8j + 8.. n-tile j + 1: A's quarters are their b0, b1.
+                b0, b0_next, b1, b1_next = load_a_x4(ks, k_lane, 8 * j, 8 * s)
+                for i in range(M):
+                    a = QA_STEP * s + 4 * i
+                    mma_pair(qa[a], qa[a + 1], qa[a + 2], qa[a + 3], b0, b1, b0_next, b1_next, sacc,
+                             i * S_VALUES + 4 * j)
 
     @cuda.jit(device=True, inline=True)
-    def part_scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc, part, s):
-        """k-step s of one part's scores."""
-        query_fragments(qs, q_lane, warp_row, s, qa)
-        for j in range(part * PART_TILES, (part + 1) * PART_TILES, 2):
-            # K rows 8j.. are n-tile j, rows 8j + 8.. n-tile j + 1: A's quarters are their b0, b1.
-            b0, b0_next, b1, b1_next = load_a_x4(ks, k_lane, 8 * j, 8 * s)
-            for i in range(M):
-                a = QA_STEP * s + 4 * i
-                mma_pair(qa[a], qa[a + 1], qa[a + 2], qa[a + 3], b0, b1, b0_next, b1_next, sacc, i * S_VALUES + 4 * j)
-
-    @cuda.jit(device=True, inline=True)
-    def mask(sacc, tile, part, first_key, p0, p1, t):
-        """One m-tile's keys of one part after a row's position to -inf. A stored row's position is
-        below kv_len, so this also drops the zero-filled keys past it."""
-        for j in range(part * PART_TILES, (part + 1) * PART_TILES):
+    def mask(sacc, tile, first_key, p0, p1, t):
+        """One m-tile's keys after a row's position to -inf. A stored row's position is below kv_len,
+        so this also drops the zero-filled keys past it."""
+        for j in range(S_TILES):
             c = tile * S_VALUES + 4 * j
             key = first_key + 8 * j + 2 * t
             if key > p0:
@@ -281,19 +268,18 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
                 sacc[c + 3] = -math.inf
 
     @cuda.jit(device=True, inline=True)
-    def row_max(sacc, first, part, start):
+    def row_max(sacc, first, start):
         # first: an m-tile's S values at 0, + 0 for row g (values 0, 1 of each n-tile), + 2 for row g + 8
         best = start
-        for j in range(part * PART_TILES, (part + 1) * PART_TILES):
+        for j in range(S_TILES):
             best = max(best, max(sacc[first + 4 * j], sacc[first + 4 * j + 1]))
         return best
 
     @cuda.jit(device=True, inline=True)
-    def exponentiate(sacc, first, part, scale_log2, max_log2):
-        """p = 2^(score * scale_log2 - max_log2) over one part, one FMA and one ex2 a score; returns
-        the row's partial sum."""
+    def exponentiate(sacc, first, scale_log2, max_log2):
+        """p = 2^(score * scale_log2 - max_log2), one FMA and one ex2 a score; returns the row's partial sum."""
         total = float32(0.0)
-        for j in range(part * PART_TILES, (part + 1) * PART_TILES):
+        for j in range(S_TILES):
             for i in range(2):
                 p = exp2_scaled(sacc[first + 4 * j + i], scale_log2, max_log2)
                 sacc[first + 4 * j + i] = p
@@ -301,18 +287,18 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
         return total
 
     @cuda.jit(device=True, inline=True)
-    def accumulate(sacc, pa, vs, v_lane, o, part):
-        """o += P V over one part's keys: P's bf16 A fragments from the S tiles (two n-tiles make one
-        k-step); V's B fragments transposed out of the key-major tile, two output n-tiles a load,
-        each feeding every m-tile."""
+    def accumulate(sacc, pa, vs, v_lane, o):
+        """o += P V: P's bf16 A fragments from the S tiles (two n-tiles make one k-step); V's B
+        fragments transposed out of the key-major tile, two output n-tiles a load, each feeding
+        every m-tile."""
         for i in range(M):
-            for s in range(part * PART_STEPS, (part + 1) * PART_STEPS):
+            for s in range(P_STEPS):
                 c, p = i * S_VALUES + 8 * s, i * P_WORDS + 4 * s
                 pa[p] = pack(sacc[c], sacc[c + 1])
                 pa[p + 1] = pack(sacc[c + 2], sacc[c + 3])
                 pa[p + 2] = pack(sacc[c + 4], sacc[c + 5])
                 pa[p + 3] = pack(sacc[c + 6], sacc[c + 7])
-        for s in range(part * PART_STEPS, (part + 1) * PART_STEPS):
+        for s in range(P_STEPS):
             for j in range(0, O_TILES, 2):
                 b0, b1, b2, b3 = load_b_x4_trans(vs, v_lane, 16 * s, 4 * j)
                 for i in range(M):
@@ -371,26 +357,23 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
             cuda.syncthreads()  # K landed for every thread; every warp is done with the last block's V
             stage(v, kvh, first_key, kv_len, vs, vs_address)
             scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc)
-            for part in literal_unroll(PART_INDICES):  # unrolled in Numba's IR: LLVM kept range(PARTS) a loop
-                if first_key + KB > unmasked_end:
-                    for i in range(M):
-                        p0 = first_position + first_row + warp_row + 16 * i + g
-                        mask(sacc, i, part, first_key, p0, p0 + 8, t)
-                for r in range(ROW_STATES):
-                    first = (r // 2) * S_VALUES + 2 * (r % 2)
-                    best = quad_max(scratch, row_max(sacc, first, part, row_maxima[r]), 4)
-                    alpha = float32(math.exp2((row_maxima[r] - best) * scale_log2))
-                    row_maxima[r] = best
-                    row_sums[r] = row_sums[r] * alpha + exponentiate(sacc, first, part, scale_log2,
-                                                                     best * scale_log2)
-                    if alpha != float32(1.0):  # the row's maximum grew: rare once a few key blocks are in
-                        rescale(o, (r // 2) * O_VALUES + 2 * (r % 2), alpha)
-                if part == 0:
-                    copy_async_wait_all()
-                    cuda.syncthreads()  # V landed for every thread; every warp is done with this block's K
-                    if first_key + KB < key_end:
-                        stage(k, kvh, first_key + KB, kv_len, ks, ks_address)
-                accumulate(sacc, pa, vs, v_lane, o, part)
+            if first_key + KB > unmasked_end:
+                for i in range(M):
+                    p0 = first_position + first_row + warp_row + 16 * i + g
+                    mask(sacc, i, first_key, p0, p0 + 8, t)
+            for r in range(ROW_STATES):
+                first = (r // 2) * S_VALUES + 2 * (r % 2)
+                best = quad_max(scratch, row_max(sacc, first, row_maxima[r]), 4)
+                alpha = float32(math.exp2((row_maxima[r] - best) * scale_log2))
+                row_maxima[r] = best
+                row_sums[r] = row_sums[r] * alpha + exponentiate(sacc, first, scale_log2, best * scale_log2)
+                if alpha != float32(1.0):  # the row's maximum grew: rare once a few key blocks are in
+                    rescale(o, (r // 2) * O_VALUES + 2 * (r % 2), alpha)
+            copy_async_wait_all()
+            cuda.syncthreads()  # V landed for every thread; every warp is done with this block's K
+            if first_key + KB < key_end:
+                stage(k, kvh, first_key + KB, kv_len, ks, ks_address)
+            accumulate(sacc, pa, vs, v_lane, o)
         for r in range(ROW_STATES):
             inv_sum = float32(1.0) / quad_sum(scratch, row_sums[r], 4)
             row = first_row + warp_row + 16 * (r // 2) + 8 * (r % 2) + g
