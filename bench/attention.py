@@ -1,7 +1,7 @@
 """Causal prefill attention of one layer: memplan's tensor-core flash kernel vs torch SDPA.
 
     python3 bench/attention.py [--models qwen3-8b,qwen3.5-9b] [--prompts 4096,16384] [--out FILE]
-                               [--block-shapes default,4:32:2:shared]   # warps:keys:m-tiles:Q's place, a row each
+                               [--block-shapes default,4:32:2:shared:2]   # warps:keys:m-tiles:Q's place[:blocks an SM], a row each
     python3 bench/attention.py --smoke     # a tiny shape in the Numba CUDA simulator (checks the script)
 
 For each model's attention heads (Qwen3-8B: 32 q / 8 kv heads of 128; Qwen3.5-9B: 16 / 4 of 256
@@ -59,19 +59,21 @@ def parse_shapes(text: str) -> list[Any]:
             shapes.append(None)
             continue
         try:
-            warps, keys, m_tiles, query = item.split(":")
-            if query not in ("registers", "shared"):
+            warps, keys, m_tiles, query, *bound = item.split(":")
+            if query not in ("registers", "shared") or len(bound) > 1:
                 raise ValueError(query)
-            shapes.append(BlockShape(int(warps), int(keys), int(m_tiles), query == "shared"))
+            blocks_per_sm = int(bound[0]) if bound else None
+            shapes.append(BlockShape(int(warps), int(keys), int(m_tiles), query == "shared", blocks_per_sm))
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"block shape {item!r}: expected warps:keys:m-tiles:registers|shared (where Q's fragments live), "
-                "or default") from None
+                f"block shape {item!r}: expected warps:keys:m-tiles:registers|shared[:blocks an SM] (where Q's "
+                "fragments live; the launch bound), or default") from None
     return shapes
 
 
 def shape_name(shape: Any) -> str:
-    return f"{shape.warps}:{shape.keys}:{shape.m_tiles}:{'shared' if shape.query_in_shared else 'registers'}"
+    bound = f":{shape.blocks_per_sm}" if shape.blocks_per_sm else ""
+    return f"{shape.warps}:{shape.keys}:{shape.m_tiles}:{'shared' if shape.query_in_shared else 'registers'}{bound}"
 
 
 def kernel_registers(flash: Any, heads: Heads) -> str:
@@ -141,7 +143,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int_list, default=[4096, 16384], help="prompt tokens (default 4096,16384)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--block-shapes", type=parse_shapes, default=[None],
-                        help="comma-separated warps:keys:m-tiles:registers|shared (Q fragments' place), or default "
+                        help="comma-separated warps:keys:m-tiles:registers|shared[:blocks an SM] (Q fragments' place; "
+                             "the launch bound), or default "
                              "(block_shape's choice); default: default")
     parser.add_argument("--smoke", action="store_true", help="a 70-token prompt of tiny heads in the simulator")
     parser.add_argument("--out", default=None, help="append the result as a markdown section to this file")

@@ -28,6 +28,18 @@ A pipeline that keeps several tiles in flight numbers its copies by group instea
     wait_groups()
         waits until at most ``pending`` of this thread's groups (the newest) are still in flight.
 
+A loop that stages rows of one contiguous-row source each round takes a cursor once instead
+(``build_row_copy(row_bytes)``), so a round's copies cost one multiply-add each and hold no
+per-copy address across the loop:
+    row_cursor(src, index) -> cursor
+        src[index]'s place (on the GPU its global-window address, uint64).
+    copy_row_async(tile, tile_address, dst_index, src, cursor, row, valid)
+        copy_async of the 16 bytes ``row`` rows past the cursor (row_bytes apart; row >= 0 and
+        a row of src even when ``valid`` is false, which reads nothing).
+    fresh_address(tile_address) -> uint32
+        the same address, opaque to the compiler: taken inside a loop it keeps the per-copy
+        shared offsets in the loop (immediates of the copies) instead of in registers across it.
+
 Both ends must be 16-byte aligned. On the GPU these are PTX through llvmlite inline asm
 (``cp.async.cg.shared.global`` with a source size of 16 or 0, and ``cp.async.wait_all``).
 The simulator copies at once, and waiting is a no-op there.
@@ -64,6 +76,14 @@ def build_async_copy() -> tuple[Callable[..., Any], Callable[..., Any]]:
     return _intrinsics()
 
 
+def build_row_copy(row_bytes: int) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """``(row_cursor, copy_row_async, fresh_address)`` for a source whose rows lie ``row_bytes``
+    apart (module docstring)."""
+    if simulator_enabled():
+        return _simulated_rows()
+    return _row_intrinsics(row_bytes)
+
+
 def build_copy_groups(pending: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """``(commit_group, wait_groups)`` (module docstring); ``wait_groups`` leaves at most ``pending``
     groups in flight (a compile-time immediate in PTX). No-ops in the simulator."""
@@ -95,6 +115,70 @@ def _simulated() -> tuple[Callable[..., Any], Callable[..., Any]]:
         pass
 
     return copy_async, copy_async_wait_all
+
+
+def _simulated_rows() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    copy_async = _simulated()[0]
+
+    @cuda.jit(device=True)
+    def row_cursor(src, index):
+        return index
+
+    @cuda.jit(device=True)
+    def copy_row_async(tile, tile_address, dst_index, src, cursor, row, valid):
+        head, first, word = cursor
+        copy_async(tile, tile_address, dst_index, src, (head, first + row, word), valid)
+
+    @cuda.jit(device=True)
+    def fresh_address(tile_address):
+        return tile_address
+
+    return row_cursor, copy_row_async, fresh_address
+
+
+def _row_intrinsics(row_bytes: int) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def row_cursor(typingctx, src, index):
+        def codegen(context, builder, signature, args):
+            pointer = element_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+            function = ir.FunctionType(ir.IntType(64), [pointer.type])
+            return builder.asm(function, "cvta.to.global.u64 $0, $1;", "=l,l", [pointer], side_effect=False)
+
+        return types.uint64(src, index), codegen
+
+    @intrinsic
+    def copy_row(typingctx, to, cursor, row, valid):
+        def codegen(context, builder, signature, args):
+            to_value, cursor_value, row_value, valid_value = args
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            row64 = context.cast(builder, row_value, signature.args[2], types.int64)
+            source = builder.add(cursor_value, builder.mul(row64, i64(row_bytes)))
+            source_bytes = builder.select(valid_value, i32(4 * CHUNK_WORDS), i32(0))
+            function = ir.FunctionType(ir.VoidType(), [i32, i64, i32])
+            builder.asm(function, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+                        [to_value, source, source_bytes], side_effect=True)
+            return context.get_dummy_value()
+
+        return types.void(types.uint32, types.uint64, row, types.boolean), codegen
+
+    @intrinsic
+    def fresh_address(typingctx, address):
+        def codegen(context, builder, signature, args):
+            function = ir.FunctionType(ir.IntType(32), [ir.IntType(32)])
+            # Volatile, so the compiler can neither hoist it out of a loop nor reuse an earlier value.
+            return builder.asm(function, "mov.u32 $0, $1;", "=r,r", [args[0]], side_effect=True)
+
+        return types.uint32(types.uint32), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def copy_row_async(tile, tile_address, dst_index, src, cursor, row, valid):
+        dst_row, word = dst_index
+        copy_row(tile_address + uint32(4 * (dst_row * tile.shape[1] + word)), cursor, row, valid)
+
+    return row_cursor, copy_row_async, fresh_address
 
 
 def _shared_address_intrinsic() -> Callable[..., Any]:

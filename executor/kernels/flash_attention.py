@@ -47,7 +47,7 @@ from typing import Any, Callable
 import numpy as np
 
 from executor.kernels.launch import Kernel
-from executor.kernels.async_copy import build_async_copy, build_shared_address
+from executor.kernels.async_copy import build_async_copy, build_row_copy, build_shared_address
 from executor.kernels.fast_math import build_exp2_scaled
 from executor.kernels.mma import build_a_fragment_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.reduce import build_group_max, build_group_sum
@@ -76,6 +76,8 @@ class BlockShape:
     keys: int
     m_tiles: int = 1
     query_in_shared: bool = False
+    #: Launch bound: blocks an SM the compiler must leave registers for (None: no bound).
+    blocks_per_sm: int | None = None
 
     def __post_init__(self) -> None:
         if self.m_tiles > 1 and not self.query_in_shared:
@@ -152,6 +154,8 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     lane_address, _, load_b_x4_trans = build_fragment_loads()
     load_a_x4 = build_a_fragment_load()
     copy_async, copy_async_wait_all = build_async_copy()
+    row_cursor, copy_row_async, fresh_address = build_row_copy(4 * (D // 2))  # K and V rows: D / 2 words
+    ROWS_PER_PASS = THREADS // CHUNKS_PER_ROW  # rows the block's threads copy a chunk each of
     shared_address = build_shared_address()
     query_tile = build_shared_tile(ROWS_PER_BLOCK, ROW_WORDS)
     quad_max = build_group_max()
@@ -184,7 +188,21 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
 
         return stage
 
-    stage = build_stage(COPIES, key_index)
+    @cuda.jit(device=True, inline=True)
+    def stage(src, cursor, first, limit, tile, tile_address):
+        """Start copying rows first.. of one kv head of K or V (``cursor``: its row 0, this thread's
+        chunk) into tile, COPIES chunks a thread; zeros from row ``limit`` on. Addresses are one
+        cursor multiply-add and a shared offset a copy, computed in the loop that calls this: held
+        across it, they took a register each."""
+        tid = cuda.threadIdx.x
+        lane_row = tid // CHUNKS_PER_ROW
+        rows_left = limit - first - lane_row  # this thread's rows below limit, from its first
+        address = fresh_address(tile_address)
+        for i in range(COPIES):
+            valid = ROWS_PER_PASS * i < rows_left
+            row = first + lane_row + ROWS_PER_PASS * i
+            copy_row_async(tile, address, (lane_row + ROWS_PER_PASS * i, (tid % CHUNKS_PER_ROW) * 4), src, cursor,
+                           row if valid else 0, valid)
 
     if Q_IN_SHARED:
         stage_queries = build_stage(Q_COPIES, query_index)
@@ -312,7 +330,11 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
             o[first + 4 * j] *= alpha
             o[first + 4 * j + 1] *= alpha
 
-    @cuda.jit
+    # The simulator's jit takes no launch_bounds (and has no registers to bound).
+    launch_options = {} if simulator_enabled() or shape.blocks_per_sm is None else {
+        "launch_bounds": (THREADS, shape.blocks_per_sm)}
+
+    @cuda.jit(**launch_options)
     def flash_attention(q, k, v, out, rows, kv_len, first_position, scale_log2):
         scratch = cuda.shared.array(SCRATCH_VALUES, float32)
         dynamic = cuda.shared.array(0, int32, alignment=TILE_ALIGNMENT)
@@ -351,11 +373,14 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
         key_end = first_position + min(first_row + ROWS_PER_BLOCK, rows)  # the block's last row sees up to here
         # Pipeline: a shared Q lands with the first K; V of a key block lands during its Q K^T and
         # softmax, K of the next during its P V.
-        stage(k, kvh, 0, kv_len, ks, ks_address)
+        col = (cuda.threadIdx.x % CHUNKS_PER_ROW) * 4
+        k_cursor = row_cursor(k, (kvh, 0, col))
+        v_cursor = row_cursor(v, (kvh, 0, col))
+        stage(k, k_cursor, 0, kv_len, ks, ks_address)
         for first_key in range(0, key_end, KB):
             copy_async_wait_all()
             cuda.syncthreads()  # K landed for every thread; every warp is done with the last block's V
-            stage(v, kvh, first_key, kv_len, vs, vs_address)
+            stage(v, v_cursor, first_key, kv_len, vs, vs_address)
             scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc)
             if first_key + KB > unmasked_end:
                 for i in range(M):
@@ -372,7 +397,7 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
             copy_async_wait_all()
             cuda.syncthreads()  # V landed for every thread; every warp is done with this block's K
             if first_key + KB < key_end:
-                stage(k, kvh, first_key + KB, kv_len, ks, ks_address)
+                stage(k, k_cursor, first_key + KB, kv_len, ks, ks_address)
             accumulate(sacc, pa, vs, v_lane, o)
         for r in range(ROW_STATES):
             inv_sum = float32(1.0) / quad_sum(scratch, row_sums[r], 4)
@@ -423,6 +448,9 @@ class FlashAttention:
         if not rows <= kv_len <= capacity:
             raise ValueError(f"flash attention: kv_len {kv_len} must hold the chunk's {rows} rows and fit the "
                              f"{capacity} keys of k and v")
+        if k.stride(1) != head_dim or v.stride(1) != head_dim:
+            raise ValueError(f"flash attention: k and v rows must lie head_dim {head_dim} elements apart (a kv head's "
+                             f"keys one run), not {k.stride(1)} and {v.stride(1)}")
         if not vector_aligned(q, k, v, out):
             raise ValueError("flash attention: every head of q, k, v and out must be 16-byte aligned and contiguous")
         if rows == 0:
