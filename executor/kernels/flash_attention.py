@@ -287,22 +287,42 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
 
     @cuda.jit(device=True, inline=True)
     def row_max(sacc, first, start):
-        # first: an m-tile's S values at 0, + 0 for row g (values 0, 1 of each n-tile), + 2 for row g + 8
-        best = start
+        """The row's maximum over its S values and ``start``. first: an m-tile's S values at 0, + 0 for
+        row g (values 0, 1 of each n-tile), + 2 for row g + 8. Two chains, half as long as one."""
+        even, odd = start, start
         for j in range(S_TILES):
-            best = max(best, max(sacc[first + 4 * j], sacc[first + 4 * j + 1]))
-        return best
+            even = max(even, sacc[first + 4 * j])
+            odd = max(odd, sacc[first + 4 * j + 1])
+        return max(even, odd)
 
     @cuda.jit(device=True, inline=True)
     def exponentiate(sacc, first, scale_log2, max_log2):
-        """p = 2^(score * scale_log2 - max_log2), one FMA and one ex2 a score; returns the row's partial sum."""
-        total = float32(0.0)
+        """p = 2^(score * scale_log2 - max_log2), one FMA and one ex2 a score; returns the row's partial
+        sum (two chains)."""
+        even, odd = float32(0.0), float32(0.0)
         for j in range(S_TILES):
-            for i in range(2):
-                p = exp2_scaled(sacc[first + 4 * j + i], scale_log2, max_log2)
-                sacc[first + 4 * j + i] = p
-                total += p
-        return total
+            p0 = exp2_scaled(sacc[first + 4 * j], scale_log2, max_log2)
+            p1 = exp2_scaled(sacc[first + 4 * j + 1], scale_log2, max_log2)
+            sacc[first + 4 * j], sacc[first + 4 * j + 1] = p0, p1
+            even += p0
+            odd += p1
+        return even + odd
+
+    @cuda.jit(device=True, inline=True)
+    def softmax_update(scratch, sacc, row_maxima, row_sums, alphas, scale_log2):
+        """The online softmax over one key block's scores, every row state in one straight run (its
+        chains independent, for the scheduler to interleave): new row maxima, S <- P in place, sums
+        rescaled and grown, and alphas[r] = 2^((old max - new max) * scale_log2) for O."""
+        best = cuda.local.array(ROW_STATES, float32)
+        for r in range(ROW_STATES):
+            best[r] = row_max(sacc, (r // 2) * S_VALUES + 2 * (r % 2), row_maxima[r])
+        for r in range(ROW_STATES):
+            best[r] = quad_max(scratch, best[r], 4)
+        for r in range(ROW_STATES):
+            alphas[r] = float32(math.exp2((row_maxima[r] - best[r]) * scale_log2))
+            row_maxima[r] = best[r]
+            total = exponentiate(sacc, (r // 2) * S_VALUES + 2 * (r % 2), scale_log2, best[r] * scale_log2)
+            row_sums[r] = row_sums[r] * alphas[r] + total
 
     @cuda.jit(device=True, inline=True)
     def accumulate(sacc, pa, vs, v_lane, o):
@@ -346,6 +366,7 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
         o = cuda.local.array(ACC_VALUES, float32)
         row_maxima = cuda.local.array(ROW_STATES, float32)  # running, raw score units; [2 i] row g, [2 i + 1] g + 8
         row_sums = cuda.local.array(ROW_STATES, float32)
+        alphas = cuda.local.array(ROW_STATES, float32)  # this key block's rescale of each row state's O and sum
         lane = cuda.threadIdx.x % 32
         g = lane // 4
         t = lane % 4
@@ -386,14 +407,10 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
                 for i in range(M):
                     p0 = first_position + first_row + warp_row + 16 * i + g
                     mask(sacc, i, first_key, p0, p0 + 8, t)
+            softmax_update(scratch, sacc, row_maxima, row_sums, alphas, scale_log2)
             for r in range(ROW_STATES):
-                first = (r // 2) * S_VALUES + 2 * (r % 2)
-                best = quad_max(scratch, row_max(sacc, first, row_maxima[r]), 4)
-                alpha = float32(math.exp2((row_maxima[r] - best) * scale_log2))
-                row_maxima[r] = best
-                row_sums[r] = row_sums[r] * alpha + exponentiate(sacc, first, scale_log2, best * scale_log2)
-                if alpha != float32(1.0):  # the row's maximum grew: rare once a few key blocks are in
-                    rescale(o, (r // 2) * O_VALUES + 2 * (r % 2), alpha)
+                if alphas[r] != float32(1.0):  # the row's maximum grew: rare once a few key blocks are in
+                    rescale(o, (r // 2) * O_VALUES + 2 * (r % 2), alphas[r])
             copy_async_wait_all()
             cuda.syncthreads()  # V landed for every thread; every warp is done with this block's K
             if first_key + KB < key_end:
