@@ -62,9 +62,8 @@ PAD_WORDS = 4  # per staged row: shifts consecutive rows by 4 banks (16 bytes, k
 LOG2_E = 1.4426950408889634
 #: Static shared memory a block may declare (PTX's limit): the K and V tiles must fit it; Q's tile is dynamic.
 STATIC_SHARED_BYTES = 48 * 1024
-#: Head sizes whose Q fragments a thread keeps in registers for the whole loop (D / 2 words); larger
-#: heads read them from shared memory each key block, leaving the registers to O (D / 2 float32).
-MAX_REGISTER_QUERY_HEAD_DIM = 128
+#: Head sizes whose two m-tiles' O a thread holds (2 x D / 2 float32); D 256's would take all 255 registers.
+MAX_TWO_TILE_HEAD_DIM = 128
 
 
 @dataclass(frozen=True)
@@ -93,23 +92,20 @@ class BlockShape:
 
 
 def block_shape(head_dim: int) -> BlockShape:
-    """4 warps of one m-tile; 64 keys a round where K and V of 64 keys fit STATIC_SHARED_BYTES, else 32;
-    Q in registers up to MAX_REGISTER_QUERY_HEAD_DIM, else in shared memory.
+    """4 warps, 32 keys a round, Q in shared memory; two m-tiles a warp (each K and V fragment then
+    feeds both) where O of 32 rows fits a thread's registers beside S (D <= MAX_TWO_TILE_HEAD_DIM).
 
-    Measured on the H200 (bench/attention.py --block-shapes, 2026-11-30, one layer at 4096 / 16384
-    tokens, us): D 128 with Q in registers, 4:64 673 / 7,894; with Q in shared memory 4:64 709 / 9,036,
-    and two m-tiles a warp (each K and V fragment feeding both) 4:32 723 / 8,389, 8:32 754 / 8,162,
-    4:64 784 / 8,918 (spilled). D 256 with Q in shared memory 4:32 777 / 8,767 against 8:32 898 / 10,009
-    and, with Q in registers (255 registers), 8:32 901 / 9,937. A later start: the default 727 / 8,292,
-    4:32 with Q in registers (164 registers, three blocks an SM) 791 / 8,782, 8:64 748 / 8,816. Two K/V
-    buffers (the next block landing during all of this one's work) ran D 128 at 9,154 and D 256 at
-    9,660 us at 16,384 tokens (commit 8f4590a, reverted).
+    Measured on the H200 (bench/attention.py --block-shapes, 2026-12-01, one Qwen3-8B layer, us at
+    4,096 / 16,384 tokens, one start): D 128 at 4:32:2:shared 649.9 / 7,076.9; Q in registers
+    4:64:1 672.6 / 8,140.3 (the earlier default), the same under three blocks an SM 759.3 / 8,146.4;
+    4:64:1:shared under four blocks an SM 669.1 / 8,064.7; 4:64:2:shared (spills) 744.8 / 7,893.8.
+    Earlier sessions' shapes and their figures: docs/benchmarks.md, "Causal prefill attention".
     """
-    query_in_shared = head_dim > MAX_REGISTER_QUERY_HEAD_DIM
-    for keys in (64, 32):
-        if staged_bytes(head_dim, keys) <= STATIC_SHARED_BYTES:
-            return BlockShape(4, keys, 1, query_in_shared)
-    raise ValueError(f"flash attention: head_dim {head_dim} does not fit a 32-key block in shared memory")
+    m_tiles = 2 if head_dim <= MAX_TWO_TILE_HEAD_DIM else 1
+    shape = BlockShape(4, 32, m_tiles, True)
+    if staged_bytes(head_dim, shape.keys) > STATIC_SHARED_BYTES:
+        raise ValueError(f"flash attention: head_dim {head_dim} does not fit a 32-key block in shared memory")
+    return shape
 
 
 def staged_bytes(head_dim: int, keys: int) -> int:
@@ -147,7 +143,7 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     # A lane's registers over all its m-tiles (local arrays need constant sizes): Q fragments (all
     # k-steps in registers, or one k-step of each m-tile read from shared memory), S, P, O, row states.
     QA_WORDS = 4 * M if Q_IN_SHARED else 4 * K_STEPS
-    SACC_VALUES, PA_WORDS, ACC_VALUES, ROW_STATES = M * S_VALUES, M * P_WORDS, M * O_VALUES, 2 * M
+    SACC_VALUES, PA_WORDS, ACC_VALUES, ROW_STATES = M * S_VALUES, 4 * M, M * O_VALUES, 2 * M
     mma = build_mma_bf16()
     pack = build_pack_bf16x2()
     exp2_scaled = build_exp2_scaled()
@@ -326,22 +322,22 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
 
     @cuda.jit(device=True, inline=True)
     def accumulate(sacc, pa, vs, v_lane, o):
-        """o += P V: P's bf16 A fragments from the S tiles (two n-tiles make one k-step); V's B
-        fragments transposed out of the key-major tile, two output n-tiles a load, each feeding
-        every m-tile."""
-        for i in range(M):
-            for s in range(P_STEPS):
-                c, p = i * S_VALUES + 8 * s, i * P_WORDS + 4 * s
-                pa[p] = pack(sacc[c], sacc[c + 1])
-                pa[p + 1] = pack(sacc[c + 2], sacc[c + 3])
-                pa[p + 2] = pack(sacc[c + 4], sacc[c + 5])
-                pa[p + 3] = pack(sacc[c + 6], sacc[c + 7])
+        """o += P V, one k-step (16 keys) at a time: that step's P as bf16 A fragments of every m-tile
+        (two S n-tiles make one), then V's B fragments transposed out of the key-major tile, two
+        output n-tiles a load, each feeding every m-tile. Packing a step just before its MMAs keeps
+        only its P words live beside S and O."""
         for s in range(P_STEPS):
+            for i in range(M):
+                c = i * S_VALUES + 8 * s
+                pa[4 * i] = pack(sacc[c], sacc[c + 1])
+                pa[4 * i + 1] = pack(sacc[c + 2], sacc[c + 3])
+                pa[4 * i + 2] = pack(sacc[c + 4], sacc[c + 5])
+                pa[4 * i + 3] = pack(sacc[c + 6], sacc[c + 7])
             for j in range(0, O_TILES, 2):
                 b0, b1, b2, b3 = load_b_x4_trans(vs, v_lane, 16 * s, 4 * j)
                 for i in range(M):
-                    p = i * P_WORDS + 4 * s
-                    mma_pair(pa[p], pa[p + 1], pa[p + 2], pa[p + 3], b0, b1, b2, b3, o, i * O_VALUES + 4 * j)
+                    mma_pair(pa[4 * i], pa[4 * i + 1], pa[4 * i + 2], pa[4 * i + 3], b0, b1, b2, b3, o,
+                             i * O_VALUES + 4 * j)
 
     @cuda.jit(device=True, inline=True)
     def rescale(o, first, alpha):
