@@ -47,7 +47,7 @@ from typing import Any, Callable
 import numpy as np
 
 from executor.kernels.launch import Kernel
-from executor.kernels.async_copy import build_async_copy, build_row_copy, build_shared_address
+from executor.kernels.async_copy import build_async_copy, build_copy_groups, build_row_copy, build_shared_address
 from executor.kernels.fast_math import build_exp2_scaled
 from executor.kernels.mma import build_a_fragment_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.reduce import build_group_max, build_group_sum
@@ -150,8 +150,10 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     lane_address, _, load_b_x4_trans = build_fragment_loads()
     load_a_x4 = build_a_fragment_load()
     copy_async, copy_async_wait_all = build_async_copy()
+    commit_group, wait_for_all_but_newest = build_copy_groups(1)
     row_cursor, copy_row_async, fresh_address = build_row_copy(4 * (D // 2))  # K and V rows: D / 2 words
     ROWS_PER_PASS = THREADS // CHUNKS_PER_ROW  # rows the block's threads copy a chunk each of
+    K_ROWS = 2 * KB  # K's tile: this key block's and the next's
     shared_address = build_shared_address()
     query_tile = build_shared_tile(ROWS_PER_BLOCK, ROW_WORDS)
     quad_max = build_group_max()
@@ -185,9 +187,9 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
         return stage
 
     @cuda.jit(device=True, inline=True)
-    def stage(src, cursor, first, limit, tile, tile_address):
+    def stage(src, cursor, first, limit, tile, tile_address, tile_row):
         """Start copying rows first.. of one kv head of K or V (``cursor``: its row 0, this thread's
-        chunk) into tile, COPIES chunks a thread; zeros from row ``limit`` on. Addresses are one
+        chunk) into tile's rows tile_row.., COPIES chunks a thread; zeros from row ``limit`` on. Addresses are one
         cursor multiply-add and a shared offset a copy, computed in the loop that calls this: held
         across it, they took a register each."""
         tid = cuda.threadIdx.x
@@ -197,7 +199,7 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
         for i in range(COPIES):
             valid = ROWS_PER_PASS * i < rows_left
             row = first + lane_row + ROWS_PER_PASS * i
-            copy_row_async(tile, address, (lane_row + ROWS_PER_PASS * i, (tid % CHUNKS_PER_ROW) * 4), src, cursor,
+            copy_row_async(tile, address, (tile_row + lane_row + ROWS_PER_PASS * i, (tid % CHUNKS_PER_ROW) * 4), src, cursor,
                            row if valid else 0, valid)
 
     if Q_IN_SHARED:
@@ -250,16 +252,16 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
                                                              acc[c + 6], acc[c + 7])
 
     @cuda.jit(device=True, inline=True)
-    def scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc):
-        """sacc <- Q K^T of this warp's m-tiles and the staged keys (raw dot products). Per k-step,
-        every K fragment (two n-tiles a load) feeds all m-tiles."""
+    def scores(qs, q_lane, warp_row, ks, k_lane, k_row, qa, sacc):
+        """sacc <- Q K^T of this warp's m-tiles and the keys staged at ks's rows k_row.. (raw dot
+        products). Per k-step, every K fragment (two n-tiles a load) feeds all m-tiles."""
         for i in range(SACC_VALUES):
             sacc[i] = float32(0.0)
         for s in range(K_STEPS):
             query_fragments(qs, q_lane, warp_row, s, qa)
             for j in range(0, S_TILES, 2):
                 # K rows 8j.. are n-tile j, rows 8j + 8.. n-tile j + 1: A's quarters are their b0, b1.
-                b0, b0_next, b1, b1_next = load_a_x4(ks, k_lane, 8 * j, 8 * s)
+                b0, b0_next, b1, b1_next = load_a_x4(ks, k_lane, k_row + 8 * j, 8 * s)
                 for i in range(M):
                     a = QA_STEP * s + 4 * i
                     mma_pair(qa[a], qa[a + 1], qa[a + 2], qa[a + 3], b0, b1, b0_next, b1_next, sacc,
@@ -354,7 +356,7 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     def flash_attention(q, k, v, out, rows, kv_len, first_position, scale_log2):
         scratch = cuda.shared.array(SCRATCH_VALUES, float32)
         dynamic = cuda.shared.array(0, int32, alignment=TILE_ALIGNMENT)
-        ks = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
+        ks = cuda.shared.array((K_ROWS, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)  # two key blocks' K
         vs = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
         qa = cuda.local.array(QA_WORDS, int32)
         sacc = cuda.local.array(SACC_VALUES, float32)
@@ -388,17 +390,24 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
             row_sums[i] = float32(0.0)
         unmasked_end = first_position + first_row + 1  # keys below this are visible to every row of the block
         key_end = first_position + min(first_row + ROWS_PER_BLOCK, rows)  # the block's last row sees up to here
-        # Pipeline: a shared Q lands with the first K; V of a key block lands during its Q K^T and
-        # softmax, K of the next during its P V.
+        # Pipeline (copy groups, oldest first): K of a key block lands during the whole of the block
+        # before it, in the other half of ks; V during its own Q K^T and softmax. A shared Q lands
+        # with the first K.
         col = (cuda.threadIdx.x % CHUNKS_PER_ROW) * 4
         k_cursor = row_cursor(k, (kvh, 0, col))
         v_cursor = row_cursor(v, (kvh, 0, col))
-        stage(k, k_cursor, 0, kv_len, ks, ks_address)
+        stage(k, k_cursor, 0, kv_len, ks, ks_address, 0)
+        commit_group()
+        k_row = 0  # the half of ks holding this key block's K
         for first_key in range(0, key_end, KB):
             copy_async_wait_all()
-            cuda.syncthreads()  # K landed for every thread; every warp is done with the last block's V
-            stage(v, v_cursor, first_key, kv_len, vs, vs_address)
-            scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc)
+            cuda.syncthreads()  # K landed for every thread; every warp is done with the last block's K and V
+            stage(v, v_cursor, first_key, kv_len, vs, vs_address, 0)
+            commit_group()
+            if first_key + KB < key_end:
+                stage(k, k_cursor, first_key + KB, kv_len, ks, ks_address, KB - k_row)
+            commit_group()  # empty past the last block: the wait below still leaves V's group done
+            scores(qs, q_lane, warp_row, ks, k_lane, k_row, qa, sacc)
             if first_key + KB > unmasked_end:
                 for i in range(M):
                     p0 = first_position + first_row + warp_row + 16 * i + g
@@ -407,11 +416,10 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
             for r in range(ROW_STATES):
                 if alphas[r] != float32(1.0):  # the row's maximum grew: rare once a few key blocks are in
                     rescale(o, (r // 2) * O_VALUES + 2 * (r % 2), alphas[r])
-            copy_async_wait_all()
-            cuda.syncthreads()  # V landed for every thread; every warp is done with this block's K
-            if first_key + KB < key_end:
-                stage(k, k_cursor, first_key + KB, kv_len, ks, ks_address)
+            wait_for_all_but_newest()
+            cuda.syncthreads()  # V landed for every thread
             accumulate(sacc, pa, vs, v_lane, o)
+            k_row = KB - k_row
         for r in range(ROW_STATES):
             inv_sum = float32(1.0) / quad_sum(scratch, row_sums[r], 4)
             row = first_row + warp_row + 16 * (r // 2) + 8 * (r % 2) + g
