@@ -14,28 +14,28 @@ an online softmax (running row maximum and sum, in exp2 units) across key blocks
 
 Layout:
 - A block has ``warps`` warps over one q head's query rows, ``m_tiles`` 16-row tiles a warp
-  (``BlockShape``; ``block_shape`` picks one m-tile). Blocks of the last rows (the most keys under
-  the causal mask) are launched first.
-- Q's fragments stay in registers for the whole key loop where D <= 128. For D 256 they would take
-  64 of a thread's 255 registers beside O's 128, so the block stages its Q rows once in dynamic
-  shared memory (past the 48 KiB a block gets by default: ``Kernel`` opts in) and each warp reads
-  its A fragments there by ``ldmatrix`` per key block.
-- Per key block of ``keys`` keys, the block stages K and V key-major in static shared memory by
-  cp.async (executor/kernels/async_copy.py), each row padded by 4 words so that the 8 rows an
-  ldmatrix phase reads fall in 32 distinct banks. V of a key block is copied while the warps
-  compute its scores, K of the next while they compute P V: one K and one V buffer.
-- Each warp then runs S = Q K^T, the softmax update and O += P V with ``mma_bf16``, its K
-  fragments from ``ldmatrix.x4`` two n-tiles a load, V's with ``.trans`` (so V needs no transposed
-  copy; mma.py). The O accumulators (D / 2 float32 a lane) and S stay in registers: every fragment
-  loop has constant bounds. The sm_90 compile test checks for no local memory.
-- Scores stay raw until the exponent: 2^(s * scale_log2 - max * scale_log2) is one FMA and one
-  ex2.approx.ftz (fast_math.py). O is rescaled only when a row's maximum grew (alpha = 1 exactly
-  otherwise). Only key blocks that cross the diagonal of the block's rows are masked.
+  (``BlockShape``; ``block_shape`` picks two m-tiles for D <= 128, one for D 256). Blocks of the
+  last rows (the most keys under the causal mask) are launched first.
+- All tiles live in dynamic shared memory (``Kernel`` opts in past the default 48 KiB), rows
+  padded by 4 words so that the 8 rows an ldmatrix phase reads fall in 32 distinct banks: the
+  block's query rows, staged once, from which each warp reads its Q fragments by ``ldmatrix`` every
+  key block (``query_in_shared``; a shape may keep them in registers instead), two K tiles and a
+  V tile of ``keys`` keys, key-major, filled by cp.async (executor/kernels/async_copy.py).
+- The copies run ahead in groups: K of the next key block lands during all of this one, in the
+  other K tile; V of a key block during its Q K^T and softmax. Two barriers a key block.
+- Each warp runs S = Q K^T, the softmax update and O += P V with ``mma_bf16``, its K fragments
+  from ``ldmatrix.x4`` two n-tiles a load and each feeding every m-tile, V's with ``.trans`` (so V
+  needs no transposed copy; mma.py). O (D / 2 float32 a lane an m-tile) and S stay in registers:
+  every fragment loop has constant bounds. The sm_90 compile test checks for no local memory.
+- The softmax update of a key block is one straight run over all of a warp's rows (independent
+  chains for the scheduler). Scores stay raw until the exponent: 2^(s * scale_log2 - max *
+  scale_log2) is one FMA and one ex2.approx.ftz (fast_math.py). O is rescaled only when a row's
+  maximum grew (alpha = 1 exactly otherwise). Only key blocks that cross the diagonal are masked.
 
-On the H200 (bench/attention.py, 2026-11-30), one layer's attention at 16,384 tokens ran at 272
-TFLOP/s for Qwen3-8B's heads (D 128; 0.41x torch SDPA's fused kernel) and 250 TFLOP/s for
-Qwen3.5-9B's (D 256; 0.36x), up from 220 with Q in registers. Neither two m-tiles a warp, nor a
-second K/V buffer, nor the FMA + ftz exponent made D 128 faster (``block_shape``'s measurements).
+On the H200 (bench/attention.py, 2026-12-01), one Qwen3-8B layer's attention at 16,384 tokens ran
+at about 316 TFLOP/s (D 128; 0.48x torch SDPA's fused kernel), from 264 at the start of the day:
+the K/V copies' addresses off the registers, the straight-run softmax, two m-tiles a warp and the
+second K tile (docs/benchmarks.md, nineteenth session).
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
 PAD_WORDS = 4  # per staged row: shifts consecutive rows by 4 banks (16 bytes, keeping rows 16-byte aligned)
 LOG2_E = 1.4426950408889634
-#: Static shared memory a block may declare (PTX's limit): the K and V tiles must fit it; Q's tile is dynamic.
-STATIC_SHARED_BYTES = 48 * 1024
+#: Shared memory a block of sm_90 may opt into (227 KiB); all of the kernel's tiles are dynamic.
+MAX_SHARED_BYTES = 227 * 1024
 #: Head sizes whose two m-tiles' O a thread holds (2 x D / 2 float32); D 256's would take all 255 registers.
 MAX_TWO_TILE_HEAD_DIM = 128
 
@@ -103,25 +103,28 @@ def block_shape(head_dim: int) -> BlockShape:
     """
     m_tiles = 2 if head_dim <= MAX_TWO_TILE_HEAD_DIM else 1
     shape = BlockShape(4, 32, m_tiles, True)
-    if staged_bytes(head_dim, shape.keys) > STATIC_SHARED_BYTES:
-        raise ValueError(f"flash attention: head_dim {head_dim} does not fit a 32-key block in shared memory")
+    if shared_bytes(head_dim, shape) > MAX_SHARED_BYTES:
+        raise ValueError(f"flash attention: head_dim {head_dim} needs {shared_bytes(head_dim, shape)} bytes of shared "
+                         f"memory a block, past the {MAX_SHARED_BYTES} a block may have")
     return shape
 
 
-def staged_bytes(head_dim: int, keys: int) -> int:
-    """Static shared memory of one staged key block: K and V, each [keys, D/2 + pad] words."""
-    return 2 * 4 * keys * (head_dim // 2 + PAD_WORDS)
+def tile_words(head_dim: int, shape: BlockShape) -> tuple[int, int, int]:
+    """Words of the block's three shared tiles, rows of D / 2 + PAD_WORDS words each: the query rows
+    (0 with Q in registers), K of two key blocks, V of one."""
+    row_words = head_dim // 2 + PAD_WORDS
+    return (shape.rows * row_words if shape.query_in_shared else 0), 2 * shape.keys * row_words, shape.keys * row_words
 
 
-def query_tile_bytes(head_dim: int, shape: BlockShape) -> int:
-    """Dynamic shared memory of a block's query tile, [rows, D/2 + pad] words (0 with Q in registers)."""
-    return 4 * shape.rows * (head_dim // 2 + PAD_WORDS) if shape.query_in_shared else 0
+def shared_bytes(head_dim: int, shape: BlockShape) -> int:
+    """Dynamic shared memory a block takes: its tiles (``tile_words``), each 16-byte aligned."""
+    return 4 * sum(tile_words(head_dim, shape))
 
 
 def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Callable[..., Any]:
     """Kernel ``(q [rows, Hq, D/2], k, v [Hkv, >= kv_len, D/2], out [rows, Hq, D/2] int32 words,
     rows, kv_len, first_position int32, scale_log2 f32)``; grid (ceil(rows / shape.rows), Hq),
-    shape.threads threads, ``query_tile_bytes`` of dynamic shared memory.
+    shape.threads threads, ``shared_bytes`` of dynamic shared memory.
 
     head_dim a multiple of 32 (a fragment load covers two k-steps of Q K^T), keys of 16, q head h
     reads kv head h // group. scale_log2 is D^-0.5 * log2(e).
@@ -155,7 +158,10 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     ROWS_PER_PASS = THREADS // CHUNKS_PER_ROW  # rows the block's threads copy a chunk each of
     K_ROWS = 2 * KB  # K's tile: this key block's and the next's
     shared_address = build_shared_address()
+    Q_WORDS, K_WORDS, _ = tile_words(head_dim, shape)
     query_tile = build_shared_tile(ROWS_PER_BLOCK, ROW_WORDS)
+    key_tile = build_shared_tile(K_ROWS, ROW_WORDS)
+    value_tile = build_shared_tile(KB, ROW_WORDS)
     quad_max = build_group_max()
     quad_sum = build_group_sum()
     # ldmatrix and cp.async need 16-byte aligned rows; the simulator takes no alignment (and needs none).
@@ -163,35 +169,24 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     SCRATCH_VALUES = THREADS if simulator_enabled() else 1  # the simulator's quad reductions
 
     @cuda.jit(device=True, inline=True)
-    def key_index(head, row, col):
-        return head, row, col  # k, v: [Hkv, C, D/2]
-
-    @cuda.jit(device=True, inline=True)
-    def query_index(head, row, col):
-        return row, head, col  # q: [rows, Hq, D/2]
-
-    def build_stage(copies: int, index: Callable[..., Any]) -> Callable[..., Any]:
-        @cuda.jit(device=True, inline=True)
-        def stage(src, head, first, limit, tile, tile_address):
-            """Start copying rows first.. of one head of ``src`` (Q, K or V; ``index`` places the
-            head's axis) into tile, ``copies`` 16-byte chunks a thread; zeros from row ``limit`` on
-            (V's stale rows could hold NaN bits, and 0 x NaN would reach the output)."""
-            tid = cuda.threadIdx.x
-            for i in range(copies):
-                c = tid + i * THREADS
-                row = c // CHUNKS_PER_ROW
-                col = (c % CHUNKS_PER_ROW) * 4
-                valid = first + row < limit
-                copy_async(tile, tile_address, (row, col), src, index(head, first + row if valid else 0, col), valid)
-
-        return stage
+    def stage_queries(q, head, first, limit, tile, tile_address):
+        """Start copying query rows first.. of one q head into the query tile, Q_COPIES 16-byte chunks a
+        thread; zeros from row ``limit`` on (once a block: plain array indexing)."""
+        tid = cuda.threadIdx.x
+        for i in range(Q_COPIES):
+            c = tid + i * THREADS
+            row = c // CHUNKS_PER_ROW
+            col = (c % CHUNKS_PER_ROW) * 4
+            valid = first + row < limit
+            copy_async(tile, tile_address, (row, col), q, (first + row if valid else 0, head, col), valid)
 
     @cuda.jit(device=True, inline=True)
     def stage(src, cursor, first, limit, tile, tile_address, tile_row):
         """Start copying rows first.. of one kv head of K or V (``cursor``: its row 0, this thread's
-        chunk) into tile's rows tile_row.., COPIES chunks a thread; zeros from row ``limit`` on. Addresses are one
-        cursor multiply-add and a shared offset a copy, computed in the loop that calls this: held
-        across it, they took a register each."""
+        chunk) into tile's rows tile_row.., COPIES 16-byte chunks a thread; zeros from row ``limit``
+        on (V's stale rows could hold NaN bits, and 0 x NaN would reach the output). A copy's
+        addresses are a cursor multiply-add and a shared offset, computed here in the key loop: the
+        compiler held each copy's address in registers across the loop when it could hoist them."""
         tid = cuda.threadIdx.x
         lane_row = tid // CHUNKS_PER_ROW
         rows_left = limit - first - lane_row  # this thread's rows below limit, from its first
@@ -203,8 +198,6 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
                            row if valid else 0, valid)
 
     if Q_IN_SHARED:
-        stage_queries = build_stage(Q_COPIES, query_index)
-
         @cuda.jit(device=True, inline=True)
         def start_queries(q, h, first_row, rows, warp_row, dynamic, ks, qa):
             """Start copying the block's query rows of head h into the dynamic query tile (zeros past
@@ -356,8 +349,8 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     def flash_attention(q, k, v, out, rows, kv_len, first_position, scale_log2):
         scratch = cuda.shared.array(SCRATCH_VALUES, float32)
         dynamic = cuda.shared.array(0, int32, alignment=TILE_ALIGNMENT)
-        ks = cuda.shared.array((K_ROWS, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)  # two key blocks' K
-        vs = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
+        ks = key_tile(dynamic, Q_WORDS)  # two key blocks' K
+        vs = value_tile(dynamic, Q_WORDS + K_WORDS)
         qa = cuda.local.array(QA_WORDS, int32)
         sacc = cuda.local.array(SACC_VALUES, float32)
         pa = cuda.local.array(PA_WORDS, int32)
@@ -451,7 +444,7 @@ class FlashAttention:
         if entry is None:
             shape = self.shape or block_shape(head_dim)
             kernel = Kernel(build_flash_attention(head_dim, group, shape),
-                            dynamic_shared_bytes=query_tile_bytes(head_dim, shape))
+                            dynamic_shared_bytes=shared_bytes(head_dim, shape))
             entry = self._kernels[(head_dim, group)] = (shape, kernel)
         return entry
 
@@ -479,7 +472,7 @@ class FlashAttention:
         shape, kernel = self.kernel(head_dim, q_heads // kv_heads)
         grid = (-(-rows // shape.rows), q_heads)
         scale_log2 = np.float32(LOG2_E / math.sqrt(head_dim))
-        kernel[grid, shape.threads, stream, query_tile_bytes(head_dim, shape)](
+        kernel[grid, shape.threads, stream, shared_bytes(head_dim, shape)](
             as_words(q), as_words(k), as_words(v), as_words(out), np.int32(rows), np.int32(kv_len),
             np.int32(kv_len - rows), scale_log2)
 
