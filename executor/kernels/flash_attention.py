@@ -109,16 +109,17 @@ def block_shape(head_dim: int) -> BlockShape:
     return shape
 
 
-def tile_words(head_dim: int, shape: BlockShape) -> tuple[int, int, int]:
-    """Words of the block's three shared tiles, rows of D / 2 + PAD_WORDS words each: the query rows
-    (0 with Q in registers), K of two key blocks, V of one."""
+def tile_words(head_dim: int, shape: BlockShape) -> tuple[int, int]:
+    """Words of the block's shared tiles, rows of D / 2 + PAD_WORDS words each: the query rows (0
+    with Q in registers), and each of the three key-block tiles (two of K, one of V)."""
     row_words = head_dim // 2 + PAD_WORDS
-    return (shape.rows * row_words if shape.query_in_shared else 0), 2 * shape.keys * row_words, shape.keys * row_words
+    return (shape.rows * row_words if shape.query_in_shared else 0), shape.keys * row_words
 
 
 def shared_bytes(head_dim: int, shape: BlockShape) -> int:
     """Dynamic shared memory a block takes: its tiles (``tile_words``), each 16-byte aligned."""
-    return 4 * sum(tile_words(head_dim, shape))
+    query_words, block_words = tile_words(head_dim, shape)
+    return 4 * (query_words + 3 * block_words)
 
 
 def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Callable[..., Any]:
@@ -156,17 +157,27 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     commit_group, wait_for_all_but_newest = build_copy_groups(1)
     row_cursor, copy_row_async, fresh_address = build_row_copy(4 * (D // 2))  # K and V rows: D / 2 words
     ROWS_PER_PASS = THREADS // CHUNKS_PER_ROW  # rows the block's threads copy a chunk each of
-    K_ROWS = 2 * KB  # K's tile: this key block's and the next's
     shared_address = build_shared_address()
-    Q_WORDS, K_WORDS, _ = tile_words(head_dim, shape)
+    Q_WORDS, BLOCK_WORDS = tile_words(head_dim, shape)
     query_tile = build_shared_tile(ROWS_PER_BLOCK, ROW_WORDS)
-    key_tile = build_shared_tile(K_ROWS, ROW_WORDS)
-    value_tile = build_shared_tile(KB, ROW_WORDS)
+    block_tile = build_shared_tile(KB, ROW_WORDS)  # K or V of one key block
     quad_max = build_group_max()
     quad_sum = build_group_sum()
     # ldmatrix and cp.async need 16-byte aligned rows; the simulator takes no alignment (and needs none).
     TILE_ALIGNMENT = None if simulator_enabled() else 16
     SCRATCH_VALUES = THREADS if simulator_enabled() else 1  # the simulator's quad reductions
+
+    if simulator_enabled():
+        @cuda.jit(device=True)
+        def key_tile(odd, k_odd, k_even):
+            return k_odd if odd else k_even
+    else:
+        @cuda.jit(device=True, inline=True)
+        def key_tile(odd, k_odd, k_even):
+            """The tile Q K^T reads. On the GPU its fragment loads go by the lane address, which carries
+            the choice; the tile gives only its row length, the same for both. (With a selected tile
+            LLVM unrolled D 256's 16 k-steps only four at a time: 80 of the 128 MMAs in the PTX.)"""
+            return k_even
 
     @cuda.jit(device=True, inline=True)
     def stage_queries(q, head, first, limit, tile, tile_address):
@@ -181,9 +192,9 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
             copy_async(tile, tile_address, (row, col), q, (first + row if valid else 0, head, col), valid)
 
     @cuda.jit(device=True, inline=True)
-    def stage(src, cursor, first, limit, tile, tile_address, tile_row):
+    def stage(src, cursor, first, limit, tile, tile_address):
         """Start copying rows first.. of one kv head of K or V (``cursor``: its row 0, this thread's
-        chunk) into tile's rows tile_row.., COPIES 16-byte chunks a thread; zeros from row ``limit``
+        chunk) into tile, COPIES 16-byte chunks a thread; zeros from row ``limit``
         on (V's stale rows could hold NaN bits, and 0 x NaN would reach the output). A copy's
         addresses are a cursor multiply-add and a shared offset, computed here in the key loop: the
         compiler held each copy's address in registers across the loop when it could hoist them."""
@@ -194,7 +205,7 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
         for i in range(COPIES):
             valid = ROWS_PER_PASS * i < rows_left
             row = first + lane_row + ROWS_PER_PASS * i
-            copy_row_async(tile, address, (tile_row + lane_row + ROWS_PER_PASS * i, (tid % CHUNKS_PER_ROW) * 4), src, cursor,
+            copy_row_async(tile, address, (lane_row + ROWS_PER_PASS * i, (tid % CHUNKS_PER_ROW) * 4), src, cursor,
                            row if valid else 0, valid)
 
     if Q_IN_SHARED:
@@ -245,16 +256,15 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
                                                              acc[c + 6], acc[c + 7])
 
     @cuda.jit(device=True, inline=True)
-    def scores(qs, q_lane, warp_row, ks, k_lane, k_row, qa, sacc):
-        """sacc <- Q K^T of this warp's m-tiles and the keys staged at ks's rows k_row.. (raw dot
-        products). Per k-step, every K fragment (two n-tiles a load) feeds all m-tiles."""
+    def scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc):
+        """sacc <- Q K^T of this warp's m-tiles and the staged keys (raw dot products). Per k-step, every K fragment (two n-tiles a load) feeds all m-tiles."""
         for i in range(SACC_VALUES):
             sacc[i] = float32(0.0)
         for s in range(K_STEPS):
             query_fragments(qs, q_lane, warp_row, s, qa)
             for j in range(0, S_TILES, 2):
                 # K rows 8j.. are n-tile j, rows 8j + 8.. n-tile j + 1: A's quarters are their b0, b1.
-                b0, b0_next, b1, b1_next = load_a_x4(ks, k_lane, k_row + 8 * j, 8 * s)
+                b0, b0_next, b1, b1_next = load_a_x4(ks, k_lane, 8 * j, 8 * s)
                 for i in range(M):
                     a = QA_STEP * s + 4 * i
                     mma_pair(qa[a], qa[a + 1], qa[a + 2], qa[a + 3], b0, b1, b0_next, b1_next, sacc,
@@ -349,8 +359,9 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     def flash_attention(q, k, v, out, rows, kv_len, first_position, scale_log2):
         scratch = cuda.shared.array(SCRATCH_VALUES, float32)
         dynamic = cuda.shared.array(0, int32, alignment=TILE_ALIGNMENT)
-        ks = key_tile(dynamic, Q_WORDS)  # two key blocks' K
-        vs = value_tile(dynamic, Q_WORDS + K_WORDS)
+        k_even = block_tile(dynamic, Q_WORDS)  # K of the even key blocks
+        k_odd = block_tile(dynamic, Q_WORDS + BLOCK_WORDS)
+        vs = block_tile(dynamic, Q_WORDS + 2 * BLOCK_WORDS)
         qa = cuda.local.array(QA_WORDS, int32)
         sacc = cuda.local.array(SACC_VALUES, float32)
         pa = cuda.local.array(PA_WORDS, int32)
@@ -367,13 +378,15 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
         # the short blocks fill the tail of the grid.
         first_row = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * ROWS_PER_BLOCK
         warp_row = (cuda.threadIdx.x // 32) * WARP_ROWS  # the warp's first row in the block
-        qs = start_queries(q, h, first_row, rows, warp_row, dynamic, ks, qa)
+        qs = start_queries(q, h, first_row, rows, warp_row, dynamic, k_even, qa)
         # Shared addresses taken once: each copy and fragment load then adds a constant offset. A's
         # quarters are the transposed load's matrices, untransposed: Q's, and K's two n-tiles at a time.
-        ks_address = shared_address(ks, (0, 0))
+        k_even_address = shared_address(k_even, (0, 0))
+        k_odd_address = shared_address(k_odd, (0, 0))
         vs_address = shared_address(vs, (0, 0))
         q_lane = lane_address(qs, True)
-        k_lane = lane_address(ks, True)
+        k_even_lane = lane_address(k_even, True)
+        k_odd_lane = lane_address(k_odd, True)
         v_lane = lane_address(vs, True)
         for i in range(ACC_VALUES):
             o[i] = float32(0.0)
@@ -389,18 +402,20 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
         col = (cuda.threadIdx.x % CHUNKS_PER_ROW) * 4
         k_cursor = row_cursor(k, (kvh, 0, col))
         v_cursor = row_cursor(v, (kvh, 0, col))
-        stage(k, k_cursor, 0, kv_len, ks, ks_address, 0)
+        stage(k, k_cursor, 0, kv_len, k_even, k_even_address)
         commit_group()
-        k_row = 0  # the half of ks holding this key block's K
         for first_key in range(0, key_end, KB):
             copy_async_wait_all()
             cuda.syncthreads()  # K landed for every thread; every warp is done with the last block's K and V
-            stage(v, v_cursor, first_key, kv_len, vs, vs_address, 0)
+            stage(v, v_cursor, first_key, kv_len, vs, vs_address)
             commit_group()
-            if first_key + KB < key_end:
-                stage(k, k_cursor, first_key + KB, kv_len, ks, ks_address, KB - k_row)
+            odd = (first_key // KB) % 2 == 1
+            if first_key + KB < key_end:  # the next block's K, into the other tile
+                stage(k, k_cursor, first_key + KB, kv_len, k_even if odd else k_odd,
+                      k_even_address if odd else k_odd_address)
             commit_group()  # empty past the last block: the wait below still leaves V's group done
-            scores(qs, q_lane, warp_row, ks, k_lane, k_row, qa, sacc)
+            # A selected operand, not a branch: one copy of the unrolled Q K^T.
+            scores(qs, q_lane, warp_row, key_tile(odd, k_odd, k_even), k_odd_lane if odd else k_even_lane, qa, sacc)
             if first_key + KB > unmasked_end:
                 for i in range(M):
                     p0 = first_position + first_row + warp_row + 16 * i + g
@@ -412,7 +427,6 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
             wait_for_all_but_newest()
             cuda.syncthreads()  # V landed for every thread
             accumulate(sacc, pa, vs, v_lane, o)
-            k_row = KB - k_row
         for r in range(ROW_STATES):
             inv_sum = float32(1.0) / quad_sum(scratch, row_sums[r], 4)
             row = first_row + warp_row + 16 * (r // 2) + 8 * (r % 2) + g
