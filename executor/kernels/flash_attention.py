@@ -16,26 +16,30 @@ Layout:
 - A block has ``warps`` warps over one q head's query rows, ``m_tiles`` 16-row tiles a warp
   (``BlockShape``; ``block_shape`` picks two m-tiles for D <= 128, one for D 256). Blocks of the
   last rows (the most keys under the causal mask) are launched first.
-- All tiles live in dynamic shared memory (``Kernel`` opts in past the default 48 KiB), rows
-  padded by 4 words so that the 8 rows an ldmatrix phase reads fall in 32 distinct banks: the
-  block's query rows, staged once, from which each warp reads its Q fragments by ``ldmatrix`` every
-  key block (``query_in_shared``; a shape may keep them in registers instead), two K tiles and a
-  V tile of ``keys`` keys, key-major, filled by cp.async (executor/kernels/async_copy.py).
-- The copies run ahead in groups: K of the next key block lands during all of this one, in the
-  other K tile; V of a key block during its Q K^T and softmax. Two barriers a key block.
-- Each warp runs S = Q K^T, the softmax update and O += P V with ``mma_bf16``, its K fragments
-  from ``ldmatrix.x4`` two n-tiles a load and each feeding every m-tile, V's with ``.trans`` (so V
-  needs no transposed copy; mma.py). O (D / 2 float32 a lane an m-tile) and S stay in registers:
-  every fragment loop has constant bounds. The sm_90 compile test checks for no local memory.
-- The softmax update of a key block is one straight run over all of a warp's rows (independent
-  chains for the scheduler). Scores stay raw until the exponent: 2^(s * scale_log2 - max *
-  scale_log2) is one FMA and one ex2.approx.ftz (fast_math.py). O is rescaled only when a row's
-  maximum grew (alpha = 1 exactly otherwise). Only key blocks that cross the diagonal are masked.
+- ``block_shape`` stages the block's query rows once in dynamic shared memory (past the 48 KiB a
+  block gets by default: ``Kernel`` opts in); each warp reads its Q fragments there by ``ldmatrix``
+  every k-step. A shape may keep one m-tile's Q fragments in registers instead (benchmarks).
+- Per key block of ``keys`` keys, the block stages K and V key-major in static shared memory by
+  cp.async (executor/kernels/async_copy.py), each row padded by 4 words so that the 8 rows an
+  ldmatrix phase reads fall in 32 distinct banks. V of a key block is copied while the warps
+  compute its scores, K of the next while they compute P V: one K and one V buffer. A copy's
+  addresses are a row cursor's multiply-add and a shared offset computed inside the loop; held
+  across it, they took a register each (255 registers and spills, before).
+- Each warp then runs S = Q K^T, the softmax update and O += P V with ``mma_bf16``, its K
+  fragments from ``ldmatrix.x4`` two n-tiles a load and each feeding every m-tile, V's with
+  ``.trans`` (so V needs no transposed copy; mma.py). O (D / 2 float32 a lane an m-tile) and S stay
+  in registers: every fragment loop has constant bounds. The sm_90 compile test checks for no
+  local memory.
+- A key block's softmax update is one straight run over all the warp's rows (independent chains
+  the scheduler interleaves; the conditional O rescales come after). Scores stay raw until the
+  exponent: 2^(s * scale_log2 - max * scale_log2) is one FMA and one ex2.approx.ftz (fast_math.py).
+  O is rescaled only when a row's maximum grew (alpha = 1 exactly otherwise). Only key blocks that
+  cross the diagonal of the block's rows are masked.
 
 On the H200 (bench/attention.py, 2026-12-01), one Qwen3-8B layer's attention at 16,384 tokens ran
-at about 316 TFLOP/s (D 128; 0.48x torch SDPA's fused kernel), from 264 at the start of the day:
-the K/V copies' addresses off the registers, the straight-run softmax, two m-tiles a warp and the
-second K tile (docs/benchmarks.md, nineteenth session).
+at 309-312 TFLOP/s (D 128; about 0.48x torch SDPA's fused kernel), from 264-267 for the kernel the
+day began with; Qwen3.5-9B's (D 256) at 260-265, from 248-251 (docs/benchmarks.md, nineteenth
+session).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from typing import Any, Callable
 import numpy as np
 
 from executor.kernels.launch import Kernel
-from executor.kernels.async_copy import build_async_copy, build_copy_groups, build_row_copy, build_shared_address
+from executor.kernels.async_copy import build_async_copy, build_row_copy, build_shared_address
 from executor.kernels.fast_math import build_exp2_scaled
 from executor.kernels.mma import build_a_fragment_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.reduce import build_group_max, build_group_sum
@@ -60,8 +64,8 @@ from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
 PAD_WORDS = 4  # per staged row: shifts consecutive rows by 4 banks (16 bytes, keeping rows 16-byte aligned)
 LOG2_E = 1.4426950408889634
-#: Shared memory a block of sm_90 may opt into (227 KiB); all of the kernel's tiles are dynamic.
-MAX_SHARED_BYTES = 227 * 1024
+#: Static shared memory a block may declare (PTX's limit): the K and V tiles must fit it; Q's tile is dynamic.
+STATIC_SHARED_BYTES = 48 * 1024
 #: Head sizes whose two m-tiles' O a thread holds (2 x D / 2 float32); D 256's would take all 255 registers.
 MAX_TWO_TILE_HEAD_DIM = 128
 
@@ -103,29 +107,25 @@ def block_shape(head_dim: int) -> BlockShape:
     """
     m_tiles = 2 if head_dim <= MAX_TWO_TILE_HEAD_DIM else 1
     shape = BlockShape(4, 32, m_tiles, True)
-    if shared_bytes(head_dim, shape) > MAX_SHARED_BYTES:
-        raise ValueError(f"flash attention: head_dim {head_dim} needs {shared_bytes(head_dim, shape)} bytes of shared "
-                         f"memory a block, past the {MAX_SHARED_BYTES} a block may have")
+    if staged_bytes(head_dim, shape.keys) > STATIC_SHARED_BYTES:
+        raise ValueError(f"flash attention: head_dim {head_dim} does not fit a 32-key block in shared memory")
     return shape
 
 
-def tile_words(head_dim: int, shape: BlockShape) -> tuple[int, int]:
-    """Words of the block's shared tiles, rows of D / 2 + PAD_WORDS words each: the query rows (0
-    with Q in registers), and each of the three key-block tiles (two of K, one of V)."""
-    row_words = head_dim // 2 + PAD_WORDS
-    return (shape.rows * row_words if shape.query_in_shared else 0), shape.keys * row_words
+def staged_bytes(head_dim: int, keys: int) -> int:
+    """Static shared memory of one staged key block: K and V, each [keys, D/2 + pad] words."""
+    return 2 * 4 * keys * (head_dim // 2 + PAD_WORDS)
 
 
-def shared_bytes(head_dim: int, shape: BlockShape) -> int:
-    """Dynamic shared memory a block takes: its tiles (``tile_words``), each 16-byte aligned."""
-    query_words, block_words = tile_words(head_dim, shape)
-    return 4 * (query_words + 3 * block_words)
+def query_tile_bytes(head_dim: int, shape: BlockShape) -> int:
+    """Dynamic shared memory of a block's query tile, [rows, D/2 + pad] words (0 with Q in registers)."""
+    return 4 * shape.rows * (head_dim // 2 + PAD_WORDS) if shape.query_in_shared else 0
 
 
 def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Callable[..., Any]:
     """Kernel ``(q [rows, Hq, D/2], k, v [Hkv, >= kv_len, D/2], out [rows, Hq, D/2] int32 words,
     rows, kv_len, first_position int32, scale_log2 f32)``; grid (ceil(rows / shape.rows), Hq),
-    shape.threads threads, ``shared_bytes`` of dynamic shared memory.
+    shape.threads threads, ``query_tile_bytes`` of dynamic shared memory.
 
     head_dim a multiple of 32 (a fragment load covers two k-steps of Q K^T), keys of 16, q head h
     reads kv head h // group. scale_log2 is D^-0.5 * log2(e).
@@ -154,50 +154,46 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     lane_address, _, load_b_x4_trans = build_fragment_loads()
     load_a_x4 = build_a_fragment_load()
     copy_async, copy_async_wait_all = build_async_copy()
-    commit_group, wait_for_all_but_newest = build_copy_groups(1)
     row_cursor, copy_row_async, fresh_address = build_row_copy(4 * (D // 2))  # K and V rows: D / 2 words
     ROWS_PER_PASS = THREADS // CHUNKS_PER_ROW  # rows the block's threads copy a chunk each of
     shared_address = build_shared_address()
-    Q_WORDS, BLOCK_WORDS = tile_words(head_dim, shape)
     query_tile = build_shared_tile(ROWS_PER_BLOCK, ROW_WORDS)
-    block_tile = build_shared_tile(KB, ROW_WORDS)  # K or V of one key block
     quad_max = build_group_max()
     quad_sum = build_group_sum()
     # ldmatrix and cp.async need 16-byte aligned rows; the simulator takes no alignment (and needs none).
     TILE_ALIGNMENT = None if simulator_enabled() else 16
     SCRATCH_VALUES = THREADS if simulator_enabled() else 1  # the simulator's quad reductions
 
-    if simulator_enabled():
-        @cuda.jit(device=True)
-        def key_tile(odd, k_odd, k_even):
-            return k_odd if odd else k_even
-    else:
-        @cuda.jit(device=True, inline=True)
-        def key_tile(odd, k_odd, k_even):
-            """The tile Q K^T reads. On the GPU its fragment loads go by the lane address, which carries
-            the choice; the tile gives only its row length, the same for both. (With a selected tile
-            LLVM unrolled D 256's 16 k-steps only four at a time: 80 of the 128 MMAs in the PTX.)"""
-            return k_even
+    @cuda.jit(device=True, inline=True)
+    def key_index(head, row, col):
+        return head, row, col  # k, v: [Hkv, C, D/2]
 
     @cuda.jit(device=True, inline=True)
-    def stage_queries(q, head, first, limit, tile, tile_address):
-        """Start copying query rows first.. of one q head into the query tile, Q_COPIES 16-byte chunks a
-        thread; zeros from row ``limit`` on (once a block: plain array indexing)."""
-        tid = cuda.threadIdx.x
-        for i in range(Q_COPIES):
-            c = tid + i * THREADS
-            row = c // CHUNKS_PER_ROW
-            col = (c % CHUNKS_PER_ROW) * 4
-            valid = first + row < limit
-            copy_async(tile, tile_address, (row, col), q, (first + row if valid else 0, head, col), valid)
+    def query_index(head, row, col):
+        return row, head, col  # q: [rows, Hq, D/2]
+
+    def build_stage(copies: int, index: Callable[..., Any]) -> Callable[..., Any]:
+        @cuda.jit(device=True, inline=True)
+        def stage(src, head, first, limit, tile, tile_address):
+            """Start copying rows first.. of one head of ``src`` (Q, K or V; ``index`` places the
+            head's axis) into tile, ``copies`` 16-byte chunks a thread; zeros from row ``limit`` on
+            (V's stale rows could hold NaN bits, and 0 x NaN would reach the output)."""
+            tid = cuda.threadIdx.x
+            for i in range(copies):
+                c = tid + i * THREADS
+                row = c // CHUNKS_PER_ROW
+                col = (c % CHUNKS_PER_ROW) * 4
+                valid = first + row < limit
+                copy_async(tile, tile_address, (row, col), src, index(head, first + row if valid else 0, col), valid)
+
+        return stage
 
     @cuda.jit(device=True, inline=True)
     def stage(src, cursor, first, limit, tile, tile_address):
         """Start copying rows first.. of one kv head of K or V (``cursor``: its row 0, this thread's
-        chunk) into tile, COPIES 16-byte chunks a thread; zeros from row ``limit``
-        on (V's stale rows could hold NaN bits, and 0 x NaN would reach the output). A copy's
-        addresses are a cursor multiply-add and a shared offset, computed here in the key loop: the
-        compiler held each copy's address in registers across the loop when it could hoist them."""
+        chunk) into tile, COPIES chunks a thread; zeros from row ``limit`` on. Addresses are one
+        cursor multiply-add and a shared offset a copy, computed in the loop that calls this: held
+        across it, they took a register each."""
         tid = cuda.threadIdx.x
         lane_row = tid // CHUNKS_PER_ROW
         rows_left = limit - first - lane_row  # this thread's rows below limit, from its first
@@ -209,6 +205,8 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
                            row if valid else 0, valid)
 
     if Q_IN_SHARED:
+        stage_queries = build_stage(Q_COPIES, query_index)
+
         @cuda.jit(device=True, inline=True)
         def start_queries(q, h, first_row, rows, warp_row, dynamic, ks, qa):
             """Start copying the block's query rows of head h into the dynamic query tile (zeros past
@@ -257,7 +255,8 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
 
     @cuda.jit(device=True, inline=True)
     def scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc):
-        """sacc <- Q K^T of this warp's m-tiles and the staged keys (raw dot products). Per k-step, every K fragment (two n-tiles a load) feeds all m-tiles."""
+        """sacc <- Q K^T of this warp's m-tiles and the staged keys (raw dot products). Per k-step,
+        every K fragment (two n-tiles a load) feeds all m-tiles."""
         for i in range(SACC_VALUES):
             sacc[i] = float32(0.0)
         for s in range(K_STEPS):
@@ -359,9 +358,8 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     def flash_attention(q, k, v, out, rows, kv_len, first_position, scale_log2):
         scratch = cuda.shared.array(SCRATCH_VALUES, float32)
         dynamic = cuda.shared.array(0, int32, alignment=TILE_ALIGNMENT)
-        k_even = block_tile(dynamic, Q_WORDS)  # K of the even key blocks
-        k_odd = block_tile(dynamic, Q_WORDS + BLOCK_WORDS)
-        vs = block_tile(dynamic, Q_WORDS + 2 * BLOCK_WORDS)
+        ks = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
+        vs = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
         qa = cuda.local.array(QA_WORDS, int32)
         sacc = cuda.local.array(SACC_VALUES, float32)
         pa = cuda.local.array(PA_WORDS, int32)
@@ -378,15 +376,13 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
         # the short blocks fill the tail of the grid.
         first_row = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * ROWS_PER_BLOCK
         warp_row = (cuda.threadIdx.x // 32) * WARP_ROWS  # the warp's first row in the block
-        qs = start_queries(q, h, first_row, rows, warp_row, dynamic, k_even, qa)
+        qs = start_queries(q, h, first_row, rows, warp_row, dynamic, ks, qa)
         # Shared addresses taken once: each copy and fragment load then adds a constant offset. A's
         # quarters are the transposed load's matrices, untransposed: Q's, and K's two n-tiles at a time.
-        k_even_address = shared_address(k_even, (0, 0))
-        k_odd_address = shared_address(k_odd, (0, 0))
+        ks_address = shared_address(ks, (0, 0))
         vs_address = shared_address(vs, (0, 0))
         q_lane = lane_address(qs, True)
-        k_even_lane = lane_address(k_even, True)
-        k_odd_lane = lane_address(k_odd, True)
+        k_lane = lane_address(ks, True)
         v_lane = lane_address(vs, True)
         for i in range(ACC_VALUES):
             o[i] = float32(0.0)
@@ -396,26 +392,17 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
             row_sums[i] = float32(0.0)
         unmasked_end = first_position + first_row + 1  # keys below this are visible to every row of the block
         key_end = first_position + min(first_row + ROWS_PER_BLOCK, rows)  # the block's last row sees up to here
-        # Pipeline (copy groups, oldest first): K of a key block lands during the whole of the block
-        # before it, in the other half of ks; V during its own Q K^T and softmax. A shared Q lands
-        # with the first K.
+        # Pipeline: a shared Q lands with the first K; V of a key block lands during its Q K^T and
+        # softmax, K of the next during its P V.
         col = (cuda.threadIdx.x % CHUNKS_PER_ROW) * 4
         k_cursor = row_cursor(k, (kvh, 0, col))
         v_cursor = row_cursor(v, (kvh, 0, col))
-        stage(k, k_cursor, 0, kv_len, k_even, k_even_address)
-        commit_group()
+        stage(k, k_cursor, 0, kv_len, ks, ks_address)
         for first_key in range(0, key_end, KB):
             copy_async_wait_all()
-            cuda.syncthreads()  # K landed for every thread; every warp is done with the last block's K and V
+            cuda.syncthreads()  # K landed for every thread; every warp is done with the last block's V
             stage(v, v_cursor, first_key, kv_len, vs, vs_address)
-            commit_group()
-            odd = (first_key // KB) % 2 == 1
-            if first_key + KB < key_end:  # the next block's K, into the other tile
-                stage(k, k_cursor, first_key + KB, kv_len, k_even if odd else k_odd,
-                      k_even_address if odd else k_odd_address)
-            commit_group()  # empty past the last block: the wait below still leaves V's group done
-            # A selected operand, not a branch: one copy of the unrolled Q K^T.
-            scores(qs, q_lane, warp_row, key_tile(odd, k_odd, k_even), k_odd_lane if odd else k_even_lane, qa, sacc)
+            scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc)
             if first_key + KB > unmasked_end:
                 for i in range(M):
                     p0 = first_position + first_row + warp_row + 16 * i + g
@@ -424,8 +411,10 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
             for r in range(ROW_STATES):
                 if alphas[r] != float32(1.0):  # the row's maximum grew: rare once a few key blocks are in
                     rescale(o, (r // 2) * O_VALUES + 2 * (r % 2), alphas[r])
-            wait_for_all_but_newest()
-            cuda.syncthreads()  # V landed for every thread
+            copy_async_wait_all()
+            cuda.syncthreads()  # V landed for every thread; every warp is done with this block's K
+            if first_key + KB < key_end:
+                stage(k, k_cursor, first_key + KB, kv_len, ks, ks_address)
             accumulate(sacc, pa, vs, v_lane, o)
         for r in range(ROW_STATES):
             inv_sum = float32(1.0) / quad_sum(scratch, row_sums[r], 4)
@@ -458,7 +447,7 @@ class FlashAttention:
         if entry is None:
             shape = self.shape or block_shape(head_dim)
             kernel = Kernel(build_flash_attention(head_dim, group, shape),
-                            dynamic_shared_bytes=shared_bytes(head_dim, shape))
+                            dynamic_shared_bytes=query_tile_bytes(head_dim, shape))
             entry = self._kernels[(head_dim, group)] = (shape, kernel)
         return entry
 
@@ -486,7 +475,7 @@ class FlashAttention:
         shape, kernel = self.kernel(head_dim, q_heads // kv_heads)
         grid = (-(-rows // shape.rows), q_heads)
         scale_log2 = np.float32(LOG2_E / math.sqrt(head_dim))
-        kernel[grid, shape.threads, stream, shared_bytes(head_dim, shape)](
+        kernel[grid, shape.threads, stream, query_tile_bytes(head_dim, shape)](
             as_words(q), as_words(k), as_words(v), as_words(out), np.int32(rows), np.int32(kv_len),
             np.int32(kv_len - rows), scale_log2)
 
