@@ -165,35 +165,24 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     SCRATCH_VALUES = THREADS if simulator_enabled() else 1  # the simulator's quad reductions
 
     @cuda.jit(device=True, inline=True)
-    def key_index(head, row, col):
-        return head, row, col  # k, v: [Hkv, C, D/2]
-
-    @cuda.jit(device=True, inline=True)
-    def query_index(head, row, col):
-        return row, head, col  # q: [rows, Hq, D/2]
-
-    def build_stage(copies: int, index: Callable[..., Any]) -> Callable[..., Any]:
-        @cuda.jit(device=True, inline=True)
-        def stage(src, head, first, limit, tile, tile_address):
-            """Start copying rows first.. of one head of ``src`` (Q, K or V; ``index`` places the
-            head's axis) into tile, ``copies`` 16-byte chunks a thread; zeros from row ``limit`` on
-            (V's stale rows could hold NaN bits, and 0 x NaN would reach the output)."""
-            tid = cuda.threadIdx.x
-            for i in range(copies):
-                c = tid + i * THREADS
-                row = c // CHUNKS_PER_ROW
-                col = (c % CHUNKS_PER_ROW) * 4
-                valid = first + row < limit
-                copy_async(tile, tile_address, (row, col), src, index(head, first + row if valid else 0, col), valid)
-
-        return stage
+    def stage_queries(q, head, first, limit, tile, tile_address):
+        """Start copying query rows first.. of one q head into the query tile, Q_COPIES 16-byte chunks
+        a thread; zeros from row ``limit`` on. Once a block, so plain array indexing does."""
+        tid = cuda.threadIdx.x
+        for i in range(Q_COPIES):
+            c = tid + i * THREADS
+            row = c // CHUNKS_PER_ROW
+            col = (c % CHUNKS_PER_ROW) * 4
+            valid = first + row < limit
+            copy_async(tile, tile_address, (row, col), q, (first + row if valid else 0, head, col), valid)
 
     @cuda.jit(device=True, inline=True)
     def stage(src, cursor, first, limit, tile, tile_address):
         """Start copying rows first.. of one kv head of K or V (``cursor``: its row 0, this thread's
-        chunk) into tile, COPIES chunks a thread; zeros from row ``limit`` on. Addresses are one
-        cursor multiply-add and a shared offset a copy, computed in the loop that calls this: held
-        across it, they took a register each."""
+        chunk) into tile, COPIES 16-byte chunks a thread; zeros from row ``limit`` on (V's stale rows
+        could hold NaN bits, and 0 x NaN would reach the output). A copy's addresses are a cursor
+        multiply-add and a shared offset computed here, in the key loop: where the compiler could
+        hoist them, it held each copy's address in registers across the loop."""
         tid = cuda.threadIdx.x
         lane_row = tid // CHUNKS_PER_ROW
         rows_left = limit - first - lane_row  # this thread's rows below limit, from its first
@@ -205,8 +194,6 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
                            row if valid else 0, valid)
 
     if Q_IN_SHARED:
-        stage_queries = build_stage(Q_COPIES, query_index)
-
         @cuda.jit(device=True, inline=True)
         def start_queries(q, h, first_row, rows, warp_row, dynamic, ks, qa):
             """Start copying the block's query rows of head h into the dynamic query tile (zeros past
