@@ -26,3 +26,10 @@ def load_cuda() -> ModuleType:
 def simulator_enabled() -> bool:
     """True when kernels run in the Numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1)."""
     return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+
+
+def launch_bounds(bounds: int | tuple[int, int] | None) -> dict[str, int | tuple[int, int]]:
+    """``cuda.jit`` keyword arguments for a launch bound, ``threads`` or ``(threads, blocks an SM)``
+    (ptxas then keeps a thread's registers within what that residency leaves): none for None, and
+    none in the simulator, whose jit takes no launch_bounds (and has no registers to bound)."""
+    return {} if bounds is None or simulator_enabled() else {"launch_bounds": bounds}

@@ -62,7 +62,7 @@ from executor.kernels.decode_tiles import LOG2_E, build_meet, build_tile_span, b
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS, Kernel
 from executor.kernels.reduce import build_group_sum
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
-from executor.numba_cuda import load_cuda, simulator_enabled
+from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
@@ -127,8 +127,8 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     BUFFER_WORDS = U * CPL * VECTOR_WORDS
     SCORES = U * G  # a batch's scores, one per key and head
     GROUP_STATES = KPP * G  # (max, sum) of every lane group and head, where the groups meet
-    # The simulator's jit takes no launch_bounds; on the GPU they cap registers for residency.
-    launch_options = {} if simulator_enabled() or blocks_per_sm is None else {"launch_bounds": (NT, blocks_per_sm)}
+    # On the GPU the launch bound caps registers for residency.
+    launch_options = launch_bounds(None if blocks_per_sm is None else (NT, blocks_per_sm))
     stage_pages = build_kv_staging(load, D, NT)[0]
     group_sum = build_group_sum()
     tile_span = build_tile_span()

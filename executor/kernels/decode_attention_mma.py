@@ -55,7 +55,7 @@ from executor.kernels.decode_tiles import LOG2_E, build_meet, build_tile_span, b
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS
 from executor.kernels.mma import build_eight_key_value_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.reduce import build_group_max, build_group_sum
-from executor.numba_cuda import load_cuda, simulator_enabled
+from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
@@ -153,7 +153,7 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     O_TILES = D // 8
     Q_WORDS, O_VALUES = 2 * K_STEPS, 2 * O_TILES  # a lane's q fragment words and output values
     GROUP_STATES = W * G
-    launch_options = {} if simulator_enabled() or blocks_per_sm is None else {"launch_bounds": (NT, blocks_per_sm)}
+    launch_options = launch_bounds(None if blocks_per_sm is None else (NT, blocks_per_sm))
     TILE_ALIGNMENT = None if simulator_enabled() else 16
     mma = build_mma_bf16()
     pack = build_pack_bf16x2()

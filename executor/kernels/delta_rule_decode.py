@@ -57,7 +57,7 @@ from executor.kernels.delta_rule import (
 from executor.kernels.launch import SM_REGISTERS, WARP_THREADS, Kernel
 from executor.kernels.reduce import build_group_sum
 from executor.kernels.vector import VECTOR_WORDS, build_vector_access, contiguous_aligned, vector_aligned
-from executor.numba_cuda import load_cuda, simulator_enabled
+from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
@@ -98,9 +98,9 @@ def build_gated_delta_rule_decode(codec: Codec, head_k_dim: int, head_v_dim: int
     SCRATCH = NT if simulated else 1  # the simulator's group sums go through shared memory
     # launch_bounds: ptxas keeps a thread within SM_REGISTERS / (NT * min_blocks) registers, min_blocks
     # being the blocks an SM holds at STATE_WORDS + REGISTER_OVERHEAD registers a thread (4 for the
-    # default block: 128). The simulator's jit takes no launch_bounds.
+    # default block: 128).
     min_blocks = max(1, SM_REGISTERS // (NT * (STATE_WORDS + REGISTER_OVERHEAD)))
-    launch_options = {} if simulated else {"launch_bounds": (NT, min_blocks)}
+    launch_options = launch_bounds((NT, min_blocks))
 
     @cuda.jit(**launch_options)
     def gated_delta_rule_decode_kernel(qkv, g, beta, state, q_indptr, slot_ids, out):

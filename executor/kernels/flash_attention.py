@@ -57,7 +57,7 @@ from executor.kernels.mma import build_a_fragment_load, build_fragment_loads, bu
 from executor.kernels.reduce import build_group_max, build_group_sum
 from executor.kernels.shared_tile import build_shared_tile
 from executor.kernels.vector import as_words, vector_aligned
-from executor.numba_cuda import load_cuda, simulator_enabled
+from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
@@ -142,10 +142,11 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     COPIES = KB * CHUNKS_PER_ROW // THREADS  # chunks a thread stages of K, and of V, per key block
     Q_COPIES = ROWS_PER_BLOCK * CHUNKS_PER_ROW // THREADS  # chunks a thread stages of Q, once
     assert COPIES * THREADS == KB * CHUNKS_PER_ROW and Q_COPIES * THREADS == ROWS_PER_BLOCK * CHUNKS_PER_ROW
-    # Per m-tile: a lane's S values, P words and O values.
-    S_VALUES, P_WORDS, O_VALUES = 4 * S_TILES, 4 * P_STEPS, 4 * O_TILES
+    # Per m-tile: a lane's S values and O values.
+    S_VALUES, O_VALUES = 4 * S_TILES, 4 * O_TILES
     # A lane's registers over all its m-tiles (local arrays need constant sizes): Q fragments (all
-    # k-steps in registers, or one k-step of each m-tile read from shared memory), S, P, O, row states.
+    # k-steps in registers, or one k-step of each m-tile read from shared memory), S, one k-step's P
+    # words, O, row states.
     QA_WORDS = 4 * M if Q_IN_SHARED else 4 * K_STEPS
     SACC_VALUES, PA_WORDS, ACC_VALUES, ROW_STATES = M * S_VALUES, 4 * M, M * O_VALUES, 2 * M
     mma = build_mma_bf16()
@@ -337,11 +338,7 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
             o[first + 4 * j] *= alpha
             o[first + 4 * j + 1] *= alpha
 
-    # The simulator's jit takes no launch_bounds (and has no registers to bound).
-    launch_options = {} if simulator_enabled() or shape.blocks_per_sm is None else {
-        "launch_bounds": (THREADS, shape.blocks_per_sm)}
-
-    @cuda.jit(**launch_options)
+    @cuda.jit(**launch_bounds(None if shape.blocks_per_sm is None else (THREADS, shape.blocks_per_sm)))
     def flash_attention(q, k, v, out, rows, kv_len, first_position, scale_log2):
         scratch = cuda.shared.array(SCRATCH_VALUES, float32)
         dynamic = cuda.shared.array(0, int32, alignment=TILE_ALIGNMENT)

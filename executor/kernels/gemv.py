@@ -54,7 +54,7 @@ from executor.kernels.reduce import block_sum, build_group_sum
 from executor.kernels.vector import (
     VECTOR_WORDS, build_lanes, build_shared_vector_load, build_vector_access, lanes_for, vector_aligned, word_type,
 )
-from executor.numba_cuda import load_cuda, simulator_enabled
+from executor.numba_cuda import launch_bounds as jit_launch_bounds, load_cuda, simulator_enabled
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
@@ -112,7 +112,7 @@ def build_gemv_kernel(
     group_sum = build_group_sum()
     normalize = build_normalize(codec, round_before_weight)
     swiglu = build_swiglu(codec)
-    options = {"launch_bounds": launch_bounds} if launch_bounds and not simulator_enabled() else {}
+    options = jit_launch_bounds(launch_bounds or None)
 
     @cuda.jit(device=True, inline=True)
     def element(words, start, j):

@@ -45,7 +45,7 @@ from executor.kernels.launch import (
 from executor.kernels.reduce import check_max_threads, threads_for
 from executor.kernels.residual import MAX_COLUMN_BLOCKS, UNROLL
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
-from executor.numba_cuda import load_cuda, simulator_enabled
+from executor.numba_cuda import launch_bounds as jit_launch_bounds, load_cuda
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
@@ -157,7 +157,7 @@ def build_sigmoid_mul_inplace_vector_kernel(
     lanes = lanes_for(codec)
     words = word_type(codec)
     buffer_words = rows_unroll * VECTOR_WORDS
-    options = {} if simulator_enabled() or launch_bounds is None else {"launch_bounds": launch_bounds}
+    options = jit_launch_bounds(launch_bounds)
 
     @cuda.jit(**options)
     def sigmoid_mul_inplace_vector(x, gate):

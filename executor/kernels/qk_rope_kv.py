@@ -52,7 +52,7 @@ from executor.kernels.rope import (
 from executor.kernels.rope_layout import MAX_THREADS as ROPE_MAX_THREADS
 from executor.kernels.rope_layout import vector_group_threads
 from executor.kernels.vector import VECTOR_WORDS, build_vector_access, lanes_for, vector_aligned, word_type
-from executor.numba_cuda import load_cuda, simulator_enabled
+from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
@@ -97,8 +97,7 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
     lanes = lanes_for(codec)
     words = word_type(codec)
 
-    # The simulator's jit takes no launch_bounds (and has no registers to bound).
-    launch_options = {} if simulator_enabled() else {"launch_bounds": MAX_FUSED_THREADS}
+    launch_options = launch_bounds(MAX_FUSED_THREADS)
 
     @cuda.jit(**launch_options)
     def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, eps, weight_offset, rotary_dim, theta,

@@ -113,7 +113,7 @@ from executor.kernels.rope_bf16 import BF16_LANES
 from executor.kernels.rope_chunk_layout import build_chunk_kernel
 from executor.kernels.rope_layout import MAX_GROUP_THREADS, MAX_THREADS, vector_group_threads
 from executor.kernels.rope_unit_layout import build_unit_kernel
-from executor.numba_cuda import simulator_enabled
+from executor.numba_cuda import launch_bounds
 
 # Specialized kernel (module docstring). Rows from which a call takes it: prefill chunks; decode
 # steps (at most qk_rope_kv.MAX_FUSED_ROWS rows) take the fused kernel, and the few-row calls left
@@ -181,9 +181,7 @@ def build_qk_norm_rope_specialized_kernel(
     threads = block_threads(heads // nh * group_threads)
     if min_blocks_per_sm is None:
         min_blocks_per_sm = chunk_blocks_per_sm(threads) if chunks_per_thread else 0
-    # The simulator's jit takes no launch_bounds (and has no registers to bound).
-    launch_options = {} if simulator_enabled() or not min_blocks_per_sm else {
-        "launch_bounds": (threads, min_blocks_per_sm)}
+    launch_options = launch_bounds((threads, min_blocks_per_sm) if min_blocks_per_sm else None)
     if chunks_per_thread == 0:
         return build_unit_kernel(codec, round_before_weight, head_dim, rotary_dim, heads, group_threads, nh,
                               pipelined, launch_options)

@@ -96,7 +96,7 @@ from executor.kernels.launch import Kernel
 from executor.kernels.reduce import check_max_threads, threads_for
 from executor.kernels.sampling import beats, better
 from executor.kernels.vector import VECTOR_BYTES, VECTOR_WORDS, build_vector_access
-from executor.numba_cuda import load_cuda, simulator_enabled
+from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 
 cuda = load_cuda()
 from numba import float32, int32, int64, types, uint64  # noqa: E402  (after load_cuda's numpy fix)
@@ -532,8 +532,8 @@ def build_sample_kernel() -> Callable[..., Any]:
     gumbel_scan = build_gumbel_scan(load_group)
 
     # Hold ptxas to 128 registers a thread, so that a block of MAX_THREADS launches (64K registers an
-    # SM); the simulator's jit takes no launch_bounds.
-    launch_options = {} if simulator_enabled() else {"launch_bounds": MAX_THREADS}
+    # SM).
+    launch_options = launch_bounds(MAX_THREADS)
 
     @cuda.jit(**launch_options)
     def sample(logits, temperature, top_k, seed, step, out_ids):
