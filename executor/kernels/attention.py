@@ -53,7 +53,7 @@ NO_SPLIT_CHUNK = np.iinfo(np.int32).max  # kv_chunk_size of padding requests: ne
 # a long prefill falls by this factor); decode steps use decode_attention.py.
 PREFILL_ROWS_PER_TILE = 4
 SHARED_BUDGET_BYTES = 45_000  # under the 48 KiB static shared-memory limit per block
-MERGE_UNROLL = 8  # chunk partials a merge thread loads before adding any
+MERGE_UNROLL = 16  # chunk partials a merge thread loads before adding any (512 tokens in chunks of 64: one trip)
 MAX_MERGE_CHUNKS = MAX_DECODE_KV_SPLITS  # deepest split scratch the merge takes: the plan's decode_kv_splits bound
 
 
@@ -289,18 +289,27 @@ def build_paged_attention(
         """Grid (T, Hq), threads over D: out[t, h] = sum_c w_c partial_out[t, c, h] for split rows,
         w_c = exp(lse_c - max lse) / sum. Rows with one chunk were written by split_kernel.
 
-        Latency-bound at decode sizes, so the loads go out together: the row's log-sum-exps in one
-        round into shared memory, then MERGE_UNROLL chunks of a thread's partials before it adds any
-        (a loop that adds as it loads waits a memory round trip per chunk). Sums run in chunk order."""
+        Latency-bound at decode sizes, so loads that do not depend on each other go out together:
+        the row's metadata in one round (t < T, so its entries are valid addresses even past the
+        step's rows), then a thread's first MERGE_UNROLL chunk partials before the log-sum-exps it
+        waits for (into shared memory), then MERGE_UNROLL more at a time before it adds any (a loop
+        that adds as it loads waits a memory round trip per chunk). Sums run in chunk order."""
         lse_sh = cuda.shared.array(MAX_MERGE_CHUNKS, float32)
         values = cuda.local.array(MERGE_UNROLL, float32)
         t = cuda.blockIdx.x
         head = cuda.blockIdx.y
-        if t >= int32(total_num_rows[0]):
+        step_rows = int32(total_num_rows[0])
+        position = positions[t]
+        b = batch_indices[t]
+        if t >= step_rows:
             return
-        num_chunks = min(positions[t] // kv_chunk_size[batch_indices[t]] + 1, partial_out.shape[1])
+        num_chunks = min(position // kv_chunk_size[b] + 1, partial_out.shape[1])
         if num_chunks <= 1:
             return
+        first_d = cuda.threadIdx.x
+        if first_d < out.shape[2]:  # the first trip's partials, in flight while the lse round lands
+            for u in range(MERGE_UNROLL):  # clamped: a valid address; only chunks < num_chunks are added
+                values[u] = partial_out[t, min(u, num_chunks - 1), head, first_d]
         for c in range(cuda.threadIdx.x, num_chunks, cuda.blockDim.x):
             lse_sh[c] = partial_lse[t, c, head]
         cuda.syncthreads()
@@ -310,11 +319,12 @@ def build_paged_attention(
         weight_sum = float32(0.0)
         for c in range(num_chunks):
             weight_sum += float32(math.exp(lse_sh[c] - top))
-        for d in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
+        for d in range(first_d, out.shape[2], cuda.blockDim.x):
             total = float32(0.0)
             for c0 in range(0, num_chunks, MERGE_UNROLL):
-                for u in range(MERGE_UNROLL):  # clamped: a valid address; only chunks < num_chunks are added
-                    values[u] = partial_out[t, min(c0 + u, num_chunks - 1), head, d]
+                if d != first_d or c0 > 0:
+                    for u in range(MERGE_UNROLL):
+                        values[u] = partial_out[t, min(c0 + u, num_chunks - 1), head, d]
                 for u in range(MERGE_UNROLL):
                     if c0 + u < num_chunks:
                         total += float32(math.exp(lse_sh[c0 + u] - top)) * values[u]

@@ -43,21 +43,29 @@ def build_tile_span() -> Any:
     @cuda.jit(device=True, inline=True)
     def tile_span(tile, page_size, page_indptr, last_page_len, q_indptr, positions, request_indices,
                   kv_tile_indices, kv_chunk_size, total_num_rows):
+        # A decode call waits on these lookups, not on bandwidth: loads that do not depend on each
+        # other go out together, three rounds in all (the tile's, its request's, its row's position).
+        # The tile and request entries exist for every tile of the grid and every request of the
+        # bucket, so the loads before each early return read valid addresses.
         b = request_indices[tile]
+        c = kv_tile_indices[tile]
+        step_rows = int32(total_num_rows[0])
         if b < 0:  # padding tile (a graph's fixed grid)
             return -1, 0, 0, 0, 0, 0
         row = q_indptr[b]
-        if row >= int32(total_num_rows[0]):
-            return -1, 0, 0, 0, 0, 0
-        kv_len = (page_indptr[b + 1] - page_indptr[b] - 1) * page_size + last_page_len[b]
+        page_base = page_indptr[b]
+        page_end = page_indptr[b + 1]
+        tail = last_page_len[b]
         chunk = kv_chunk_size[b]
-        c = kv_tile_indices[tile]
+        if row >= step_rows:
+            return -1, 0, 0, 0, 0, 0
+        kv_len = (page_end - page_base - 1) * page_size + tail
         last = positions[row]  # the row sees keys 0 .. last
         k0 = c * chunk
         k1 = min(k0 + chunk, last + 1, kv_len)
         if k0 >= k1:
             return -1, 0, 0, 0, 0, 0
-        return row, c, k0, k1, page_indptr[b], last // chunk + 1
+        return row, c, k0, k1, page_base, last // chunk + 1
 
     return tile_span
 

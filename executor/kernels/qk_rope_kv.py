@@ -33,12 +33,13 @@ launches, which give the same results.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import numpy as np
 
 from executor.kernels.codec import Codec
-from executor.kernels.kv_cache import WriteKv, cache_slot
+from executor.kernels.kv_cache import WriteKv
 from executor.kernels.launch import Kernel
 from executor.kernels.norm import inv_rms_from_sum
 from executor.kernels.reduce import build_group_sum, check_max_threads
@@ -50,7 +51,7 @@ from executor.kernels.rope import (
     vector_shared_bytes,
 )
 from executor.kernels.rope_layout import MAX_THREADS as ROPE_MAX_THREADS
-from executor.kernels.rope_layout import vector_group_threads
+from executor.kernels.rope_layout import rope_inv_freq, vector_group_threads
 from executor.kernels.vector import VECTOR_WORDS, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 
@@ -63,6 +64,11 @@ from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
 # 32 + 2 x 8 heads of 8 threads (384) in one round, Qwen3.5-9B's 16 + 2 x 4 heads of 32 threads
 # (768) in two.
 MAX_FUSED_THREADS = 512
+
+# A block's threads on the GPU: a row's heads spread over several small blocks (Qwen3-8B: 6 of 8
+# heads, Qwen3.5-9B: 12 of 2), so a one-row decode call runs on as many SMs, each issuing a few
+# warps' instructions, where one block of 384 threads issued all 12 warps' on one SM.
+FUSED_BLOCK_THREADS = 64
 
 # Steps of more rows take the separate launches. At ~100 registers an SM holds one fused block,
 # so the fused kernel wins where launches dominate (decode: 7.5 us a layer for Qwen3-8B at batch 1
@@ -91,20 +97,42 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
         store_vector(k, (t, h, col), words, 0)
         store_vector(k_cache, (page, slot, h, col), words, 0)
 
-    block_setup, store_cos_sin, head_squares, q_norm_rope = build_vector_head(codec, round_before_weight)
+    _, _, head_squares, q_norm_rope = build_vector_head(codec, round_before_weight)
     k_norm_rope = build_vector_head(codec, round_before_weight, put_k_chunk)[3]
     group_sum = build_group_sum()
     lanes = lanes_for(codec)
     words = word_type(codec)
 
     launch_options = launch_bounds(MAX_FUSED_THREADS)
+    load, store = codec.load, codec.store
+
+    @cuda.jit(device=True, inline=True)
+    def rounded(value):
+        return load(store(value))
+
+    @cuda.jit(device=True, inline=True)
+    def touch_weights(norm_weight, lane, half, pairs, units, w_lo, w_hi):
+        """Load the norm weight chunks of this thread's first unit, which head_norm_rope loads again
+        after the reduction: issued here, they are in L1 by then instead of a memory round trip."""
+        if lane < units:
+            if lane < pairs:
+                load_vector(norm_weight, (lane * lanes,), w_lo, 0)
+            load_vector(norm_weight, (half + lane * lanes,), w_hi, 0)
+
+    @cuda.jit(device=True, inline=True)
+    def store_row_cos_sin(shared, cos_at, sin_at, half, rotary_dim, theta, position):
+        # store_cos_sin's values with inv_freq computed in place (no table written before the loads).
+        for j in range(cuda.threadIdx.x, half, cuda.blockDim.x):
+            angle = position * rope_inv_freq(j, rotary_dim, theta)
+            shared[cos_at + j] = rounded(float32(math.cos(angle)))
+            shared[sin_at + j] = rounded(float32(math.sin(angle)))
 
     @cuda.jit(**launch_options)
     def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, eps, weight_offset, rotary_dim, theta,
                               group_threads, k_cache, v_cache, batch_indices, page_indices, page_indptr):
         shared = cuda.shared.array(0, float32)  # dynamic: see norm.py
         lo = cuda.local.array(VECTOR_WORDS, words)  # a pair unit's first-half chunk, a pass-through or v chunk
-        hi = cuda.local.array(VECTOR_WORDS, words)  # a pair unit's second-half chunk
+        hi = cuda.local.array(VECTOR_WORDS, words)  # a pair unit's second-half chunk, or a second v chunk
         w_lo = cuda.local.array(VECTOR_WORDS, words)
         w_hi = cuda.local.array(VECTOR_WORDS, words)
         rows = q.shape[0]
@@ -113,24 +141,47 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
         norm_heads = q_heads + k.shape[1]
         walk_heads = norm_heads + v.shape[1]  # q heads, k heads, then v heads (copied)
         v_chunks = head_dim // lanes
-        half, pairs, units, lane, groups, one_unit, inv_freq_at, cos_at, sin_at = block_setup(
-            shared, head_dim, rotary_dim, theta, group_threads)
+        page_size = k_cache.shape[1]
+        half = rotary_dim // 2
+        pairs = half // lanes
+        units = pairs + (head_dim - rotary_dim) // lanes
+        one_unit = units <= group_threads
+        lane = cuda.threadIdx.x % group_threads
+        groups = cuda.blockDim.x // group_threads
+        v_in_registers = v_chunks <= 2 * group_threads  # a v thread's chunks fit lo and hi
+        cos_at = cuda.blockDim.x + half  # after the reduction scratch and block_setup's inv_freq slot
+        sin_at = cos_at + half
+        first_round = cuda.blockIdx.y * groups
         for t in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
-            page, slot = cache_slot(t, batch_indices, positions, page_indices, page_indptr, k_cache.shape[1])
-            store_cos_sin(shared, inv_freq_at, cos_at, sin_at, half, float32(positions[t]))
-            cuda.syncthreads()
-            # Every thread runs every head round (group_sum needs the whole block / warp).
-            for first_head in range(0, walk_heads, groups):
+            # Latency, not bandwidth, bounds a decode step's call: every load that does not depend on
+            # another goes out first (the row's metadata, this thread's head and norm weight chunks),
+            # and the cache slot's dependent lookups overlap the cos/sin and the reduction.
+            b = batch_indices[t]
+            position = positions[t]
+            page = 0
+            slot = 0
+            # blockIdx.y's head slice; every thread runs every round (group_sum needs the whole block / warp).
+            for first_head in range(first_round, walk_heads, cuda.gridDim.y * groups):
                 h = first_head + cuda.threadIdx.x // group_threads
                 partial = float32(0.0)
                 if h < q_heads:
+                    touch_weights(q_weight, lane, half, pairs, units, w_lo, w_hi)
                     partial = head_squares(q, t, h, lane, group_threads, half, pairs, units, lo, hi)
                 elif h < norm_heads:
+                    touch_weights(k_weight, lane, half, pairs, units, w_lo, w_hi)
                     partial = head_squares(k, t, h - q_heads, lane, group_threads, half, pairs, units, lo, hi)
-                elif h < walk_heads:  # a v head: a plain copy, done before the reduction it does not need
-                    for chunk in range(lane, v_chunks, group_threads):
-                        load_vector(v, (t, h - norm_heads, chunk * lanes), lo, 0)
-                        store_vector(v_cache, (page, slot, h - norm_heads, chunk * lanes), lo, 0)
+                elif h < walk_heads and v_in_registers:
+                    if lane < v_chunks:
+                        load_vector(v, (t, h - norm_heads, lane * lanes), lo, 0)
+                    if lane + group_threads < v_chunks:
+                        load_vector(v, (t, h - norm_heads, (lane + group_threads) * lanes), hi, 0)
+                if first_head == first_round:  # the row's first round (uniform)
+                    logical = position // page_size
+                    base = page_indptr[b]
+                    store_row_cos_sin(shared, cos_at, sin_at, half, rotary_dim, theta, float32(position))
+                    cuda.syncthreads()
+                    page = page_indices[base + logical]
+                    slot = position - logical * page_size
                 inv_rms = inv_rms_from_sum(group_sum(shared, partial, group_threads), head_dim, eps)
                 if h < q_heads:
                     # q has no cache: q_norm_rope's put_chunk ignores the (q, 0, 0) passed as cache, page, slot.
@@ -140,18 +191,32 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
                     k_norm_rope(k, k_weight, t, h - q_heads, lane, group_threads, half, pairs, units, one_unit,
                                 inv_rms, weight_offset, shared, cos_at, sin_at, lo, hi, w_lo, w_hi, k_cache, page,
                                 slot)
+                elif h < walk_heads:  # a v head: a plain copy
+                    if v_in_registers:
+                        if lane < v_chunks:
+                            store_vector(v_cache, (page, slot, h - norm_heads, lane * lanes), lo, 0)
+                        if lane + group_threads < v_chunks:
+                            store_vector(v_cache, (page, slot, h - norm_heads, (lane + group_threads) * lanes), hi, 0)
+                    else:
+                        for chunk in range(lane, v_chunks, group_threads):
+                            load_vector(v, (t, h - norm_heads, chunk * lanes), lo, 0)
+                            store_vector(v_cache, (page, slot, h - norm_heads, chunk * lanes), lo, 0)
             if t + cuda.gridDim.x < rows:  # the same for the whole block
                 cuda.syncthreads()  # every head has read this row's cos/sin before the next row's overwrite them
 
     return qk_norm_rope_write_kv
 
 
-def fused_block_threads(group_threads: int, walk_heads: int, max_threads: int) -> int:
-    """Threads per block: ``group_threads`` per walk head (q, k and v heads), so one round covers
-    the row when ``max_threads`` allows; whole warps on the GPU (the shuffles need them)."""
+def fused_launch(group_threads: int, walk_heads: int, max_threads: int) -> tuple[int, int]:
+    """``(threads, head_blocks)``: blocks of ``group_threads`` per head, whole warps on the GPU (the
+    shuffles need them), at most FUSED_BLOCK_THREADS (and ``max_threads``); ``head_blocks`` blocks a
+    row cover its ``walk_heads`` q, k and v heads in one round each."""
     granule = group_threads if simulator_enabled() else max(group_threads, 32)
+    limit = min(max_threads, FUSED_BLOCK_THREADS)
     wanted = -(-group_threads * walk_heads // granule) * granule
-    return max(granule, min(wanted, max_threads // granule * granule))
+    threads = max(granule, min(wanted, limit // granule * granule))
+    heads_per_block = threads // group_threads
+    return threads, -(-walk_heads // heads_per_block)
 
 
 class QkNormRopeWriteKv:
@@ -234,8 +299,8 @@ class QkNormRopeWriteKv:
             self.write_kv(k, v, k_cache, v_cache, batch_indices, positions, page_indices, page_indptr, stream=stream)
             return
         group = vector_group_threads(head_dim, rotary_dim, self.lanes)
-        threads = fused_block_threads(group, q_heads + 2 * kv_heads, self.max_threads)
-        self.kernel[rows, threads, stream, vector_shared_bytes(threads, rotary_dim)](
+        threads, head_blocks = fused_launch(group, q_heads + 2 * kv_heads, self.max_threads)
+        self.kernel[(rows, head_blocks), threads, stream, vector_shared_bytes(threads, rotary_dim)](
             q,
             k,
             v,

@@ -13,7 +13,7 @@ import torch
 from executor.kernels.codec import build_codec
 from executor.kernels.kv_cache import WriteKv
 from executor.kernels.launch import Kernel, multiprocessor_count
-from executor.kernels.qk_rope_kv import QkNormRopeWriteKv, fused_block_threads
+from executor.kernels.qk_rope_kv import QkNormRopeWriteKv, fused_launch
 from executor.kernels.norm import SCRATCH_BYTES_PER_THREAD
 from executor.kernels.rope import VECTOR_ROWS, QkNormRopeInplace, vector_shared_bytes
 from executor.kernels.rope_layout import vector_group_threads
@@ -833,18 +833,20 @@ def test_fused_misaligned_cache_falls_back(dtype_name, case):
     assert_same_bits(run_on_views(inputs, dtype_name, case, launch, cache_shift=1), expected, inputs, dtype_name)
 
 
+@pytest.mark.parametrize("grid", [3, (3, 2)])
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
-def test_fused_kernel_rounds_and_rows_per_block(dtype_name):
+def test_fused_kernel_rounds_and_rows_per_block(dtype_name, grid):
     """The kernel's other paths: 2 threads per head own several units each (re-read in pass 2), a
-    4-thread block walks the 4 + 2 + 2 heads in 4 rounds, and 3 blocks stride over the 8 rows (the
-    barrier between a block's rows). Against the vector kernel run with the same threads per head."""
-    case, group, threads, blocks = "qwen3_5", 2, 4, 3
+    4-thread block walks the 4 + 2 + 2 heads in 4 rounds (or, two blocks a row, 2 rounds of every
+    other head pair each), and 3 blocks stride over the 8 rows (the barrier between a block's rows).
+    Against the vector kernel run with the same threads per head."""
+    case, group, threads = "qwen3_5", 2, 4
     round_before_weight, offset, _, rotary_dim, theta, _ = FUSED_CASES[case]
     inputs = fused_inputs(dtype_name, case, seed=48)
     fused = QkNormRopeWriteKv(build_codec(dtype_name), round_before_weight, SIM_THREADS)
 
     def launch(q, k, v, k_cache, v_cache):
-        fused.kernel[blocks, threads, 0, (threads + 3 * rotary_dim // 2) * 4](
+        fused.kernel[grid, threads, 0, (threads + 3 * rotary_dim // 2) * 4](
             q, k, v, inputs["q_weight"], inputs["k_weight"], inputs["positions"], np.float32(EPS),
             np.float32(offset), np.int32(rotary_dim), np.float32(theta), np.int32(group), k_cache, v_cache,
             inputs["batch_indices"], inputs["page_indices"], inputs["page_indptr"])
@@ -853,13 +855,14 @@ def test_fused_kernel_rounds_and_rows_per_block(dtype_name):
     assert_same_bits(run_on_views(inputs, dtype_name, case, launch), expected, inputs, dtype_name)
 
 
-def test_fused_block_threads():
+def test_fused_launch():
     if simulator_enabled():
-        assert fused_block_threads(2, 8, 32) == 16  # whole groups in the simulator
+        assert fused_launch(2, 8, 32) == (16, 1)  # whole groups in the simulator
+        assert fused_launch(2, 8, 4) == (4, 4)  # two heads a block
     else:
-        assert fused_block_threads(8, 32 + 2 * 8, 512) == 384  # Qwen3-8B bf16: one round, 12 warps
-        assert fused_block_threads(32, 16 + 2 * 4, 512) == 512  # Qwen3.5-9B bf16: two rounds
-        assert fused_block_threads(2, 8, 512) == 32  # whole warps (the shuffles need them)
+        assert fused_launch(8, 32 + 2 * 8, 512) == (64, 6)  # Qwen3-8B bf16: 8 heads a block
+        assert fused_launch(32, 16 + 2 * 4, 512) == (64, 12)  # Qwen3.5-9B bf16: 2 heads a block
+        assert fused_launch(2, 8, 512) == (32, 1)  # whole warps (the shuffles need them)
 
 
 def test_fused_shape_errors():
