@@ -45,6 +45,7 @@ from executor.kernels.norm import inv_rms_from_sum
 from executor.kernels.reduce import build_group_sum, check_max_threads
 from executor.kernels.rope import (
     QkNormRopeInplace,
+    build_chunk_squares,
     build_vector_head,
     check_rotary_dim,
     check_shape,
@@ -99,6 +100,7 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
 
     _, _, head_squares, q_norm_rope = build_vector_head(codec, round_before_weight)
     k_norm_rope = build_vector_head(codec, round_before_weight, put_k_chunk)[3]
+    squares = build_chunk_squares(codec)
     group_sum = build_group_sum()
     lanes = lanes_for(codec)
     words = word_type(codec)
@@ -118,6 +120,28 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
             if lane < pairs:
                 load_vector(norm_weight, (lane * lanes,), w_lo, 0)
             load_vector(norm_weight, (half + lane * lanes,), w_hi, 0)
+
+    @cuda.jit(device=True, inline=True)
+    def unit_load(x, t, h, lane, half, pairs, units, lo, hi):
+        """head_squares' loads of a thread's one unit, without the squares: issued before the row's
+        cos/sin, which then overlap their round trip."""
+        if lane < units:
+            if lane < pairs:
+                load_vector(x, (t, h, lane * lanes), lo, 0)
+                load_vector(x, (t, h, half + lane * lanes), hi, 0)
+            else:
+                load_vector(x, (t, h, half + lane * lanes), lo, 0)
+
+    @cuda.jit(device=True, inline=True)
+    def unit_squares(lane, pairs, units, lo, hi):
+        """head_squares' partial of a thread's one unit (unit_load's chunks), in its order."""
+        partial = float32(0.0)
+        if lane < units:
+            if lane < pairs:
+                partial += squares(lo) + squares(hi)
+            else:
+                partial += squares(lo)
+        return partial
 
     @cuda.jit(device=True, inline=True)
     def store_row_cos_sin(shared, cos_at, sin_at, half, rotary_dim, theta, position):
@@ -158,6 +182,7 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
             # and the cache slot's dependent lookups overlap the cos/sin and the reduction.
             b = batch_indices[t]
             position = positions[t]
+            base = 0
             page = 0
             slot = 0
             # blockIdx.y's head slice; every thread runs every round (group_sum needs the whole block / warp).
@@ -166,23 +191,34 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
                 partial = float32(0.0)
                 if h < q_heads:
                     touch_weights(q_weight, lane, half, pairs, units, w_lo, w_hi)
-                    partial = head_squares(q, t, h, lane, group_threads, half, pairs, units, lo, hi)
+                    if one_unit:
+                        unit_load(q, t, h, lane, half, pairs, units, lo, hi)
+                    else:
+                        partial = head_squares(q, t, h, lane, group_threads, half, pairs, units, lo, hi)
                 elif h < norm_heads:
                     touch_weights(k_weight, lane, half, pairs, units, w_lo, w_hi)
-                    partial = head_squares(k, t, h - q_heads, lane, group_threads, half, pairs, units, lo, hi)
+                    if one_unit:
+                        unit_load(k, t, h - q_heads, lane, half, pairs, units, lo, hi)
+                    else:
+                        partial = head_squares(k, t, h - q_heads, lane, group_threads, half, pairs, units, lo, hi)
                 elif h < walk_heads and v_in_registers:
                     if lane < v_chunks:
                         load_vector(v, (t, h - norm_heads, lane * lanes), lo, 0)
                     if lane + group_threads < v_chunks:
                         load_vector(v, (t, h - norm_heads, (lane + group_threads) * lanes), hi, 0)
                 if first_head == first_round:  # the row's first round (uniform)
-                    logical = position // page_size
-                    base = page_indptr[b]
+                    # The powers and sincos run while this thread's loads are in flight.
                     store_row_cos_sin(shared, cos_at, sin_at, half, rotary_dim, theta, float32(position))
                     cuda.syncthreads()
+                if h >= q_heads:  # k and v heads write the cache: kv_cache.cache_slot's lookups
+                    base = page_indptr[b]
+                if one_unit and h < norm_heads:
+                    partial = unit_squares(lane, pairs, units, lo, hi)
+                inv_rms = inv_rms_from_sum(group_sum(shared, partial, group_threads), head_dim, eps)
+                if h >= q_heads:
+                    logical = position // page_size
                     page = page_indices[base + logical]
                     slot = position - logical * page_size
-                inv_rms = inv_rms_from_sum(group_sum(shared, partial, group_threads), head_dim, eps)
                 if h < q_heads:
                     # q has no cache: q_norm_rope's put_chunk ignores the (q, 0, 0) passed as cache, page, slot.
                     q_norm_rope(q, q_weight, t, h, lane, group_threads, half, pairs, units, one_unit, inv_rms,

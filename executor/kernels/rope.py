@@ -141,6 +141,24 @@ def store_inv_freq(shared, inv_freq_at, half, rotary_dim, theta):
         shared[inv_freq_at + j] = rope_inv_freq(j, rotary_dim, theta)
 
 
+def build_chunk_squares(codec: Codec) -> Callable[..., Any]:
+    """Device function ``squares(chunk) -> float32``: the sum of a 16-byte chunk's squared elements,
+    in element order (every vector kernel's per-chunk part of a head's sum of squares)."""
+    load = codec.load
+    get_lane = build_lanes(codec)[0]
+    lanes = lanes_for(codec)
+
+    @cuda.jit(device=True, inline=True)
+    def squares(chunk):
+        total = float32(0.0)
+        for k in range(lanes):
+            v = load(get_lane(chunk, k))
+            total += v * v
+        return total
+
+    return squares
+
+
 def build_vector_head(
     codec: Codec, round_before_weight: bool, put_chunk: Callable[..., Any] | None = None
 ) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
@@ -202,13 +220,7 @@ def build_vector_head(
         # HF's q_norm output, rounded to the activation dtype.
         return rounded(normalize(load(x_bits), inv_rms, load(w_bits), weight_offset))
 
-    @cuda.jit(device=True, inline=True)
-    def squares(chunk):
-        total = float32(0.0)
-        for k in range(lanes):
-            v = load(get_lane(chunk, k))
-            total += v * v
-        return total
+    squares = build_chunk_squares(codec)
 
     @cuda.jit(device=True, inline=True)
     def store_cos_sin(shared, inv_freq_at, cos_at, sin_at, half, position):
