@@ -289,12 +289,15 @@ def build_paged_attention(
         """Grid (T, Hq), threads over D: out[t, h] = sum_c w_c partial_out[t, c, h] for split rows,
         w_c = exp(lse_c - max lse) / sum. Rows with one chunk were written by split_kernel.
 
-        Latency-bound at decode sizes, so loads that do not depend on each other go out together:
-        the row's metadata in one round (t < T, so its entries are valid addresses even past the
-        step's rows), then a thread's first MERGE_UNROLL chunk partials before the log-sum-exps it
-        waits for (into shared memory), then MERGE_UNROLL more at a time before it adds any (a loop
-        that adds as it loads waits a memory round trip per chunk). Sums run in chunk order."""
+        At decode sizes a warp of this kernel has an SM scheduler to itself: it takes about as long
+        as its instructions' dependent latencies, so each thread does as little as it can. Loads that
+        do not depend on each other go out together: the row's metadata in one round (t < T, so its
+        entries are valid addresses even past the step's rows), then a thread's first MERGE_UNROLL
+        chunk partials before the log-sum-exps it waits for. Chunk c's weight exp(lse_c - max) is
+        computed once, by thread c, into shared memory (every thread used to compute every weight
+        twice); a thread then adds MERGE_UNROLL partials at a time. Sums run in chunk order."""
         lse_sh = cuda.shared.array(MAX_MERGE_CHUNKS, float32)
+        weight_sh = cuda.shared.array(MAX_MERGE_CHUNKS, float32)
         values = cuda.local.array(MERGE_UNROLL, float32)
         t = cuda.blockIdx.x
         head = cuda.blockIdx.y
@@ -316,9 +319,12 @@ def build_paged_attention(
         top = NEG_INF
         for c in range(num_chunks):
             top = max(top, lse_sh[c])
+        for c in range(cuda.threadIdx.x, num_chunks, cuda.blockDim.x):
+            weight_sh[c] = float32(math.exp(lse_sh[c] - top))
+        cuda.syncthreads()
         weight_sum = float32(0.0)
         for c in range(num_chunks):
-            weight_sum += float32(math.exp(lse_sh[c] - top))
+            weight_sum += weight_sh[c]
         for d in range(first_d, out.shape[2], cuda.blockDim.x):
             total = float32(0.0)
             for c0 in range(0, num_chunks, MERGE_UNROLL):
@@ -327,7 +333,7 @@ def build_paged_attention(
                         values[u] = partial_out[t, min(c0 + u, num_chunks - 1), head, d]
                 for u in range(MERGE_UNROLL):
                     if c0 + u < num_chunks:
-                        total += float32(math.exp(lse_sh[c0 + u] - top)) * values[u]
+                        total += weight_sh[c0 + u] * values[u]
             out[t, head, d] = store(total / weight_sum)
 
     return direct_kernel, split_kernel, merge_kernel
