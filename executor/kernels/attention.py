@@ -313,19 +313,24 @@ def build_paged_attention(
         if first_d < out.shape[2]:  # the first trip's partials, in flight while the lse round lands
             for u in range(MERGE_UNROLL):  # clamped: a valid address; only chunks < num_chunks are added
                 values[u] = partial_out[t, min(u, num_chunks - 1), head, first_d]
-        for c in range(cuda.threadIdx.x, num_chunks, cuda.blockDim.x):
+        c = cuda.threadIdx.x  # strided loops as while loops: a strided range() divides (64-bit) for its trip count
+        while c < num_chunks:
             lse_sh[c] = partial_lse[t, c, head]
+            c += cuda.blockDim.x
         cuda.syncthreads()
         top = NEG_INF
         for c in range(num_chunks):
             top = max(top, lse_sh[c])
-        for c in range(cuda.threadIdx.x, num_chunks, cuda.blockDim.x):
+        c = cuda.threadIdx.x
+        while c < num_chunks:
             weight_sh[c] = float32(math.exp(lse_sh[c] - top))
+            c += cuda.blockDim.x
         cuda.syncthreads()
         weight_sum = float32(0.0)
         for c in range(num_chunks):
             weight_sum += weight_sh[c]
-        for d in range(first_d, out.shape[2], cuda.blockDim.x):
+        d = first_d
+        while d < out.shape[2]:
             total = float32(0.0)
             for c0 in range(0, num_chunks, MERGE_UNROLL):
                 if d != first_d or c0 > 0:
@@ -335,6 +340,7 @@ def build_paged_attention(
                     if c0 + u < num_chunks:
                         total += weight_sh[c0 + u] * values[u]
             out[t, head, d] = store(total / weight_sum)
+            d += cuda.blockDim.x
 
     return direct_kernel, split_kernel, merge_kernel
 

@@ -57,7 +57,7 @@ from executor.kernels.vector import VECTOR_WORDS, build_vector_access, lanes_for
 from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 
 cuda = load_cuda()
-from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
+from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
 # Largest block. ptxas (CUDA 13.0, sm_90) gives the kernel 98-111 registers (two inlined head
 # bodies, q's and k's), so 512 threads x at most 128 registers fit an SM's 64K and 1024 threads
@@ -146,10 +146,12 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
     @cuda.jit(device=True, inline=True)
     def store_row_cos_sin(shared, cos_at, sin_at, half, rotary_dim, theta, position):
         # store_cos_sin's values with inv_freq computed in place (no table written before the loads).
-        for j in range(cuda.threadIdx.x, half, cuda.blockDim.x):
+        j = cuda.threadIdx.x
+        while j < half:
             angle = position * rope_inv_freq(j, rotary_dim, theta)
             shared[cos_at + j] = rounded(float32(math.cos(angle)))
             shared[sin_at + j] = rounded(float32(math.sin(angle)))
+            j += cuda.blockDim.x
 
     @cuda.jit(**launch_options)
     def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, eps, weight_offset, rotary_dim, theta,
@@ -165,7 +167,7 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
         norm_heads = q_heads + k.shape[1]
         walk_heads = norm_heads + v.shape[1]  # q heads, k heads, then v heads (copied)
         v_chunks = head_dim // lanes
-        page_size = k_cache.shape[1]
+        page_size = int32(k_cache.shape[1])  # an int32 division below, not a 64-bit one
         half = rotary_dim // 2
         pairs = half // lanes
         units = pairs + (head_dim - rotary_dim) // lanes
@@ -176,7 +178,10 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
         cos_at = cuda.blockDim.x + half  # after the reduction scratch and block_setup's inv_freq slot
         sin_at = cos_at + half
         first_round = cuda.blockIdx.y * groups
-        for t in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
+        # Strided loops are while loops: a strided range() divides (64-bit) for its trip count, and a
+        # warp here runs alone on its scheduler, so it pays every instruction's latency.
+        t = cuda.blockIdx.x
+        while t < rows:
             # Latency, not bandwidth, bounds a decode step's call: every load that does not depend on
             # another goes out first (the row's metadata, this thread's head and norm weight chunks),
             # and the cache slot's dependent lookups overlap the cos/sin and the reduction.
@@ -186,7 +191,8 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
             page = 0
             slot = 0
             # blockIdx.y's head slice; every thread runs every round (group_sum needs the whole block / warp).
-            for first_head in range(first_round, walk_heads, cuda.gridDim.y * groups):
+            first_head = first_round
+            while first_head < walk_heads:
                 h = first_head + cuda.threadIdx.x // group_threads
                 partial = float32(0.0)
                 if h < q_heads:
@@ -234,11 +240,15 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
                         if lane + group_threads < v_chunks:
                             store_vector(v_cache, (page, slot, h - norm_heads, (lane + group_threads) * lanes), hi, 0)
                     else:
-                        for chunk in range(lane, v_chunks, group_threads):
+                        chunk = lane
+                        while chunk < v_chunks:
                             load_vector(v, (t, h - norm_heads, chunk * lanes), lo, 0)
                             store_vector(v_cache, (page, slot, h - norm_heads, chunk * lanes), lo, 0)
+                            chunk += group_threads
+                first_head += cuda.gridDim.y * groups
             if t + cuda.gridDim.x < rows:  # the same for the whole block
                 cuda.syncthreads()  # every head has read this row's cos/sin before the next row's overwrite them
+            t += cuda.gridDim.x
 
     return qk_norm_rope_write_kv
 

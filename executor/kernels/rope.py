@@ -224,15 +224,18 @@ def build_vector_head(
 
     @cuda.jit(device=True, inline=True)
     def store_cos_sin(shared, inv_freq_at, cos_at, sin_at, half, position):
-        for j in range(cuda.threadIdx.x, half, cuda.blockDim.x):
+        j = cuda.threadIdx.x  # strided loops as while loops: a strided range() divides (64-bit) for its trip count
+        while j < half:
             angle = position * shared[inv_freq_at + j]
             shared[cos_at + j] = rounded(float32(math.cos(angle)))
             shared[sin_at + j] = rounded(float32(math.sin(angle)))
+            j += cuda.blockDim.x
 
     @cuda.jit(device=True, inline=True)
     def head_squares(x, t, h, lane, group_threads, half, pairs, units, lo, hi):
         partial = float32(0.0)
-        for unit in range(lane, units, group_threads):
+        unit = lane
+        while unit < units:
             if unit < pairs:
                 load_vector(x, (t, h, unit * lanes), lo, 0)
                 load_vector(x, (t, h, half + unit * lanes), hi, 0)
@@ -240,12 +243,14 @@ def build_vector_head(
             else:
                 load_vector(x, (t, h, half + unit * lanes), lo, 0)  # rotary_dim + (unit - pairs) * lanes
                 partial += squares(lo)
+            unit += group_threads
         return partial
 
     @cuda.jit(device=True, inline=True)
     def head_norm_rope(x, norm_weight, t, h, lane, group_threads, half, pairs, units, one_unit, inv_rms,
                        weight_offset, shared, cos_at, sin_at, lo, hi, w_lo, w_hi, cache, page, slot):
-        for unit in range(lane, units, group_threads):
+        unit = lane
+        while unit < units:
             if unit < pairs:
                 if not one_unit:
                     load_vector(x, (t, h, unit * lanes), lo, 0)
@@ -270,6 +275,7 @@ def build_vector_head(
                     v = normalize(load(get_lane(lo, k)), inv_rms, load(get_lane(w_lo, k)), weight_offset)
                     put_lane(lo, k, store(v))
                 put_chunk(x, t, h, half + unit * lanes, lo, cache, page, slot)
+            unit += group_threads
 
     return block_setup, store_cos_sin, head_squares, head_norm_rope
 
