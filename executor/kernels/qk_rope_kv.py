@@ -16,15 +16,25 @@ the same order): the q and k heads run rope.py's very device functions (``build_
 with the same threads per head, so the same sum-of-squares order and roundings; the cache
 receives the chunks stored into k and the bits of v.
 
-Layout: one block per row t (grid-stride over rows). The block computes the row's cos/sin
-once into shared memory (rope.py's tables) for q and k heads alike, then its groups of
-``group_threads`` threads walk the "heads" 0 .. Hq + 2 Hkv - 1: q heads, k heads, then v
-heads. A v group copies its head's 16-byte chunks to the cache in pass 1 and idles through
-the norm's group reduction. The launcher gives every walk head its group when the block
-allows (``fused_block_threads``; Qwen3-8B: 48 heads x 8 threads), so one round covers the
-row and the v copy overlaps the q/k loads. Barriers per row on the GPU: one after cos/sin,
-plus one at the row's end only when the block has another row (never with the launcher's
-grid of one block per row); the group reductions are warp shuffles.
+Layout: grid (rows, head blocks); block (t, y) takes row t (grid-stride over rows) and the
+walk heads y * groups .. of 0 .. Hq + 2 Hkv - 1 (q heads, k heads, then v heads), one head a
+group of ``group_threads`` threads, striding by the grid's head blocks. The launcher
+(``fused_launch``) gives a block FUSED_BLOCK_THREADS threads and a row enough blocks that every
+head has its group in one round (Qwen3-8B: 6 blocks of 8 heads x 8 threads; Qwen3.5-9B: 12 of
+2 x 32). Each block computes the row's cos/sin into shared memory (rope.py's table layout; the
+inv_freq powers computed in place), once for its q and k heads alike. Barriers per row on the
+GPU: one after cos/sin, plus one at the row's end only when the block has another row (never
+with the launcher's grid); the group reductions are warp shuffles.
+
+At decode a warp of this kernel has an SM scheduler to itself, so it takes about as long as the
+dependent latencies of its instructions and loads (ncu on the H200, Qwen3-8B batch 1: 12 warps
+issuing about 1,200-1,450 instructions each at about 7 cycles apiece). Hence the order inside a
+row: a thread issues its head's chunk loads and its norm weight chunks (``touch_weights``: into
+L1 for pass 2) first, computes the row's cos/sin while they are in flight, and, for k and v
+heads only, looks up the cache slot (``kv_cache.cache_slot``'s two dependent loads) after the
+barrier, while the reduction runs. A v thread holds its head's chunks in registers from the
+start (up to two a thread) and stores them once the slot is known. Strided loops are while
+loops: a strided ``range`` computes its trip count with a 64-bit division.
 
 The launcher runs this kernel when every array is 16-byte vector aligned and rotary_dim / 2
 is a whole number of chunks (``uses_vector``); otherwise it makes the three separate
@@ -59,22 +69,22 @@ from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
 
-# Largest block. ptxas (CUDA 13.0, sm_90) gives the kernel 98-111 registers (two inlined head
-# bodies, q's and k's), so 512 threads x at most 128 registers fit an SM's 64K and 1024 threads
-# would not launch; the GPU build's launch_bounds holds ptxas to it. 512 covers Qwen3-8B's
-# 32 + 2 x 8 heads of 8 threads (384) in one round, Qwen3.5-9B's 16 + 2 x 4 heads of 32 threads
-# (768) in two.
+# Largest block a caller may ask for, and the GPU build's launch bound: 512 threads x at most 128
+# registers fit an SM's 64K (ptxas gave the one-block-a-row kernel 98-111 registers; the H200's
+# ptxas gives this one 64). The launcher's blocks are FUSED_BLOCK_THREADS.
 MAX_FUSED_THREADS = 512
 
 # A block's threads on the GPU: a row's heads spread over several small blocks (Qwen3-8B: 6 of 8
 # heads, Qwen3.5-9B: 12 of 2), so a one-row decode call runs on as many SMs, each issuing a few
-# warps' instructions, where one block of 384 threads issued all 12 warps' on one SM.
+# warps' instructions, where one block of 384 threads issued all 12 warps' on one SM. With the
+# loads reordered (module docstring), Qwen3-8B's batch-1 call went from 6.4-6.5 to 5.6-5.8 us in
+# bench/profile_decode.py on the H200 (2026-12-01).
 FUSED_BLOCK_THREADS = 64
 
-# Steps of more rows take the separate launches. At ~100 registers an SM holds one fused block,
-# so the fused kernel wins where launches dominate (decode: 7.5 us a layer for Qwen3-8B at batch 1
-# on the H200, against 12.3 us for the three launches) and loses on long prefill steps (191.7 us
-# a layer at 4096 rows, about 40 us more than the separate kernels).
+# Steps of more rows take the separate launches. Measured with the earlier one-block-a-row layout
+# (about 100 registers, one block an SM): the fused kernel won where launches dominate (decode: 7.5
+# us a layer for Qwen3-8B at batch 1 on the H200, against 12.3 us for the three launches) and lost
+# on long prefill steps (191.7 us a layer at 4096 rows, about 40 us more than the separate kernels).
 MAX_FUSED_ROWS = 128
 
 
@@ -88,7 +98,8 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
     chunks (the launcher checks). blockDim.x is a multiple of group_threads (a power of two
     <= 32, rope.vector_group_threads for bit-identity with rope.py's vector kernel) and of 32
     on the GPU. Launch with ``rope.vector_shared_bytes(blockDim.x, rotary_dim)`` bytes of dynamic
-    shared memory.
+    shared memory, on any grid: x strides over rows, y over rounds of blockDim.x / group_threads
+    heads (``fused_launch`` sizes y to one round a block).
     """
     load_vector, store_vector = build_vector_access()
 
