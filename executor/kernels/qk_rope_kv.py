@@ -178,7 +178,7 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
         norm_heads = q_heads + k.shape[1]
         walk_heads = norm_heads + v.shape[1]  # q heads, k heads, then v heads (copied)
         v_chunks = head_dim // lanes
-        page_size = int32(k_cache.shape[1])  # an int32 division below, not a 64-bit one
+        page_size = int32(k_cache.shape[1])  # the positions' type
         half = rotary_dim // 2
         pairs = half // lanes
         units = pairs + (head_dim - rotary_dim) // lanes

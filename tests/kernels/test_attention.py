@@ -197,7 +197,12 @@ def test_compiles_for_sm90():
             if "split" in which:
                 ptx(split, arr3, arr4, arr4, *meta, arr3, *part, types.float32)
             if "merge" in which:  # its batch of chunk partials stays in registers
-                assert ".local" not in ptx(merge, *part, i32, i32, i32, u32, arr3), f"{name}: merge uses local memory"
+                text = ptx(merge, *part, i32, i32, i32, u32, arr3)
+                assert ".local" not in text, f"{name}: merge uses local memory"
+                # One 64-bit division, the row's chunk count: a strided range() loop would add one for
+                # its trip count, and at batch 1 every instruction of a warp's chain is latency.
+                divisions = text.count("div.s64") + text.count("div.u64")
+                assert divisions <= 1, f"{name}: merge has {divisions} 64-bit divisions, at most 1 expected"
         """
     )
 

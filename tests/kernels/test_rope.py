@@ -911,6 +911,11 @@ def test_fused_compiles_for_sm90():
             depots = [int(n) for n in re.findall(r"__local_depot\\d+\\[(\\d+)\\]", text)]
             assert sum(depots) <= 28, f"{name}: {depots} bytes of local memory"
             assert ".local.v" not in text, f"{name}: a vector access to local memory"
+            # A thread's lane, its block's head groups and its head (a remainder, two divisions) and the
+            # cache slot's page (Numba divides int32 values in 64 bits); each has LLVM's 32-bit fast
+            # path. A strided range() loop would add one a loop, for its trip count.
+            divisions = sum(text.count(op) for op in ("div.s64", "div.u64", "rem.s64", "rem.u64"))
+            assert divisions <= 4, f"{name}: {divisions} 64-bit divisions, at most 4 expected"
         """,
         allow_f64=True,  # inv_freq's power is taken in float64 on purpose (rope.py's docstring)
     )
