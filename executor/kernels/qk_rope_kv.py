@@ -21,8 +21,8 @@ walk heads y * groups .. of 0 .. Hq + 2 Hkv - 1 (q heads, k heads, then v heads)
 group of ``group_threads`` threads, striding by the grid's head blocks. The launcher
 (``fused_launch``) gives a block FUSED_BLOCK_THREADS threads and a row enough blocks that every
 head has its group in one round (Qwen3-8B: 6 blocks of 8 heads x 8 threads; Qwen3.5-9B: 12 of
-2 x 32). Each block computes the row's cos/sin into shared memory (rope.py's table layout; the
-inv_freq powers computed in place), once for its q and k heads alike. Barriers per row on the
+2 x 32). Each block computes the row's cos/sin into shared memory (rope.py's store_inv_freq and
+store_cos_sin, in block_setup's layout), once for its q and k heads alike. Barriers per row on the
 GPU: one after cos/sin, plus one at the row's end only when the block has another row (never
 with the launcher's grid); the group reductions are warp shuffles.
 
@@ -43,7 +43,6 @@ launches, which give the same results.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import numpy as np
@@ -55,14 +54,14 @@ from executor.kernels.norm import inv_rms_from_sum
 from executor.kernels.reduce import build_group_sum, check_max_threads
 from executor.kernels.rope import (
     QkNormRopeInplace,
-    build_chunk_squares,
     build_vector_head,
     check_rotary_dim,
     check_shape,
+    store_inv_freq,
     vector_shared_bytes,
 )
 from executor.kernels.rope_layout import MAX_THREADS as ROPE_MAX_THREADS
-from executor.kernels.rope_layout import rope_inv_freq, vector_group_threads
+from executor.kernels.rope_layout import vector_group_threads
 from executor.kernels.vector import VECTOR_WORDS, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 
@@ -78,7 +77,7 @@ MAX_FUSED_THREADS = 512
 # heads, Qwen3.5-9B: 12 of 2), so a one-row decode call runs on as many SMs, each issuing a few
 # warps' instructions, where one block of 384 threads issued all 12 warps' on one SM. With the
 # loads reordered (module docstring), Qwen3-8B's batch-1 call went from 6.4-6.5 to 5.6-5.8 us in
-# bench/profile_decode.py on the H200 (2026-12-01).
+# bench/profile_decode.py on the H200 (2026-12-01, tree a60e778).
 FUSED_BLOCK_THREADS = 64
 
 # Steps of more rows take the separate launches. Measured with the earlier one-block-a-row layout
@@ -109,19 +108,15 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
         store_vector(k, (t, h, col), words, 0)
         store_vector(k_cache, (page, slot, h, col), words, 0)
 
-    _, _, head_squares, q_norm_rope = build_vector_head(codec, round_before_weight)
-    k_norm_rope = build_vector_head(codec, round_before_weight, put_k_chunk)[3]
-    squares = build_chunk_squares(codec)
+    head = build_vector_head(codec, round_before_weight)
+    store_cos_sin, head_squares, q_norm_rope = head.store_cos_sin, head.head_squares, head.head_norm_rope
+    unit_load, unit_squares = head.unit_load, head.unit_squares
+    k_norm_rope = build_vector_head(codec, round_before_weight, put_k_chunk).head_norm_rope
     group_sum = build_group_sum()
     lanes = lanes_for(codec)
     words = word_type(codec)
 
     launch_options = launch_bounds(MAX_FUSED_THREADS)
-    load, store = codec.load, codec.store
-
-    @cuda.jit(device=True, inline=True)
-    def rounded(value):
-        return load(store(value))
 
     @cuda.jit(device=True, inline=True)
     def touch_weights(norm_weight, lane, half, pairs, units, w_lo, w_hi):
@@ -131,38 +126,6 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
             if lane < pairs:
                 load_vector(norm_weight, (lane * lanes,), w_lo, 0)
             load_vector(norm_weight, (half + lane * lanes,), w_hi, 0)
-
-    @cuda.jit(device=True, inline=True)
-    def unit_load(x, t, h, lane, half, pairs, units, lo, hi):
-        """head_squares' loads of a thread's one unit, without the squares: issued before the row's
-        cos/sin, which then overlap their round trip."""
-        if lane < units:
-            if lane < pairs:
-                load_vector(x, (t, h, lane * lanes), lo, 0)
-                load_vector(x, (t, h, half + lane * lanes), hi, 0)
-            else:
-                load_vector(x, (t, h, half + lane * lanes), lo, 0)
-
-    @cuda.jit(device=True, inline=True)
-    def unit_squares(lane, pairs, units, lo, hi):
-        """head_squares' partial of a thread's one unit (unit_load's chunks), in its order."""
-        partial = float32(0.0)
-        if lane < units:
-            if lane < pairs:
-                partial += squares(lo) + squares(hi)
-            else:
-                partial += squares(lo)
-        return partial
-
-    @cuda.jit(device=True, inline=True)
-    def store_row_cos_sin(shared, cos_at, sin_at, half, rotary_dim, theta, position):
-        # store_cos_sin's values with inv_freq computed in place (no table written before the loads).
-        j = cuda.threadIdx.x
-        while j < half:
-            angle = position * rope_inv_freq(j, rotary_dim, theta)
-            shared[cos_at + j] = rounded(float32(math.cos(angle)))
-            shared[sin_at + j] = rounded(float32(math.sin(angle)))
-            j += cuda.blockDim.x
 
     @cuda.jit(**launch_options)
     def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, eps, weight_offset, rotary_dim, theta,
@@ -186,7 +149,8 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
         lane = cuda.threadIdx.x % group_threads
         groups = cuda.blockDim.x // group_threads
         v_in_registers = v_chunks <= 2 * group_threads  # a v thread's chunks fit lo and hi
-        cos_at = cuda.blockDim.x + half  # after the reduction scratch and block_setup's inv_freq slot
+        inv_freq_at = cuda.blockDim.x  # block_setup's layout: after the reduction scratch
+        cos_at = inv_freq_at + half
         sin_at = cos_at + half
         first_round = cuda.blockIdx.y * groups
         # Strided loops are while loops: a strided range() divides (64-bit) for its trip count, and a
@@ -209,13 +173,15 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
                 if h < q_heads:
                     touch_weights(q_weight, lane, half, pairs, units, w_lo, w_hi)
                     if one_unit:
-                        unit_load(q, t, h, lane, half, pairs, units, lo, hi)
+                        if lane < units:
+                            unit_load(q, t, h, lane, half, pairs, lo, hi)
                     else:
                         partial = head_squares(q, t, h, lane, group_threads, half, pairs, units, lo, hi)
                 elif h < norm_heads:
                     touch_weights(k_weight, lane, half, pairs, units, w_lo, w_hi)
                     if one_unit:
-                        unit_load(k, t, h - q_heads, lane, half, pairs, units, lo, hi)
+                        if lane < units:
+                            unit_load(k, t, h - q_heads, lane, half, pairs, lo, hi)
                     else:
                         partial = head_squares(k, t, h - q_heads, lane, group_threads, half, pairs, units, lo, hi)
                 elif h < walk_heads and v_in_registers:
@@ -224,13 +190,15 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
                     if lane + group_threads < v_chunks:
                         load_vector(v, (t, h - norm_heads, (lane + group_threads) * lanes), hi, 0)
                 if first_head == first_round:  # the row's first round (uniform)
-                    # The powers and sincos run while this thread's loads are in flight.
-                    store_row_cos_sin(shared, cos_at, sin_at, half, rotary_dim, theta, float32(position))
+                    # The powers and sincos run while this thread's loads are in flight (each thread
+                    # reads back only the inv_freq entries it wrote: no barrier between the two).
+                    store_inv_freq(shared, inv_freq_at, half, rotary_dim, theta)
+                    store_cos_sin(shared, inv_freq_at, cos_at, sin_at, half, float32(position))
                     cuda.syncthreads()
                 if h >= q_heads:  # k and v heads write the cache: kv_cache.cache_slot's lookups
                     base = page_indptr[b]
-                if one_unit and h < norm_heads:
-                    partial = unit_squares(lane, pairs, units, lo, hi)
+                if one_unit and h < norm_heads and lane < units:
+                    partial += unit_squares(lane, pairs, lo, hi)
                 inv_rms = inv_rms_from_sum(group_sum(shared, partial, group_threads), head_dim, eps)
                 if h >= q_heads:
                     logical = position // page_size

@@ -56,7 +56,7 @@ units of a head and the rotary frequencies.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -137,31 +137,26 @@ def store_inv_freq(shared, inv_freq_at, half, rotary_dim, theta):
     Thread tid writes j = tid, tid + blockDim.x, ..., the entries store_cos_sin (build_vector_head)
     reads back on that thread: no barrier between the two.
     """
-    for j in range(cuda.threadIdx.x, half, cuda.blockDim.x):
+    j = cuda.threadIdx.x  # a while loop: a strided range() divides (64-bit) for its trip count
+    while j < half:
         shared[inv_freq_at + j] = rope_inv_freq(j, rotary_dim, theta)
+        j += cuda.blockDim.x
 
 
-def build_chunk_squares(codec: Codec) -> Callable[..., Any]:
-    """Device function ``squares(chunk) -> float32``: the sum of a 16-byte chunk's squared elements,
-    in element order (every vector kernel's per-chunk part of a head's sum of squares)."""
-    load = codec.load
-    get_lane = build_lanes(codec)[0]
-    lanes = lanes_for(codec)
+class VectorHead(NamedTuple):
+    """build_vector_head's device functions (its docstring)."""
 
-    @cuda.jit(device=True, inline=True)
-    def squares(chunk):
-        total = float32(0.0)
-        for k in range(lanes):
-            v = load(get_lane(chunk, k))
-            total += v * v
-        return total
-
-    return squares
+    block_setup: Callable[..., Any]
+    store_cos_sin: Callable[..., Any]
+    head_squares: Callable[..., Any]
+    head_norm_rope: Callable[..., Any]
+    unit_load: Callable[..., Any]
+    unit_squares: Callable[..., Any]
 
 
 def build_vector_head(
     codec: Codec, round_before_weight: bool, put_chunk: Callable[..., Any] | None = None
-) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+) -> VectorHead:
     """Device functions for the 16-byte vector kernels, each run by every thread of a block or of a
     head's group of ``group_threads`` threads (see the module docstring):
 
@@ -182,6 +177,9 @@ def build_vector_head(
         pass 2: this thread's units normed and rotated; each finished chunk goes out through
         ``put_chunk(x, t, h, col, words, cache, page, slot)`` (default: in place in x only,
         ignoring cache/page/slot), the hook the fused KV-cache kernel (qk_rope_kv.py) uses
+    unit_load(x, t, h, unit, half, pairs, lo, hi); unit_squares(unit, pairs, lo, hi) -> float32
+        head_squares' two halves for one unit (unit < units): its chunks into ``lo``/``hi``, then
+        their sum of squares, for a caller that issues other work between the loads and their use
 
     ``half`` = rotary_dim / 2, ``pairs`` = half / lanes and ``units`` = pairs plus the
     pass-through chunks; lo, hi, w_lo, w_hi are VECTOR_WORDS-word local buffers.
@@ -220,7 +218,13 @@ def build_vector_head(
         # HF's q_norm output, rounded to the activation dtype.
         return rounded(normalize(load(x_bits), inv_rms, load(w_bits), weight_offset))
 
-    squares = build_chunk_squares(codec)
+    @cuda.jit(device=True, inline=True)
+    def squares(chunk):
+        total = float32(0.0)
+        for k in range(lanes):
+            v = load(get_lane(chunk, k))
+            total += v * v
+        return total
 
     @cuda.jit(device=True, inline=True)
     def store_cos_sin(shared, inv_freq_at, cos_at, sin_at, half, position):
@@ -232,17 +236,26 @@ def build_vector_head(
             j += cuda.blockDim.x
 
     @cuda.jit(device=True, inline=True)
+    def unit_load(x, t, h, unit, half, pairs, lo, hi):
+        if unit < pairs:
+            load_vector(x, (t, h, unit * lanes), lo, 0)
+            load_vector(x, (t, h, half + unit * lanes), hi, 0)
+        else:
+            load_vector(x, (t, h, half + unit * lanes), lo, 0)  # rotary_dim + (unit - pairs) * lanes
+
+    @cuda.jit(device=True, inline=True)
+    def unit_squares(unit, pairs, lo, hi):
+        if unit < pairs:
+            return squares(lo) + squares(hi)
+        return squares(lo)
+
+    @cuda.jit(device=True, inline=True)
     def head_squares(x, t, h, lane, group_threads, half, pairs, units, lo, hi):
         partial = float32(0.0)
         unit = lane
         while unit < units:
-            if unit < pairs:
-                load_vector(x, (t, h, unit * lanes), lo, 0)
-                load_vector(x, (t, h, half + unit * lanes), hi, 0)
-                partial += squares(lo) + squares(hi)
-            else:
-                load_vector(x, (t, h, half + unit * lanes), lo, 0)  # rotary_dim + (unit - pairs) * lanes
-                partial += squares(lo)
+            unit_load(x, t, h, unit, half, pairs, lo, hi)
+            partial += unit_squares(unit, pairs, lo, hi)
             unit += group_threads
         return partial
 
@@ -277,7 +290,7 @@ def build_vector_head(
                 put_chunk(x, t, h, half + unit * lanes, lo, cache, page, slot)
             unit += group_threads
 
-    return block_setup, store_cos_sin, head_squares, head_norm_rope
+    return VectorHead(block_setup, store_cos_sin, head_squares, head_norm_rope, unit_load, unit_squares)
 
 
 def build_qk_norm_rope_vector_kernel(codec: Codec, round_before_weight: bool) -> Callable[..., Any]:
@@ -293,7 +306,7 @@ def build_qk_norm_rope_vector_kernel(codec: Codec, round_before_weight: bool) ->
     two <= 32) and of 32 on the GPU. Launch with ``vector_shared_bytes(blockDim.x, rotary_dim,
     VECTOR_ROWS)`` bytes of dynamic shared memory.
     """
-    block_setup, store_cos_sin, head_squares, head_norm_rope = build_vector_head(codec, round_before_weight)
+    block_setup, store_cos_sin, head_squares, head_norm_rope = build_vector_head(codec, round_before_weight)[:4]
     group_sum = build_group_sum()
     words = word_type(codec)
 
