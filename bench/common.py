@@ -141,6 +141,46 @@ def event_median_us(fn: Callable[[], Any], repeats: int, calls_per_fn: int = 1) 
     return statistics.median(samples)
 
 
+def launch_graph(launch: Callable[[Any], Any], launches: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``launches`` calls of ``launch(stream)``, a Numba kernel launch on the Numba
+    stream it is given; one call runs (and compiles) first, outside the graph."""
+    import torch
+
+    from executor.numba_cuda import load_cuda
+
+    cuda = load_cuda()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        launch(cuda.external_stream(stream.cuda_stream))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            capture_stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+            for _ in range(launches):
+                launch(capture_stream)
+    return graph
+
+
+def interleaved_replay_us(graphs: dict[str, Any], rounds: int) -> dict[str, list[float]]:
+    """Each graph's replay times in microseconds between CUDA events, ``rounds`` of them, the graphs
+    replayed in turn (so drift touches every one alike) after one untimed replay each."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples: dict[str, list[float]] = {name: [] for name in graphs}
+    for graph in graphs.values():
+        graph.replay()
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples[name].append(start.elapsed_time(end) * 1e3)
+    return samples
+
+
 def median(samples: Sequence[float]) -> float:
     return statistics.median(samples) if samples else math.nan
 

@@ -31,7 +31,8 @@ if str(ROOT) not in sys.path:  # `python3 bench/x.py` puts bench/ first on the p
     sys.path.insert(0, str(ROOT))
 
 from bench.common import (  # noqa: E402
-    build_memplan, decode_chunks, emit, fmt, markdown_table, open_bench_device, reset_slots, run_info, sized_plan,
+    build_memplan, decode_chunks, emit, fmt, interleaved_replay_us, launch_graph, markdown_table, open_bench_device,
+    reset_slots, run_info, sized_plan,
 )
 
 #: (family, module, class, method): the launcher each configuration leaves out.
@@ -61,9 +62,8 @@ def left_out(target: tuple[str, str, str], capture: Callable[[], Any]) -> Any:
         setattr(cls, method, original)
 
 
-def empty_chain_graph(launches: int, blocks: int, threads: int) -> tuple[Any, tuple[Any, ...]]:
-    """A CUDA graph of ``launches`` launches of a kernel that does nothing, and what it refers to
-    (the kernel and its argument: keep them alive while the graph replays)."""
+def build_empty_kernel() -> tuple[Any, Any]:
+    """A kernel that does nothing, and the argument it takes (keep both alive while a graph of it replays)."""
     import torch
 
     from executor.numba_cuda import load_cuda
@@ -75,17 +75,7 @@ def empty_chain_graph(launches: int, blocks: int, threads: int) -> tuple[Any, tu
         if cuda.threadIdx.x > 4096:  # never: the kernel must take an argument and store nothing
             flag[0] = 1
 
-    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        empty[blocks, threads, cuda.external_stream(stream.cuda_stream)](flag)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            capture_stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
-            for _ in range(launches):
-                empty[blocks, threads, capture_stream](flag)
-    return graph, (empty, flag)
+    return empty, torch.zeros(1, dtype=torch.int32, device="cuda")
 
 
 def main() -> None:
@@ -131,25 +121,14 @@ def main() -> None:
     for family, *target in FAMILIES:
         configs[f"without {family}"] = left_out(tuple(target), capture)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    keepalive = []
+    empty, flag = build_empty_kernel()
     for blocks, threads in EMPTY_CHAINS:
         grid = blocks if blocks == 1 else blocks * num_sms
-        graph, refs = empty_chain_graph(7 * layers, grid, threads)  # 7 launches a layer, as a Qwen3 decode layer
-        configs[f"{7 * layers} empty kernels, {grid} x {threads} threads"] = graph
-        keepalive.append(refs)
+        # 7 launches a layer, as a Qwen3 decode layer makes
+        configs[f"{7 * layers} empty kernels, {grid} x {threads} threads"] = launch_graph(
+            lambda stream, grid=grid, threads=threads: empty[grid, threads, stream](flag), 7 * layers)
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples: dict[str, list[float]] = {name: [] for name in configs}
-    for graph in configs.values():
-        graph.replay()
-    torch.cuda.synchronize()
-    for _ in range(args.rounds):  # in turn, so drift touches every configuration alike
-        for name, graph in configs.items():
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples[name].append(start.elapsed_time(end) * 1e3)
+    samples = interleaved_replay_us(configs, args.rounds)
     base_us = statistics.median(samples["all kernels"])
     rows = []
     for name, values in samples.items():

@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python3 bench/x.py` puts bench/ first on the path, not the repo
     sys.path.insert(0, str(ROOT))
 
-from bench.common import emit, fmt, markdown_table, open_bench_device, run_info  # noqa: E402
+from bench.common import (  # noqa: E402
+    emit, fmt, interleaved_replay_us, launch_graph, markdown_table, open_bench_device, run_info,
+)
 
 CHAIN_ENTRIES = 1 << 20  # 4 MiB of int32: more than L1, well within L2
 LINKS = (0, 1, 4, 16)
@@ -64,25 +66,6 @@ def build_kernels() -> tuple[Any, Any, Any]:
     return chase, powers, sincos
 
 
-def graph_of(launch: Any, launches: int) -> Any:
-    """A CUDA graph of ``launches`` calls of ``launch(stream)``."""
-    import torch
-
-    from executor.numba_cuda import load_cuda
-
-    cuda = load_cuda()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        launch(cuda.external_stream(stream.cuda_stream))
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            capture_stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
-            for _ in range(launches):
-                launch(capture_stream)
-    return graph
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--launches", type=int, default=36, help="launches a graph (one a layer)")
@@ -109,28 +92,17 @@ def main() -> None:
     positions = torch.tensor([500], dtype=torch.int32, device="cuda")
     graphs = {}
     for n in LINKS:
-        graphs[f"{n} dependent loads, 4 MiB cycle (L2)"] = graph_of(
+        graphs[f"{n} dependent loads, 4 MiB cycle (L2)"] = launch_graph(
             lambda s, n=n: chase[1, 32, s](wide, n, out_int), args.launches)
-        graphs[f"{n} dependent loads, 4-entry cycle (L1)"] = graph_of(
+        graphs[f"{n} dependent loads, 4-entry cycle (L1)"] = launch_graph(
             lambda s, n=n: chase[1, 32, s](narrow, n, out_int), args.launches)
     for n in MATH_LINKS:
-        graphs[f"{n} float64 powers (64 threads)"] = graph_of(lambda s, n=n: powers[1, 64, s](out, n), args.launches)
-        graphs[f"{n} float32 sincos (64 threads)"] = graph_of(
+        graphs[f"{n} float64 powers (64 threads)"] = launch_graph(lambda s, n=n: powers[1, 64, s](out, n), args.launches)
+        graphs[f"{n} float32 sincos (64 threads)"] = launch_graph(
             lambda s, n=n: sincos[1, 64, s](out, positions, n), args.launches)
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples: dict[str, list[float]] = {name: [] for name in graphs}
-    for graph in graphs.values():
-        graph.replay()
-    torch.cuda.synchronize()
-    for _ in range(args.rounds):
-        for name, graph in graphs.items():
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples[name].append(start.elapsed_time(end) * 1e3 / args.launches)
-    rows = [[name, fmt(statistics.median(values), 2)] for name, values in samples.items()]
+    samples = interleaved_replay_us(graphs, args.rounds)
+    rows = [[name, fmt(statistics.median(values) / args.launches, 2)] for name, values in samples.items()]
     emit("Latency of a small kernel's pieces, per launch in a CUDA graph", run_info(torch.device("cuda")),
          markdown_table(["kernel", "us a launch"], rows, [False, True]), args.out)
 
