@@ -156,7 +156,7 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         h = cuda.blockIdx.y
         tid = cuda.threadIdx.x
         page_size = k_cache.shape[1]
-        row, c, k0, k1, page_base, num_chunks = tile_span(
+        row, c, k0, k1, page_base, num_chunks, _ = tile_span(
             cuda.blockIdx.x, page_size, page_indptr, last_page_len, q_indptr, positions, request_indices,
             kv_tile_indices, kv_chunk_size, total_num_rows)
         if row < 0:
@@ -303,8 +303,9 @@ class DecodeAttention:
         shapes = None
         if tensor_cores and bf16:
             shapes = (mma_shape, mma_shape) if mma_shape else default_mma_shapes(head_dim, group_size)
+        self.mma_blocks_per_sm: int | None = None  # the tensor-core kernels' launch bound
         if shapes is not None:
-            bound = None if blocks_per_sm == "auto" else blocks_per_sm
+            bound = self.mma_blocks_per_sm = None if blocks_per_sm == "auto" else blocks_per_sm
 
             def build(shape: MmaShape) -> tuple[tuple[Kernel, Kernel], int, MmaShape]:
                 direct, split = build_decode_attention_mma(head_dim, group_size, shape.warps, shape.slots, bound)

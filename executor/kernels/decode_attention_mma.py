@@ -51,6 +51,7 @@ from typing import Any
 from executor.kernels.async_copy import build_async_copy, build_copy_groups, build_shared_address
 from executor.kernels.attention import NEG_INF
 from executor.kernels.codec import build_codec
+from executor.kernels.decode_rope_prologue import build_rope_prologue, prologue_fits
 from executor.kernels.decode_tiles import LOG2_E, build_meet, build_tile_span, build_tile_store
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS
 from executor.kernels.mma import build_eight_key_value_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
@@ -138,10 +139,16 @@ def build_warp_barrier() -> Any:
 
 
 def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots: int = WARP_SLOTS,
-                               blocks_per_sm: int | None = None) -> tuple[Any, Any]:
+                               blocks_per_sm: int | None = None, rope: bool | None = None) -> tuple[Any, Any]:
     """(direct kernel, split kernel) for bf16 K/V, head_dim a multiple of 32, group_size <= 8;
     arguments as decode_attention.py's ``build_decode_attention`` (q, caches and out as int16 bits);
-    grid (Hkv, tiles), ``32 * warps`` threads a block."""
+    grid (Hkv, tiles), ``32 * warps`` threads a block.
+
+    ``rope`` not None: the kernels do the step's q/k norm + RoPE + KV write first
+    (decode_rope_prologue.py; ``rope`` is the norm's round_before_weight) and take, in place of
+    ``q``, ``q, k, v, q_weight, k_weight, eps, weight_offset, theta``: the qkv projection's rows
+    before the norm, the norm weights and float32 scalars (rotary_dim = head_dim).
+    """
     assert head_dim % 32 == 0 and 1 <= group_size <= MAX_GROUP and slots >= 2
     D, G, W, SL = head_dim, group_size, warps, slots
     NT = WARP_THREADS * W
@@ -168,6 +175,14 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     tile_span = build_tile_span()
     meet = build_meet(G, D, NT, W)
     store_out, store_split = build_tile_store(G, D, NT, build_codec("bfloat16").store)
+    FUSED = rope is not None
+    # The prologue's shared arrays (one word each without it).
+    Q_SH, NEW_SH, ROPE_SH = ((G, D // 2), (2, D // 2), 3 * D // 2) if FUSED else ((1, 1), (1, 1), 1)
+    if FUSED:
+        assert prologue_fits(D, G, NT)
+        prologue, patch = build_rope_prologue(D, G, rope, SLOT_KEYS, warp_barrier)
+    else:  # attend's FUSED branches are compiled out
+        prologue = patch = None
 
     @cuda.jit(device=True, inline=True)
     def locate(page_indices, page_base, page_size, pos, k1):
@@ -196,14 +211,16 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     @cuda.jit(device=True, inline=True)
     def attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale,
-               s_sh, ring, state_sh, part_sh, scratch):
+               s_sh, ring, state_sh, part_sh, scratch, q_sh, new_sh, rope_sh):
         """decode_attention.py's ``attend`` contract: the tile's normalised output of head g in
         ``part_sh[0, g, :]``, its natural-log (max, sum) in ``state_sh[0 / 1, g]``; returns (row,
-        chunk index, chunks of the row), row -1 when the block has nothing to do."""
+        chunk index, chunks of the row), row -1 when the block has nothing to do. FUSED: ``q`` is
+        the prologue's ``args`` (q, k, v, q_weight, k_weight, eps, weight_offset, theta, k_cache,
+        v_cache), and q_sh, new_sh, rope_sh its shared arrays (else unused)."""
         h = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         page_size = k_cache.shape[1]
-        row, c, k0, k1, page_base, num_chunks = tile_span(
+        row, c, k0, k1, page_base, num_chunks, last = tile_span(
             cuda.blockIdx.y, page_size, page_indptr, last_page_len, q_indptr, positions, request_indices,
             kv_tile_indices, kv_chunk_size, total_num_rows)
         if row < 0:
@@ -230,9 +247,17 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
 
         qa = cuda.local.array(Q_WORDS, int32)  # a0, a2 of each k-step; a1, a3 (rows 8..15) are zero
         o = cuda.local.array(O_VALUES, float32)  # head g's outputs 8j + 2t, 8j + 2t + 1
-        for s in range(K_STEPS):
-            qa[2 * s] = q_word(q, row, h * G + g, 16 * s + 2 * t) if g < G else int32(0)
-            qa[2 * s + 1] = q_word(q, row, h * G + g, 16 * s + 8 + 2 * t) if g < G else int32(0)
+        owner = k1 > last  # this tile holds the row's new key
+        if FUSED:  # normed and rotated q (and k, v) while the first slots' copies are in flight
+            page, in_page = locate(page_indices, page_base, page_size, last, k1)
+            prologue(q, row, h, last, owner, page, in_page, q_sh, new_sh, rope_sh, scratch)
+            for s in range(K_STEPS):
+                qa[2 * s] = q_sh[g, 8 * s + t] if g < G else int32(0)
+                qa[2 * s + 1] = q_sh[g, 8 * s + 4 + t] if g < G else int32(0)
+        else:
+            for s in range(K_STEPS):
+                qa[2 * s] = q_word(q, row, h * G + g, 16 * s + 2 * t) if g < G else int32(0)
+                qa[2 * s + 1] = q_word(q, row, h * G + g, 16 * s + 8 + 2 * t) if g < G else int32(0)
         for j in range(2 * O_TILES):
             o[j] = float32(0.0)
         top = float32(-1e30)  # finite: a head with no key yet keeps alpha = 1 and sum 0
@@ -251,6 +276,8 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
             wait_groups()  # this lane's copies of slot i landed
             warp_barrier()  # and every lane's
             k_row = (warp * SL + i % SL) * 2 * SLOT_KEYS
+            if FUSED:  # the new key's rows, which the copy may have read before they were written
+                patch(ring, k_row, k0 + (i * W + warp) * SLOT_KEYS, last, owner, new_sh, lane)
             # Even and odd k-steps accumulate apart: two dependent MMA chains of half the length.
             c0 = float32(0.0)
             c1 = float32(0.0)
@@ -301,33 +328,74 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         meet(s_sh, part_sh, state_sh)
         return row, c, num_chunks
 
-    @cuda.jit(**launch_options)
-    def direct_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
-                      request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale):
+    @cuda.jit(device=True, inline=True)
+    def run_direct(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
+                   request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale, out):
+        """The direct kernels' body: every tile covers its whole row."""
         s_sh = cuda.shared.array((2, GROUP_STATES), float32)
         ring = cuda.shared.array((RING_ROWS, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
         state_sh = cuda.shared.array((3, G), float32)
         part_sh = cuda.shared.array((W, G, D), float32)
         scratch = cuda.shared.array(NT, float32)  # the simulator's quad reductions
+        q_sh = cuda.shared.array(Q_SH, int32)
+        new_sh = cuda.shared.array(NEW_SH, int32)
+        rope_sh = cuda.shared.array(ROPE_SH, float32)
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
-                                    scale, s_sh, ring, state_sh, part_sh, scratch)
+                                    scale, s_sh, ring, state_sh, part_sh, scratch, q_sh, new_sh, rope_sh)
         if row >= 0:
             store_out(out, row, cuda.blockIdx.x, part_sh)
 
-    @cuda.jit(**launch_options)
-    def split_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
-                     request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, partial_out,
-                     partial_lse, scale):
+    @cuda.jit(device=True, inline=True)
+    def run_split(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
+                  request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale, out, partial_out,
+                  partial_lse):
+        """The split kernels' body: tiles of a row of several chunks write partials for the merge."""
         s_sh = cuda.shared.array((2, GROUP_STATES), float32)
         ring = cuda.shared.array((RING_ROWS, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
         state_sh = cuda.shared.array((3, G), float32)
         part_sh = cuda.shared.array((W, G, D), float32)
         scratch = cuda.shared.array(NT, float32)
+        q_sh = cuda.shared.array(Q_SH, int32)
+        new_sh = cuda.shared.array(NEW_SH, int32)
+        rope_sh = cuda.shared.array(ROPE_SH, float32)
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
-                                    scale, s_sh, ring, state_sh, part_sh, scratch)
+                                    scale, s_sh, ring, state_sh, part_sh, scratch, q_sh, new_sh, rope_sh)
         if row >= 0:
             store_split(out, partial_out, partial_lse, row, c, num_chunks, cuda.blockIdx.x, part_sh, state_sh)
+
+    if FUSED:
+        @cuda.jit(**launch_options)
+        def direct_rope_kernel(q, k, v, q_weight, k_weight, eps, weight_offset, theta, k_cache, v_cache, page_indices,
+                               page_indptr, last_page_len, q_indptr, positions, request_indices, kv_tile_indices,
+                               kv_chunk_size, total_num_rows, out, scale):
+            run_direct((q, k, v, q_weight, k_weight, eps, weight_offset, theta, k_cache, v_cache), k_cache, v_cache,
+                       page_indices, page_indptr, last_page_len, q_indptr, positions, request_indices,
+                       kv_tile_indices, kv_chunk_size, total_num_rows, scale, out)
+
+        @cuda.jit(**launch_options)
+        def split_rope_kernel(q, k, v, q_weight, k_weight, eps, weight_offset, theta, k_cache, v_cache, page_indices,
+                              page_indptr, last_page_len, q_indptr, positions, request_indices, kv_tile_indices,
+                              kv_chunk_size, total_num_rows, out, partial_out, partial_lse, scale):
+            run_split((q, k, v, q_weight, k_weight, eps, weight_offset, theta, k_cache, v_cache), k_cache, v_cache,
+                      page_indices, page_indptr, last_page_len, q_indptr, positions, request_indices,
+                      kv_tile_indices, kv_chunk_size, total_num_rows, scale, out, partial_out, partial_lse)
+
+        return direct_rope_kernel, split_rope_kernel
+
+    @cuda.jit(**launch_options)
+    def direct_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
+                      request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, scale):
+        run_direct(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
+                   request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale, out)
+
+    @cuda.jit(**launch_options)
+    def split_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
+                     request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, partial_out,
+                     partial_lse, scale):
+        run_split(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
+                  request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale, out, partial_out,
+                  partial_lse)
 
     return direct_kernel, split_kernel

@@ -7,9 +7,9 @@ tile = request ``b`` and kv chunk ``c``, one query row per request) nor in how a
 softmaxes combine. Each builder here returns inline device functions for one head shape:
 
     tile_span(tile, page_size, page_indptr, last_page_len, q_indptr, positions, request_indices,
-              kv_tile_indices, kv_chunk_size, total_num_rows) -> (row, c, k0, k1, page_base, num_chunks)
-        the tile's query row, chunk index, keys k0 .. k1 - 1, first page-table entry and the row's
-        chunks; row -1 when the block has nothing to do (a graph's padding tile, a row past the
+              kv_tile_indices, kv_chunk_size, total_num_rows) -> (row, c, k0, k1, page_base, num_chunks, last)
+        the tile's query row, chunk index, keys k0 .. k1 - 1, first page-table entry, the row's
+        chunks and its position (the key it adds); row -1 when the block has nothing to do (a graph's padding tile, a row past the
         step's rows, or a chunk past the row's keys), decided before any barrier.
     meet(s_sh, part_sh, state_sh)
         after each of the block's ``groups`` groups k wrote its running (max, sum) of head g to
@@ -51,21 +51,21 @@ def build_tile_span() -> Any:
         c = kv_tile_indices[tile]
         step_rows = int32(total_num_rows[0])
         if b < 0:  # padding tile (a graph's fixed grid)
-            return -1, 0, 0, 0, 0, 0
+            return -1, 0, 0, 0, 0, 0, 0
         row = q_indptr[b]
         page_base = page_indptr[b]
         page_end = page_indptr[b + 1]
         tail = last_page_len[b]
         chunk = kv_chunk_size[b]
         if row >= step_rows:
-            return -1, 0, 0, 0, 0, 0
+            return -1, 0, 0, 0, 0, 0, 0
         kv_len = (page_end - page_base - 1) * page_size + tail
         last = positions[row]  # the row sees keys 0 .. last
         k0 = c * chunk
         k1 = min(k0 + chunk, last + 1, kv_len)
         if k0 >= k1:
-            return -1, 0, 0, 0, 0, 0
-        return row, c, k0, k1, page_base, last // chunk + 1
+            return -1, 0, 0, 0, 0, 0, 0
+        return row, c, k0, k1, page_base, last // chunk + 1, last
 
     return tile_span
 

@@ -29,8 +29,8 @@ with the launcher's grid); the group reductions are warp shuffles.
 At decode a warp of this kernel has an SM scheduler to itself, so it takes about as long as the
 dependent latencies of its instructions and loads (ncu on the H200, Qwen3-8B batch 1: 12 warps
 issuing about 1,200-1,450 instructions each at about 7 cycles apiece). Hence the order inside a
-row: a thread issues its head's chunk loads and its norm weight chunks (``touch_weights``: into
-L1 for pass 2) first, computes the row's cos/sin while they are in flight, and, for k and v
+row: a thread issues its head's chunk loads and its norm weight chunks (rope.py's ``touch_weights``:
+into L1 for pass 2) first, computes the row's cos/sin while they are in flight, and, for k and v
 heads only, looks up the cache slot (``kv_cache.cache_slot``'s two dependent loads) after the
 barrier, while the reduction runs. A v thread holds its head's chunks in registers from the
 start (up to two a thread) and stores them once the slot is known. Strided loops are while
@@ -110,22 +110,13 @@ def build_qk_norm_rope_write_kv_kernel(codec: Codec, round_before_weight: bool) 
 
     head = build_vector_head(codec, round_before_weight)
     store_cos_sin, head_squares, q_norm_rope = head.store_cos_sin, head.head_squares, head.head_norm_rope
-    unit_load, unit_squares = head.unit_load, head.unit_squares
+    unit_load, unit_squares, touch_weights = head.unit_load, head.unit_squares, head.touch_weights
     k_norm_rope = build_vector_head(codec, round_before_weight, put_k_chunk).head_norm_rope
     group_sum = build_group_sum()
     lanes = lanes_for(codec)
     words = word_type(codec)
 
     launch_options = launch_bounds(MAX_FUSED_THREADS)
-
-    @cuda.jit(device=True, inline=True)
-    def touch_weights(norm_weight, lane, half, pairs, units, w_lo, w_hi):
-        """Load the norm weight chunks of this thread's first unit, which head_norm_rope loads again
-        after the reduction: issued here, they are in L1 by then instead of a memory round trip."""
-        if lane < units:
-            if lane < pairs:
-                load_vector(norm_weight, (lane * lanes,), w_lo, 0)
-            load_vector(norm_weight, (half + lane * lanes,), w_hi, 0)
 
     @cuda.jit(**launch_options)
     def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, eps, weight_offset, rotary_dim, theta,

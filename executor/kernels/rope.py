@@ -152,6 +152,7 @@ class VectorHead(NamedTuple):
     head_norm_rope: Callable[..., Any]
     unit_load: Callable[..., Any]
     unit_squares: Callable[..., Any]
+    touch_weights: Callable[..., Any]
 
 
 def build_vector_head(
@@ -180,6 +181,10 @@ def build_vector_head(
     unit_load(x, t, h, unit, half, pairs, lo, hi); unit_squares(unit, pairs, lo, hi) -> float32
         head_squares' two halves for one unit (unit < units): its chunks into ``lo``/``hi``, then
         their sum of squares, for a caller that issues other work between the loads and their use
+    touch_weights(norm_weight, lane, half, pairs, units, w_lo, w_hi)
+        the norm weight chunks of unit ``lane`` into ``w_lo``/``w_hi`` (nothing past ``units``), which
+        head_norm_rope loads again after the reduction: issued before it, they are in L1 by then
+        instead of a memory round trip
 
     ``half`` = rotary_dim / 2, ``pairs`` = half / lanes and ``units`` = pairs plus the
     pass-through chunks; lo, hi, w_lo, w_hi are VECTOR_WORDS-word local buffers.
@@ -290,7 +295,15 @@ def build_vector_head(
                 put_chunk(x, t, h, half + unit * lanes, lo, cache, page, slot)
             unit += group_threads
 
-    return VectorHead(block_setup, store_cos_sin, head_squares, head_norm_rope, unit_load, unit_squares)
+    @cuda.jit(device=True, inline=True)
+    def touch_weights(norm_weight, lane, half, pairs, units, w_lo, w_hi):
+        if lane < units:
+            if lane < pairs:
+                load_vector(norm_weight, (lane * lanes,), w_lo, 0)
+            load_vector(norm_weight, (half + lane * lanes,), w_hi, 0)
+
+    return VectorHead(block_setup, store_cos_sin, head_squares, head_norm_rope, unit_load, unit_squares,
+                      touch_weights)
 
 
 def build_qk_norm_rope_vector_kernel(codec: Codec, round_before_weight: bool) -> Callable[..., Any]:

@@ -22,7 +22,8 @@ from executor.models.projections import Projections
 
 class FullAttention:
     """GQA attention over the paged KV cache: fused QKV GEMM, q/k norm + RoPE with the
-    KV write (one launch), paged attention, optional sigmoid output gate (Qwen3.5), o_proj."""
+    KV write (one launch), paged attention (at decode, one launch with the one before where
+    decode_rope_attention.py can), optional sigmoid output gate (Qwen3.5), o_proj."""
 
     def __init__(self, arena: Arena, kernels: Kernels, proj: Projections, layer: int, norm: NormStyle,
                  output_gate: bool):
@@ -62,24 +63,24 @@ class FullAttention:
             q = q_part.view(n, self.q_heads, d)
         k = qkv[:, self.q_rows : self.q_rows + self.kv_rows].view(n, self.kv_heads, d)
         v = qkv[:, self.q_rows + self.kv_rows :].view(n, self.kv_heads, d)
-        positions = step.meta("positions")
-        k_.qk_norm_rope_write_kv(q, k, v, self.q_norm, self.k_norm, positions, self.eps, self.norm.weight_offset,
-                                 self.rotary_dim, self.theta, self.k_cache, self.v_cache, step.meta("batch_indices"),
-                                 step.meta("page_indices"), step.meta("page_indptr"), stream=step.stream)
         attn_out = step.role("attn_out").view(n, self.q_heads, d)
-        decode = step.pool == "decode"
-        attention = k_.decode_attention if decode else k_.attention
-        split = (step.role("attn_partial_out"), step.role("attn_partial_lse")) if (
-            self.split_decode and decode) else (None, None)
-        if step.num_tiles:  # none when every chunk of the step is a long one (long_prefill_attention)
-            attention(
-                q, self.k_cache, self.v_cache, *(step.meta(name) for name in (
-                    "page_indices", "page_indptr", "last_page_len", "q_indptr", "batch_indices", "positions",
-                    "request_indices", "qo_tile_indices", "kv_tile_indices", "kv_chunk_size", "total_num_rows")),
-                attn_out, self.scale, *split, stream=step.stream,
-            )
-        if step.long_prefill_requests:  # the long prefill chunks, which got no paged-attention tile
-            self.long_prefill_attention(step, q, attn_out)
+        tile_meta = tuple(step.meta(name) for name in (
+            "page_indices", "page_indptr", "last_page_len", "q_indptr", "batch_indices", "positions",
+            "request_indices", "qo_tile_indices", "kv_tile_indices", "kv_chunk_size", "total_num_rows"))
+        if step.pool == "decode":  # one launch where it can (decode_rope_attention.py)
+            split = (step.role("attn_partial_out"), step.role("attn_partial_lse")) if self.split_decode else ()
+            k_.decode_rope_attention(q, k, v, self.q_norm, self.k_norm, self.eps, self.norm.weight_offset,
+                                     self.rotary_dim, self.theta, self.k_cache, self.v_cache, *tile_meta, attn_out,
+                                     self.scale, *split, stream=step.stream)
+        else:
+            k_.qk_norm_rope_write_kv(q, k, v, self.q_norm, self.k_norm, step.meta("positions"), self.eps,
+                                     self.norm.weight_offset, self.rotary_dim, self.theta, self.k_cache, self.v_cache,
+                                     step.meta("batch_indices"), step.meta("page_indices"), step.meta("page_indptr"),
+                                     stream=step.stream)
+            if step.num_tiles:  # none when every chunk of the step is a long one (long_prefill_attention)
+                k_.attention(q, self.k_cache, self.v_cache, *tile_meta, attn_out, self.scale, stream=step.stream)
+            if step.long_prefill_requests:  # the long prefill chunks, which got no paged-attention tile
+                self.long_prefill_attention(step, q, attn_out)
         if self.output_gate:
             k_.output_gate(attn_out, gate, stream=step.stream)
         self.proj.residual(step, step.role("attn_out"), self.o_weight)

@@ -12,6 +12,7 @@ from executor.kernels.chunk_copy import ChunkCopy
 from executor.kernels.codec import build_codec
 from executor.kernels.conv1d import CausalConv1d
 from executor.kernels.decode_attention import DecodeAttention
+from executor.kernels.decode_rope_attention import DecodeRopeAttention
 from executor.kernels.delta_rule import GatedDeltaRule, GdnGates
 from executor.kernels.delta_rule_decode import GatedDeltaRuleDecode
 from executor.kernels.embedding import Embedding
@@ -47,6 +48,7 @@ class Kernels:
     qk_norm_rope_write_kv: QkNormRopeWriteKv  # q/k norm + RoPE and the KV cache write, one launch
     attention: PagedAttention  # prefill steps (any rows per request)
     decode_attention: DecodeAttention  # decode steps (one row per request)
+    decode_rope_attention: DecodeRopeAttention  # decode steps: the two above in one launch where it can
     gather_kv: GatherKv  # GEMM prefill attention: a request's KV pages -> contiguous scratch
     causal_softmax: CausalSoftmax  # GEMM prefill attention: scores -> probabilities
     chunk_copy: ChunkCopy  # GEMM prefill attention: query rows packed by kv head, outputs back
@@ -81,13 +83,17 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle, nu
         )
     attention = PagedAttention(codec, geometry.head_dim, geometry.gqa_group, rows_per_tile=PREFILL_ROWS_PER_TILE,
                                threads=32 if simulated else 128)
+    qk_norm_rope_write_kv = QkNormRopeWriteKv(codec, norm.round_before_weight)
+    decode_attention = DecodeAttention(codec, geometry.head_dim, geometry.gqa_group, attention, num_sms=num_sms)
     return Kernels(
         embedding=Embedding(codec),
         rms_norm=RmsNorm(codec, norm.round_before_weight),
         add_rms_norm=AddRmsNormInplace(codec, norm.round_before_weight),
-        qk_norm_rope_write_kv=QkNormRopeWriteKv(codec, norm.round_before_weight),
+        qk_norm_rope_write_kv=qk_norm_rope_write_kv,
         attention=attention,
-        decode_attention=DecodeAttention(codec, geometry.head_dim, geometry.gqa_group, attention, num_sms=num_sms),
+        decode_attention=decode_attention,
+        decode_rope_attention=DecodeRopeAttention(qk_norm_rope_write_kv, decode_attention, norm.round_before_weight,
+                                                  geometry.head_dim, geometry.gqa_group, geometry.rotary_dim),
         gather_kv=GatherKv(),
         causal_softmax=CausalSoftmax(codec),
         chunk_copy=ChunkCopy(),
