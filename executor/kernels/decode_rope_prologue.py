@@ -105,7 +105,10 @@ def build_rope_prologue(head_dim: int, group_size: int, round_before_weight: boo
     q_norm_rope = build_vector_head(codec, round_before_weight, put_q_chunk).head_norm_rope
     k_norm_rope = build_vector_head(codec, round_before_weight, put_k_chunk).head_norm_rope
 
-    @cuda.jit(device=True, inline=True)
+    # Not inlined by Numba: its IR inlining copies a callee's whole IR at each level, and the rope
+    # functions nested in the attention kernel took 29 s to compile against the plain kernel's 5
+    # (local, sm_90); as a device function it compiles once (NVVM still inlines its one call).
+    @cuda.jit(device=True)
     def prologue(args, row, h, last, owner, page, in_page, q_sh, new_sh, rope_sh, scratch):
         q, k, v, q_weight, k_weight, eps, weight_offset, theta, k_cache, v_cache = args
         lo = cuda.local.array(VECTOR_WORDS, words)  # the thread's pair unit (or v's chunks lane, lane + RG)

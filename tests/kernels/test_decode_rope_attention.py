@@ -162,7 +162,7 @@ def test_fused_compiles_for_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,kv_chunk", [
-    ([(1, 513)], 64), ([(1, 4097)], 128), ([(1, 300)], None), ([(1, 100 + 61 * b) for b in range(64)], 128),
+    ([(1, 513)], 64), ([(1, 4097)], 192), ([(1, 300)], None), ([(1, 100 + 61 * b) for b in range(64)], 128),
 ])
 def test_gpu_fused_matches_two_launches(batch, kv_chunk):
     """Qwen3-8B's heads at the decode step's shapes (batch 1 split in chunks of 64 and 128, unsplit,
