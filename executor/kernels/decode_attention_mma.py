@@ -27,9 +27,11 @@ the step, the step took 15.99 ms against the CUDA-core kernel's 17.48.)
 - K and V reach shared memory by ``cp.async`` (async_copy.py) into a ring of ``slots`` slots per
   warp (K rows, then V rows, each padded by 16 bytes so that ``ldmatrix`` rows fall in different
   banks). Lane l copies key l % 8 of a slot, chunks l // 8, l // 8 + 4, ...: one page-id lookup a
-  lane a slot, looked up a slot before its copy is issued. The copy of slot i + slots - 1 is issued
-  before slot i is waited for; a warp barrier (``syncwarp``) makes the lanes' copies visible, and a
-  second one frees the slot for its next copy.
+  lane a slot, looked up a slot before its copy is issued. The first ``slots`` iterations' copies
+  go out before anything waits (a batch-1 tile of 64 keys is two iterations a warp: all its keys in
+  flight, and the rope prologue's work overlaps them); a warp barrier (``syncwarp``) makes the
+  lanes' copies of slot i visible, and a second one, after iteration i, frees the slot for the copy
+  of iteration i + slots.
 - Per slot: S = Q K^T by K_STEPS / 2 ``ldmatrix.x4`` loads and K_STEPS MMAs in two independent
   chains (lane (g, t) then holds scores of head g, keys 2t and 2t + 1); the slot's maximum per head
   by a quad reduction; P rounded to bf16 is already an A fragment (columns 0..7; 8..15 are zero),
@@ -235,14 +237,14 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         # The key this lane copies in iteration i: k0 + (i * W + warp) * 8 + lane % 8.
         own_key = k0 + warp * SLOT_KEYS + lane % SLOT_KEYS
         step_keys = W * SLOT_KEYS
-        for i in range(SL - 1):  # prologue: iterations 0 .. SL - 2 in flight, a group each
+        for i in range(SL):  # iterations 0 .. SL - 1 in flight, a group each, before anything waits
             if i < iterations:
                 pos = own_key + i * step_keys
                 page, in_page = locate(page_indices, page_base, page_size, pos, k1)
                 issue(k_cache, v_cache, h, page, in_page, pos < k1, ring, ring_address,
                       (warp * SL + i) * 2 * SLOT_KEYS, lane)
             commit_group()
-        next_pos = own_key + (SL - 1) * step_keys
+        next_pos = own_key + SL * step_keys
         next_page, next_in_page = locate(page_indices, page_base, page_size, next_pos, k1)
 
         qa = cuda.local.array(Q_WORDS, int32)  # a0, a2 of each k-step; a1, a3 (rows 8..15) are zero
@@ -265,15 +267,7 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         scale_log2 = scale * float32(LOG2_E)
 
         for i in range(iterations):
-            ahead = i + SL - 1
-            if ahead < iterations:  # refill the slot iteration i - 1 used
-                issue(k_cache, v_cache, h, next_page, next_in_page, next_pos < k1, ring, ring_address,
-                      (warp * SL + ahead % SL) * 2 * SLOT_KEYS, lane)
-            commit_group()
-            if ahead + 1 < iterations:  # the page id's latency passes while this slot is attended to
-                next_pos = own_key + (ahead + 1) * step_keys
-                next_page, next_in_page = locate(page_indices, page_base, page_size, next_pos, k1)
-            wait_groups()  # this lane's copies of slot i landed
+            wait_groups()  # this lane's copies of slot i landed (iteration i's group and every older one)
             warp_barrier()  # and every lane's
             k_row = (warp * SL + i % SL) * 2 * SLOT_KEYS
             if FUSED:  # the new key's rows, which the copy may have read before they were written
@@ -314,6 +308,14 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
                 o[8 * j4 + 6], o[8 * j4 + 7], d2, d3 = mma(pa, int32(0), int32(0), int32(0), r3, int32(0),
                                                            o[8 * j4 + 6], o[8 * j4 + 7], float32(0.0), float32(0.0))
             warp_barrier()  # every lane is done with the slot before its next copy is issued
+            ahead = i + SL
+            if ahead < iterations:  # refill the slot this iteration used
+                issue(k_cache, v_cache, h, next_page, next_in_page, next_pos < k1, ring, ring_address,
+                      (warp * SL + ahead % SL) * 2 * SLOT_KEYS, lane)
+            commit_group()  # a group every iteration (empty past the last), so the wait's count holds
+            if ahead + 1 < iterations:  # the page id's latency passes while the next slot is attended to
+                next_pos = own_key + (ahead + 1) * step_keys
+                next_page, next_in_page = locate(page_indices, page_base, page_size, next_pos, k1)
 
         total = quad_sum(scratch, total, 4)
         # The warps meet: warp w's (max, sum) of head g in s_sh[0 / 1, w * G + g], its output in part_sh[w, g].
