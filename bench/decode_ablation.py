@@ -14,7 +14,11 @@ Two chains of empty kernels (one block of 384 threads, then 4 x SMs blocks of 12
 graphs of one launch a layer-kernel give the floor: what a launch costs in a graph when the kernel
 does nothing.
 
-A measurement tool: no configuration but the first is a decode step that produces tokens.
+A measurement tool: no configuration but the first is a decode step that produces tokens. Where
+the decode attention kernel does the q/k norm + RoPE + KV write itself (decode_rope_attention.py:
+Qwen3's heads), the first family has no launch to leave out; the decode attention path's row covers
+both. (The twentieth session's figures in docs/benchmarks.md came from the two-launch path; this
+form has not run on a GPU.)
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ from bench.common import (  # noqa: E402
 
 #: (family, module, class, method): the launcher each configuration leaves out.
 FAMILIES = (
-    ("q/k norm + RoPE + KV write", "executor.kernels.qk_rope_kv", "QkNormRopeWriteKv", "__call__"),
+    ("q/k norm + RoPE + KV write (its own launch)", "executor.kernels.qk_rope_kv", "QkNormRopeWriteKv", "__call__"),
     ("split merge", "executor.kernels.attention", "PagedAttention", "merge_splits"),
-    ("decode attention (split + merge)", "executor.kernels.decode_attention", "DecodeAttention", "__call__"),
+    ("decode attention path (q/k norm + RoPE + KV write, attention, merge)", "executor.kernels.decode_rope_attention",
+     "DecodeRopeAttention", "__call__"),
     ("qkv GEMV (+ RMSNorm)", "executor.kernels.gemv", "Gemv", "norm_project"),
     ("o_proj and down GEMVs (+ residual)", "executor.kernels.gemv", "Gemv", "project_add"),
     ("gate_up GEMV (+ SwiGLU)", "executor.kernels.gemv", "Gemv", "norm_swiglu"),

@@ -38,6 +38,10 @@ the step, the step took 15.99 ms against the CUDA-core kernel's 17.48.)
   and P V is D / 8 MMAs whose B fragments come from ``ldmatrix.x4.trans`` of the V rows (mma.py's
   ``build_eight_key_value_load``). The sum of P stays a lane partial until the end.
 
+Built with ``rope``, the kernels also do the step's q/k norm + RoPE + KV write first
+(decode_rope_prologue.py: q from shared memory, the new key patched into its ring slot), which
+DecodeRopeAttention (decode_rope_attention.py) launches at decode where the heads allow it.
+
 P enters the P V product rounded to bf16, as in FlashAttention's kernels (and the prefill kernel,
 flash_attention.py); scores and outputs accumulate in float32. The simulator runs the same kernel
 with mma.py's emulations (block-wide barriers: every warp makes the same calls, so a warp runs as

@@ -36,6 +36,10 @@ barrier, while the reduction runs. A v thread holds its head's chunks in registe
 start (up to two a thread) and stores them once the slot is known. Strided loops are while
 loops: a strided ``range`` computes its trip count with a 64-bit division.
 
+Decode steps of full-rotary bf16 heads that the tensor-core decode kernel serves (Qwen3) do this
+work inside that kernel instead (decode_rope_prologue.py, through decode_rope_attention.py), with
+this kernel's device functions and bits; prefill steps and the other heads launch this kernel.
+
 The launcher runs this kernel when every array is 16-byte vector aligned and rotary_dim / 2
 is a whole number of chunks (``uses_vector``); otherwise it makes the three separate
 launches, which give the same results.
