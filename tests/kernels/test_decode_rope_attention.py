@@ -3,8 +3,9 @@ the two launches it replaces (qk_rope_kv.py's, then DecodeAttention's) on copies
 the attention output and the whole KV pool bit for bit.
 
 Simulator shapes: D = 32 (two pair units a head, two threads a head in the prologue), 2 kv heads,
-bf16, page size 4, two-warp blocks: the rows' new keys fall on every slot position of a ring slot
-(kv lengths 37, 19, 1 and 8), and split rows have their new key in their last chunk. On the GPU,
+bf16, page size 4, two-warp blocks: the rows' new keys (kv lengths 37, 19, 1 and 8) sit at
+positions 4, 2, 0 and 7 of their ring slots, one row's key is its only key, and split rows have
+their new key in their last chunk. On the GPU,
 Qwen3-8B's heads (D 128, 8 kv heads of 4) at batch 1 and 64, split as a decode step splits them.
 """
 
@@ -165,8 +166,8 @@ def test_fused_compiles_for_sm90():
     ([(1, 513)], 64), ([(1, 4097)], 192), ([(1, 300)], None), ([(1, 100 + 61 * b) for b in range(64)], 128),
 ])
 def test_gpu_fused_matches_two_launches(batch, kv_chunk):
-    """Qwen3-8B's heads at the decode step's shapes (batch 1 split in chunks of 64 and 128, unsplit,
-    and 64 rows of 100-3,943 keys, the many-pairs shape)."""
+    """Qwen3-8B's heads at decode step shapes: batch 1 split in chunks of 64 (513 keys) and 192
+    (4,097 keys), batch 1 unsplit, and 64 rows of 100-3,943 keys (the many-pairs shape)."""
     launcher = build(128, 4, num_sms=multiprocessor_count())
     num_pages = sum(-(-n // 16) for _, n in batch) + 2
     data = inputs(batch, 128, 8, 4, 16, num_pages, seed=len(batch), device="cuda")
