@@ -51,6 +51,10 @@ FAMILIES = (
     ("sampler", "executor.kernels.sampler", "Sample", "__call__"),
 )
 EMPTY_CHAINS = ((1, 384), (4, 128))  # (blocks: 1 or that many per SM, threads)
+#: Launches a Qwen3 decode layer makes at batch 1 with fused GEMVs: qkv, attention (with the q/k norm +
+#: RoPE + KV write), merge, o_proj, gate_up, down. (The twentieth session's chains had 7: the q/k norm
+#: + RoPE + KV write was its own launch.)
+LAYER_LAUNCHES = 6
 
 
 def left_out(target: tuple[str, str, str], capture: Callable[[], Any]) -> Any:
@@ -129,9 +133,9 @@ def main() -> None:
     empty, flag = build_empty_kernel()
     for blocks, threads in EMPTY_CHAINS:
         grid = blocks if blocks == 1 else blocks * num_sms
-        # 7 launches a layer, as a Qwen3 decode layer makes
-        configs[f"{7 * layers} empty kernels, {grid} x {threads} threads"] = launch_graph(
-            lambda stream, grid=grid, threads=threads: empty[grid, threads, stream](flag), 7 * layers)
+        launches = LAYER_LAUNCHES * layers
+        configs[f"{launches} empty kernels, {grid} x {threads} threads"] = launch_graph(
+            lambda stream, grid=grid, threads=threads: empty[grid, threads, stream](flag), launches)
 
     samples = interleaved_replay_us(configs, args.rounds)
     base_us = statistics.median(samples["all kernels"])

@@ -58,6 +58,7 @@ from executor.kernels.async_copy import build_async_copy, build_copy_groups, bui
 from executor.kernels.attention import NEG_INF
 from executor.kernels.codec import build_codec
 from executor.kernels.decode_rope_prologue import build_rope_prologue, prologue_fits
+from executor.kernels.decode_rope_prologue import shared_shapes as rope_shared_shapes
 from executor.kernels.decode_tiles import LOG2_E, build_meet, build_tile_span, build_tile_store
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS
 from executor.kernels.mma import build_eight_key_value_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
@@ -183,7 +184,7 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     store_out, store_split = build_tile_store(G, D, NT, build_codec("bfloat16").store)
     FUSED = rope is not None
     # The prologue's shared arrays (one word each without it).
-    Q_SH, NEW_SH, ROPE_SH = ((G, D // 2), (2, D // 2), 3 * D // 2) if FUSED else ((1, 1), (1, 1), 1)
+    Q_SH, NEW_SH, ROPE_SH = rope_shared_shapes(D, G) if FUSED else ((1, 1), (1, 1), 1)
     if FUSED:
         assert prologue_fits(D, G, NT)
         prologue, patch = build_rope_prologue(D, G, rope, SLOT_KEYS, warp_barrier)

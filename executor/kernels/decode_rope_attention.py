@@ -60,8 +60,9 @@ class DecodeRopeAttention:
         """(kernels, threads a block) of the fused launch for this call, or None: the two launches."""
         mma = self.attention.mma_launch(num_rows, num_kv_heads)
         kernels = self.fused.get(mma[2]) if mma is not None else None
-        if kernels is None or not (self.attention.uses_vector(k_cache, v_cache)
-                                   and self.rope.uses_vector(q, k, v, q_weight, k_weight, k_cache, v_cache, rotary_dim)):
+        aligned = self.attention.uses_vector(k_cache, v_cache) and self.rope.uses_vector(
+            q, k, v, q_weight, k_weight, k_cache, v_cache, rotary_dim)
+        if kernels is None or not aligned:
             return None
         return kernels, mma[1]
 

@@ -60,10 +60,16 @@ def prologue_fits(head_dim: int, group_size: int, threads: int) -> bool:
     return head_dim % (2 * lanes) == 0 and head_dim // 2 // lanes == group and (group_size + 2) * group <= threads
 
 
+def shared_shapes(head_dim: int, group_size: int) -> tuple[tuple[int, int], tuple[int, int], int]:
+    """The prologue's shared arrays: q_sh [G, D / 2] and new_sh [2, D / 2] (int32 words of two bf16),
+    and rope_sh's 3 D / 2 float32 (the row's inv_freq, cos and sin)."""
+    return (group_size, head_dim // 2), (2, head_dim // 2), 3 * head_dim // 2
+
+
 def shared_bytes(head_dim: int, group_size: int) -> int:
-    """Shared memory the prologue adds to a block: q_sh and new_sh (words of two bf16), and the
-    row's inv_freq, cos and sin (float32)."""
-    return 4 * ((group_size + 2) * head_dim // 2 + 3 * head_dim // 2)
+    """Shared memory the prologue adds to a block (``shared_shapes``, 4-byte words)."""
+    (q_rows, q_words), (new_rows, new_words), rope_floats = shared_shapes(head_dim, group_size)
+    return 4 * (q_rows * q_words + new_rows * new_words + rope_floats)
 
 
 def build_rope_prologue(head_dim: int, group_size: int, round_before_weight: bool, slot_keys: int,

@@ -9,8 +9,9 @@ softmaxes combine. Each builder here returns inline device functions for one hea
     tile_span(tile, page_size, page_indptr, last_page_len, q_indptr, positions, request_indices,
               kv_tile_indices, kv_chunk_size, total_num_rows) -> (row, c, k0, k1, page_base, num_chunks, last)
         the tile's query row, chunk index, keys k0 .. k1 - 1, first page-table entry, the row's
-        chunks and its position (the key it adds); row -1 when the block has nothing to do (a graph's padding tile, a row past the
-        step's rows, or a chunk past the row's keys), decided before any barrier.
+        chunks and its position (the key it adds); row -1 when the block has nothing to do (a
+        graph's padding tile, a row past the step's rows, or a chunk past the row's keys), decided
+        before any barrier.
     meet(s_sh, part_sh, state_sh)
         after each of the block's ``groups`` groups k wrote its running (max, sum) of head g to
         s_sh[0 / 1, k * G + g] (max in log2 units) and its output to part_sh[k, g, :], and a

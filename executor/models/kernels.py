@@ -47,8 +47,9 @@ class Kernels:
     add_rms_norm: AddRmsNormInplace
     qk_norm_rope_write_kv: QkNormRopeWriteKv  # q/k norm + RoPE and the KV cache write, one launch
     attention: PagedAttention  # prefill steps (any rows per request)
-    decode_attention: DecodeAttention  # decode steps (one row per request)
-    decode_rope_attention: DecodeRopeAttention  # decode steps: the two above in one launch where it can
+    # Decode steps (one row per request): the q/k norm + RoPE + KV write and DecodeAttention, in one
+    # launch where it can.
+    decode_rope_attention: DecodeRopeAttention
     gather_kv: GatherKv  # GEMM prefill attention: a request's KV pages -> contiguous scratch
     causal_softmax: CausalSoftmax  # GEMM prefill attention: scores -> probabilities
     chunk_copy: ChunkCopy  # GEMM prefill attention: query rows packed by kv head, outputs back
@@ -84,16 +85,16 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle, nu
     attention = PagedAttention(codec, geometry.head_dim, geometry.gqa_group, rows_per_tile=PREFILL_ROWS_PER_TILE,
                                threads=32 if simulated else 128)
     qk_norm_rope_write_kv = QkNormRopeWriteKv(codec, norm.round_before_weight)
-    decode_attention = DecodeAttention(codec, geometry.head_dim, geometry.gqa_group, attention, num_sms=num_sms)
     return Kernels(
         embedding=Embedding(codec),
         rms_norm=RmsNorm(codec, norm.round_before_weight),
         add_rms_norm=AddRmsNormInplace(codec, norm.round_before_weight),
         qk_norm_rope_write_kv=qk_norm_rope_write_kv,
         attention=attention,
-        decode_attention=decode_attention,
-        decode_rope_attention=DecodeRopeAttention(qk_norm_rope_write_kv, decode_attention, norm.round_before_weight,
-                                                  geometry.head_dim, geometry.gqa_group, geometry.rotary_dim),
+        decode_rope_attention=DecodeRopeAttention(
+            qk_norm_rope_write_kv,
+            DecodeAttention(codec, geometry.head_dim, geometry.gqa_group, attention, num_sms=num_sms),
+            norm.round_before_weight, geometry.head_dim, geometry.gqa_group, geometry.rotary_dim),
         gather_kv=GatherKv(),
         causal_softmax=CausalSoftmax(codec),
         chunk_copy=ChunkCopy(),

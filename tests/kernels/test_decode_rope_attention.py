@@ -144,8 +144,8 @@ def test_fused_compiles_for_sm90():
         """
         import re
         from executor.kernels.decode_attention_mma import build_decode_attention_mma, MmaShape
-        i32, u32, bits2, bits3, bits4 = arr("int32", 1), arr("uint32", 1), arr("bfloat16", 2), arr("bfloat16", 3), arr("bfloat16", 4)
-        bits1, f32 = arr("bfloat16", 1), types.float32
+        i32, u32, f32 = arr("int32", 1), arr("uint32", 1), types.float32
+        bits1, bits3, bits4 = arr("bfloat16", 1), arr("bfloat16", 3), arr("bfloat16", 4)
         meta = (i32,) * 8 + (u32,)
         rope = (bits3, bits3, bits3, bits1, bits1, f32, f32, f32, bits4, bits4)
         for shape in (MmaShape(4, 2), MmaShape(2, 3)):
