@@ -152,34 +152,42 @@ def build_gemv_kernel(
                         stage[b * in_features + c * lanes + j] = load(store(value))
         cuda.syncthreads()
 
+    @cuda.jit(device=True, inline=True)
+    def load_trip(weight, n, second, t, lane, w_buf):
+        """Trip t's weight chunks of row group n (its rows n, and n + second for SWIGLU) into w_buf."""
+        for r in range(rows):
+            for u in range(chunks_per_lane):
+                c = (t * chunks_per_lane + u) * row_threads + lane
+                if whole_trips or c < chunks:
+                    load_vector(weight, (n + r * second, c * lanes), w_buf, (r * chunks_per_lane + u) * VECTOR_WORDS)
+
     @cuda.jit(**options)
     def gemv(x, norm_weight, weight, out, eps, weight_offset):
         lane = cuda.threadIdx.x % row_threads
         teams = threads // row_threads  # row groups a block works on at once
         shared = cuda.shared.array(0, float32)
         scratch = shared[stage_floats:]
-        if normed:
-            stage_normed(x, norm_weight, eps, weight_offset, shared, scratch)
         w_buf = cuda.local.array(weight_words, wtype)
         x_words = cuda.local.array(VECTOR_WORDS, wtype)
         x_chunk = cuda.local.array(lanes, float32)
         acc = cuda.local.array(accumulators, float32)
         groups = out.shape[1]  # output columns: a warp's rows give one
         second = weight.shape[0] // 2  # SWIGLU: the up row of gate row n is n + I
+        block_first = cuda.blockIdx.x * teams
+        if normed:  # the first group's first trip is in flight while the block normalizes x
+            if block_first + cuda.threadIdx.x // row_threads < groups:
+                load_trip(weight, block_first + cuda.threadIdx.x // row_threads, second, 0, lane, w_buf)
+            stage_normed(x, norm_weight, eps, weight_offset, shared, scratch)
         # Every thread of a block takes the same number of trips (the simulator's sums have barriers).
-        for first in range(cuda.blockIdx.x * teams, groups, cuda.gridDim.x * teams):
+        for first in range(block_first, groups, cuda.gridDim.x * teams):
             n = first + cuda.threadIdx.x // row_threads
             active = n < groups
             for i in range(accumulators):
                 acc[i] = float32(0.0)
             if active:
                 for t in range(trips):
-                    for r in range(rows):
-                        for u in range(chunks_per_lane):
-                            c = (t * chunks_per_lane + u) * row_threads + lane
-                            if whole_trips or c < chunks:
-                                load_vector(weight, (n + r * second, c * lanes), w_buf,
-                                            (r * chunks_per_lane + u) * VECTOR_WORDS)
+                    if not (normed and t == 0 and first == block_first):
+                        load_trip(weight, n, second, t, lane, w_buf)
                     for u in range(chunks_per_lane):
                         c = (t * chunks_per_lane + u) * row_threads + lane
                         if whole_trips or c < chunks:
