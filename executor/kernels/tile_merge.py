@@ -76,37 +76,6 @@ def build_coherent_load() -> Any:
     return load_l2
 
 
-def build_count_arrival() -> Any:
-    """``count_arrival(counters, index) -> int32``: adds 1 to int32 counters[index] and returns the old
-    count, as one ``atom.acq_rel.gpu`` (release: the writes this thread has seen, its block's after a
-    barrier, are visible device-wide before the count is; acquire: whatever the tiles that counted
-    before wrote is visible after it); ``cuda.atomic.add`` in the simulator."""
-    if simulator_enabled():
-        @cuda.jit(device=True)
-        def simulated(counters, index):
-            return cuda.atomic.add(counters, index, 1)
-
-        return simulated
-
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    from executor.kernels.vector import element_pointer
-
-    @intrinsic
-    def count_arrival(typingctx, counters, index):
-        def codegen(context, builder, signature, args):
-            pointer = element_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
-            function = ir.FunctionType(ir.IntType(32), [pointer.type])
-            return builder.asm(function, "atom.acq_rel.gpu.add.u32 $0, [$1], 1;", "=r,l,~{memory}", [pointer],
-                               side_effect=True)
-
-        return types.int32(counters, index), codegen
-
-    return count_arrival
-
-
 def build_tile_merge(group_size: int, head_dim: int, threads: int, store: Any) -> Any:
     """``merge_split`` (module docstring) for blocks of ``threads`` threads, G = ``group_size`` heads of
     ``head_dim``; ``store`` is the codec's float32 -> storage.
@@ -119,16 +88,17 @@ def build_tile_merge(group_size: int, head_dim: int, threads: int, store: Any) -
     OUTPUTS = -(-D // TPG)  # elements of the head a thread merges
     VALUES = OUTPUTS * U  # a thread's partials in flight
     load_l2 = build_coherent_load()
-    count_arrival = build_count_arrival()
 
     @cuda.jit(device=True, inline=True)
     def arrive(merge_counters, row, h, num_chunks, flag_sh):
         """Count this tile; True in every thread of the tile that counted last."""
-        cuda.syncthreads()  # every thread's partial stores come before thread 0's count
+        cuda.syncthreads()  # every thread's partial stores come before thread 0's fence
         if cuda.threadIdx.x == 0:
-            last = count_arrival(merge_counters, (row, h)) == num_chunks - 1
+            cuda.threadfence()
+            last = cuda.atomic.add(merge_counters, (row, h), 1) == num_chunks - 1
             if last:
                 merge_counters[row, h] = 0  # no tile of this launch counts again
+                cuda.threadfence()
             flag_sh[0] = int32(1) if last else int32(0)
         cuda.syncthreads()
         return flag_sh[0] != 0
