@@ -16,8 +16,8 @@ does nothing.
 
 A measurement tool: no configuration but the first is a decode step that produces tokens. Where
 the decode attention kernel does the q/k norm + RoPE + KV write itself (decode_rope_attention.py:
-Qwen3's heads) and merges split rows (tile_merge.py), the first two families have no launch to leave
-out; the decode attention path's row covers all three. (The twentieth session's figures in docs/benchmarks.md came from the two-launch path; this
+Qwen3's heads), the first family has no launch to leave out; the decode attention path's row covers
+both. (The twentieth session's figures in docs/benchmarks.md came from the two-launch path; this
 form has not run on a GPU.)
 """
 
@@ -42,8 +42,7 @@ from bench.common import (  # noqa: E402
 #: (family, module, class, method): the launcher each configuration leaves out.
 FAMILIES = (
     ("q/k norm + RoPE + KV write (its own launch)", "executor.kernels.qk_rope_kv", "QkNormRopeWriteKv", "__call__"),
-    ("split merge (its own launch: the CUDA-core kernel)", "executor.kernels.attention", "PagedAttention",
-     "merge_splits"),
+    ("split merge", "executor.kernels.attention", "PagedAttention", "merge_splits"),
     ("decode attention path (q/k norm + RoPE + KV write, attention, merge)", "executor.kernels.decode_rope_attention",
      "DecodeRopeAttention", "__call__"),
     ("qkv GEMV (+ RMSNorm)", "executor.kernels.gemv", "Gemv", "norm_project"),
@@ -53,9 +52,9 @@ FAMILIES = (
 )
 EMPTY_CHAINS = ((1, 384), (4, 128))  # (blocks: 1 or that many per SM, threads)
 #: Launches a Qwen3 decode layer makes at batch 1 with fused GEMVs: qkv, attention (with the q/k norm +
-#: RoPE + KV write before and the split merge after, tile_merge.py), o_proj, gate_up, down. (The
-#: twentieth session's chains had 7: the q/k norm + RoPE + KV write and the merge were launches.)
-LAYER_LAUNCHES = 5
+#: RoPE + KV write), merge, o_proj, gate_up, down. (The twentieth session's chains had 7: the q/k norm
+#: + RoPE + KV write was its own launch.)
+LAYER_LAUNCHES = 6
 
 
 def left_out(target: tuple[str, str, str], capture: Callable[[], Any]) -> Any:

@@ -13,8 +13,7 @@
   an SM ("none": no bound, "auto": the kernel's rule). Shapes (requests x cached tokens, ``--shapes``
   B:C[:K], kv chunks of K keys): unsplit ones, as bench/kernels.py times, get their K/V bytes over the
   time as a share of the copy bandwidth; split ones (by default batch 1 in chunks of 64 or 128 keys, as
-  a decode step plans them) include the merge (the tensor-core kernel's own, a launch after the
-  CUDA-core kernel). K and V are separate caches with shuffled
+  a decode step plans them) include the merge launch. K and V are separate caches with shuffled
   pages, or with ``--kv-layers N`` the engine's pool, where a page holds N layers' K and V and each
   request's pages come in order (as in bench/decode.py).
 - The fused GEMVs (executor/kernels/gemv.py) at batch 1 on Qwen3-8B's projections: qkv and gate_up
@@ -164,8 +163,7 @@ def attention_call(env: Env, heads: Heads, shape: AttentionShape, general: Any,
     scratch = {}
     if shape.kv_chunk:
         scratch = {"partial_out": torch.empty(b, max_splits, heads.q, heads.dim, device=env.device),
-                   "partial_lse": torch.empty(b, max_splits, heads.q, device=env.device),
-                   "merge_counters": torch.zeros(b, heads.kv, dtype=torch.int32, device=env.device)}
+                   "partial_lse": torch.empty(b, max_splits, heads.q, device=env.device)}
     bits = lambda x: x.view(torch.int16)  # noqa: E731
     args = (bits(q), bits(k_cache), bits(v_cache), *meta, bits(out), heads.dim ** -0.5)
 

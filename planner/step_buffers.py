@@ -52,8 +52,7 @@ def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0,
                   score_elements: int = 0) -> list[BufferRequest]:
     """Role buffers of a step of ``rows`` token rows (B for decode, T for prefill). ``kv_splits`` > 1
     adds the split-KV attention scratch (decode): float32 partial outputs and log-sum-exps of
-    up to ``kv_splits`` kv chunks per row, merged into attn_out, and the merge's int32 arrival
-    counters [rows, Hkv], live the whole step. ``gather_tokens`` > 0 adds the
+    up to ``kv_splits`` kv chunks per row, merged into attn_out. ``gather_tokens`` > 0 adds the
     long-chunk attention scratch (prefill, either backend): one request's keys and values gathered
     from their pages, [Hkv, gather_tokens, D] each. ``score_elements`` > 0 adds GEMM attention's
     own scratch: the chunk's queries (then outputs) packed by kv head [Hkv, group x rows, D], and
@@ -78,9 +77,6 @@ def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0,
             requests += [
                 BufferRequest("attn_partial_out", "float32", (rows, kv_splits, g.num_q_heads, g.head_dim), attention),
                 BufferRequest("attn_partial_lse", "float32", (rows, kv_splits, g.num_q_heads), attention),
-                # Arrivals of a split row's tiles (the last merges; tile_merge.py): kernels keep them zero
-                # between launches, so they live through every step.
-                BufferRequest("attn_merge_counters", "int32", (rows, g.num_kv_heads), _WHOLE_STEP),
             ]
         if gather_tokens:
             gathered = (g.num_kv_heads, gather_tokens, g.head_dim)

@@ -61,7 +61,6 @@ from executor.kernels.decode_attention_mma import (FEW_BLOCKS_PER_SM, MmaShape, 
 from executor.kernels.decode_tiles import LOG2_E, build_meet, build_tile_span, build_tile_store
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS, Kernel
 from executor.kernels.reduce import build_group_sum
-from executor.kernels.tile_merge import check_merge_counters
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
 from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 
@@ -345,16 +344,13 @@ class DecodeAttention:
     def __call__(self, q: Any, k_cache: Any, v_cache: Any, page_indices: Any, page_indptr: Any, last_page_len: Any,
                  q_indptr: Any, batch_indices: Any, positions: Any, request_indices: Any, qo_tile_indices: Any,
                  kv_tile_indices: Any, kv_chunk_size: Any, total_num_rows: Any, out: Any, scale: float,
-                 partial_out: Any = None, partial_lse: Any = None, merge_counters: Any = None,
-                 stream: Any = 0) -> None:
+                 partial_out: Any = None, partial_lse: Any = None, stream: Any = 0) -> None:
         """Write ``out [B, Hq, D]`` for B decode rows (row b is request b's only query).
 
         q [B, Hq, D] (strided views allowed), k_cache/v_cache [pages, S, Hkv, D], storage dtype of the
         codec; int32 metadata as for PagedAttention (qo_tile_indices is unused: one row per request).
-        Split tiles need float32 ``partial_out [B, splits, Hq, D]`` and ``partial_lse [B, splits, Hq]``.
-        The tensor-core kernel merges them itself and needs int32 ``merge_counters [B, Hkv]``, zero
-        (and leaves them zero; tile_merge.py); the CUDA-core kernel is followed by a merge launch
-        (B x Hq). Without scratch every tile must cover its whole row.
+        Split tiles need float32 ``partial_out [B, splits, Hq, D]`` and ``partial_lse [B, splits, Hq]``;
+        a merge launch (B x Hq) then follows. Without them every tile must cover its whole row.
         """
         if not self.uses_vector(k_cache, v_cache):
             self.fallback(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, batch_indices,
@@ -377,10 +373,6 @@ class DecodeAttention:
         if partial_out is None:
             direct[grid, threads, stream](q, k_cache, v_cache, *meta, out, scale32)
             return
-        if mma is None:
-            split[grid, threads, stream](q, k_cache, v_cache, *meta, out, partial_out, partial_lse, scale32)
-            self.fallback.merge_splits(partial_out, partial_lse, batch_indices, positions, kv_chunk_size,
-                                       total_num_rows, out, stream)
-            return
-        check_merge_counters("decode_attention", merge_counters, num_rows, num_kv_heads)
-        split[grid, threads, stream](q, k_cache, v_cache, *meta, out, partial_out, partial_lse, merge_counters, scale32)
+        split[grid, threads, stream](q, k_cache, v_cache, *meta, out, partial_out, partial_lse, scale32)
+        self.fallback.merge_splits(partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows,
+                                   out, stream)

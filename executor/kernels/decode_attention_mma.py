@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from executor.kernels.async_copy import build_async_copy, build_copy_groups, build_shared_address
-from executor.kernels.attention import MAX_MERGE_CHUNKS, NEG_INF
+from executor.kernels.attention import NEG_INF
 from executor.kernels.codec import build_codec
 from executor.kernels.decode_rope_prologue import build_rope_prologue, prologue_fits
 from executor.kernels.decode_rope_prologue import shared_shapes as rope_shared_shapes
@@ -63,7 +63,6 @@ from executor.kernels.decode_tiles import LOG2_E, build_meet, build_tile_span, b
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS
 from executor.kernels.mma import build_eight_key_value_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.reduce import build_group_max, build_group_sum
-from executor.kernels.tile_merge import build_tile_merge, merge_shared_words
 from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 
 cuda = load_cuda()
@@ -86,11 +85,10 @@ PAD_WORDS = 4  # per staged row: consecutive rows 4 banks apart (16 bytes; rows 
 
 def shared_bytes(head_dim: int, group_size: int, warps: int, slots: int) -> int:
     """Static shared memory of one block: the warps' K/V rings, then where the warps meet (their
-    (max, sum) and outputs, the merged state), the split kernel's merge (tile_merge.py) and the
-    simulator's reduction scratch (4-byte words)."""
+    (max, sum) and outputs, the merged state) and the simulator's reduction scratch (4-byte words)."""
     ring_words = warps * slots * 2 * SLOT_KEYS * (head_dim // 2 + PAD_WORDS)
     meet_words = 2 * warps * group_size + warps * group_size * head_dim + 3 * group_size
-    return 4 * (ring_words + meet_words + merge_shared_words(group_size) + WARP_THREADS * warps)
+    return 4 * (ring_words + meet_words + WARP_THREADS * warps)
 
 
 @dataclass(frozen=True)
@@ -184,7 +182,6 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     tile_span = build_tile_span()
     meet = build_meet(G, D, NT, W)
     store_out, store_split = build_tile_store(G, D, NT, build_codec("bfloat16").store)
-    merge_split = build_tile_merge(G, D, NT, build_codec("bfloat16").store)
     FUSED = rope is not None
     # The prologue's shared arrays (one word each without it).
     Q_SH, NEW_SH, ROPE_SH = rope_shared_shapes(D, G) if FUSED else ((1, 1), (1, 1), 1)
@@ -359,9 +356,8 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     @cuda.jit(device=True, inline=True)
     def run_split(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                   request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale, out, partial_out,
-                  partial_lse, merge_counters):
-        """The split kernels' body: tiles of a row of several chunks write partials, and the row's
-        last tile to finish merges them (tile_merge.py)."""
+                  partial_lse):
+        """The split kernels' body: tiles of a row of several chunks write partials for the merge."""
         s_sh = cuda.shared.array((2, GROUP_STATES), float32)
         ring = cuda.shared.array((RING_ROWS, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
         state_sh = cuda.shared.array((3, G), float32)
@@ -370,16 +366,11 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         q_sh = cuda.shared.array(Q_SH, int32)
         new_sh = cuda.shared.array(NEW_SH, int32)
         rope_sh = cuda.shared.array(ROPE_SH, float32)
-        lse_sh = cuda.shared.array((G, MAX_MERGE_CHUNKS), float32)
-        flag_sh = cuda.shared.array(1, int32)
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
                                     scale, s_sh, ring, state_sh, part_sh, scratch, q_sh, new_sh, rope_sh)
         if row >= 0:
             store_split(out, partial_out, partial_lse, row, c, num_chunks, cuda.blockIdx.x, part_sh, state_sh)
-            if num_chunks > 1:
-                merge_split(out, partial_out, partial_lse, merge_counters, row, num_chunks, cuda.blockIdx.x,
-                            lse_sh, flag_sh)
 
     if FUSED:
         @cuda.jit(**launch_options)
@@ -393,11 +384,10 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         @cuda.jit(**launch_options)
         def split_rope_kernel(q, k, v, q_weight, k_weight, eps, weight_offset, theta, k_cache, v_cache, page_indices,
                               page_indptr, last_page_len, q_indptr, positions, request_indices, kv_tile_indices,
-                              kv_chunk_size, total_num_rows, out, partial_out, partial_lse, merge_counters, scale):
+                              kv_chunk_size, total_num_rows, out, partial_out, partial_lse, scale):
             run_split((q, k, v, q_weight, k_weight, eps, weight_offset, theta, k_cache, v_cache), k_cache, v_cache,
                       page_indices, page_indptr, last_page_len, q_indptr, positions, request_indices,
-                      kv_tile_indices, kv_chunk_size, total_num_rows, scale, out, partial_out, partial_lse,
-                      merge_counters)
+                      kv_tile_indices, kv_chunk_size, total_num_rows, scale, out, partial_out, partial_lse)
 
         return direct_rope_kernel, split_rope_kernel
 
@@ -410,9 +400,9 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     @cuda.jit(**launch_options)
     def split_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                      request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, out, partial_out,
-                     partial_lse, merge_counters, scale):
+                     partial_lse, scale):
         run_split(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                   request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale, out, partial_out,
-                  partial_lse, merge_counters)
+                  partial_lse)
 
     return direct_kernel, split_kernel

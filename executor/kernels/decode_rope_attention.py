@@ -17,7 +17,6 @@ import numpy as np
 
 from executor.kernels.attention import check_heads
 from executor.kernels.decode_attention import DecodeAttention
-from executor.kernels.tile_merge import check_merge_counters
 from executor.kernels.decode_attention_mma import MmaShape, build_decode_attention_mma
 from executor.kernels.decode_attention_mma import shared_bytes as mma_shared_bytes
 from executor.kernels.decode_rope_prologue import prologue_fits
@@ -71,8 +70,7 @@ class DecodeRopeAttention:
                  rotary_dim: int, theta: float, k_cache: Any, v_cache: Any, page_indices: Any, page_indptr: Any,
                  last_page_len: Any, q_indptr: Any, batch_indices: Any, positions: Any, request_indices: Any,
                  qo_tile_indices: Any, kv_tile_indices: Any, kv_chunk_size: Any, total_num_rows: Any, out: Any,
-                 scale: float, partial_out: Any = None, partial_lse: Any = None, merge_counters: Any = None,
-                 stream: Any = 0) -> None:
+                 scale: float, partial_out: Any = None, partial_lse: Any = None, stream: Any = 0) -> None:
         """Normalize and rotate q [B, Hq, D] and k [B, Hkv, D] (the qkv projection's views), write k
         and v [B, Hkv, D] into the caches at the rows' positions and write ``out [B, Hq, D]``.
         QkNormRopeWriteKv's arguments, then DecodeAttention's from the caches on (one query row per
@@ -89,7 +87,7 @@ class DecodeRopeAttention:
                       batch_indices, page_indices, page_indptr, stream=stream)
             self.attention(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, batch_indices,
                            positions, request_indices, qo_tile_indices, kv_tile_indices, kv_chunk_size,
-                           total_num_rows, out, scale, partial_out, partial_lse, merge_counters, stream=stream)
+                           total_num_rows, out, scale, partial_out, partial_lse, stream=stream)
             return
         (direct, split), threads = fused
         grid = (num_kv_heads, num_tiles)
@@ -100,6 +98,6 @@ class DecodeRopeAttention:
         if partial_out is None:
             direct[grid, threads, stream](*rope_args, *meta, out, np.float32(scale))
             return
-        check_merge_counters("decode_rope_attention", merge_counters, num_rows, num_kv_heads)
-        split[grid, threads, stream](*rope_args, *meta, out, partial_out, partial_lse, merge_counters,
-                                     np.float32(scale))
+        split[grid, threads, stream](*rope_args, *meta, out, partial_out, partial_lse, np.float32(scale))
+        self.attention.fallback.merge_splits(partial_out, partial_lse, batch_indices, positions, kv_chunk_size,
+                                             total_num_rows, out, stream)

@@ -68,8 +68,7 @@ class FullAttention:
             "page_indices", "page_indptr", "last_page_len", "q_indptr", "batch_indices", "positions",
             "request_indices", "qo_tile_indices", "kv_tile_indices", "kv_chunk_size", "total_num_rows"))
         if step.pool == "decode":  # one launch where it can (decode_rope_attention.py)
-            split = (step.role("attn_partial_out"), step.role("attn_partial_lse"),
-                     step.role("attn_merge_counters")) if self.split_decode else ()
+            split = (step.role("attn_partial_out"), step.role("attn_partial_lse")) if self.split_decode else ()
             k_.decode_rope_attention(q, k, v, self.q_norm, self.k_norm, self.eps, self.norm.weight_offset,
                                      self.rotary_dim, self.theta, self.k_cache, self.v_cache, *tile_meta, attn_out,
                                      self.scale, *split, stream=step.stream)

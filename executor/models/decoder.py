@@ -60,10 +60,6 @@ class DecoderModel:
         # embedding reads them before this step's sampler overwrites them (stream order).
         self.previous_ids = arena.tensor("sampling", "sampled_ids")
         self.graphs: DecodeGraphs | None = None
-        # Split decode rows merge inside the attention kernel, whose tiles count their arrivals here
-        # and leave the counters zero for the next launch (kernels/tile_merge.py): zero them once.
-        if "attn_merge_counters" in arena.names("decode"):
-            arena.tensor("decode", "attn_merge_counters").zero_()
 
     def _layer(self, index: int, build_mixer: MixerBuilder, gemm: GemmProjections | None) -> Layer:
         """Layer ``index`` on the shared GEMM projections, or (``gemm`` None) on GEMV projections that

@@ -54,26 +54,17 @@ def run_decode(dtype_name: str, group: int, kv_chunk: int | None, seed: int, mis
     capacity = num_rows * max_splits + 2  # a graph-sized grid: the -1 tail must be skipped
     buffers = tuple(np.zeros(capacity, np.int32) for _ in range(3)) + (np.zeros(num_rows, np.int32),)
     plan_tiles(meta["q_indptr"], meta["kv_lens"], kv_chunk=kv_chunk, max_splits=max_splits, out=buffers)
-    partial_out = partial_lse = merge_counters = None
+    partial_out = partial_lse = None
     if kv_chunk:
-        partial_out = cuda.to_device(np.full((num_rows, max_splits, num_q_heads, head_dim), np.nan, np.float32))
-        partial_lse = cuda.to_device(np.full((num_rows, max_splits, num_q_heads), np.nan, np.float32))
-        merge_counters = cuda.to_device(np.zeros((num_rows, NUM_KV_HEADS), np.int32))
+        partial_out = np.full((num_rows, max_splits, num_q_heads, head_dim), np.nan, np.float32)
+        partial_lse = np.full((num_rows, max_splits, num_q_heads), np.nan, np.float32)
     attention(q, k_cache, v_cache, meta["page_indices"], meta["page_indptr"], meta["last_page_len"],
               meta["q_indptr"], meta["batch_indices"], meta["positions"], buffers[0], buffers[1], buffers[2],
-              buffers[3], meta["total_num_rows"], out, scale, partial_out=partial_out, partial_lse=partial_lse,
-              merge_counters=merge_counters)
+              buffers[3], meta["total_num_rows"], out, scale, partial_out=partial_out, partial_lse=partial_lse)
     expected = reference(from_storage(np.ascontiguousarray(qproj[..., :head_dim]), dtype_name),
                          from_storage(pool[:, 1, 0], dtype_name), from_storage(pool[:, 1, 1], dtype_name),
                          meta, scale)
     assert_close_rel(from_storage(out.copy_to_host(), dtype_name), expected, TOL[dtype_name])
-    if kv_chunk and not misaligned and attention.mma_launch(num_rows, NUM_KV_HEADS) is not None:
-        # The tensor-core kernel merged split rows itself: the merge launch's bits, counters back at zero.
-        merged = cuda.to_device(out.copy_to_host())
-        general.merge_splits(partial_out, partial_lse, meta["batch_indices"], meta["positions"], buffers[3],
-                             meta["total_num_rows"], merged)
-        assert np.array_equal(merged.copy_to_host(), out.copy_to_host()), "in-kernel merge differs from the launch"
-        assert not merge_counters.copy_to_host().any()
     return attention
 
 
@@ -149,30 +140,11 @@ def test_decode_attention_gpu_bf16_long_contexts(num_q_heads, num_kv_heads, head
         scratch = {}
         if split:
             scratch = {"partial_out": torch.empty(len(batch), max_splits, num_q_heads, head_dim, device=device),
-                       "partial_lse": torch.empty(len(batch), max_splits, num_q_heads, device=device),
-                       "merge_counters": torch.zeros(len(batch), num_kv_heads, dtype=torch.int32, device=device)}
-        stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
-
-        def launch(out: torch.Tensor) -> None:
-            attention(q.view(torch.int16), k_cache.view(torch.int16), v_cache.view(torch.int16),
-                      dev["page_indices"], dev["page_indptr"], dev["last_page_len"], dev["q_indptr"],
-                      dev["batch_indices"], dev["positions"], *tiles, dev["total_num_rows"], out.view(torch.int16),
-                      scale, **scratch, stream=stream)
-
-        launch(out)
-        if split and shape is not None:
-            # The kernel merged split rows itself: the merge launch's bits, every time (the last tile
-            # to arrive differs from launch to launch), with its counters back at zero.
-            merged = out.clone()
-            attention.fallback.merge_splits(scratch["partial_out"], scratch["partial_lse"], dev["batch_indices"],
-                                            dev["positions"], tiles[3], dev["total_num_rows"],
-                                            merged.view(torch.int16), stream)
-            assert torch.equal(merged.view(torch.int16), out.view(torch.int16))
-            again = torch.empty_like(out)
-            for _ in range(20):
-                launch(again)
-                assert torch.equal(again.view(torch.int16), out.view(torch.int16))
-            assert not scratch["merge_counters"].any()
+                       "partial_lse": torch.empty(len(batch), max_splits, num_q_heads, device=device)}
+        attention(q.view(torch.int16), k_cache.view(torch.int16), v_cache.view(torch.int16), dev["page_indices"],
+                  dev["page_indptr"], dev["last_page_len"], dev["q_indptr"], dev["batch_indices"], dev["positions"],
+                  *tiles, dev["total_num_rows"], out.view(torch.int16), scale, **scratch,
+                  stream=cuda.external_stream(torch.cuda.current_stream().cuda_stream))
         torch.cuda.synchronize()
         for b, (_, kv_len) in enumerate(batch):
             pages = torch.as_tensor(meta["page_lists"][b], device=device, dtype=torch.long)
