@@ -64,8 +64,7 @@ STORE, RESIDUAL, SWIGLU = "store", "residual", "swiglu"
 #: Defaults from the sweep in the module docstring.
 GEMV_WARPS = 4
 GEMV_BLOCKS_PER_SM = 4
-CHUNKS_PER_LANE = 8  # one row a warp
-SWIGLU_CHUNKS_PER_LANE = 4  # two rows (gate, up) a warp: the same 8 chunks of loads in flight
+CHUNKS_PER_LANE = 8  # of each of a warp's rows: 8 KB of loads in flight a warp of two rows
 #: The simulator runs every thread as a Python thread: 4 lanes a row there, in one-warp blocks. (Its
 #: run time grows much faster than a thread's work: a thread a row took 100 times as long on a tiny down
 #: projection.)
@@ -75,14 +74,16 @@ SIM_ROW_THREADS = 4
 def build_gemv_kernel(
     codec: Codec, batch: int, in_features: int, epilogue: str, *, normed: bool, round_before_weight: bool = True,
     chunks_per_lane: int = CHUNKS_PER_LANE, row_threads: int = WARP_THREADS, threads: int = GEMV_WARPS * WARP_THREADS,
-    launch_bounds: tuple[int, int] | None = None,
+    launch_bounds: tuple[int, int] | None = None, paired: bool = True,
 ) -> Callable[..., Any]:
     """Kernel ``(x [B, K], norm_weight [K], weight [N, K], out, eps f32, weight_offset f32)``, storage dtype
     of ``codec``, B = ``batch``, K = ``in_features`` (a whole number of 16-byte chunks; every row 16-byte
     aligned). ``normed``: x is the residual stream, normalized in the prologue with ``norm_weight``,
     ``eps`` and ``weight_offset`` (build_normalize's ``round_before_weight``); else x is the input as
     is and the norm arguments are unused. ``epilogue``: STORE ``out [B, N]``, RESIDUAL ``out [B, N] +=``
-    (in place), SWIGLU ``out [B, I]`` with N = 2 I (gate rows, then up rows).
+    (in place), SWIGLU ``out [B, I]`` with N = 2 I (gate rows, then up rows). A row team owns two weight
+    rows, n and n + N / 2 (SWIGLU: gate row n and up row n), or, for STORE and RESIDUAL with
+    ``paired`` false (N odd), one.
 
     ``row_threads`` lanes share a row group (a power of two <= 32: a warp on the GPU, fewer in the
     simulator). Launch with blocks of ``threads`` threads (whole warps: a multiple of row_threads in
@@ -95,7 +96,7 @@ def build_gemv_kernel(
     if in_features % lanes:
         raise ValueError(f"in_features {in_features} is not a whole number of {lanes}-element chunks")
     chunks = in_features // lanes  # a row's 16-byte chunks
-    rows = 2 if epilogue == SWIGLU else 1  # weight rows a warp owns
+    rows = 2 if epilogue == SWIGLU or paired else 1  # weight rows a warp owns: n and n + N / 2
     sweep = row_threads * chunks_per_lane  # chunks a row group covers per trip
     trips = -(-chunks // sweep)
     whole_trips = chunks % sweep == 0  # no bounds check in the chunk loops
@@ -154,7 +155,7 @@ def build_gemv_kernel(
 
     @cuda.jit(device=True, inline=True)
     def load_trip(weight, n, second, t, lane, w_buf):
-        """Trip t's weight chunks of row group n (its rows n, and n + second for SWIGLU) into w_buf."""
+        """Trip t's weight chunks of row group n (its rows n, and n + second when paired) into w_buf."""
         for r in range(rows):
             for u in range(chunks_per_lane):
                 c = (t * chunks_per_lane + u) * row_threads + lane
@@ -171,8 +172,8 @@ def build_gemv_kernel(
         x_words = cuda.local.array(VECTOR_WORDS, wtype)
         x_chunk = cuda.local.array(lanes, float32)
         acc = cuda.local.array(accumulators, float32)
-        groups = out.shape[1]  # output columns: a warp's rows give one
-        second = weight.shape[0] // 2  # SWIGLU: the up row of gate row n is n + I
+        second = weight.shape[0] // 2  # a warp's second row: n + N / 2 (SWIGLU: the up row of gate row n)
+        groups = out.shape[1] if epilogue == SWIGLU else out.shape[1] // rows  # row groups: a warp's rows
         block_first = cuda.blockIdx.x * teams
         if normed:  # the first group's first trip is in flight while the block normalizes x
             if block_first + cuda.threadIdx.x // row_threads < groups:
@@ -211,10 +212,13 @@ def build_gemv_kernel(
                 for b in range(batch):
                     if epilogue == SWIGLU:
                         out[b, n] = swiglu(store(acc[b]), store(acc[batch + b]))
-                    elif epilogue == RESIDUAL:
-                        out[b, n] = store(load(out[b, n]) + load(store(acc[b])))
                     else:
-                        out[b, n] = store(acc[b])
+                        for r in range(rows):
+                            m = n + r * second
+                            if epilogue == RESIDUAL:
+                                out[b, m] = store(load(out[b, m]) + load(store(acc[r * batch + b])))
+                            else:
+                                out[b, m] = store(acc[r * batch + b])
 
     return gemv
 
@@ -222,7 +226,7 @@ def build_gemv_kernel(
 class Gemv:
     """Launchers of the three fused GEMVs (module docstring) for one model's codec and norm style.
 
-    Kernels compile per (epilogue, batch, in_features) on first use (the eager warm-up before graph
+    Kernels compile per (epilogue, batch, in_features, normed, paired) on first use (the eager warm-up before graph
     capture). Arguments are the plan's contiguous, 16-byte-aligned views; the launchers check shapes
     and alignment (a size mismatch is the caller's bug, not a config error). ``warps`` a block and
     ``blocks_per_sm`` (grid and launch bound) default to the sweep's pick (bench/launch_sweep.py).
@@ -262,14 +266,18 @@ class Gemv:
                              f"out {tuple(out.shape)} do not match")
         if not vector_aligned(x, norm_weight, weight):  # out is written an element at a time
             raise ValueError(f"gemv {epilogue}: x, norm_weight and weight rows must be whole 16-byte-aligned chunks")
-        key = (epilogue, batch, in_features, normed)
+        # A warp's two rows n and n + N / 2; the residual kernels keep one: paired, ptxas puts their
+        # weight buffer in local memory (256 bytes a thread, sm_90).
+        paired = epilogue == SWIGLU or (epilogue == STORE and out_rows % 2 == 0)
+        key = (epilogue, batch, in_features, normed, paired)
         kernel = self._kernels.get(key)
         if kernel is None:
             kernel = self._kernels[key] = Kernel(build_gemv_kernel(
                 self.codec, batch, in_features, epilogue, normed=normed, round_before_weight=self.round_before_weight,
-                chunks_per_lane=SWIGLU_CHUNKS_PER_LANE if epilogue == SWIGLU else CHUNKS_PER_LANE,
-                row_threads=self.row_threads, threads=self.threads, launch_bounds=(self.threads, self.blocks_per_sm)))
-        grid = max(1, min(self.num_sms * self.blocks_per_sm, -(-out_rows // self.teams)))
+                row_threads=self.row_threads, threads=self.threads, launch_bounds=(self.threads, self.blocks_per_sm),
+                paired=paired))
+        groups = out_rows if epilogue == SWIGLU else out_rows // (2 if paired else 1)
+        grid = max(1, min(self.num_sms * self.blocks_per_sm, -(-groups // self.teams)))
         shared_bytes = 4 * ((batch * in_features if normed else 0) + self.threads)
         kernel[grid, self.threads, stream, shared_bytes](x, norm_weight, weight, out, np.float32(eps),
                                                          np.float32(weight_offset))
