@@ -82,7 +82,7 @@ SIM_ROW_THREADS = 4
 def build_gemv_kernel(
     codec: Codec, batch: int, in_features: int, epilogue: str, *, normed: bool, round_before_weight: bool = True,
     chunks_per_lane: int = CHUNKS_PER_LANE, row_threads: int = WARP_THREADS, threads: int = GEMV_WARPS * WARP_THREADS,
-    launch_bounds: tuple[int, int] | None = None, paired: bool = True,
+    launch_bounds: tuple[int, int] | None = None, paired: bool = False,
 ) -> Callable[..., Any]:
     """Kernel ``(x [B, K], norm_weight [K], weight [N, K], out, eps f32, weight_offset f32)``, storage dtype
     of ``codec``, B = ``batch``, K = ``in_features`` (a whole number of 16-byte chunks; every row 16-byte
@@ -90,8 +90,7 @@ def build_gemv_kernel(
     ``eps`` and ``weight_offset`` (build_normalize's ``round_before_weight``); else x is the input as
     is and the norm arguments are unused. ``epilogue``: STORE ``out [B, N]``, RESIDUAL ``out [B, N] +=``
     (in place), SWIGLU ``out [B, I]`` with N = 2 I (gate rows, then up rows). A row team owns two weight
-    rows, n and n + N / 2 (SWIGLU: gate row n and up row n), or, for STORE and RESIDUAL with
-    ``paired`` false (N odd), one.
+    rows, n and n + N / 2, for SWIGLU (gate row n and up row n) and with ``paired`` (N even); else one.
 
     ``row_threads`` lanes share a row group (a power of two <= 32: a warp on the GPU, fewer in the
     simulator). Launch with blocks of ``threads`` threads (whole warps: a multiple of row_threads in
@@ -234,8 +233,8 @@ def build_gemv_kernel(
 class Gemv:
     """Launchers of the three fused GEMVs (module docstring) for one model's codec and norm style.
 
-    Kernels compile per (epilogue, batch, in_features, normed, paired) on first use (the eager warm-up before graph
-    capture). Arguments are the plan's contiguous, 16-byte-aligned views; the launchers check shapes
+    Kernels compile per (epilogue, batch, in_features, normed, paired) on first use (the eager warm-up
+    before graph capture). Arguments are the plan's contiguous, 16-byte-aligned views; the launchers check shapes
     and alignment (a size mismatch is the caller's bug, not a config error). ``warps`` a block and
     ``blocks_per_sm`` (grid and launch bound) default to the sweep's pick (bench/launch_sweep.py).
     """
