@@ -40,7 +40,8 @@ previous group's lane sums measured slower (down 27.1 us, o_proj 10.9). A launch
 copies) and gate_up within 0.5 us across shapes; the defaults stay.
 
 Since 2026-12-01 the normed kernels (1) load their first row group's first trip of weights before
-the RMSNorm prologue, which then runs under that latency, and (2) give a warp two rows, n and n + N / 2,
+the RMSNorm prologue, which then runs under that latency (only that trip, and only where there is a
+prologue to hide, unlike the attempt above), and (2) give a warp two rows, n and n + N / 2,
 with 8 chunks of each in flight: 8 KB a warp (128 registers, the launch bound's limit at 4 x 4). In
 the batch-1 Qwen3-8B decode graph on the H200 (profiled, the session's start tree 9df5adc in the same
 machine start): gate_up 48.7 us against 50.1, qkv 15.8 against 16.5; (1) alone had given qkv 16.0
