@@ -47,6 +47,14 @@ the batch-1 Qwen3-8B decode graph on the H200 (profiled, the session's start tre
 machine start): gate_up 48.7 us against 50.1, qkv 15.8 against 16.5; (1) alone had given qkv 16.0
 against 16.6 and gate_up 50.4 against 50.1. Paired, the residual kernels' weight buffer went to local
 memory (256 bytes a thread; the local ptxas, sm_90), so o_proj and down keep one row a warp.
+
+The prologue writes the staged x 16 bytes at a time (``store_stage``). One float32 at a time, a
+thread's 8 elements of a bf16 chunk lie 32 bytes from its neighbour's, so every store was an 8-way
+bank conflict: about 4,000 shared-memory cycles an SM for 16 warps' 32 stores. On the H200,
+%globaltimer stamps put a block's barrier 1.5-3.6 us after its x arrived (without the weight
+preload, which delays x). Stored 16 bytes at a time with the halves swizzled, qkv took 15.1 us
+against 16.1 and gate_up 49.8 against 50.8 (graphs of distinct weight copies, one machine start,
+2026-12-01); without any prologue at all they take 14.0 and 49.5.
 """
 
 from __future__ import annotations
@@ -61,7 +69,8 @@ from executor.kernels.launch import WARP_THREADS, Kernel, multiprocessor_count
 from executor.kernels.norm import build_normalize, inv_rms_from_sum
 from executor.kernels.reduce import block_sum, build_group_sum
 from executor.kernels.vector import (
-    VECTOR_WORDS, build_lanes, build_shared_vector_load, build_vector_access, lanes_for, vector_aligned, word_type,
+    VECTOR_WORDS, build_lanes, build_shared_vector_load, build_shared_vector_store, build_vector_access, lanes_for,
+    vector_aligned, word_type,
 )
 from executor.numba_cuda import launch_bounds as jit_launch_bounds, load_cuda, simulator_enabled
 
@@ -109,6 +118,7 @@ def build_gemv_kernel(
     trips = -(-chunks // sweep)
     whole_trips = chunks % sweep == 0  # no bounds check in the chunk loops
     per_word = lanes // VECTOR_WORDS  # elements a 32-bit word
+    halves = lanes // VECTOR_WORDS  # 16-byte float32 stores a staged chunk takes (2 for bf16)
     weight_words, accumulators = rows * chunks_per_lane * VECTOR_WORDS, rows * batch
     stage_floats = batch * in_features if normed else 0
     stage_chunks = -(-chunks // threads)  # chunks of a row one thread normalizes in the prologue
@@ -117,6 +127,7 @@ def build_gemv_kernel(
     load, store = codec.load, codec.store
     load_vector, _ = build_vector_access()
     load_shared_vector = build_shared_vector_load()
+    store_shared_vector = build_shared_vector_store()
     get_lane, _ = build_lanes(codec)
     group_sum = build_group_sum()
     normalize = build_normalize(codec, round_before_weight)
@@ -135,6 +146,7 @@ def build_gemv_kernel(
         tid = cuda.threadIdx.x
         h_words = cuda.local.array(stage_words, wtype)
         w_words = cuda.local.array(stage_words, wtype)
+        normed = cuda.local.array(lanes, float32)
         for k in range(stage_chunks):  # the norm weight's chunks serve every row
             c = tid + k * threads
             if whole_stage or c < chunks:
@@ -158,8 +170,28 @@ def build_gemv_kernel(
                     for j in range(lanes):
                         value = normalize(element(h_words, k * VECTOR_WORDS, j), inv_rms,
                                           element(w_words, k * VECTOR_WORDS, j), weight_offset)
-                        stage[b * in_features + c * lanes + j] = load(store(value))
+                        normed[j] = load(store(value))
+                    store_stage(stage, b * in_features + c * lanes, normed, tid)
         cuda.syncthreads()
+
+    @cuda.jit(device=True, inline=True)
+    def store_stage(stage, start, normed, tid):
+        """stage[start : start + lanes] <- normed (float32), 16 bytes a store. A bf16 chunk is two stores:
+        lanes 32 bytes apart would put every quarter warp's first stores on half the banks (two-way
+        conflicts), so lanes 4 to 7 of each 8 store their second half first and each store instruction
+        covers the 32 banks once."""
+        if halves == 1:
+            store_shared_vector(stage, (start,), normed, 0)
+        else:
+            swap = (tid // 4) % 2 == 1
+            first = cuda.local.array(VECTOR_WORDS, float32)
+            second = cuda.local.array(VECTOR_WORDS, float32)
+            for i in range(VECTOR_WORDS):
+                first[i] = normed[VECTOR_WORDS + i] if swap else normed[i]
+                second[i] = normed[i] if swap else normed[VECTOR_WORDS + i]
+            offset = VECTOR_WORDS if swap else 0
+            store_shared_vector(stage, (start + offset,), first, 0)
+            store_shared_vector(stage, (start + VECTOR_WORDS - offset,), second, 0)
 
     @cuda.jit(device=True, inline=True)
     def load_trip(weight, n, second, t, lane, w_buf):

@@ -269,6 +269,14 @@ def build_shared_vector_load() -> Callable[..., Any]:
     return _build_load(SHARED_SPACE)
 
 
+def build_shared_vector_store() -> Callable[..., Any]:
+    """``store_shared_vector(dst, index, words, start)``: ``store_vector`` into a ``cuda.shared.array``
+    (one ``st.shared.v4``; the same emulation in the simulator)."""
+    if simulator_enabled():
+        return _simulated_access()[1]
+    return _build_store(SHARED_SPACE)
+
+
 def _build_load(space: int) -> Callable[..., Any]:
     from numba.cuda.extending import intrinsic
 
@@ -296,10 +304,13 @@ def _build_load(space: int) -> Callable[..., Any]:
 
 
 def _intrinsics() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    return _build_load(GLOBAL_SPACE), _build_store(GLOBAL_SPACE)
+
+
+def _build_store(space: int) -> Callable[..., Any]:
     from numba.cuda.extending import intrinsic
 
     lane_index = ir.IntType(32)
-    load_vector = _build_load(GLOBAL_SPACE)
 
     @intrinsic
     def store_vector(typingctx, dst, index, words, start):
@@ -313,10 +324,10 @@ def _intrinsics() -> tuple[Callable[..., Any], Callable[..., Any]]:
             sources = _word_pointers(context, builder, words_type, words_value, start_type, start_value)
             for w, source in enumerate(sources):
                 vector = builder.insert_element(vector, builder.load(source), lane_index(w))
-            pointer = _chunk_pointer(context, builder, dst_type, dst_value, index_type, index_value)
+            pointer = _chunk_pointer(context, builder, dst_type, dst_value, index_type, index_value, space)
             builder.store(builder.bitcast(vector, pointer.type.pointee), pointer, align=VECTOR_BYTES)
             return context.get_dummy_value()
 
         return types.void(dst, index, words, start), codegen
 
-    return load_vector, store_vector
+    return store_vector

@@ -98,8 +98,8 @@ def test_shape_mismatch_names_the_shapes():
 
 
 def test_sm90_ptx_keeps_buffers_in_registers():
-    """Every kernel at batch 1 on Qwen3-8B's K: 16-byte weight loads, the staged x read 16 bytes at a
-    time from shared memory, no local memory (the chunk buffers stay in registers)."""
+    """Every kernel at batch 1 on Qwen3-8B's K: 16-byte weight loads, the staged x written and read 16
+    bytes at a time in shared memory, no local memory (the chunk buffers stay in registers)."""
     compile_for_sm90(
         """
         from executor.kernels.gemv import build_gemv_kernel, STORE, RESIDUAL, SWIGLU
@@ -111,6 +111,7 @@ def test_sm90_ptx_keeps_buffers_in_registers():
                            types.float32)
                 assert "ld.global.v4" in text and ".local" not in text, (name, epilogue)
                 assert ("ld.shared.v4" in text) == normed, (name, epilogue)
+                assert ("st.shared.v4" in text) == normed, (name, epilogue)
         """
     )
 
