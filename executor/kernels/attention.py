@@ -290,33 +290,36 @@ def build_paged_attention(
         w_c = exp(lse_c - max lse) / sum. Rows with one chunk were written by split_kernel.
 
         At decode sizes a warp of this kernel has an SM scheduler to itself: it takes about as long
-        as its instructions' dependent latencies, so each thread does as little as it can. Loads that
-        do not depend on each other go out together: the row's metadata in one round (t < T, so its
-        entries are valid addresses even past the step's rows), then a thread's first MERGE_UNROLL
-        chunk partials before the log-sum-exps it waits for. Chunk c's weight exp(lse_c - max) is
-        computed once, by thread c, into shared memory (every thread used to compute every weight
-        twice); a thread then adds MERGE_UNROLL partials at a time. Sums run in chunk order."""
+        as its instructions' dependent latencies, so each thread does as little as it can. Every load
+        of the first round goes out together, before the row's chunk count is known: the row's
+        metadata (t < T, so its entries are valid addresses even past the step's rows), a thread's
+        first MERGE_UNROLL chunk partials and the log-sum-exps of every chunk the scratch holds (its
+        whole depth: valid addresses, and only chunks < num_chunks are used). The request's chunk
+        size follows in a second round; waiting for the chunk count first made the partials a third. Chunk c's weight exp(lse_c - max) is computed
+        once, by thread c, into shared memory (every thread used to compute every weight twice); a
+        thread then adds MERGE_UNROLL partials at a time. Sums run in chunk order."""
         lse_sh = cuda.shared.array(MAX_MERGE_CHUNKS, float32)
         weight_sh = cuda.shared.array(MAX_MERGE_CHUNKS, float32)
         values = cuda.local.array(MERGE_UNROLL, float32)
         t = cuda.blockIdx.x
         head = cuda.blockIdx.y
+        depth = partial_out.shape[1]
         step_rows = int32(total_num_rows[0])
         position = positions[t]
         b = batch_indices[t]
-        if t >= step_rows:
-            return
-        num_chunks = min(position // kv_chunk_size[b] + 1, partial_out.shape[1])
-        if num_chunks <= 1:
-            return
         first_d = cuda.threadIdx.x
-        if first_d < out.shape[2]:  # the first trip's partials, in flight while the lse round lands
-            for u in range(MERGE_UNROLL):  # clamped: a valid address; only chunks < num_chunks are added
-                values[u] = partial_out[t, min(u, num_chunks - 1), head, first_d]
+        if first_d < out.shape[2]:
+            for u in range(MERGE_UNROLL):
+                values[u] = partial_out[t, min(u, depth - 1), head, first_d]
         c = cuda.threadIdx.x  # strided loops as while loops: a strided range() divides (64-bit) for its trip count
-        while c < num_chunks:
+        while c < depth:
             lse_sh[c] = partial_lse[t, c, head]
             c += cuda.blockDim.x
+        if t >= step_rows:
+            return
+        num_chunks = min(position // kv_chunk_size[b] + 1, depth)
+        if num_chunks <= 1:
+            return
         cuda.syncthreads()
         top = NEG_INF
         for c in range(num_chunks):
