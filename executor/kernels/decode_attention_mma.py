@@ -59,10 +59,11 @@ from executor.kernels.attention import NEG_INF
 from executor.kernels.codec import build_codec
 from executor.kernels.decode_rope_prologue import build_rope_prologue, prologue_fits
 from executor.kernels.decode_rope_prologue import shared_shapes as rope_shared_shapes
-from executor.kernels.decode_tiles import LOG2_E, build_meet, build_tile_span, build_tile_store
+from executor.kernels.decode_tiles import LOG2_E, build_meet, build_tile_lookups, build_tile_store
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS
 from executor.kernels.mma import build_eight_key_value_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.reduce import build_group_max, build_group_sum
+from executor.kernels.vector import VECTOR_WORDS
 from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 
 cuda = load_cuda()
@@ -81,13 +82,17 @@ FEW_BLOCKS_PER_SM = 2
 #: output and 32 q registers, and the local ptxas spills at sm_90.
 MAX_DEFAULT_HEAD_DIM = 128
 PAD_WORDS = 4  # per staged row: consecutive rows 4 banks apart (16 bytes; rows stay 16-byte aligned)
+#: Per head row of the warps' outputs (part_sh [W, G, D + PART_PAD]): lane (g, t) stores element 8 j + 2 t
+#: of head g, so with rows D apart (a multiple of 32 words) the G heads' stores fall in one bank; 8
+#: words apart they fall in 8 g + 2 t, distinct for G <= 4.
+PART_PAD = 8
 
 
 def shared_bytes(head_dim: int, group_size: int, warps: int, slots: int) -> int:
     """Static shared memory of one block: the warps' K/V rings, then where the warps meet (their
     (max, sum) and outputs, the merged state) and the simulator's reduction scratch (4-byte words)."""
     ring_words = warps * slots * 2 * SLOT_KEYS * (head_dim // 2 + PAD_WORDS)
-    meet_words = 2 * warps * group_size + warps * group_size * head_dim + 3 * group_size
+    meet_words = 2 * warps * group_size + warps * group_size * (head_dim + PART_PAD) + 3 * group_size
     return 4 * (ring_words + meet_words + WARP_THREADS * warps)
 
 
@@ -160,6 +165,7 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     D, G, W, SL = head_dim, group_size, warps, slots
     NT = WARP_THREADS * W
     ROW_WORDS = D // 2 + PAD_WORDS
+    PART_ROW = D + PART_PAD
     RING_ROWS = W * SL * 2 * SLOT_KEYS  # warp w, slot s: K rows at (w * SL + s) * 16, V rows 8 after
     CHUNKS_PER_ROW = D // 8  # 16-byte chunks of a K or V row
     COPIES = CHUNKS_PER_ROW // 4  # chunks a lane copies of its key's K row (and of its V row)
@@ -179,7 +185,7 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     warp_barrier = build_warp_barrier()
     quad_max = build_group_max()
     quad_sum = build_group_sum()
-    tile_span = build_tile_span()
+    tile_entries, tile_request, tile_keys = build_tile_lookups()
     meet = build_meet(G, D, NT, W)
     store_out, store_split = build_tile_store(G, D, NT, build_codec("bfloat16").store)
     FUSED = rope is not None
@@ -187,9 +193,10 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     Q_SH, NEW_SH, ROPE_SH = rope_shared_shapes(D, G) if FUSED else ((1, 1), (1, 1), 1)
     if FUSED:
         assert prologue_fits(D, G, NT)
-        prologue, patch = build_rope_prologue(D, G, rope, SLOT_KEYS, warp_barrier)
+        prologue = build_rope_prologue(D, G, rope, SLOT_KEYS, warp_barrier)
+        prologue_start, prologue_load, prologue_finish, patch = prologue
     else:  # attend's FUSED branches are compiled out
-        prologue = patch = None
+        prologue_start = prologue_load = prologue_finish = patch = None
 
     @cuda.jit(device=True, inline=True)
     def locate(page_indices, page_base, page_size, pos, k1):
@@ -227,26 +234,46 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         h = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         page_size = k_cache.shape[1]
-        row, c, k0, k1, page_base, num_chunks, last = tile_span(
-            cuda.blockIdx.y, page_size, page_indptr, last_page_len, q_indptr, positions, request_indices,
-            kv_tile_indices, kv_chunk_size, total_num_rows)
+        # The lookups are three dependent rounds (decode_tiles.py). What needs only the earlier ones
+        # goes out between them: inv_freq's powers with the first, the prologue's q/k/v chunks and this
+        # lane's first page ids (clamped to the request's keys) with the row's position.
+        b, c, step_rows = tile_entries(cuda.blockIdx.y, request_indices, kv_tile_indices, total_num_rows)
+        if FUSED:
+            prologue_start(q, rope_sh)
+        if b < 0:  # padding tile (a graph's fixed grid)
+            return -1, 0, 0
+        row, k0, bound, page_base, chunk = tile_request(b, c, step_rows, page_size, page_indptr, last_page_len,
+                                                        q_indptr, kv_chunk_size)
         if row < 0:
             return -1, 0, 0
+        lo = cuda.local.array(VECTOR_WORDS, int32)  # the prologue's chunks and norm weights
+        hi = cuda.local.array(VECTOR_WORDS, int32)
+        w_lo = cuda.local.array(VECTOR_WORDS, int32)
+        w_hi = cuda.local.array(VECTOR_WORDS, int32)
+        if FUSED:
+            prologue_load(q, row, h, lo, hi, w_lo, w_hi)
         warp = tid // WARP_THREADS
         lane = tid % WARP_THREADS
         g = lane // 4
         t = lane % 4
-        iterations = ((k1 - k0 + SLOT_KEYS - 1) // SLOT_KEYS + W - 1) // W  # the busiest warp's slots
-        ring_address = shared_address(ring, (0, 0))
-        fragment_address = lane_address(ring, False)
         # The key this lane copies in iteration i: k0 + (i * W + warp) * 8 + lane % 8.
         own_key = k0 + warp * SLOT_KEYS + lane % SLOT_KEYS
         step_keys = W * SLOT_KEYS
+        first_pages = cuda.local.array(SL, int32)
+        first_slots = cuda.local.array(SL, int32)
+        for i in range(SL):
+            first_pages[i], first_slots[i] = locate(page_indices, page_base, page_size, own_key + i * step_keys,
+                                                    bound)
+        k1, num_chunks, last = tile_keys(positions, row, k0, bound, chunk)
+        if k0 >= k1:
+            return -1, 0, 0
+        iterations = ((k1 - k0 + SLOT_KEYS - 1) // SLOT_KEYS + W - 1) // W  # the busiest warp's slots
+        ring_address = shared_address(ring, (0, 0))
+        fragment_address = lane_address(ring, False)
         for i in range(SL):  # iterations 0 .. SL - 1 in flight, a group each, before anything waits
             if i < iterations:
                 pos = own_key + i * step_keys
-                page, in_page = locate(page_indices, page_base, page_size, pos, k1)
-                issue(k_cache, v_cache, h, page, in_page, pos < k1, ring, ring_address,
+                issue(k_cache, v_cache, h, first_pages[i], first_slots[i], pos < k1, ring, ring_address,
                       (warp * SL + i) * 2 * SLOT_KEYS, lane)
             commit_group()
         next_pos = own_key + SL * step_keys
@@ -257,7 +284,8 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         owner = k1 > last  # this tile holds the row's new key
         if FUSED:  # normed and rotated q (and k, v) while the first slots' copies are in flight
             page, in_page = locate(page_indices, page_base, page_size, last, k1)
-            prologue(q, row, h, last, owner, page, in_page, q_sh, new_sh, rope_sh, scratch)
+            prologue_finish(q, row, h, last, owner, page, in_page, q_sh, new_sh, rope_sh, scratch, lo, hi, w_lo,
+                            w_hi)
             for s in range(K_STEPS):
                 qa[2 * s] = q_sh[g, 8 * s + t] if g < G else int32(0)
                 qa[2 * s + 1] = q_sh[g, 8 * s + 4 + t] if g < G else int32(0)
@@ -342,7 +370,7 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         s_sh = cuda.shared.array((2, GROUP_STATES), float32)
         ring = cuda.shared.array((RING_ROWS, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
         state_sh = cuda.shared.array((3, G), float32)
-        part_sh = cuda.shared.array((W, G, D), float32)
+        part_sh = cuda.shared.array((W, G, PART_ROW), float32)
         scratch = cuda.shared.array(NT, float32)  # the simulator's quad reductions
         q_sh = cuda.shared.array(Q_SH, int32)
         new_sh = cuda.shared.array(NEW_SH, int32)
@@ -361,7 +389,7 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         s_sh = cuda.shared.array((2, GROUP_STATES), float32)
         ring = cuda.shared.array((RING_ROWS, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
         state_sh = cuda.shared.array((3, G), float32)
-        part_sh = cuda.shared.array((W, G, D), float32)
+        part_sh = cuda.shared.array((W, G, PART_ROW), float32)
         scratch = cuda.shared.array(NT, float32)
         q_sh = cuda.shared.array(Q_SH, int32)
         new_sh = cuda.shared.array(NEW_SH, int32)

@@ -31,7 +31,7 @@ reduction, two block barriers) is longer than the copies it overlaps.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from executor.kernels.codec import build_codec
 from executor.kernels.launch import WARP_THREADS
@@ -72,18 +72,33 @@ def shared_bytes(head_dim: int, group_size: int) -> int:
     return 4 * (q_rows * q_words + new_rows * new_words + rope_floats)
 
 
-def build_rope_prologue(head_dim: int, group_size: int, round_before_weight: bool, slot_keys: int,
-                        warp_barrier: Any) -> tuple[Any, Any]:
-    """``(prologue, patch)`` device functions for heads of ``head_dim`` in groups of ``group_size``, ring
-    slots of ``slot_keys`` keys and the attention kernel's ``warp_barrier``:
+class Prologue(NamedTuple):
+    """build_rope_prologue's device functions (its docstring)."""
 
-    prologue(args, row, h, last, owner, page, in_page, q_sh, new_sh, rope_sh, scratch)
-        all threads of the block, once. ``args`` = (q [T, Hq, D], k, v [T, Hkv, D], q_weight,
-        k_weight [D], eps, weight_offset, theta) in bf16 bits (the qkv projection's output, not yet
-        normed); ``last`` is the row's position, ``owner`` whether this tile holds key ``last``,
-        whose cache row is (page, in_page). Leaves q_sh [G, D / 2] and (owner) new_sh [2, D / 2]
-        filled and k/v written into the caches (``args[8:10]``); ends with a barrier. ``rope_sh``:
-        3 D / 2 float32; ``scratch``: the simulator's reduction scratch (blockDim.x float32).
+    start: Any
+    load: Any
+    finish: Any
+    patch: Any
+
+
+def build_rope_prologue(head_dim: int, group_size: int, round_before_weight: bool, slot_keys: int,
+                        warp_barrier: Any) -> Prologue:
+    """The prologue's device functions for heads of ``head_dim`` in groups of ``group_size``, ring slots
+    of ``slot_keys`` keys and the attention kernel's ``warp_barrier``. ``args`` = (q [T, Hq, D], k, v
+    [T, Hkv, D], q_weight, k_weight [D], eps, weight_offset, theta, k_cache, v_cache) in bf16 bits (the
+    qkv projection's output, not yet normed). All threads of the block call the first three, once, in
+    turn (the attention kernel issues its own lookups and copies between them):
+
+    start(args, rope_sh)
+        the row-independent inv_freq table into ``rope_sh`` (3 D / 2 float32), before any lookup.
+    load(args, row, h, lo, hi, w_lo, w_hi)
+        a thread's q (or k, or v) chunks of row ``row``, kv head h, and its norm weights into the four
+        VECTOR_WORDS buffers, as soon as the row is known.
+    finish(args, row, h, last, owner, page, in_page, q_sh, new_sh, rope_sh, scratch, lo, hi, w_lo, w_hi)
+        ``last`` is the row's position, ``owner`` whether this tile holds key ``last``, whose cache row
+        is (page, in_page). Leaves q_sh [G, D / 2] and (owner) new_sh [2, D / 2] filled and k/v
+        written into the caches; ends with a barrier. ``scratch``: the simulator's reduction scratch
+        (blockDim.x float32).
     patch(ring, k_row, slot_first, last, owner, new_sh, lane)
         every warp, after its copies of the slot of keys slot_first .. slot_first + slot_keys - 1 (K
         rows at ring[k_row ..], V rows slot_keys after) have landed: key ``last``'s rows from new_sh;
@@ -117,32 +132,39 @@ def build_rope_prologue(head_dim: int, group_size: int, round_before_weight: boo
     q_norm_rope = build_vector_head(codec, round_before_weight, put_q_chunk).head_norm_rope
     k_norm_rope = build_vector_head(codec, round_before_weight, put_k_chunk).head_norm_rope
 
+    @cuda.jit(device=True, inline=True)
+    def start(args, rope_sh):
+        # inv_freq needs no lookup: its float64 powers run while the tile's metadata lands.
+        store_inv_freq(rope_sh, 0, HALF, D, args[7])
+
+    @cuda.jit(device=True, inline=True)
+    def load(args, row, h, lo, hi, w_lo, w_hi):
+        q, k, v, q_weight, k_weight = args[0], args[1], args[2], args[3], args[4]
+        group = cuda.threadIdx.x // RG  # q head h G + group for group < G, then k head h, then v head h
+        lane = cuda.threadIdx.x % RG
+        # Every block loads k and v: whether it owns the new key is known only once the row's
+        # position lands, and these loads go out with that lookup.
+        if group < G:
+            touch_weights(q_weight, lane, HALF, PAIRS, PAIRS, w_lo, w_hi)
+            unit_load(q, row, h * G + group, lane, HALF, PAIRS, lo, hi)
+        elif group == G:
+            touch_weights(k_weight, lane, HALF, PAIRS, PAIRS, w_lo, w_hi)
+            unit_load(k, row, h, lane, HALF, PAIRS, lo, hi)
+        elif group == G + 1:
+            load_vector(v, (row, h, lane * LANES), lo, 0)
+            load_vector(v, (row, h, (lane + RG) * LANES), hi, 0)
+
     # Not inlined by Numba: its IR inlining copies a callee's whole IR at each level, and the rope
     # functions nested in the attention kernel took 29 s to compile against the plain kernel's 5
     # (local, sm_90); as a device function it compiles once (NVVM still inlines its one call).
     @cuda.jit(device=True)
-    def prologue(args, row, h, last, owner, page, in_page, q_sh, new_sh, rope_sh, scratch):
-        q, k, v, q_weight, k_weight, eps, weight_offset, theta, k_cache, v_cache = args
-        lo = cuda.local.array(VECTOR_WORDS, words)  # the thread's pair unit (or v's chunks lane, lane + RG)
-        hi = cuda.local.array(VECTOR_WORDS, words)
-        w_lo = cuda.local.array(VECTOR_WORDS, words)
-        w_hi = cuda.local.array(VECTOR_WORDS, words)
-        group = cuda.threadIdx.x // RG  # q head h G + group for group < G, then k head h, then v head h
+    def finish(args, row, h, last, owner, page, in_page, q_sh, new_sh, rope_sh, scratch, lo, hi, w_lo, w_hi):
+        q_weight, k_weight, eps, weight_offset, k_cache, v_cache = args[3], args[4], args[5], args[6], args[8], args[9]
+        group = cuda.threadIdx.x // RG
         lane = cuda.threadIdx.x % RG
         is_q = group < G
         is_k = owner and group == G
         is_v = owner and group == G + 1
-        # Loads first: the cos/sin's float64 powers and sincos run while they are in flight.
-        if is_q:
-            touch_weights(q_weight, lane, HALF, PAIRS, PAIRS, w_lo, w_hi)
-            unit_load(q, row, h * G + group, lane, HALF, PAIRS, lo, hi)
-        elif is_k:
-            touch_weights(k_weight, lane, HALF, PAIRS, PAIRS, w_lo, w_hi)
-            unit_load(k, row, h, lane, HALF, PAIRS, lo, hi)
-        elif is_v:
-            load_vector(v, (row, h, lane * LANES), lo, 0)
-            load_vector(v, (row, h, (lane + RG) * LANES), hi, 0)
-        store_inv_freq(rope_sh, 0, HALF, D, theta)
         store_cos_sin(rope_sh, 0, HALF, 2 * HALF, HALF, float32(last))
         cuda.syncthreads()
         partial = unit_squares(lane, PAIRS, lo, hi) if is_q or is_k else float32(0.0)
@@ -172,4 +194,4 @@ def build_rope_prologue(head_dim: int, group_size: int, round_before_weight: boo
                 word += WARP_THREADS
         warp_barrier()
 
-    return prologue, patch
+    return Prologue(start, load, finish, patch)

@@ -11,7 +11,18 @@ softmaxes combine. Each builder here returns inline device functions for one hea
         the tile's query row, chunk index, keys k0 .. k1 - 1, first page-table entry, the row's
         chunks and its position (the key it adds); row -1 when the block has nothing to do (a
         graph's padding tile, a row past the step's rows, or a chunk past the row's keys), decided
-        before any barrier.
+        before any barrier. It is the three steps below in turn; a kernel that has loads of its own
+        to issue while the lookups land calls them itself:
+    tile_entries(tile, request_indices, kv_tile_indices, total_num_rows) -> (b, c, step_rows)
+        the tile's entries (one round of loads); b < 0 for a padding tile.
+    tile_request(b, c, step_rows, page_size, page_indptr, last_page_len, q_indptr, kv_chunk_size)
+            -> (row, k0, bound, page_base, chunk)
+        its request's entries (a second round; b >= 0): the chunk's first key k0 and ``bound`` =
+        min(k0 + chunk, the request's cached keys), which page lookups may clamp to before the row's
+        position lands; row -1 past the step's rows or the cached keys.
+    tile_keys(positions, row, k0, bound, chunk) -> (k1, num_chunks, last)
+        the row's position (a third round): the chunk ends at k1 = min(bound, last + 1); nothing to
+        do when k0 >= k1.
     meet(s_sh, part_sh, state_sh)
         after each of the block's ``groups`` groups k wrote its running (max, sum) of head g to
         s_sh[0 / 1, k * G + g] (max in log2 units) and its output to part_sh[k, g, :], and a
@@ -40,35 +51,58 @@ LN_2 = 0.6931471805599453
 
 def build_tile_span() -> Any:
     """``tile_span`` (module docstring)."""
+    tile_entries, tile_request, tile_keys = build_tile_lookups()
 
     @cuda.jit(device=True, inline=True)
     def tile_span(tile, page_size, page_indptr, last_page_len, q_indptr, positions, request_indices,
                   kv_tile_indices, kv_chunk_size, total_num_rows):
-        # A decode call waits on these lookups, not on bandwidth: loads that do not depend on each
-        # other go out together, three rounds in all (the tile's, its request's, its row's position).
-        # The tile and request entries exist for every tile of the grid and every request of the
-        # bucket, so the loads before each early return read valid addresses.
-        b = request_indices[tile]
-        c = kv_tile_indices[tile]
-        step_rows = int32(total_num_rows[0])
+        b, c, step_rows = tile_entries(tile, request_indices, kv_tile_indices, total_num_rows)
         if b < 0:  # padding tile (a graph's fixed grid)
             return -1, 0, 0, 0, 0, 0, 0
+        row, k0, bound, page_base, chunk = tile_request(b, c, step_rows, page_size, page_indptr, last_page_len,
+                                                        q_indptr, kv_chunk_size)
+        if row < 0:
+            return -1, 0, 0, 0, 0, 0, 0
+        k1, num_chunks, last = tile_keys(positions, row, k0, bound, chunk)
+        if k0 >= k1:
+            return -1, 0, 0, 0, 0, 0, 0
+        return row, c, k0, k1, page_base, num_chunks, last
+
+    return tile_span
+
+
+def build_tile_lookups() -> tuple[Any, Any, Any]:
+    """``(tile_entries, tile_request, tile_keys)`` (module docstring).
+
+    A decode call waits on these lookups, not on bandwidth: loads that do not depend on each other go
+    out together, three rounds in all (the tile's, its request's, its row's position). The tile and
+    request entries exist for every tile of the grid and every request of the bucket, so the loads
+    before each early return read valid addresses."""
+
+    @cuda.jit(device=True, inline=True)
+    def tile_entries(tile, request_indices, kv_tile_indices, total_num_rows):
+        return request_indices[tile], kv_tile_indices[tile], int32(total_num_rows[0])
+
+    @cuda.jit(device=True, inline=True)
+    def tile_request(b, c, step_rows, page_size, page_indptr, last_page_len, q_indptr, kv_chunk_size):
         row = q_indptr[b]
         page_base = page_indptr[b]
         page_end = page_indptr[b + 1]
         tail = last_page_len[b]
         chunk = kv_chunk_size[b]
-        if row >= step_rows:
-            return -1, 0, 0, 0, 0, 0, 0
         kv_len = (page_end - page_base - 1) * page_size + tail
-        last = positions[row]  # the row sees keys 0 .. last
         k0 = c * chunk
-        k1 = min(k0 + chunk, last + 1, kv_len)
-        if k0 >= k1:
-            return -1, 0, 0, 0, 0, 0, 0
-        return row, c, k0, k1, page_base, last // chunk + 1, last
+        bound = min(k0 + chunk, kv_len)
+        if row >= step_rows or k0 >= bound:
+            return -1, 0, 0, 0, 0
+        return row, k0, bound, page_base, chunk
 
-    return tile_span
+    @cuda.jit(device=True, inline=True)
+    def tile_keys(positions, row, k0, bound, chunk):
+        last = positions[row]  # the row sees keys 0 .. last
+        return min(bound, last + 1), last // chunk + 1, last
+
+    return tile_entries, tile_request, tile_keys
 
 
 def build_meet(group_size: int, head_dim: int, threads: int, groups: int) -> Any:
