@@ -295,9 +295,10 @@ def build_paged_attention(
         metadata (t < T, so its entries are valid addresses even past the step's rows), a thread's
         first MERGE_UNROLL chunk partials and the log-sum-exps of every chunk the scratch holds (its
         whole depth: valid addresses, and only chunks < num_chunks are used). The request's chunk
-        size follows in a second round; waiting for the chunk count first made the partials a third. Chunk c's weight exp(lse_c - max) is computed
-        once, by thread c, into shared memory (every thread used to compute every weight twice); a
-        thread then adds MERGE_UNROLL partials at a time. Sums run in chunk order."""
+        size follows in a second round; waiting for the chunk count first made the partials a third.
+        Chunk c's weight exp(lse_c - max) is computed once, by thread c, into shared memory (every
+        thread used to compute every weight twice); a thread then adds MERGE_UNROLL partials at a time.
+        Sums run in chunk order."""
         lse_sh = cuda.shared.array(MAX_MERGE_CHUNKS, float32)
         weight_sh = cuda.shared.array(MAX_MERGE_CHUNKS, float32)
         values = cuda.local.array(MERGE_UNROLL, float32)

@@ -69,8 +69,8 @@ from executor.kernels.launch import WARP_THREADS, Kernel, multiprocessor_count
 from executor.kernels.norm import build_normalize, inv_rms_from_sum
 from executor.kernels.reduce import block_sum, build_group_sum
 from executor.kernels.vector import (
-    VECTOR_WORDS, build_lanes, build_shared_vector_load, build_shared_vector_store, build_vector_access, lanes_for,
-    vector_aligned, word_type,
+    VECTOR_WORDS, array_layout, build_lanes, build_shared_vector_load, build_shared_vector_store, build_vector_access,
+    lanes_for, vector_aligned, word_type,
 )
 from executor.numba_cuda import launch_bounds as jit_launch_bounds, load_cuda, simulator_enabled
 
@@ -92,7 +92,7 @@ SIM_ROW_THREADS = 4
 def build_gemv_kernel(
     codec: Codec, batch: int, in_features: int, epilogue: str, *, normed: bool, round_before_weight: bool = True,
     chunks_per_lane: int = CHUNKS_PER_LANE, row_threads: int = WARP_THREADS, threads: int = GEMV_WARPS * WARP_THREADS,
-    launch_bounds: tuple[int, int] | None = None, paired: bool = False,
+    launch_bounds: tuple[int, int] | None = None, paired: bool = False, float32_out: bool = False,
 ) -> Callable[..., Any]:
     """Kernel ``(x [B, K], norm_weight [K], weight [N, K], out, eps f32, weight_offset f32)``, storage dtype
     of ``codec``, B = ``batch``, K = ``in_features`` (a whole number of 16-byte chunks; every row 16-byte
@@ -101,6 +101,8 @@ def build_gemv_kernel(
     is and the norm arguments are unused. ``epilogue``: STORE ``out [B, N]``, RESIDUAL ``out [B, N] +=``
     (in place), SWIGLU ``out [B, I]`` with N = 2 I (gate rows, then up rows). A row team owns two weight
     rows, n and n + N / 2, for SWIGLU (gate row n and up row n) and with ``paired`` (N even); else one.
+    ``float32_out`` (STORE): ``out`` is float32 and gets each output rounded to the storage dtype, as
+    a storage-dtype output converted to float32 (the lm_head's logits).
 
     ``row_threads`` lanes share a row group (a power of two <= 32: a warp on the GPU, fewer in the
     simulator). Launch with blocks of ``threads`` threads (whole warps: a multiple of row_threads in
@@ -257,6 +259,8 @@ def build_gemv_kernel(
                             m = n + r * second
                             if epilogue == RESIDUAL:
                                 out[b, m] = store(load(out[b, m]) + load(store(acc[r * batch + b])))
+                            elif float32_out:
+                                out[b, m] = load(store(acc[r * batch + b]))
                             else:
                                 out[b, m] = store(acc[r * batch + b])
 
@@ -285,7 +289,8 @@ class Gemv:
 
     def norm_project(self, hidden: Any, norm_weight: Any, eps: float, weight_offset: float, weight: Any, out: Any,
                      stream: Any = 0) -> None:
-        """``out [B, N] = RMSNorm(hidden [B, K]) @ weight [N, K]^T``."""
+        """``out [B, N] = RMSNorm(hidden [B, K]) @ weight [N, K]^T``; ``out`` in the storage dtype, or float32
+        (each output rounded to the storage dtype first)."""
         self._launch(STORE, True, hidden, norm_weight, weight, out, eps, weight_offset, stream)
 
     def norm_swiglu(self, hidden: Any, norm_weight: Any, eps: float, weight_offset: float, gate_up_weight: Any,
@@ -309,13 +314,16 @@ class Gemv:
         # A warp's two rows n and n + N / 2; the residual kernels keep one: paired, ptxas puts their
         # weight buffer in local memory (256 bytes a thread, sm_90).
         paired = epilogue == SWIGLU or (epilogue == STORE and out_rows % 2 == 0)
-        key = (epilogue, batch, in_features, normed, paired)
+        # A float32 out of a bf16 model (4-byte elements against 2-byte storage): the logits.
+        float32_out = (epilogue == STORE and array_layout(out).itemsize_bytes == 4
+                       and np.dtype(self.codec.storage_numpy_dtype).itemsize == 2)
+        key = (epilogue, batch, in_features, normed, paired, float32_out)
         kernel = self._kernels.get(key)
         if kernel is None:
             kernel = self._kernels[key] = Kernel(build_gemv_kernel(
                 self.codec, batch, in_features, epilogue, normed=normed, round_before_weight=self.round_before_weight,
                 row_threads=self.row_threads, threads=self.threads, launch_bounds=(self.threads, self.blocks_per_sm),
-                paired=paired))
+                paired=paired, float32_out=float32_out))
         groups = out_rows if epilogue == SWIGLU else out_rows // (2 if paired else 1)
         grid = max(1, min(self.num_sms * self.blocks_per_sm, -(-groups // self.teams)))
         shared_bytes = 4 * ((batch * in_features if normed else 0) + self.threads)

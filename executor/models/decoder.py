@@ -9,7 +9,8 @@ each block's output (see planner.step_buffers for the stages and live ranges). G
 block's first projection normalizes ``hidden`` and its last adds into it, so a layer is its two
 blocks and nothing between them; the final norm and lm_head are one more such projection. (On the
 H200, batch 1, Qwen3-8B: cuBLAS took 294.6 us for lm_head after a 3.9 us norm launch and a 2.2 us
-gather; the GEMV streams a GiB of weights at about 4.5 TB/s, docs/benchmarks.md.)
+gather, and a 3.6 us copy to float32; the GEMV streams a GiB of weights at about 4.5 TB/s and writes
+the float32 logits itself, docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -127,9 +128,9 @@ class DecoderModel:
         for layer in self.gemv_layers:
             layer.mixer(step)
             layer.mlp(step)
-        # A decode step's rows are its requests' last rows (logits_indices 0 .. B - 1): no gather, and
-        # the final norm runs in the lm_head GEMV's prologue.
-        self.gemv_head.normed(step, self.lm_head, self._sampling(step, "logits_raw"))
+        # A decode step's rows are its requests' last rows (logits_indices 0 .. B - 1): no gather; the
+        # final norm runs in the lm_head GEMV's prologue, which writes the float32 logits itself.
+        self.gemv_head.normed(step, self.lm_head, self._sampling(step, "logits"))
         self._sample(step)
 
     def _forward_gemm(self, step: StepViews) -> None:
@@ -148,7 +149,9 @@ class DecoderModel:
         k_.add_rms_norm(proj_out, hidden, self.final_norm, normed, self.eps, offset, stream=stream)
         last_hidden = self._sampling(step, "last_hidden")
         torch.index_select(normed, 0, self._sampling(step, "logits_indices"), out=last_hidden)
-        torch.matmul(last_hidden, self.lm_head.t(), out=self._sampling(step, "logits_raw"))
+        logits_raw = self._sampling(step, "logits_raw")
+        torch.matmul(last_hidden, self.lm_head.t(), out=logits_raw)
+        self._sampling(step, "logits").copy_(logits_raw)
         self._sample(step)
 
     def _sampling(self, step: StepViews, name: str) -> torch.Tensor:
@@ -156,9 +159,7 @@ class DecoderModel:
         return self.arena.tensor("sampling", name)[: step.num_requests]
 
     def _sample(self, step: StepViews) -> None:
-        """Sample from ``logits_raw`` (the lm_head output, written by the forward) into ``sampled_ids``."""
+        """Sample from ``logits`` (float32, written by the forward) into ``sampled_ids``."""
         sampling = lambda name: self._sampling(step, name)  # noqa: E731
-        logits = sampling("logits")
-        logits.copy_(sampling("logits_raw"))
-        self.kernels.sample(logits, sampling("temperature"), sampling("top_k"), sampling("seeds"),
+        self.kernels.sample(sampling("logits"), sampling("temperature"), sampling("top_k"), sampling("seeds"),
                             sampling("sample_steps"), sampling("sampled_ids"), stream=step.stream)

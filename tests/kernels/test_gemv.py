@@ -63,6 +63,18 @@ def test_norm_project(dtype_name, style, batch, rows):
     assert_close_rel(out.double(), normed @ a["weight"].double().t(), tolerance(dtype_name))
 
 
+@pytest.mark.parametrize("rows", [SIM_ROWS, SIM_ROWS + 1], ids=["two-rows-a-team", "odd-one-row-a-team"])
+def test_norm_project_float32_logits_of_a_bf16_model(rows):
+    """A float32 out (the lm_head's logits) holds exactly the bf16 outputs, converted."""
+    a = inputs(1, SIM_SHAPES["bfloat16"], rows, "bfloat16", seed=6)
+    launcher = gemv("bfloat16")
+    stored = torch.full((1, rows), float("nan"), dtype=torch.bfloat16)
+    logits = torch.full((1, rows), float("nan"), dtype=torch.float32)
+    launcher.norm_project(a["hidden"], a["norm_weight"], EPS, 0.0, a["weight"], stored)
+    launcher.norm_project(a["hidden"], a["norm_weight"], EPS, 0.0, a["weight"], logits)
+    assert torch.equal(logits, stored.float())
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("dtype_name", DTYPES)
 def test_norm_swiglu(dtype_name, batch):
@@ -112,6 +124,11 @@ def test_sm90_ptx_keeps_buffers_in_registers():
                 assert "ld.global.v4" in text and ".local" not in text, (name, epilogue)
                 assert ("ld.shared.v4" in text) == normed, (name, epilogue)
                 assert ("st.shared.v4" in text) == normed, (name, epilogue)
+        logits = build_gemv_kernel(build_codec("bfloat16"), 1, 4096, STORE, normed=True, launch_bounds=(128, 4),
+                                   paired=True, float32_out=True)  # the lm_head's float32 logits
+        text = ptx(logits, arr("bfloat16", 2), arr("bfloat16", 1), arr("bfloat16", 2), arr("float32", 2),
+                   types.float32, types.float32)
+        assert "cvt.rn.bf16.f32" in text and ".local" not in text
         """
     )
 
