@@ -294,8 +294,9 @@ def build_paged_attention(
         of the first round goes out together, before the row's chunk count is known: the row's
         metadata (t < T, so its entries are valid addresses even past the step's rows), a thread's
         first MERGE_UNROLL chunk partials and the log-sum-exps of every chunk the scratch holds (its
-        whole depth: valid addresses, and only chunks < num_chunks are used). The request's chunk
-        size follows in a second round; waiting for the chunk count first made the partials a third.
+        whole depth: valid addresses, and only chunks < num_chunks are used), and the chunk size of
+        request t, which is the row's own at decode (else a second round looks up the row's request's).
+        Waiting for the chunk count first made that three dependent rounds.
         Chunk c's weight exp(lse_c - max) is computed once, by thread c, into shared memory (every
         thread used to compute every weight twice); a thread then adds MERGE_UNROLL partials at a time.
         Sums run in chunk order."""
@@ -308,6 +309,9 @@ def build_paged_attention(
         step_rows = int32(total_num_rows[0])
         position = positions[t]
         b = batch_indices[t]
+        # At decode row t is request t's (a row a request): its chunk size goes out with the row's
+        # metadata, and is looked up again only for a row of another request.
+        chunk = kv_chunk_size[min(t, kv_chunk_size.shape[0] - 1)]
         first_d = cuda.threadIdx.x
         if first_d < out.shape[2]:
             for u in range(MERGE_UNROLL):
@@ -318,7 +322,9 @@ def build_paged_attention(
             c += cuda.blockDim.x
         if t >= step_rows:
             return
-        num_chunks = min(position // kv_chunk_size[b] + 1, depth)
+        if b != t:
+            chunk = kv_chunk_size[b]
+        num_chunks = min(position // chunk + 1, depth)
         if num_chunks <= 1:
             return
         cuda.syncthreads()
