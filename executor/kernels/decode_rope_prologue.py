@@ -26,7 +26,10 @@ On the H200 (Qwen3-8B, batch 1, 512 tokens; docs/benchmarks.md, twenty-first ses
 kernel took 12.0-12.2 us a layer against the plain kernel's 8.3 plus the 5.6 us launch it replaces;
 the engine's batch-1 step went from 4.641-4.644 to 4.551-4.555 ms, batch 64 from 7.011-7.014 to
 6.875-6.888. The prologue's own chain (q load, float64 powers and sincos for the row's cos/sin, the
-reduction, two block barriers) is longer than the copies it overlaps.
+reduction, two block barriers) is longer than the copies it overlaps. So the kernel runs it in three
+parts between its metadata lookups (``start``, ``load``, ``finish``): inv_freq's powers while the
+tile's entries land, the q/k/v chunks while the row's position does. In the batch-1 decode graph
+the kernel then took 10.7-10.8 us a layer against 12.1 (docs/benchmarks.md, twenty-third session).
 """
 
 from __future__ import annotations
