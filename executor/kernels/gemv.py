@@ -270,9 +270,9 @@ def build_gemv_kernel(
 class Gemv:
     """Launchers of the three fused GEMVs (module docstring) for one model's codec and norm style.
 
-    Kernels compile per (epilogue, batch, in_features, normed, paired) on first use (the eager warm-up
-    before graph capture). Arguments are the plan's contiguous, 16-byte-aligned views; the launchers check shapes
-    and alignment (a size mismatch is the caller's bug, not a config error). ``warps`` a block and
+    Kernels compile per (epilogue, batch, in_features, normed, paired, float32_out) on first use (the eager
+    warm-up before graph capture). Arguments are the plan's contiguous, 16-byte-aligned views; the launchers check
+    shapes and alignment (a size mismatch is the caller's bug, not a config error). ``warps`` a block and
     ``blocks_per_sm`` (grid and launch bound) default to the sweep's pick (bench/launch_sweep.py).
     """
 
@@ -285,7 +285,7 @@ class Gemv:
         self.teams = self.threads // self.row_threads  # row groups a block works on at once
         self.blocks_per_sm = blocks_per_sm
         self.num_sms = multiprocessor_count()
-        self._kernels: dict[tuple[str, int, int, bool], Kernel] = {}
+        self._kernels: dict[tuple[str, int, int, bool, bool, bool], Kernel] = {}
 
     def norm_project(self, hidden: Any, norm_weight: Any, eps: float, weight_offset: float, weight: Any, out: Any,
                      stream: Any = 0) -> None:

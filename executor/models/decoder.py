@@ -7,10 +7,10 @@ the fused add + RMSNorm kernel between blocks; ``normed`` is each block's input 
 each block's output (see planner.step_buffers for the stages and live ranges). GEMV layers
 (decode steps of at most the plan's ``decode_gemv_batch`` requests, graphs included): each
 block's first projection normalizes ``hidden`` and its last adds into it, so a layer is its two
-blocks and nothing between them; the final norm and lm_head are one more such projection. (On the
-H200, batch 1, Qwen3-8B: cuBLAS took 294.6 us for lm_head after a 3.9 us norm launch and a 2.2 us
-gather, and a 3.6 us copy to float32; the GEMV streams a GiB of weights at about 4.5 TB/s and writes
-the float32 logits itself, docs/benchmarks.md.)
+blocks and nothing between them; the final norm and lm_head are one more such projection, which
+writes the float32 logits itself. (On the H200, batch 1, Qwen3-8B: cuBLAS took 294.6 us for lm_head,
+after a 3.9 us norm launch and a 2.2 us gather and before a 3.6 us copy to float32; the GEMV took
+272.8 us for all four, docs/benchmarks.md, twenty-third session.)
 """
 
 from __future__ import annotations
