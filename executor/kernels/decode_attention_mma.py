@@ -193,8 +193,8 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     Q_SH, NEW_SH, ROPE_SH = rope_shared_shapes(D, G) if FUSED else ((1, 1), (1, 1), 1)
     if FUSED:
         assert prologue_fits(D, G, NT)
-        prologue = build_rope_prologue(D, G, rope, SLOT_KEYS, warp_barrier)
-        prologue_start, prologue_load, prologue_finish, patch = prologue
+        prologue_start, prologue_load, prologue_finish, patch = build_rope_prologue(D, G, rope, SLOT_KEYS,
+                                                                                     warp_barrier)
     else:  # attend's FUSED branches are compiled out
         prologue_start = prologue_load = prologue_finish = patch = None
 

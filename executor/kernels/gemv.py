@@ -120,7 +120,6 @@ def build_gemv_kernel(
     trips = -(-chunks // sweep)
     whole_trips = chunks % sweep == 0  # no bounds check in the chunk loops
     per_word = lanes // VECTOR_WORDS  # elements a 32-bit word
-    halves = lanes // VECTOR_WORDS  # 16-byte float32 stores a staged chunk takes (2 for bf16)
     weight_words, accumulators = rows * chunks_per_lane * VECTOR_WORDS, rows * batch
     stage_floats = batch * in_features if normed else 0
     stage_chunks = -(-chunks // threads)  # chunks of a row one thread normalizes in the prologue
@@ -182,7 +181,7 @@ def build_gemv_kernel(
         lanes 32 bytes apart would put every quarter warp's first stores on half the banks (two-way
         conflicts), so lanes 4 to 7 of each 8 store their second half first and each store instruction
         covers the 32 banks once."""
-        if halves == 1:
+        if lanes == VECTOR_WORDS:  # a float32 chunk: one store
             store_shared_vector(stage, (start,), normed, 0)
         else:
             swap = (tid // 4) % 2 == 1
