@@ -55,6 +55,10 @@ PREFILL_ROWS_PER_TILE = 4
 SHARED_BUDGET_BYTES = 45_000  # under the 48 KiB static shared-memory limit per block
 MERGE_UNROLL = 16  # chunk partials a merge thread loads before adding any (512 tokens in chunks of 64: one trip)
 MAX_MERGE_CHUNKS = MAX_DECODE_KV_SPLITS  # deepest split scratch the merge takes: the plan's decode_kv_splits bound
+# Launches of at most this many rows load a row's first partials before they know the row is split:
+# 4 rows x Hq x D x MERGE_UNROLL floats (1 MiB at Qwen3-8B) cost less HBM time than the dependent round
+# they save (0.7 us at batch 1), where batch 64's 16 MiB made its merge 3.8 us slower (H200).
+MERGE_SPECULATE_MAX_ROWS = 4
 
 
 def default_block_keys(head_dim: int, packed_rows: int, rows_per_tile: int) -> int:
@@ -284,19 +288,34 @@ def build_paged_attention(
                         if d == 0:
                             partial_lse[row, chunk_index, head] = m_sh[m] + math.log(l_sh[m])
 
+    @cuda.jit(device=True, inline=True)
+    def stage_first_round(partial_out, partial_lse, t, head, num_chunks, values, lse_sh):
+        """A thread's first MERGE_UNROLL chunk partials into ``values`` and the log-sum-exps of chunks
+        < num_chunks into ``lse_sh``; chunk indices are clamped, so every address is valid."""
+        first_d = cuda.threadIdx.x
+        if first_d < partial_out.shape[3]:
+            for u in range(MERGE_UNROLL):
+                values[u] = partial_out[t, min(u, num_chunks - 1), head, first_d]
+        c = cuda.threadIdx.x  # strided loops as while loops: a strided range() divides (64-bit) for its trip count
+        while c < num_chunks:
+            lse_sh[c] = partial_lse[t, c, head]
+            c += cuda.blockDim.x
+
     @cuda.jit
     def merge_kernel(partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows, out):
         """Grid (T, Hq), threads over D: out[t, h] = sum_c w_c partial_out[t, c, h] for split rows,
         w_c = exp(lse_c - max lse) / sum. Rows with one chunk were written by split_kernel.
 
         At decode sizes a warp of this kernel has an SM scheduler to itself: it takes about as long
-        as its instructions' dependent latencies, so each thread does as little as it can. Every load
-        of the first round goes out together, before the row's chunk count is known: the row's
-        metadata (t < T, so its entries are valid addresses even past the step's rows), a thread's
-        first MERGE_UNROLL chunk partials and the log-sum-exps of every chunk the scratch holds (its
-        whole depth: valid addresses, and only chunks < num_chunks are used), and the chunk size of
-        request t, which is the row's own at decode (else a second round looks up the row's request's).
-        Waiting for the chunk count first made that three dependent rounds.
+        as its instructions' dependent latencies, so each thread does as little as it can. In a launch
+        of at most MERGE_SPECULATE_MAX_ROWS rows every load of the first round goes out together,
+        before the row's chunk count is known: the row's metadata (t < T, so its entries are valid
+        addresses even past the step's rows), a thread's first MERGE_UNROLL chunk partials and the
+        log-sum-exps of every chunk the scratch holds (its whole depth; only chunks < num_chunks are
+        used). Waiting for the chunk count first made that two dependent rounds. A larger launch
+        waits: most of its rows are not split, and their blocks would load bytes nobody uses.
+        Either way the chunk size of request t goes out with the metadata: at decode it is the row's
+        own (a row a request), and a row of another request looks its request's up again.
         Chunk c's weight exp(lse_c - max) is computed once, by thread c, into shared memory (every
         thread used to compute every weight twice); a thread then adds MERGE_UNROLL partials at a time.
         Sums run in chunk order."""
@@ -306,20 +325,13 @@ def build_paged_attention(
         t = cuda.blockIdx.x
         head = cuda.blockIdx.y
         depth = partial_out.shape[1]
+        speculate = cuda.gridDim.x <= MERGE_SPECULATE_MAX_ROWS
         step_rows = int32(total_num_rows[0])
         position = positions[t]
         b = batch_indices[t]
-        # At decode row t is request t's (a row a request): its chunk size goes out with the row's
-        # metadata, and is looked up again only for a row of another request.
         chunk = kv_chunk_size[min(t, kv_chunk_size.shape[0] - 1)]
-        first_d = cuda.threadIdx.x
-        if first_d < out.shape[2]:
-            for u in range(MERGE_UNROLL):
-                values[u] = partial_out[t, min(u, depth - 1), head, first_d]
-        c = cuda.threadIdx.x  # strided loops as while loops: a strided range() divides (64-bit) for its trip count
-        while c < depth:
-            lse_sh[c] = partial_lse[t, c, head]
-            c += cuda.blockDim.x
+        if speculate:
+            stage_first_round(partial_out, partial_lse, t, head, depth, values, lse_sh)
         if t >= step_rows:
             return
         if b != t:
@@ -327,6 +339,8 @@ def build_paged_attention(
         num_chunks = min(position // chunk + 1, depth)
         if num_chunks <= 1:
             return
+        if not speculate:
+            stage_first_round(partial_out, partial_lse, t, head, num_chunks, values, lse_sh)
         cuda.syncthreads()
         top = NEG_INF
         for c in range(num_chunks):
@@ -339,6 +353,7 @@ def build_paged_attention(
         weight_sum = float32(0.0)
         for c in range(num_chunks):
             weight_sum += weight_sh[c]
+        first_d = cuda.threadIdx.x
         d = first_d
         while d < out.shape[2]:
             total = float32(0.0)
