@@ -312,7 +312,7 @@ def build_paged_attention(
         before the row's chunk count is known: the row's metadata (t < T, so its entries are valid
         addresses even past the step's rows), a thread's first MERGE_UNROLL chunk partials and the
         log-sum-exps of every chunk the scratch holds (its whole depth; only chunks < num_chunks are
-        used). Waiting for the chunk count first made that two dependent rounds. A larger launch
+        used): one dependent round where waiting for the chunk count takes two. A larger launch
         waits: most of its rows are not split, and their blocks would load bytes nobody uses.
         Either way the chunk size of request t goes out with the metadata: at decode it is the row's
         own (a row a request), and a row of another request looks its request's up again.
