@@ -246,7 +246,7 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
                                                         q_indptr, kv_chunk_size)
         if row < 0:
             return -1, 0, 0
-        lo = cuda.local.array(VECTOR_WORDS, int32)  # the prologue's chunks and norm weights
+        lo = cuda.local.array(VECTOR_WORDS, int32)  # the prologue's chunks and norm weights (words of two bf16)
         hi = cuda.local.array(VECTOR_WORDS, int32)
         w_lo = cuda.local.array(VECTOR_WORDS, int32)
         w_hi = cuda.local.array(VECTOR_WORDS, int32)

@@ -42,7 +42,7 @@ from executor.kernels.norm import inv_rms_from_sum
 from executor.kernels.reduce import build_group_sum
 from executor.kernels.rope import build_vector_head, store_inv_freq
 from executor.kernels.rope_layout import vector_group_threads
-from executor.kernels.vector import VECTOR_WORDS, build_vector_access, lanes_for, word_type
+from executor.kernels.vector import VECTOR_WORDS, build_vector_access, lanes_for
 from executor.numba_cuda import load_cuda
 
 cuda = load_cuda()
@@ -114,7 +114,6 @@ def build_rope_prologue(head_dim: int, group_size: int, round_before_weight: boo
     PAIRS = HALF // LANES
     RG = rope_group_threads(D)
     assert PAIRS == RG, "one pair unit a thread (prologue_fits)"
-    words = word_type(codec)
     load_vector, store_vector = build_vector_access()
     group_sum = build_group_sum()
 
