@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from executor.kernels.codec import Codec
+from executor.kernels.indices import build_indices
 from executor.kernels.launch import Kernel
 from executor.kernels.reduce import threads_for
 from executor.numba_cuda import load_cuda
@@ -152,6 +153,10 @@ def build_paged_attention(
         return b, row0, row_end, k0, k1
 
     stage_pages, stage_rows = build_kv_staging(load, D, NT)
+    thread_index, block_x, block_y = build_indices()
+    # The merge's block size, a compile-time stride: with a known-non-negative start and blockDim's
+    # stride, LLVM computes a strided loop's trip count with a 64-bit division.
+    MERGE_THREADS = merge_threads(D)
 
     @cuda.jit(device=True, inline=True)  # inlined in Numba IR: no separate device compile
     def attend(q, k_cache, v_cache, page_indices, page_base, kv_head, row0, row_end, k0, k1, positions, scale,
@@ -292,14 +297,14 @@ def build_paged_attention(
     def stage_first_round(partial_out, partial_lse, t, head, num_chunks, values, lse_sh):
         """A thread's first MERGE_UNROLL chunk partials into ``values`` and the log-sum-exps of chunks
         < num_chunks into ``lse_sh``; chunk indices are clamped, so every address is valid."""
-        first_d = cuda.threadIdx.x
+        first_d = thread_index()
         if first_d < partial_out.shape[3]:
             for u in range(MERGE_UNROLL):
                 values[u] = partial_out[t, min(u, num_chunks - 1), head, first_d]
-        c = cuda.threadIdx.x  # strided loops as while loops: a strided range() divides (64-bit) for its trip count
+        c = thread_index()  # strided loops as while loops: a strided range() divides (64-bit) for its trip count
         while c < num_chunks:
             lse_sh[c] = partial_lse[t, c, head]
-            c += cuda.blockDim.x
+            c += MERGE_THREADS
 
     @cuda.jit
     def merge_kernel(partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows, out):
@@ -318,12 +323,13 @@ def build_paged_attention(
         own (a row a request), and a row of another request looks its request's up again.
         Chunk c's weight exp(lse_c - max) is computed once, by thread c, into shared memory (every
         thread used to compute every weight twice); a thread then adds MERGE_UNROLL partials at a time.
-        Sums run in chunk order."""
+        Sums run in chunk order, and a thread multiplies by the reciprocal of the weight sum once
+        computed: a division per output takes its slow path on a zero sum of partials."""
         lse_sh = cuda.shared.array(MAX_MERGE_CHUNKS, float32)
         weight_sh = cuda.shared.array(MAX_MERGE_CHUNKS, float32)
         values = cuda.local.array(MERGE_UNROLL, float32)
-        t = cuda.blockIdx.x
-        head = cuda.blockIdx.y
+        t = block_x()
+        head = block_y()
         depth = partial_out.shape[1]
         speculate = cuda.gridDim.x <= MERGE_SPECULATE_MAX_ROWS
         step_rows = int32(total_num_rows[0])
@@ -345,15 +351,16 @@ def build_paged_attention(
         top = NEG_INF
         for c in range(num_chunks):
             top = max(top, lse_sh[c])
-        c = cuda.threadIdx.x
+        c = thread_index()
         while c < num_chunks:
             weight_sh[c] = float32(math.exp(lse_sh[c] - top))
-            c += cuda.blockDim.x
+            c += MERGE_THREADS
         cuda.syncthreads()
         weight_sum = float32(0.0)
         for c in range(num_chunks):
             weight_sum += weight_sh[c]
-        first_d = cuda.threadIdx.x
+        inv_weight_sum = float32(1.0) / weight_sum  # >= 1: the largest weight is 1
+        first_d = thread_index()
         d = first_d
         while d < out.shape[2]:
             total = float32(0.0)
@@ -364,10 +371,15 @@ def build_paged_attention(
                 for u in range(MERGE_UNROLL):
                     if c0 + u < num_chunks:
                         total += weight_sh[c0 + u] * values[u]
-            out[t, head, d] = store(total / weight_sum)
-            d += cuda.blockDim.x
+            out[t, head, d] = store(total * inv_weight_sum)
+            d += MERGE_THREADS
 
     return direct_kernel, split_kernel, merge_kernel
+
+
+def merge_threads(head_dim: int) -> int:
+    """Threads a block of the merge kernel: one output element of a head a thread."""
+    return threads_for(head_dim)
 
 
 def check_heads(kernel: str, out: Any, k_cache: Any, head_dim: int, group_size: int) -> tuple[int, int, int]:
@@ -525,6 +537,6 @@ class PagedAttention:
         if partial_out.shape[1] > MAX_MERGE_CHUNKS:
             raise ValueError(f"attention merge: split scratch of {partial_out.shape[1]} kv chunks, the merge takes "
                              f"at most {MAX_MERGE_CHUNKS}")
-        self.merge[(num_rows, num_q_heads), threads_for(self.head_dim), stream](
+        self.merge[(num_rows, num_q_heads), merge_threads(self.head_dim), stream](
             partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows, out
         )

@@ -58,7 +58,7 @@ from executor.kernels.attention import NEG_INF, PagedAttention, build_kv_staging
 from executor.kernels.codec import Codec
 from executor.kernels.decode_attention_mma import (FEW_BLOCKS_PER_SM, MmaShape, build_decode_attention_mma,
                                                   default_mma_shapes)
-from executor.kernels.decode_tiles import LOG2_E, build_meet, build_tile_span, build_tile_store
+from executor.kernels.decode_tiles import LOG2_E, build_meet, build_tile_span
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS, Kernel
 from executor.kernels.reduce import build_group_sum
 from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, vector_aligned, word_type
@@ -85,9 +85,9 @@ def key_lanes(codec: Codec, head_dim: int) -> int | None:
 
 def shared_bytes(codec: Codec, head_dim: int, group_size: int, threads: int, round_keys: int) -> int:
     """Static shared memory of one block: the round's page ids and offsets, the groups' (max, sum)
-    and partial outputs, the merged softmax state and the simulator's reduction scratch (4-byte words)."""
+    and partial outputs and the simulator's reduction scratch (4-byte words)."""
     groups = threads // key_lanes(codec, head_dim)
-    words = 2 * round_keys + 2 * groups * group_size + groups * group_size * head_dim + 3 * group_size + threads
+    words = 2 * round_keys + 2 * groups * group_size + groups * group_size * head_dim + threads
     return 4 * words
 
 
@@ -132,8 +132,7 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     stage_pages = build_kv_staging(load, D, NT)[0]
     group_sum = build_group_sum()
     tile_span = build_tile_span()
-    meet = build_meet(G, D, NT, KPP)
-    store_out, store_split = build_tile_store(G, D, NT, store)
+    meet_out, meet_split = build_meet(G, D, NT, KPP, store)
 
     @cuda.jit(device=True, inline=True)
     def load_rows(cache, h, base, n, gid, lane, page_sh, offset_sh, buffer):
@@ -147,9 +146,9 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
     @cuda.jit(device=True, inline=True)
     def attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale,
-               s_sh, page_sh, offset_sh, state_sh, part_sh, scratch):
-        """Leave the tile's normalised output of head g, element d in ``part_sh[0, g, d]`` and its
-        (max, sum) in ``state_sh[0, g]``, ``state_sh[1, g]`` (natural-log units). Returns (row,
+               s_sh, page_sh, offset_sh, part_sh, scratch):
+        """Leave lane group k's (max, sum) of head g in s_sh[0 / 1, k G + g] and its output in
+        part_sh[k, g], behind a barrier, for decode_tiles.py's meet. Returns (row,
         chunk index, chunks of the row); row -1: nothing to do (uniform per block, decided before
         any barrier). Scores are in log2 units inside (q scaled by scale * log2(e)): every
         exponent is one exp2."""
@@ -231,7 +230,6 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
                 for e in range(E):
                     part_sh[gid, g, (lane + ci * L) * E + e] = acc[(g * CPL + ci) * E + e]
         cuda.syncthreads()
-        meet(s_sh, part_sh, state_sh)
         return row, c, num_chunks
 
     @cuda.jit(**launch_options)
@@ -240,14 +238,13 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         s_sh = cuda.shared.array((2, GROUP_STATES), float32)
         page_sh = cuda.shared.array(SUB, int32)
         offset_sh = cuda.shared.array(SUB, int32)
-        state_sh = cuda.shared.array((3, G), float32)
         part_sh = cuda.shared.array((KPP, G, D), float32)
         scratch = cuda.shared.array(NT, float32)  # the simulator's group reductions
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
-                                    scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
+                                    scale, s_sh, page_sh, offset_sh, part_sh, scratch)
         if row >= 0:
-            store_out(out, row, cuda.blockIdx.y, part_sh)
+            meet_out(s_sh, part_sh, out, row, cuda.blockIdx.y)
 
     @cuda.jit(**launch_options)
     def split_kernel(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
@@ -256,14 +253,13 @@ def build_decode_attention(codec: Codec, head_dim: int, group_size: int, threads
         s_sh = cuda.shared.array((2, GROUP_STATES), float32)
         page_sh = cuda.shared.array(SUB, int32)
         offset_sh = cuda.shared.array(SUB, int32)
-        state_sh = cuda.shared.array((3, G), float32)
         part_sh = cuda.shared.array((KPP, G, D), float32)
         scratch = cuda.shared.array(NT, float32)
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
-                                    scale, s_sh, page_sh, offset_sh, state_sh, part_sh, scratch)
+                                    scale, s_sh, page_sh, offset_sh, part_sh, scratch)
         if row >= 0:
-            store_split(out, partial_out, partial_lse, row, c, num_chunks, cuda.blockIdx.y, part_sh, state_sh)
+            meet_split(s_sh, part_sh, out, partial_out, partial_lse, row, c, num_chunks, cuda.blockIdx.y)
 
     return direct_kernel, split_kernel
 
@@ -292,8 +288,9 @@ class DecodeAttention:
     def __init__(self, codec: Codec, head_dim: int, group_size: int, fallback: PagedAttention, *,
                  threads: int | None = None, round_keys: int = ROUND_KEYS, unroll_keys: int = UNROLL_KEYS,
                  blocks_per_sm: int | None | Literal["auto"] = "auto", num_sms: int | None = None,
-                 tensor_cores: bool = True, mma_shape: MmaShape | None = None):
+                 tensor_cores: bool = True, mma_shape: MmaShape | None = None, page_size: int | None = None):
         self.head_dim, self.group_size, self.fallback = head_dim, group_size, fallback
+        self.page_size = page_size
         self.kernels: tuple[Kernel, Kernel] | None = None
         # Tensor-core (kernels, threads, shape) for calls of few (row, kv head) pairs and for many.
         self.mma_few: tuple[tuple[Kernel, Kernel], int, MmaShape] | None = None
@@ -308,7 +305,8 @@ class DecodeAttention:
             bound = self.mma_blocks_per_sm = None if blocks_per_sm == "auto" else blocks_per_sm
 
             def build(shape: MmaShape) -> tuple[tuple[Kernel, Kernel], int, MmaShape]:
-                direct, split = build_decode_attention_mma(head_dim, group_size, shape.warps, shape.slots, bound)
+                direct, split = build_decode_attention_mma(head_dim, group_size, shape.warps, shape.slots, bound,
+                                                           page_size=page_size)
                 return (Kernel(direct), Kernel(split)), WARP_THREADS * shape.warps, shape
 
             few, many = shapes
@@ -337,6 +335,13 @@ class DecodeAttention:
             return self.mma_few
         return self.mma_many
 
+    def check_page_size(self, k_cache: Any) -> None:
+        """The tensor-core kernels were compiled for ``page_size`` tokens a page: a cache of other pages
+        is refused (ValueError naming both)."""
+        if self.page_size is not None and k_cache.shape[1] != self.page_size:
+            raise ValueError(f"decode attention: built for KV pages of {self.page_size} tokens, "
+                             f"got a cache of {k_cache.shape[1]}")
+
     def uses_vector(self, k_cache: Any, v_cache: Any) -> bool:
         """Whether a call with these caches runs this module's kernel (else the fallback's)."""
         return (self.kernels is not None or self.mma_few is not None) and vector_aligned(k_cache, v_cache)
@@ -363,6 +368,7 @@ class DecodeAttention:
             return
         mma = self.mma_launch(num_rows, num_kv_heads)
         if mma is not None:  # grid (Hkv, tiles): decode_attention_mma.py
+            self.check_page_size(k_cache)
             (direct, split), threads, _ = mma
             grid = (num_kv_heads, num_tiles)
         else:

@@ -57,9 +57,10 @@ from typing import Any
 from executor.kernels.async_copy import build_async_copy, build_copy_groups, build_shared_address
 from executor.kernels.attention import NEG_INF
 from executor.kernels.codec import build_codec
+from executor.kernels.indices import build_indices
 from executor.kernels.decode_rope_prologue import build_rope_prologue, prologue_fits
 from executor.kernels.decode_rope_prologue import shared_shapes as rope_shared_shapes
-from executor.kernels.decode_tiles import LOG2_E, build_meet, build_tile_lookups, build_tile_store
+from executor.kernels.decode_tiles import LOG2_E, build_meet, build_tile_lookups
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS
 from executor.kernels.mma import build_eight_key_value_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.reduce import build_group_max, build_group_sum
@@ -90,9 +91,9 @@ PART_PAD = 8
 
 def shared_bytes(head_dim: int, group_size: int, warps: int, slots: int) -> int:
     """Static shared memory of one block: the warps' K/V rings, then where the warps meet (their
-    (max, sum) and outputs, the merged state) and the simulator's reduction scratch (4-byte words)."""
+    (max, sum) and outputs) and the simulator's reduction scratch (4-byte words)."""
     ring_words = warps * slots * 2 * SLOT_KEYS * (head_dim // 2 + PAD_WORDS)
-    meet_words = 2 * warps * group_size + warps * group_size * (head_dim + PART_PAD) + 3 * group_size
+    meet_words = 2 * warps * group_size + warps * group_size * (head_dim + PART_PAD)
     return 4 * (ring_words + meet_words + WARP_THREADS * warps)
 
 
@@ -151,7 +152,8 @@ def build_warp_barrier() -> Any:
 
 
 def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots: int = WARP_SLOTS,
-                               blocks_per_sm: int | None = None, rope: bool | None = None) -> tuple[Any, Any]:
+                               blocks_per_sm: int | None = None, rope: bool | None = None,
+                               page_size: int | None = None) -> tuple[Any, Any]:
     """(direct kernel, split kernel) for bf16 K/V, head_dim a multiple of 32, group_size <= 8;
     arguments as decode_attention.py's ``build_decode_attention`` (q, caches and out as int16 bits);
     grid (Hkv, tiles), ``32 * warps`` threads a block.
@@ -160,6 +162,9 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     (decode_rope_prologue.py; ``rope`` is the norm's round_before_weight) and take, in place of
     ``q``, ``q, k, v, q_weight, k_weight, eps, weight_offset, theta``: the qkv projection's rows
     before the norm, the norm weights and float32 scalars (rotary_dim = head_dim).
+
+    ``page_size`` not None: the caches' tokens a page, compiled in (the launcher checks each call's
+    cache against it): a key's page and slot are then a multiply and a shift, not a division.
     """
     assert head_dim % 32 == 0 and 1 <= group_size <= MAX_GROUP and slots >= 2
     D, G, W, SL = head_dim, group_size, warps, slots
@@ -186,9 +191,10 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     quad_max = build_group_max()
     quad_sum = build_group_sum()
     tile_entries, tile_request, tile_keys = build_tile_lookups()
-    meet = build_meet(G, D, NT, W)
-    store_out, store_split = build_tile_store(G, D, NT, build_codec("bfloat16").store)
+    thread_index, block_x, block_y = build_indices()
+    meet_out, meet_split = build_meet(G, D, NT, W, build_codec("bfloat16").store)
     FUSED = rope is not None
+    PAGE_SIZE = page_size or 0  # 0: the cache's page size at run time
     # The prologue's shared arrays (one word each without it).
     Q_SH, NEW_SH, ROPE_SH = rope_shared_shapes(D, G) if FUSED else ((1, 1), (1, 1), 1)
     if FUSED:
@@ -225,19 +231,19 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     @cuda.jit(device=True, inline=True)
     def attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale,
-               s_sh, ring, state_sh, part_sh, scratch, q_sh, new_sh, rope_sh):
-        """decode_attention.py's ``attend`` contract: the tile's normalised output of head g in
-        ``part_sh[0, g, :]``, its natural-log (max, sum) in ``state_sh[0 / 1, g]``; returns (row,
-        chunk index, chunks of the row), row -1 when the block has nothing to do. FUSED: ``q`` is
+               s_sh, ring, part_sh, scratch, q_sh, new_sh, rope_sh):
+        """decode_attention.py's ``attend`` contract: warp w's (max, sum) of head g in s_sh[0 / 1,
+        w G + g] and its output in part_sh[w, g], behind a barrier, for decode_tiles.py's meet;
+        returns (row, chunk index, chunks of the row), row -1 when the block has nothing to do. FUSED: ``q`` is
         the prologue's ``args`` (q, k, v, q_weight, k_weight, eps, weight_offset, theta, k_cache,
         v_cache), and q_sh, new_sh, rope_sh its shared arrays (else unused)."""
-        h = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
-        page_size = k_cache.shape[1]
+        h = block_x()
+        tid = thread_index()
+        page_size = PAGE_SIZE if PAGE_SIZE else k_cache.shape[1]
         # The lookups are three dependent rounds (decode_tiles.py). What needs only the earlier ones
         # goes out between them: inv_freq's powers with the first, the prologue's q/k/v chunks and this
         # lane's first page ids (clamped to the request's keys) with the row's position.
-        b, c, step_rows = tile_entries(cuda.blockIdx.y, request_indices, kv_tile_indices, total_num_rows)
+        b, c, step_rows = tile_entries(block_y(), request_indices, kv_tile_indices, total_num_rows)
         if FUSED:
             prologue_start(q, rope_sh)
         if b < 0:  # padding tile (a graph's fixed grid)
@@ -286,9 +292,13 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
             page, in_page = locate(page_indices, page_base, page_size, last, k1)
             prologue_finish(q, row, h, last, owner, page, in_page, q_sh, new_sh, rope_sh, scratch, lo, hi, w_lo,
                             w_hi)
+            # Rows G .. 15 of A are zero: their lanes read row G - 1 and drop it (a select, not a branch a load).
+            q_row = min(g, G - 1)
             for s in range(K_STEPS):
-                qa[2 * s] = q_sh[g, 8 * s + t] if g < G else int32(0)
-                qa[2 * s + 1] = q_sh[g, 8 * s + 4 + t] if g < G else int32(0)
+                word0 = q_sh[q_row, 8 * s + t]
+                word1 = q_sh[q_row, 8 * s + 4 + t]
+                qa[2 * s] = word0 if g < G else int32(0)
+                qa[2 * s + 1] = word1 if g < G else int32(0)
         else:
             for s in range(K_STEPS):
                 qa[2 * s] = q_word(q, row, h * G + g, 16 * s + 2 * t) if g < G else int32(0)
@@ -360,7 +370,6 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
                 part_sh[warp, g, 8 * j + 2 * t] = o[2 * j]
                 part_sh[warp, g, 8 * j + 2 * t + 1] = o[2 * j + 1]
         cuda.syncthreads()
-        meet(s_sh, part_sh, state_sh)
         return row, c, num_chunks
 
     @cuda.jit(device=True, inline=True)
@@ -369,7 +378,6 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         """The direct kernels' body: every tile covers its whole row."""
         s_sh = cuda.shared.array((2, GROUP_STATES), float32)
         ring = cuda.shared.array((RING_ROWS, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
-        state_sh = cuda.shared.array((3, G), float32)
         part_sh = cuda.shared.array((W, G, PART_ROW), float32)
         scratch = cuda.shared.array(NT, float32)  # the simulator's quad reductions
         q_sh = cuda.shared.array(Q_SH, int32)
@@ -377,9 +385,9 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         rope_sh = cuda.shared.array(ROPE_SH, float32)
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
-                                    scale, s_sh, ring, state_sh, part_sh, scratch, q_sh, new_sh, rope_sh)
+                                    scale, s_sh, ring, part_sh, scratch, q_sh, new_sh, rope_sh)
         if row >= 0:
-            store_out(out, row, cuda.blockIdx.x, part_sh)
+            meet_out(s_sh, part_sh, out, row, cuda.blockIdx.x)
 
     @cuda.jit(device=True, inline=True)
     def run_split(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
@@ -388,7 +396,6 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         """The split kernels' body: tiles of a row of several chunks write partials for the merge."""
         s_sh = cuda.shared.array((2, GROUP_STATES), float32)
         ring = cuda.shared.array((RING_ROWS, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
-        state_sh = cuda.shared.array((3, G), float32)
         part_sh = cuda.shared.array((W, G, PART_ROW), float32)
         scratch = cuda.shared.array(NT, float32)
         q_sh = cuda.shared.array(Q_SH, int32)
@@ -396,9 +403,9 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         rope_sh = cuda.shared.array(ROPE_SH, float32)
         row, c, num_chunks = attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr,
                                     positions, request_indices, kv_tile_indices, kv_chunk_size, total_num_rows,
-                                    scale, s_sh, ring, state_sh, part_sh, scratch, q_sh, new_sh, rope_sh)
+                                    scale, s_sh, ring, part_sh, scratch, q_sh, new_sh, rope_sh)
         if row >= 0:
-            store_split(out, partial_out, partial_lse, row, c, num_chunks, cuda.blockIdx.x, part_sh, state_sh)
+            meet_split(s_sh, part_sh, out, partial_out, partial_lse, row, c, num_chunks, cuda.blockIdx.x)
 
     if FUSED:
         @cuda.jit(**launch_options)

@@ -52,7 +52,8 @@ class DecodeRopeAttention:
         self.fused: dict[MmaShape, tuple[Kernel, Kernel]] = {}
         for shape in fused_shapes(attention, head_dim, group_size, rotary_dim):
             direct, split = build_decode_attention_mma(head_dim, group_size, shape.warps, shape.slots,
-                                                       attention.mma_blocks_per_sm, rope=round_before_weight)
+                                                       attention.mma_blocks_per_sm, rope=round_before_weight,
+                                                       page_size=attention.page_size)
             self.fused[shape] = (Kernel(direct), Kernel(split))
 
     def fused_launch(self, q: Any, k: Any, v: Any, q_weight: Any, k_weight: Any, k_cache: Any, v_cache: Any,
@@ -64,6 +65,7 @@ class DecodeRopeAttention:
             q, k, v, q_weight, k_weight, k_cache, v_cache, rotary_dim)
         if kernels is None or not aligned:
             return None
+        self.attention.check_page_size(k_cache)
         return kernels, mma[1]
 
     def __call__(self, q: Any, k: Any, v: Any, q_weight: Any, k_weight: Any, eps: float, weight_offset: float,

@@ -23,16 +23,23 @@ softmaxes combine. Each builder here returns inline device functions for one hea
     tile_keys(positions, row, k0, bound, chunk) -> (k1, num_chunks, last)
         the row's position (a third round): the chunk ends at k1 = min(bound, last + 1); nothing to
         do when k0 >= k1.
-    meet(s_sh, part_sh, state_sh)
+    meet_out(s_sh, part_sh, out, row, h)
         after each of the block's ``groups`` groups k wrote its running (max, sum) of head g to
         s_sh[0 / 1, k * G + g] (max in log2 units) and its output to part_sh[k, g, :], and a
-        barrier: the tile's normalised output of head g in part_sh[0, g, :] and its natural-log
-        (max, sum) in state_sh[0 / 1, g]. Ends with a barrier.
-    store_out(out, row, h, part_sh)
-        out[row, h * G + g, :] <- part_sh[0, g, :] in the storage codec.
-    store_split(out, partial_out, partial_lse, row, c, num_chunks, h, part_sh, state_sh)
-        a split kernel's output: ``out`` for a row of one chunk, else the chunk's float32 partial
-        output and log-sum-exp for the merge launch (chunks past the scratch depth write nothing).
+        barrier: out[row, h * G + g, :] <- the groups' combined, normalised output of head g, in
+        the storage codec.
+    meet_split(s_sh, part_sh, out, partial_out, partial_lse, row, c, num_chunks, h)
+        a split kernel's output, from the same shared arrays: ``meet_out`` for a row of one chunk,
+        else the chunk's float32 partial output and natural-log log-sum-exp for the merge launch
+        (chunks past the scratch depth write nothing).
+
+The meet writes straight from the combination to global memory, without a barrier or a second pass
+over shared memory. At batch 1 a block's warps each issue alone, so its tail after the key loop is
+the length of these instruction chains (docs/benchmarks.md, twenty-fifth session): a thread's
+elements are compile-time trips (a strided ``range`` computes its trip count with a 64-bit
+division), and it multiplies by the reciprocal of its head's weight sum (>= 1: the best group's
+weight is 1 and its sum at least 1) instead of dividing, whose slow path a zero numerator (an
+all-zero V) takes.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from executor.kernels.indices import build_indices
 from executor.numba_cuda import load_cuda
 
 cuda = load_cuda()
@@ -105,56 +113,55 @@ def build_tile_lookups() -> tuple[Any, Any, Any]:
     return tile_entries, tile_request, tile_keys
 
 
-def build_meet(group_size: int, head_dim: int, threads: int, groups: int) -> Any:
-    """``meet`` (module docstring) for blocks of ``threads`` threads in ``groups`` groups."""
+def build_meet(group_size: int, head_dim: int, threads: int, groups: int, store: Any) -> tuple[Any, Any]:
+    """``(meet_out, meet_split)`` (module docstring) for blocks of ``threads`` threads in ``groups``
+    groups; ``store`` is the codec's float32 -> storage."""
     G, D, NT, K = group_size, head_dim, threads, groups
+    ELEMENTS = G * D
+    TRIPS = -(-ELEMENTS // NT)
+    EVEN = ELEMENTS % NT == 0  # every trip of every thread has an element
+    thread_index = build_indices()[0]
 
     @cuda.jit(device=True, inline=True)
-    def meet(s_sh, part_sh, state_sh):
-        for j in range(cuda.threadIdx.x, G * D, NT):
-            g = j // D
-            d = j - g * D
-            best = float32(-1e30)
-            for k in range(K):
-                best = max(best, s_sh[0, k * G + g])
-            out_sum = float32(0.0)
-            weight_sum = float32(0.0)
-            for k in range(K):
-                w = float32(math.exp2(s_sh[0, k * G + g] - best))
-                out_sum += w * part_sh[k, g, d]
-                weight_sum += w * s_sh[1, k * G + g]
-            part_sh[0, g, d] = out_sum / weight_sum
-            if d == 0:  # natural-log maximum and the sum under it
-                state_sh[0, g] = best * float32(LN_2)
-                state_sh[1, g] = weight_sum
-        cuda.syncthreads()
-
-    return meet
-
-
-def build_tile_store(group_size: int, head_dim: int, threads: int, store: Any) -> tuple[Any, Any]:
-    """``(store_out, store_split)`` (module docstring); ``store`` is the codec's float32 -> storage."""
-    G, D, NT = group_size, head_dim, threads
+    def combine(s_sh, part_sh, j):
+        """(head g, element d, the normalised output, the log2 maximum and the weight sum under it)
+        of element j = g D + d."""
+        g = j // D
+        d = j - g * D
+        best = float32(-1e30)
+        for k in range(K):
+            best = max(best, s_sh[0, k * G + g])
+        out_sum = float32(0.0)
+        weight_sum = float32(0.0)
+        for k in range(K):
+            w = float32(math.exp2(s_sh[0, k * G + g] - best))
+            out_sum += w * part_sh[k, g, d]
+            weight_sum += w * s_sh[1, k * G + g]
+        return g, d, out_sum * (float32(1.0) / weight_sum), best, weight_sum
 
     @cuda.jit(device=True, inline=True)
-    def store_out(out, row, h, part_sh):
-        for j in range(cuda.threadIdx.x, G * D, NT):
-            g = j // D
-            d = j - g * D
-            out[row, h * G + g, d] = store(part_sh[0, g, d])
+    def meet_out(s_sh, part_sh, out, row, h):
+        tid = thread_index()
+        for i in range(TRIPS):
+            j = tid + i * NT
+            if EVEN or j < ELEMENTS:
+                g, d, value, _, _ = combine(s_sh, part_sh, j)
+                out[row, h * G + g, d] = store(value)
 
     @cuda.jit(device=True, inline=True)
-    def store_split(out, partial_out, partial_lse, row, c, num_chunks, h, part_sh, state_sh):
+    def meet_split(s_sh, part_sh, out, partial_out, partial_lse, row, c, num_chunks, h):
         if num_chunks == 1:
-            store_out(out, row, h, part_sh)
+            meet_out(s_sh, part_sh, out, row, h)
             return
         if c >= partial_out.shape[1]:
             return
-        for j in range(cuda.threadIdx.x, G * D, NT):
-            g = j // D
-            d = j - g * D
-            partial_out[row, c, h * G + g, d] = part_sh[0, g, d]
-            if d == 0:
-                partial_lse[row, c, h * G + g] = state_sh[0, g] + math.log(state_sh[1, g])
+        tid = thread_index()
+        for i in range(TRIPS):
+            j = tid + i * NT
+            if EVEN or j < ELEMENTS:
+                g, d, value, best, weight_sum = combine(s_sh, part_sh, j)
+                partial_out[row, c, h * G + g, d] = value
+                if d == 0:
+                    partial_lse[row, c, h * G + g] = best * float32(LN_2) + math.log(weight_sum)
 
-    return store_out, store_split
+    return meet_out, meet_split

@@ -65,9 +65,10 @@ class Kernels:
     gated_norm: GatedRmsNorm | None = None
 
 
-def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle, num_sms: int) -> Kernels:
+def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle, num_sms: int, page_size: int) -> Kernels:
     """Launchers for a model of ``geometry`` in ``activation_dtype`` storage, on a GPU of ``num_sms`` SMs
-    (the plan's hardware: launchers that pick a block shape by the grid's blocks an SM)."""
+    (the plan's hardware: launchers that pick a block shape by the grid's blocks an SM), over KV pages
+    of ``page_size`` tokens (the plan's, compiled into the decode attention kernels)."""
     codec = build_codec(activation_dtype)
     # A simulator thread is a Python thread: smaller blocks there (the kernels loop over what a
     # block does not cover), full-size blocks on the GPU.
@@ -93,7 +94,8 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle, nu
         attention=attention,
         decode_rope_attention=DecodeRopeAttention(
             qk_norm_rope_write_kv,
-            DecodeAttention(codec, geometry.head_dim, geometry.gqa_group, attention, num_sms=num_sms),
+            DecodeAttention(codec, geometry.head_dim, geometry.gqa_group, attention, num_sms=num_sms,
+                            page_size=page_size),
             norm.round_before_weight, geometry.head_dim, geometry.gqa_group, geometry.rotary_dim),
         gather_kv=GatherKv(),
         causal_softmax=CausalSoftmax(codec),

@@ -10,6 +10,7 @@ from executor.models.kernels import QWEN3_NORM, build_kernels
 
 def build_qwen3(arena: Arena) -> DecoderModel:
     plan = arena.plan
-    kernels = build_kernels(plan.geometry, plan.dtypes.activations, QWEN3_NORM, plan.hardware.num_sms)
+    kernels = build_kernels(plan.geometry, plan.dtypes.activations, QWEN3_NORM, plan.hardware.num_sms,
+                            plan.capacity.page_size)
     return DecoderModel(arena, kernels, QWEN3_NORM,
                         lambda i, proj: FullAttention(arena, kernels, proj, i, QWEN3_NORM, output_gate=False))

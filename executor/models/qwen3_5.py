@@ -12,7 +12,8 @@ from executor.models.projections import Projections
 
 def build_qwen3_5(arena: Arena) -> DecoderModel:
     plan = arena.plan
-    kernels = build_kernels(plan.geometry, plan.dtypes.activations, ZERO_CENTRED_NORM, plan.hardware.num_sms)
+    kernels = build_kernels(plan.geometry, plan.dtypes.activations, ZERO_CENTRED_NORM, plan.hardware.num_sms,
+                            plan.capacity.page_size)
     mixers = {
         "full_attention": lambda i, proj: FullAttention(arena, kernels, proj, i, ZERO_CENTRED_NORM, output_gate=True),
         "linear_attention": lambda i, proj: LinearAttention(arena, kernels, proj, i),
