@@ -40,6 +40,15 @@ per-copy address across the loop:
         the same address, opaque to the compiler: taken inside a loop it keeps the per-copy
         shared offsets in the loop (immediates of the copies) instead of in registers across it.
 
+A kernel that copies several 16-byte chunks of one row of a strided source (a paged cache's
+[page, slot, head, :] row) takes that row's cursor once (``build_chunk_copy()``): each chunk is then
+an add to the cursor, where indexing the source computes every chunk's whole offset from its
+strides:
+    chunk_cursor(src, index) -> cursor
+        src[index]'s place; src's last axis is contiguous.
+    copy_chunk_async(tile, tile_address, dst_index, src, cursor, chunk, valid)
+        copy_async of the 16 bytes ``chunk`` chunks past the cursor along src's last axis.
+
 Both ends must be 16-byte aligned. On the GPU these are PTX through llvmlite inline asm
 (``cp.async.cg.shared.global`` with a source size of 16 or 0, and ``cp.async.wait_all``).
 The simulator copies at once, and waiting is a no-op there.
@@ -82,6 +91,14 @@ def build_row_copy(row_bytes: int) -> tuple[Callable[..., Any], Callable[..., An
     if simulator_enabled():
         return _simulated_rows()
     return _row_intrinsics(row_bytes)
+
+
+def build_chunk_copy() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(chunk_cursor, copy_chunk_async)`` (module docstring)."""
+    if simulator_enabled():
+        return _simulated_chunks()
+    row_cursor, copy_row_async, _ = _row_intrinsics(4 * CHUNK_WORDS)  # a chunk is a 16-byte "row"
+    return row_cursor, copy_row_async
 
 
 def build_copy_groups(pending: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -134,6 +151,21 @@ def _simulated_rows() -> tuple[Callable[..., Any], Callable[..., Any], Callable[
         return tile_address
 
     return row_cursor, copy_row_async, fresh_address
+
+
+def _simulated_chunks() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    copy_async = _simulated()[0]
+
+    @cuda.jit(device=True)
+    def chunk_cursor(src, index):
+        return index
+
+    @cuda.jit(device=True)
+    def copy_chunk_async(tile, tile_address, dst_index, src, cursor, chunk, valid):
+        elements = 4 * CHUNK_WORDS // src.dtype.itemsize
+        copy_async(tile, tile_address, dst_index, src, cursor[:-1] + (cursor[-1] + chunk * elements,), valid)
+
+    return chunk_cursor, copy_chunk_async
 
 
 def _row_intrinsics(row_bytes: int) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:

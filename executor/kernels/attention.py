@@ -46,7 +46,7 @@ from executor.numba_cuda import load_cuda
 from planner.capacity import MAX_DECODE_KV_SPLITS
 
 cuda = load_cuda()
-from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
+from numba import float32, int32, uint64  # noqa: E402  (after load_cuda's numpy fix)
 
 NEG_INF = float32(-np.inf)
 NO_SPLIT_CHUNK = np.iinfo(np.int32).max  # kv_chunk_size of padding requests: never splits
@@ -157,6 +157,7 @@ def build_paged_attention(
     # The merge's block size, a compile-time stride: with a known-non-negative start and blockDim's
     # stride, LLVM computes a strided loop's trip count with a 64-bit division.
     MERGE_THREADS = merge_threads(D)
+    HEAD_DIM = D
 
     @cuda.jit(device=True, inline=True)  # inlined in Numba IR: no separate device compile
     def attend(q, k_cache, v_cache, page_indices, page_base, kv_head, row0, row_end, k0, k1, positions, scale,
@@ -294,22 +295,29 @@ def build_paged_attention(
                             partial_lse[row, chunk_index, head] = m_sh[m] + math.log(l_sh[m])
 
     @cuda.jit(device=True, inline=True)
-    def stage_first_round(partial_out, partial_lse, t, head, num_chunks, values, lse_sh):
-        """A thread's first MERGE_UNROLL chunk partials into ``values`` and the log-sum-exps of chunks
-        < num_chunks into ``lse_sh``; chunk indices are clamped, so every address is valid."""
+    def stage_first_round(partial_flat, partial_lse, t, head, num_chunks, row_base, chunk_stride, values, lse_sh):
+        """A thread's first MERGE_UNROLL chunk partials (those < num_chunks: guarded, not clamped) into
+        ``values`` and the log-sum-exps of chunks < num_chunks into ``lse_sh``; partial_flat[row_base +
+        c chunk_stride + d] is element d of chunk c's partial (merge_kernel)."""
         first_d = thread_index()
-        if first_d < partial_out.shape[3]:
+        if first_d < HEAD_DIM:
             for u in range(MERGE_UNROLL):
-                values[u] = partial_out[t, min(u, num_chunks - 1), head, first_d]
+                if u < num_chunks:
+                    values[u] = partial_flat[row_base + uint64(first_d) + uint64(u) * chunk_stride]
         c = thread_index()  # strided loops as while loops: a strided range() divides (64-bit) for its trip count
         while c < num_chunks:
             lse_sh[c] = partial_lse[t, c, head]
             c += MERGE_THREADS
 
     @cuda.jit
-    def merge_kernel(partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows, out):
+    def merge_kernel(partial_flat, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows, out):
         """Grid (T, Hq), threads over D: out[t, h] = sum_c w_c partial_out[t, c, h] for split rows,
         w_c = exp(lse_c - max lse) / sum. Rows with one chunk were written by split_kernel.
+
+        ``partial_flat`` is partial_out [T, depth, Hq, D] as one flat float32 array (the launcher's
+        view): a thread's chunk partials then lie a constant stride apart from one base offset, one
+        multiply-add a load, where 4-d indexing recomputes every load's whole offset from the runtime
+        shapes (about 25 instructions a load, ahead of the loads).
 
         At decode sizes a warp of this kernel has an SM scheduler to itself: it takes about as long
         as its instructions' dependent latencies, so each thread does as little as it can. In a launch
@@ -330,14 +338,19 @@ def build_paged_attention(
         values = cuda.local.array(MERGE_UNROLL, float32)
         t = block_x()
         head = block_y()
-        depth = partial_out.shape[1]
+        depth = partial_lse.shape[1]
+        num_heads = out.shape[1]
+        # Unsigned flat indices: Numba wraps a signed index that might be negative (a compare and a
+        # select on 64 bits a load), and no product of the shapes is known to be >= 0.
+        chunk_stride = uint64(num_heads * HEAD_DIM)
+        row_base = uint64((t * depth * num_heads + head) * HEAD_DIM)
         speculate = cuda.gridDim.x <= MERGE_SPECULATE_MAX_ROWS
         step_rows = int32(total_num_rows[0])
         position = positions[t]
         b = batch_indices[t]
         chunk = kv_chunk_size[min(t, kv_chunk_size.shape[0] - 1)]
         if speculate:
-            stage_first_round(partial_out, partial_lse, t, head, depth, values, lse_sh)
+            stage_first_round(partial_flat, partial_lse, t, head, depth, row_base, chunk_stride, values, lse_sh)
         if t >= step_rows:
             return
         if b != t:
@@ -346,7 +359,8 @@ def build_paged_attention(
         if num_chunks <= 1:
             return
         if not speculate:
-            stage_first_round(partial_out, partial_lse, t, head, num_chunks, values, lse_sh)
+            stage_first_round(partial_flat, partial_lse, t, head, num_chunks, row_base, chunk_stride, values,
+                              lse_sh)
         cuda.syncthreads()
         top = NEG_INF
         for c in range(num_chunks):
@@ -362,12 +376,13 @@ def build_paged_attention(
         inv_weight_sum = float32(1.0) / weight_sum  # >= 1: the largest weight is 1
         first_d = thread_index()
         d = first_d
-        while d < out.shape[2]:
+        while d < HEAD_DIM:
             total = float32(0.0)
             for c0 in range(0, num_chunks, MERGE_UNROLL):
                 if d != first_d or c0 > 0:
                     for u in range(MERGE_UNROLL):
-                        values[u] = partial_out[t, min(c0 + u, num_chunks - 1), head, d]
+                        if c0 + u < num_chunks:
+                            values[u] = partial_flat[row_base + uint64(d) + uint64(c0 + u) * chunk_stride]
                 for u in range(MERGE_UNROLL):
                     if c0 + u < num_chunks:
                         total += weight_sh[c0 + u] * values[u]
@@ -538,5 +553,5 @@ class PagedAttention:
             raise ValueError(f"attention merge: split scratch of {partial_out.shape[1]} kv chunks, the merge takes "
                              f"at most {MAX_MERGE_CHUNKS}")
         self.merge[(num_rows, num_q_heads), merge_threads(self.head_dim), stream](
-            partial_out, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows, out
+            partial_out.reshape(-1), partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows, out
         )

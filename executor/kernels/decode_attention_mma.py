@@ -50,17 +50,17 @@ many slot iterations as the busiest one, masking the slots past the chunk).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from executor.kernels.async_copy import build_async_copy, build_copy_groups, build_shared_address
+from executor.kernels.async_copy import build_chunk_copy, build_copy_groups, build_shared_address
 from executor.kernels.attention import NEG_INF
 from executor.kernels.codec import build_codec
-from executor.kernels.indices import build_indices
 from executor.kernels.decode_rope_prologue import build_rope_prologue, prologue_fits
 from executor.kernels.decode_rope_prologue import shared_shapes as rope_shared_shapes
 from executor.kernels.decode_tiles import LOG2_E, build_meet, build_tile_lookups
+from executor.kernels.fast_math import build_exp2_scaled
+from executor.kernels.indices import build_indices
 from executor.kernels.launch import SHARED_LIMIT_BYTES, WARP_THREADS
 from executor.kernels.mma import build_eight_key_value_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.reduce import build_group_max, build_group_sum
@@ -184,13 +184,15 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
     pack = build_pack_bf16x2()
     lane_address, load_k_x4, _ = build_fragment_loads()
     load_v8_x4 = build_eight_key_value_load()
-    copy_chunk = build_async_copy()[0]
+    chunk_cursor, copy_chunk_async = build_chunk_copy()
     commit_group, wait_groups = build_copy_groups(SL - 1)
     shared_address = build_shared_address()
     warp_barrier = build_warp_barrier()
     quad_max = build_group_max()
     quad_sum = build_group_sum()
     tile_entries, tile_request, tile_keys = build_tile_lookups()
+    exp2_scaled = build_exp2_scaled()
+    ONE = float32(1.0)
     thread_index, block_x, block_y = build_indices()
     meet_out, meet_split = build_meet(G, D, NT, W, build_codec("bfloat16").store)
     FUSED = rope is not None
@@ -217,11 +219,13 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         """Start copying this lane's chunks of its key's K and V rows into the slot at first_row
         (zeros when not ``valid``: stale V bits could be NaN, and 0 x NaN would reach the output)."""
         key = lane % SLOT_KEYS
+        k_row = chunk_cursor(k_cache, (page, in_page, h, 0))
+        v_row = chunk_cursor(v_cache, (page, in_page, h, 0))
         for i in range(COPIES):
             chunk = lane // SLOT_KEYS + 4 * i
-            copy_chunk(ring, ring_address, (first_row + key, 4 * chunk), k_cache, (page, in_page, h, 8 * chunk), valid)
-            copy_chunk(ring, ring_address, (first_row + SLOT_KEYS + key, 4 * chunk), v_cache,
-                       (page, in_page, h, 8 * chunk), valid)
+            copy_chunk_async(ring, ring_address, (first_row + key, 4 * chunk), k_cache, k_row, chunk, valid)
+            copy_chunk_async(ring, ring_address, (first_row + SLOT_KEYS + key, 4 * chunk), v_cache, v_row, chunk,
+                             valid)
 
     @cuda.jit(device=True, inline=True)
     def q_word(q, row, head, d):
@@ -332,10 +336,10 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
             s0 = (c0 + e0) * scale_log2 if key < k1 else NEG_INF
             s1 = (c1 + e1) * scale_log2 if key + 1 < k1 else NEG_INF
             best = max(top, quad_max(scratch, max(s0, s1), 4))
-            alpha = float32(math.exp2(top - best))
+            alpha = exp2_scaled(top, ONE, best)  # 2^(top - best): an FMA and ex2.approx.ftz (fast_math.py)
             top = best
-            p0 = float32(math.exp2(s0 - best))
-            p1 = float32(math.exp2(s1 - best))
+            p0 = exp2_scaled(s0, ONE, best)
+            p1 = exp2_scaled(s1, ONE, best)
             total = total * alpha + p0 + p1
             pa = pack(p0, p1)
             for j in range(2 * O_TILES):

@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from executor.kernels.fast_math import build_exp2_scaled
 from executor.kernels.indices import build_indices
 from executor.numba_cuda import load_cuda
 
@@ -121,6 +122,8 @@ def build_meet(group_size: int, head_dim: int, threads: int, groups: int, store:
     TRIPS = -(-ELEMENTS // NT)
     EVEN = ELEMENTS % NT == 0  # every trip of every thread has an element
     thread_index = build_indices()[0]
+    exp2_scaled = build_exp2_scaled()  # 2^(x - best) as an FMA and ex2.approx.ftz
+    ONE = float32(1.0)
 
     @cuda.jit(device=True, inline=True)
     def combine(s_sh, part_sh, j):
@@ -134,7 +137,7 @@ def build_meet(group_size: int, head_dim: int, threads: int, groups: int, store:
         out_sum = float32(0.0)
         weight_sum = float32(0.0)
         for k in range(K):
-            w = float32(math.exp2(s_sh[0, k * G + g] - best))
+            w = exp2_scaled(s_sh[0, k * G + g], ONE, best)
             out_sum += w * part_sh[k, g, d]
             weight_sum += w * s_sh[1, k * G + g]
         return g, d, out_sum * (float32(1.0) / weight_sum), best, weight_sum

@@ -197,7 +197,7 @@ def test_compiles_for_sm90():
             if "split" in which:
                 ptx(split, arr3, arr4, arr4, *meta, arr3, *part, types.float32)
             if "merge" in which:  # its batch of chunk partials stays in registers
-                text = ptx(merge, *part, i32, i32, i32, u32, arr3)
+                text = ptx(merge, arr("float32", 1), part[1], i32, i32, i32, u32, arr3)
                 assert ".local" not in text, f"{name}: merge uses local memory"
                 # One 64-bit division, the row's chunk count: a strided range() loop would add one for
                 # its trip count, and at batch 1 every instruction of a warp's chain is latency.
