@@ -1,12 +1,14 @@
 """Row copies through a cursor (async_copy.build_row_copy): the rows land where a plain slice puts
-them, rows from the limit on land as zeros; on sm_90 the copies take no per-copy address conversion."""
+them, rows from the limit on land as zeros; on sm_90 the copies take no per-copy address conversion.
+Chunk copies through a row's cursor (build_chunk_copy): the chunks of one row of a strided 4-d
+source land where indexing puts them, invalid ones as zeros."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from executor.kernels.async_copy import build_async_copy, build_row_copy, build_shared_address
+from executor.kernels.async_copy import build_async_copy, build_chunk_copy, build_row_copy, build_shared_address
 from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
 
@@ -64,6 +66,61 @@ def test_row_copies_convert_the_cursor_once_on_sm90():
         from numba import types
         from tests.kernels.test_async_copy import build_stage_kernel
         text = ptx(build_stage_kernel(), arr("int32", 3), types.int32, types.int32, types.int32, arr("int32", 2))
+        assert text.count("cp.async.cg.shared.global") == 1
+        assert text.count("cvta.to.global") == 1
+        """
+    )
+
+
+def build_chunk_stage_kernel():
+    """Kernel ``(src [P, S, H, 2 * WORDS] int16, page, slot, head, valid_chunks, out [ROWS, WORDS] int32)``:
+    thread t copies chunk t of src[page, slot, head] (16 bytes: 8 bf16 bits) into tile row t // 2
+    through the row's cursor; chunks from ``valid_chunks`` on are copied as invalid (zeros)."""
+    chunk_cursor, copy_chunk_async = build_chunk_copy()
+    _, copy_async_wait_all = build_async_copy()
+    shared_address = build_shared_address()
+    alignment = None if simulator_enabled() else 16
+
+    @cuda.jit
+    def stage(src, page, slot, head, valid_chunks, out):
+        tile = cuda.shared.array((ROWS, WORDS), int32, alignment=alignment)
+        tid = cuda.threadIdx.x
+        lane_row, col = tid // 2, (tid % 2) * 4
+        for w in range(4):
+            tile[lane_row, col + w] = -1  # stale bits the zero fill must overwrite
+        cuda.syncthreads()
+        row = chunk_cursor(src, (page, slot, head, 0))
+        chunk = tid % (src.shape[3] // 8)
+        copy_chunk_async(tile, shared_address(tile, (0, 0)), (lane_row, col), src, row, chunk, tid < valid_chunks)
+        copy_async_wait_all()
+        cuda.syncthreads()
+        for w in range(4):
+            out[lane_row, col + w] = tile[lane_row, col + w]
+
+    return stage
+
+
+@pytest.mark.parametrize("valid_chunks", [THREADS, 5])
+def test_chunks_of_a_strided_row_land_in_order(valid_chunks):
+    """A [pages, slots, heads, 128] bf16 cache viewed with its last axis halved (strided, as the KV
+    pool's per-layer views): thread t's chunk t of row (2, 1, 1) is elements 8 t .. 8 t + 7."""
+    pool = np.arange(4 * 3 * 2 * 128, dtype=np.int32).astype(np.int16).reshape(4, 3, 2, 128)
+    src = pool[..., : 8 * THREADS]  # 16 chunks of 8 elements a row, rows 256 bytes apart
+    out = np.full((ROWS, WORDS), 7, np.int32)
+    build_chunk_stage_kernel()[1, THREADS](src, 2, 1, 1, valid_chunks, out)
+    expected = np.ascontiguousarray(src[2, 1, 1]).view(np.int32).reshape(THREADS, 4).copy()
+    expected[valid_chunks:] = 0
+    np.testing.assert_array_equal(out, expected.reshape(ROWS, WORDS))
+
+
+def test_chunk_copies_take_the_row_cursor_once_on_sm90():
+    compile_for_sm90(
+        """
+        from numba import types
+        from tests.kernels.test_async_copy import build_chunk_stage_kernel
+        i32 = types.int32
+        text = ptx(build_chunk_stage_kernel(), types.Array(types.int16, 4, "A"), i32, i32, i32, i32,
+                   arr("int32", 2))
         assert text.count("cp.async.cg.shared.global") == 1
         assert text.count("cvta.to.global") == 1
         """

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import pytest
 
+from executor.kernels.decode_attention import DecodeAttention
 from executor.kernels.decode_attention_mma import (MANY_PAIRS_SHAPE, MAX_GROUP, MmaShape, default_mma_shapes, mma_warps,
                                                   shared_bytes)
 from executor.kernels.launch import SHARED_LIMIT_BYTES
 from tests.kernels import test_decode_attention
 from tests.kernels.compile_check import compile_for_sm90
-from tests.kernels.test_attention import NUM_KV_HEADS
+from tests.kernels.test_attention import NUM_KV_HEADS, PAGE_SIZE
 
 HEAD_DIM = 32
 BATCH = [(1, 37), (1, 19), (1, 1), (1, 8)]  # (rows, kv_len): decode rows only
@@ -24,15 +25,25 @@ NUM_PAGES = 24
 
 
 def run_decode(group: int, kv_chunk: int | None, seed: int, shape: MmaShape = MmaShape(2, 2),
-               **launcher: object) -> None:
+               **launcher: object) -> DecodeAttention:
     attention = test_decode_attention.run_decode("bfloat16", group, kv_chunk, seed, head_dim=HEAD_DIM, batch=BATCH,
                                                  num_pages=NUM_PAGES, **(launcher or {"mma_shape": shape}))
     assert attention.mma_launch(len(BATCH), NUM_KV_HEADS)[2] == shape
+    return attention
 
 
 @pytest.mark.parametrize("group,kv_chunk", [(1, None), (5, None), (8, None), (4, 16)])
 def test_mma_decode_attention_matches_reference(group, kv_chunk):
     run_decode(group, kv_chunk, seed=group + (kv_chunk or 0))
+
+
+def test_page_size_compiled_in():
+    """Built for the plan's page size (the model's launchers are), a split call gives the reference's
+    output; a cache of other pages is refused before any launch, naming both sizes."""
+    attention = run_decode(4, 16, 5, page_size=PAGE_SIZE, mma_shape=MmaShape(2, 2))
+    assert attention.page_size == PAGE_SIZE
+    with pytest.raises(ValueError, match=f"built for KV pages of {2 * PAGE_SIZE} tokens, got a cache of {PAGE_SIZE}"):
+        run_decode(4, 16, 5, page_size=2 * PAGE_SIZE, mma_shape=MmaShape(2, 2))
 
 
 @pytest.mark.parametrize("num_sms,shape", [(4, MmaShape(4, 2)), (3, MANY_PAIRS_SHAPE)])

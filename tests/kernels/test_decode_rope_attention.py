@@ -139,7 +139,8 @@ def test_partial_rotary_and_wide_heads_take_two_launches():
 
 def test_fused_compiles_for_sm90():
     """PTX for sm_90 at Qwen3-8B's heads (D 128, G 4), both block shapes: no local memory but libdevice's
-    sin/cos slow path (28 bytes, for angles past 105,615 radians), as qk_rope_kv.py's kernel."""
+    sin/cos slow path (28 bytes, for angles past 105,615 radians), as qk_rope_kv.py's kernel; built for
+    pages of 16 tokens, one 64-bit division."""
     compile_for_sm90(
         """
         import re
@@ -156,6 +157,12 @@ def test_fused_compiles_for_sm90():
                 depots = [int(n) for n in re.findall(r"__local_depot\\d+\\[(\\d+)\\]", text)]
                 assert sum(depots) <= 28, f"{depots} bytes of local memory"
                 assert ".local.v" not in text, "a vector access to local memory"
+        # With the plan's page size compiled in, a key's page and slot take no division: the one 64-bit
+        # division left is the row's chunk count (at batch 1 every instruction of a warp's chain is latency).
+        split = build_decode_attention_mma(128, 4, 4, 2, rope=True, page_size=16)[1]
+        text = ptx(split, *rope, *meta, bits3, arr("float32", 4), arr("float32", 3), f32)
+        divisions = text.count("div.s64") + text.count("div.u64")
+        assert divisions == 1, f"{divisions} 64-bit divisions"
         """,
         allow_f64=True,  # inv_freq's power is taken in float64 on purpose (rope.py's docstring)
     )
