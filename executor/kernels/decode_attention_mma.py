@@ -42,6 +42,16 @@ Built with ``rope``, the kernels also do the step's q/k norm + RoPE + KV write f
 (decode_rope_prologue.py: q from shared memory, the new key patched into its ring slot), which
 DecodeRopeAttention (decode_rope_attention.py) launches at decode where the heads allow it.
 
+At batch 1 a block's warps issue alone, so the kernel lasts about as long as a warp's chain of
+instructions. ncu on the H200 (docs/benchmarks.md, twenty-fifth session) counted 2,979 instructions a
+warp at 5.0 cycles each, most of them index arithmetic and the warps' meet. They are now cut: thread
+and block indices known to be non-negative (indices.py), the plan's page size compiled in (a key's
+page and slot by constant arithmetic, not a division), q fragments read by select rather than a
+branch a load, the warps' meet written straight to global memory (decode_tiles.py); 1,947
+instructions a warp. Then a K/V row's chunks copied from one cursor and exponents as one FMA and
+``ex2.approx.ftz`` (fast_math.py). In the batch-1 decode graph the fused kernel went from 10.7-10.8
+to 6.9 us a layer.
+
 P enters the P V product rounded to bf16, as in FlashAttention's kernels (and the prefill kernel,
 flash_attention.py); scores and outputs accumulate in float32. The simulator runs the same kernel
 with mma.py's emulations (block-wide barriers: every warp makes the same calls, so a warp runs as

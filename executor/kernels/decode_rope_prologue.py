@@ -29,7 +29,9 @@ the engine's batch-1 step went from 4.641-4.644 to 4.551-4.555 ms, batch 64 from
 reduction, two block barriers) is longer than the copies it overlaps. So the kernel runs it in three
 parts between its metadata lookups (``start``, ``load``, ``finish``): inv_freq's powers while the
 tile's entries land, the q/k/v chunks while the row's position does. In the batch-1 decode graph
-the kernel then took 10.7-10.8 us a layer against 12.1 (docs/benchmarks.md, twenty-third session).
+the kernel then took 10.7-10.8 us a layer against 12.1 (docs/benchmarks.md, twenty-third session),
+and 6.9 us once the attention kernel's own instructions were cut (twenty-fifth session;
+decode_attention_mma.py).
 """
 
 from __future__ import annotations
