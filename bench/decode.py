@@ -17,9 +17,10 @@ with C tokens already cached and one new token:
   median time per step over the same counts. The scheduler's own host time, hidden the same way,
   is not in it (bench/host_step.py measures it).
   Request r uses KV pages 1 + r * pages_per_request ... and recurrent slot r (reset once per cell); the
-  KV pool is zeroed once. Before the twenty-fifth session zeros did change the work: the decode
-  attention's meet and the merge divided each output by its weight sum, and a zero numerator takes
-  the division's slow path (seen with ncu). They now multiply by the reciprocal of that sum (>= 1).
+  KV pool is zeroed once. Before the twenty-fifth session that changed the work: the decode
+  attention's meet divided each output by its weight sum, and ncu saw the division's slow path run
+  for nearly all of them (a zero numerator, on our reading). The meet and the merge now multiply by
+  the reciprocal of that sum (>= 1).
 - HF eager (SDPA): one forward of B new tokens over a DynamicCache holding C tokens per request, the cache
   cropped back to C after every timed step. Filled once per cell by a chunked prefill.
 - HF compiled: StaticCache + ``torch.compile(mode="reduce-overhead")``; positions advance one per step

@@ -332,7 +332,8 @@ def build_paged_attention(
         Chunk c's weight exp(lse_c - max) is computed once, by thread c, into shared memory (every
         thread used to compute every weight twice); a thread then adds MERGE_UNROLL partials at a time.
         Sums run in chunk order, and a thread multiplies by the reciprocal of the weight sum once
-        computed: a division per output takes its slow path on a zero sum of partials."""
+        computed: a division per output can take the division's slow path (as decode_tiles.py's meet
+        did on an all-zero V)."""
         lse_sh = cuda.shared.array(MAX_MERGE_CHUNKS, float32)
         weight_sh = cuda.shared.array(MAX_MERGE_CHUNKS, float32)
         values = cuda.local.array(MERGE_UNROLL, float32)

@@ -38,8 +38,8 @@ over shared memory. At batch 1 a block's warps each issue alone, so its tail aft
 the length of these instruction chains (docs/benchmarks.md, twenty-fifth session): a thread's
 elements are compile-time trips (a strided ``range`` computes its trip count with a 64-bit
 division), and it multiplies by the reciprocal of its head's weight sum (>= 1: the best group's
-weight is 1 and its sum at least 1) instead of dividing, whose slow path a zero numerator (an
-all-zero V) takes.
+weight is 1 and its sum at least 1) instead of dividing each output: with the benchmarks' all-zero V,
+ncu saw the division's slow path run for nearly every output.
 """
 
 from __future__ import annotations
