@@ -37,6 +37,7 @@ import math
 from typing import Any
 
 import numpy as np
+import torch
 
 from executor.kernels.codec import Codec
 from executor.kernels.indices import build_indices
@@ -553,6 +554,9 @@ class PagedAttention:
         if partial_out.shape[1] > MAX_MERGE_CHUNKS:
             raise ValueError(f"attention merge: split scratch of {partial_out.shape[1]} kv chunks, the merge takes "
                              f"at most {MAX_MERGE_CHUNKS}")
+        # The merge reads the partials flat. A view, never a copy (the planned scratch is contiguous, and
+        # torch's view refuses otherwise); the tests' host arrays reshape.
+        flat = partial_out.view(-1) if isinstance(partial_out, torch.Tensor) else partial_out.reshape(-1)
         self.merge[(num_rows, num_q_heads), merge_threads(self.head_dim), stream](
-            partial_out.reshape(-1), partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows, out
+            flat, partial_lse, batch_indices, positions, kv_chunk_size, total_num_rows, out
         )
