@@ -134,17 +134,24 @@ def _simulated() -> tuple[Callable[..., Any], Callable[..., Any]]:
     return copy_async, copy_async_wait_all
 
 
-def _simulated_rows() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+def _simulated_cursor(advance: Callable[..., tuple]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """A simulated (cursor, copy) pair: the cursor is the index itself, and ``advance(index, step, src)``
+    is the index ``step`` rows (or chunks) past it."""
     copy_async = _simulated()[0]
 
     @cuda.jit(device=True)
-    def row_cursor(src, index):
+    def cursor_of(src, index):
         return index
 
     @cuda.jit(device=True)
-    def copy_row_async(tile, tile_address, dst_index, src, cursor, row, valid):
-        head, first, word = cursor
-        copy_async(tile, tile_address, dst_index, src, (head, first + row, word), valid)
+    def copy_at(tile, tile_address, dst_index, src, cursor, step, valid):
+        copy_async(tile, tile_address, dst_index, src, advance(cursor, step, src), valid)
+
+    return cursor_of, copy_at
+
+
+def _simulated_rows() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    row_cursor, copy_row_async = _simulated_cursor(lambda index, row, src: (index[0], index[1] + row, index[2]))
 
     @cuda.jit(device=True)
     def fresh_address(tile_address):
@@ -154,18 +161,8 @@ def _simulated_rows() -> tuple[Callable[..., Any], Callable[..., Any], Callable[
 
 
 def _simulated_chunks() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    copy_async = _simulated()[0]
-
-    @cuda.jit(device=True)
-    def chunk_cursor(src, index):
-        return index
-
-    @cuda.jit(device=True)
-    def copy_chunk_async(tile, tile_address, dst_index, src, cursor, chunk, valid):
-        elements = 4 * CHUNK_WORDS // src.dtype.itemsize
-        copy_async(tile, tile_address, dst_index, src, cursor[:-1] + (cursor[-1] + chunk * elements,), valid)
-
-    return chunk_cursor, copy_chunk_async
+    return _simulated_cursor(
+        lambda index, chunk, src: index[:-1] + (index[-1] + chunk * (4 * CHUNK_WORDS // src.dtype.itemsize),))
 
 
 def _row_intrinsics(row_bytes: int) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:

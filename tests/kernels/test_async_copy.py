@@ -19,31 +19,50 @@ ROWS, WORDS = 8, 8  # the tile: 8 rows of two 16-byte chunks, one chunk a thread
 THREADS = ROWS * WORDS // 4
 
 
+def build_tile_access():
+    """``(lanes, unload)``, the stage kernels' own 16 bytes of the tile: ``lanes(tile)`` fills thread t's
+    (row t // 2, words (t % 2) * 4 on) with stale bits the copies must overwrite and returns that
+    (row, word) after a barrier; ``unload(tile, row, word, out)`` waits for the thread's copies and,
+    after a barrier, writes its 16 bytes to out."""
+    _, copy_async_wait_all = build_async_copy()
+
+    @cuda.jit(device=True)
+    def lanes(tile):
+        tid = cuda.threadIdx.x
+        row, word = tid // 2, (tid % 2) * 4
+        for w in range(4):
+            tile[row, word + w] = -1
+        cuda.syncthreads()
+        return row, word
+
+    @cuda.jit(device=True)
+    def unload(tile, row, word, out):
+        copy_async_wait_all()
+        cuda.syncthreads()
+        for w in range(4):
+            out[row, word + w] = tile[row, word + w]
+
+    return lanes, unload
+
+
 def build_stage_kernel():
     """Kernel ``(src [H, C, WORDS] int32, head, first, limit, out [ROWS, WORDS] int32)``: out <- the
     shared tile after staging rows first.. of src[head] (zeros from row ``limit`` on)."""
     row_cursor, copy_row_async, fresh_address = build_row_copy(4 * WORDS)
-    _, copy_async_wait_all = build_async_copy()
     shared_address = build_shared_address()
+    lanes, unload = build_tile_access()
     alignment = None if simulator_enabled() else 16
 
     @cuda.jit
     def stage(src, head, first, limit, out):
         tile = cuda.shared.array((ROWS, WORDS), int32, alignment=alignment)
-        tid = cuda.threadIdx.x
-        lane_row, col = tid // 2, (tid % 2) * 4
-        for w in range(4):
-            tile[lane_row, col + w] = -1  # stale bits the zero fill must overwrite
-        cuda.syncthreads()
+        lane_row, col = lanes(tile)
         cursor = row_cursor(src, (head, 0, col))
         row = first + lane_row
         valid = row < limit
         copy_row_async(tile, fresh_address(shared_address(tile, (0, 0))), (lane_row, col), src, cursor,
                        row if valid else 0, valid)
-        copy_async_wait_all()
-        cuda.syncthreads()
-        for w in range(4):
-            out[lane_row, col + w] = tile[lane_row, col + w]
+        unload(tile, lane_row, col, out)
 
     return stage
 
@@ -77,25 +96,18 @@ def build_chunk_stage_kernel():
     thread t copies chunk t of src[page, slot, head] (16 bytes: 8 bf16 bits) into tile row t // 2
     through the row's cursor; chunks from ``valid_chunks`` on are copied as invalid (zeros)."""
     chunk_cursor, copy_chunk_async = build_chunk_copy()
-    _, copy_async_wait_all = build_async_copy()
     shared_address = build_shared_address()
+    lanes, unload = build_tile_access()
     alignment = None if simulator_enabled() else 16
 
     @cuda.jit
     def stage(src, page, slot, head, valid_chunks, out):
         tile = cuda.shared.array((ROWS, WORDS), int32, alignment=alignment)
-        tid = cuda.threadIdx.x
-        lane_row, col = tid // 2, (tid % 2) * 4
-        for w in range(4):
-            tile[lane_row, col + w] = -1  # stale bits the zero fill must overwrite
-        cuda.syncthreads()
+        lane_row, col = lanes(tile)
         row = chunk_cursor(src, (page, slot, head, 0))
-        chunk = tid % (src.shape[3] // 8)
-        copy_chunk_async(tile, shared_address(tile, (0, 0)), (lane_row, col), src, row, chunk, tid < valid_chunks)
-        copy_async_wait_all()
-        cuda.syncthreads()
-        for w in range(4):
-            out[lane_row, col + w] = tile[lane_row, col + w]
+        chunk = cuda.threadIdx.x
+        copy_chunk_async(tile, shared_address(tile, (0, 0)), (lane_row, col), src, row, chunk, chunk < valid_chunks)
+        unload(tile, lane_row, col, out)
 
     return stage
 
