@@ -158,7 +158,6 @@ def build_paged_attention(
     # The merge's block size, a compile-time stride: with a known-non-negative start and blockDim's
     # stride, LLVM computes a strided loop's trip count with a 64-bit division.
     MERGE_THREADS = merge_threads(D)
-    HEAD_DIM = D
 
     @cuda.jit(device=True, inline=True)  # inlined in Numba IR: no separate device compile
     def attend(q, k_cache, v_cache, page_indices, page_base, kv_head, row0, row_end, k0, k1, positions, scale,
@@ -301,7 +300,7 @@ def build_paged_attention(
         ``values`` and the log-sum-exps of chunks < num_chunks into ``lse_sh``; partial_flat[row_base +
         c chunk_stride + d] is element d of chunk c's partial (merge_kernel)."""
         first_d = thread_index()
-        if first_d < HEAD_DIM:
+        if first_d < D:
             for u in range(MERGE_UNROLL):
                 if u < num_chunks:
                     values[u] = partial_flat[row_base + uint64(first_d) + uint64(u) * chunk_stride]
@@ -344,8 +343,8 @@ def build_paged_attention(
         num_heads = out.shape[1]
         # Unsigned flat indices: Numba wraps a signed index that might be negative (a compare and a
         # select on 64 bits a load), and no product of the shapes is known to be >= 0.
-        chunk_stride = uint64(num_heads * HEAD_DIM)
-        row_base = uint64((t * depth * num_heads + head) * HEAD_DIM)
+        chunk_stride = uint64(num_heads * D)
+        row_base = uint64((t * depth * num_heads + head) * D)
         speculate = cuda.gridDim.x <= MERGE_SPECULATE_MAX_ROWS
         step_rows = int32(total_num_rows[0])
         position = positions[t]
@@ -378,7 +377,7 @@ def build_paged_attention(
         inv_weight_sum = float32(1.0) / weight_sum  # >= 1: the largest weight is 1
         first_d = thread_index()
         d = first_d
-        while d < HEAD_DIM:
+        while d < D:
             total = float32(0.0)
             for c0 in range(0, num_chunks, MERGE_UNROLL):
                 if d != first_d or c0 > 0:

@@ -11,8 +11,8 @@ from tests.executor.harness import decode_state, greedy_decode, load_tiny, prefi
 
 def test_gemv_decode_equals_gemm_decode():
     """Qwen3.5's blocks cover every GEMV use (qkv, in_proj, gate_up and the final norm + lm_head
-    normalize; o_proj, out_proj, down add; the zero-centred norm); test_gemv.py runs Qwen3's norm rounding. One decode step: the simulator
-    multiplies every weight element in Python."""
+    normalize; o_proj, out_proj, down add; the zero-centred norm); test_gemv.py runs Qwen3's norm
+    rounding. One decode step: the simulator multiplies every weight element in Python."""
     name = "tiny-qwen3.5"
     runs = {}
     for gemv_batch in (1, 0):
