@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -16,6 +16,9 @@ from pydantic import BaseModel, ValidationError
 from planner.config import HardwareConfig, ModelConfig, ServingConfig
 from planner.errors import ConfigError
 from planner.hf_import import model_from_hf_config
+
+if TYPE_CHECKING:
+    from planner.plan import MemoryPlan
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 
@@ -69,6 +72,15 @@ def _serving_data(spec: str | None, overrides: dict[str, Any] | None) -> dict[st
             given["decode_graph_batch_sizes"] = [b for b in buckets if b <= given["max_batch"]] or [1]
         data = {**data, **given}
     return data
+
+
+def plan_from_configs(model: str, hardware: str, serving: str | None,
+                      overrides: dict[str, Any] | None = None) -> MemoryPlan:
+    """Load the model, hardware and serving configs (with flag overrides) and build their plan."""
+    from planner.plan import build_plan
+
+    return build_plan(load_model(model), load_hardware(hardware), load_serving(serving, overrides),
+                      serving_source=serving_source(serving, overrides))
 
 
 def validate(model_type: type[T], data: Any, source: str) -> T:

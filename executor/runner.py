@@ -1,4 +1,4 @@
-"""``memplan run``: build (or load) a plan, materialize it once, load weights, run the requests
+"""``memplan run`` (its flags are parsed in planner.cli): build (or load) a plan, materialize it once, load weights, run the requests
 through the engine (continuous batching), and report.
 
 stdout (or ``--out``): one JSONL line per request, in input order: ``{"request", "prompt_len",
@@ -46,8 +46,9 @@ SIM_HARDWARE, SIM_SERVING = "cpu-sim", "sim"
 PROGRESS_INTERVAL_S = 2.0
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run ``memplan run``; return the exit code (ConfigError and PlanDoesNotFit propagate)."""
+def run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
+    """Run ``memplan run``; return the exit code (ConfigError and PlanDoesNotFit propagate).
+    ``overrides``: the serving flags as ServingConfig fields, None where not given."""
     _choose_simulator(args.device)
     from executor.device import DeviceError
     from executor.step import CapacityError
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     labels = ((CapacityError, "capacity error"), (WeightsError, "weights error"),
               (RequestFileError, "request error"), (DeviceError, "device error"), (RunError, "error"))
     try:
-        return _run(args)
+        return _run(args, overrides)
     except tuple(kind for kind, _ in labels) as error:
         label = next(text for kind, text in labels if isinstance(error, kind))
         print(f"memplan: {label}: {error}", file=sys.stderr)
@@ -74,13 +75,13 @@ def _choose_simulator(device: str) -> None:
             os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     from executor.arena import materialize
     from executor.device import open_device
     from executor.engine import Engine, warm_up
     from executor.models import build_model
 
-    plan = load_plan(args)
+    plan = load_plan(args, overrides)
     device = open_device(args.device)
     _check_fits_device(plan, device.is_sim)
     specs = read_requests(args, plan.model.vocab_size)  # before anything is allocated
@@ -148,24 +149,23 @@ class _Progress:
 # -- the plan ---------------------------------------------------------------------------------------------------------
 
 
-def load_plan(args: argparse.Namespace) -> MemoryPlan:
+def load_plan(args: argparse.Namespace, overrides: dict[str, object]) -> MemoryPlan:
     """The plan from ``--plan FILE`` (checked against the planner), or built from the config flags."""
-    from planner.cli import plan_from_args, serving_overrides
+    from planner.loader import plan_from_configs
 
     if args.plan:
         given = [flag for flag, value in (("--model", args.model), ("--serving", args.serving)) if value]
-        given += [f"--{name.replace('_', '-')}" for name, value in serving_overrides(args).items() if value is not None]
+        given += [f"--{name.replace('_', '-')}" for name, value in overrides.items() if value is not None]
         if given:
             raise RunError(f"--plan replaces --model, --serving and the serving flags; drop {', '.join(given)}")
         return read_plan_file(Path(args.plan))
-    args = argparse.Namespace(**vars(args))
-    if args.model is None:
-        if not args.checkpoint:
-            raise RunError("give --model, --checkpoint DIR (its config.json) or --plan FILE")
-        args.model = args.checkpoint
-    if args.serving is None and _hardware_name(args.hardware) == SIM_HARDWARE:
-        args.serving = SIM_SERVING
-    return plan_from_args(args)
+    model = args.model if args.model is not None else args.checkpoint
+    if model is None:
+        raise RunError("give --model, --checkpoint DIR (its config.json) or --plan FILE")
+    serving = args.serving
+    if serving is None:
+        serving = SIM_SERVING if _hardware_name(args.hardware) == SIM_HARDWARE else "default"
+    return plan_from_configs(model, args.hardware, serving, overrides)
 
 
 def read_plan_file(path: Path) -> MemoryPlan:
