@@ -8,13 +8,13 @@ For each model's attention heads (Qwen3-8B: 32 q / 8 kv heads of 128; Qwen3.5-9B
 with the gated, strided q) and each prompt length, one request's whole prompt attends causally
 to itself, bf16. The script reports:
 
-- memplan: ``executor.kernels.flash_attention.FlashAttention``, which never writes scores.
+- memplan: ``executor.kernels.attention.flash.FlashAttention``, which never writes scores.
 - SDPA: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` on the same q as
   [1, heads, tokens, D] and K/V repeated to the q heads beforehand (untimed), as HF's sdpa attention
   calls it after ``repeat_kv``. (Unbatched [heads, tokens, D] inputs with ``enable_gqa=True`` ran at
   10-15 TFLOP/s on the H200 with torch 2.11: not its flash kernel.)
 
-``--block-shapes`` times the kernel at other block shapes (executor.kernels.flash_attention.BlockShape)
+``--block-shapes`` times the kernel at other block shapes (executor.kernels.attention.flash.BlockShape)
 beside the one ``block_shape`` picks, SDPA once for them all; each row names its shape and the
 registers and spilled (local) bytes a thread of that kernel holds. Time is the median of
 ``--repeats`` launches between CUDA events. TFLOP/s counts the causal
@@ -51,7 +51,7 @@ SMOKE_HEADS = Heads(2, 1, 32, True)
 def parse_shapes(text: str) -> list[Any]:
     """``default,4:64:1:registers,4:32:2:shared`` -> [None, BlockShape(4, 64, 1, False), ...] (None:
     block_shape's choice)."""
-    from executor.kernels.flash_attention import BlockShape
+    from executor.kernels.attention.flash import BlockShape
 
     shapes = []
     for item in str_list(text):
@@ -89,7 +89,7 @@ def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, sha
             smoke: bool) -> list[list[str]]:
     """One row per block shape: [shape, prompt tokens, heads, registers, ours us, TFLOP/s, SDPA us, TFLOP/s,
     SDPA / ours, error]."""
-    from executor.kernels.flash_attention import FlashAttention, block_shape
+    from executor.kernels.attention.flash import FlashAttention, block_shape
     from tests.kernels.attention_reference import causal_attention
 
     width = 2 * heads.head_dim if heads.strided_q else heads.head_dim

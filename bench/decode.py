@@ -17,10 +17,8 @@ with C tokens already cached and one new token:
   median time per step over the same counts. The scheduler's own host time, hidden the same way,
   is not in it (bench/host_step.py measures it).
   Request r uses KV pages 1 + r * pages_per_request ... and recurrent slot r (reset once per cell); the
-  KV pool is zeroed once. Before the twenty-fifth session that changed the work: the decode
-  attention's meet divided each output by its weight sum, and ncu saw the division's slow path run
-  for nearly all of them (a zero numerator, on our reading). The meet and the merge now multiply by
-  the reciprocal of that sum (>= 1).
+  KV pool is zeroed once (a zero numerator in the attention meet: the meet and the merge multiply by
+  the reciprocal of the weight sum, so no division's slow path runs on it).
 - HF eager (SDPA): one forward of B new tokens over a DynamicCache holding C tokens per request, the cache
   cropped back to C after every timed step. Filled once per cell by a chunked prefill.
 - HF compiled: StaticCache + ``torch.compile(mode="reduce-overhead")``; positions advance one per step

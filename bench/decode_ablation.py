@@ -15,10 +15,9 @@ graphs of one launch a layer-kernel give the floor: what a launch costs in a gra
 does nothing.
 
 A measurement tool: no configuration but the first is a decode step that produces tokens. Where
-the decode attention kernel does the q/k norm + RoPE + KV write itself (decode_rope_attention.py:
+the decode attention kernel does the q/k norm + RoPE + KV write itself (attention/decode_rope.py:
 Qwen3's heads), the first family has no launch to leave out; the decode attention path's row covers
-both. (The twentieth session's figures in docs/benchmarks.md came from the two-launch path; this
-form has not run on a GPU.)
+both. (docs/benchmarks.md's "Decode ablation" table was measured on the two-launch path.)
 """
 
 from __future__ import annotations
@@ -41,19 +40,18 @@ from bench.common import (  # noqa: E402
 
 #: (family, module, class, method): the launcher each configuration leaves out.
 FAMILIES = (
-    ("q/k norm + RoPE + KV write (its own launch)", "executor.kernels.qk_rope_kv", "QkNormRopeWriteKv", "__call__"),
-    ("split merge", "executor.kernels.attention", "PagedAttention", "merge_splits"),
-    ("decode attention path (q/k norm + RoPE + KV write, attention, merge)", "executor.kernels.decode_rope_attention",
+    ("q/k norm + RoPE + KV write (its own launch)", "executor.kernels.rope.fused_kv_write", "QkNormRopeWriteKv", "__call__"),
+    ("split merge", "executor.kernels.attention.merge", "SplitMerge", "__call__"),
+    ("decode attention path (q/k norm + RoPE + KV write, attention, merge)", "executor.kernels.attention.decode_rope",
      "DecodeRopeAttention", "__call__"),
     ("qkv GEMV (+ RMSNorm)", "executor.kernels.gemv", "Gemv", "norm_project"),
     ("o_proj and down GEMVs (+ residual)", "executor.kernels.gemv", "Gemv", "project_add"),
     ("gate_up GEMV (+ SwiGLU)", "executor.kernels.gemv", "Gemv", "norm_swiglu"),
-    ("sampler", "executor.kernels.sampler", "Sample", "__call__"),
+    ("sampler", "executor.kernels.sampling.sampler", "Sample", "__call__"),
 )
 EMPTY_CHAINS = ((1, 384), (4, 128))  # (blocks: 1 or that many per SM, threads)
 #: Launches a Qwen3 decode layer makes at batch 1 with fused GEMVs: qkv, attention (with the q/k norm +
-#: RoPE + KV write), merge, o_proj, gate_up, down. (The twentieth session's chains had 7: the q/k norm
-#: + RoPE + KV write was its own launch.)
+#: RoPE + KV write), merge, o_proj, gate_up, down.
 LAYER_LAUNCHES = 6
 
 

@@ -135,8 +135,8 @@ class Env:
 
 
 def embedding_case(env: Env, s: Shapes) -> Case:
-    from executor.kernels.codec import build_codec
-    from executor.kernels.embedding import Embedding
+    from executor.kernels.primitives.codec import build_codec
+    from executor.kernels.rows.embedding import Embedding
 
     torch = env.torch
     table = env.randn(s.vocab, s.hidden)
@@ -156,8 +156,8 @@ def embedding_case(env: Env, s: Shapes) -> Case:
 
 
 def rms_norm_case(env: Env, s: Shapes) -> Case:
-    from executor.kernels.codec import build_codec
-    from executor.kernels.norm import RmsNorm
+    from executor.kernels.primitives.codec import build_codec
+    from executor.kernels.rows.norm import RmsNorm
 
     F = env.torch.nn.functional
     x, w, out = env.randn(s.rows, s.hidden), env.randn(s.hidden, scale=0.1, shift=1.0), env.randn(s.rows, s.hidden)
@@ -175,8 +175,8 @@ def rms_norm_case(env: Env, s: Shapes) -> Case:
 
 
 def add_rms_norm_case(env: Env, s: Shapes) -> Case:
-    from executor.kernels.codec import build_codec
-    from executor.kernels.norm import AddRmsNormInplace
+    from executor.kernels.primitives.codec import build_codec
+    from executor.kernels.rows.norm import AddRmsNormInplace
 
     F = env.torch.nn.functional
     x, residual = env.randn(s.rows, s.hidden), env.randn(s.rows, s.hidden)
@@ -202,8 +202,8 @@ def add_rms_norm_case(env: Env, s: Shapes) -> Case:
 def qk_norm_rope_case(
     env: Env, s: Shapes, heads: int, head_dim: int, rotary_dim: int, zero_centred: bool, strided: bool
 ) -> Case:
-    from executor.kernels.codec import build_codec
-    from executor.kernels.rope import QkNormRopeInplace
+    from executor.kernels.primitives.codec import build_codec
+    from executor.kernels.rope.qk_norm_rope import QkNormRopeInplace
 
     torch = env.torch
     F = torch.nn.functional
@@ -240,8 +240,8 @@ def qk_norm_rope_case(
 
 
 def silu_mul_case(env: Env, s: Shapes) -> Case:
-    from executor.kernels.activation import SiluMul
-    from executor.kernels.codec import build_codec
+    from executor.kernels.rows.activation import SiluMul
+    from executor.kernels.primitives.codec import build_codec
 
     F = env.torch.nn.functional
     gate_up, out = env.randn(s.rows, 2 * s.intermediate, scale=3.0), env.randn(s.rows, s.intermediate)
@@ -259,8 +259,8 @@ def silu_mul_case(env: Env, s: Shapes) -> Case:
 
 
 def sigmoid_mul_case(env: Env, s: Shapes) -> Case:
-    from executor.kernels.output_gate import SigmoidMulInplace
-    from executor.kernels.codec import build_codec
+    from executor.kernels.rows.output_gate import SigmoidMulInplace
+    from executor.kernels.primitives.codec import build_codec
 
     torch = env.torch
     heads, head_dim = s.qwen3_5_heads, s.qwen3_5_head_dim
@@ -281,8 +281,8 @@ def sigmoid_mul_case(env: Env, s: Shapes) -> Case:
 
 
 def residual_case(env: Env, s: Shapes) -> Case:
-    from executor.kernels.codec import build_codec
-    from executor.kernels.residual import AddInplace
+    from executor.kernels.primitives.codec import build_codec
+    from tests.kernels.add_inplace import AddInplace
 
     acc, x = env.randn(s.rows, s.hidden), env.randn(s.rows, s.hidden, scale=1e-3)
     ours, scalar = AddInplace(build_codec("bfloat16")), AddInplace(build_codec("bfloat16"), vectorize=False)
@@ -302,8 +302,8 @@ def causal_softmax_case(env: Env, s: Shapes) -> Case:
     Qwen3-8B's heads: ``rows`` float32 score rows (kv head, query row, group member) of
     ``prompt_tokens`` keys in, bf16 probabilities out. Bytes: the visible scores read, every
     probability written. torch's nearest equivalent (no mask): softmax of the scaled scores."""
-    from executor.kernels.causal_softmax import CausalSoftmax
-    from executor.kernels.codec import build_codec
+    from executor.kernels.attention.causal_softmax import CausalSoftmax
+    from executor.kernels.primitives.codec import build_codec
 
     torch = env.torch
     group = s.qwen3_heads // s.qwen3_kv_heads
@@ -330,9 +330,9 @@ def delta_rule_decode_case(env: Env, s: Shapes) -> Case:
     float32 state [dk, dv]; bytes = that state traffic plus the qkv row read and the output written.
     Ours is the decode kernel (delta_rule_decode.py); "scalar" is the general kernel it falls back to
     (delta_rule.py, which also runs prefill)."""
-    from executor.kernels.codec import build_codec
-    from executor.kernels.delta_rule import GatedDeltaRule
-    from executor.kernels.delta_rule_decode import GatedDeltaRuleDecode
+    from executor.kernels.primitives.codec import build_codec
+    from executor.kernels.linear_attention.delta_rule import GatedDeltaRule
+    from executor.kernels.linear_attention.delta_rule_decode import GatedDeltaRuleDecode
 
     torch = env.torch
     b, hk, hv, d = s.decode_batch, s.linear_key_heads, s.linear_value_heads, s.linear_head_dim
@@ -374,9 +374,10 @@ def decode_attention_case(env: Env, s: Shapes) -> Case:
     """Decode attention of B requests over C cached tokens each (Qwen3-8B's heads), pages shuffled; bytes
     = the K and V rows read plus q read and out written. "scalar" is the general paged kernel (the
     fallback), torch's op SDPA over the same keys laid out contiguously (no page table)."""
-    from executor.kernels.attention import PagedAttention, plan_tiles
-    from executor.kernels.codec import build_codec
-    from executor.kernels.decode_attention import DecodeAttention
+    from executor.kernels.attention.paged import PagedAttention
+    from executor.tiles import plan_tiles
+    from executor.kernels.primitives.codec import build_codec
+    from executor.kernels.attention.decode import DecodeAttention
 
     torch = env.torch
     b, c, page = s.decode_batch, s.decode_context, s.page_size

@@ -35,7 +35,7 @@ MATH_LINKS = (0, 1, 4)
 def build_kernels() -> tuple[Any, Any, Any]:
     from numba import float32, int32
 
-    from executor.kernels.rope_layout import rope_inv_freq
+    from executor.kernels.rope.layout import rope_inv_freq
     from executor.numba_cuda import load_cuda
 
     cuda = load_cuda()

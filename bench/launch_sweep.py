@@ -84,7 +84,7 @@ def parse_attention(text: str) -> list[dict[str, Any]]:
             continue
         first, second, third, *rest = item.split(":")
         if first == "mma":
-            from executor.kernels.decode_attention_mma import MmaShape
+            from executor.kernels.attention.decode_mma import MmaShape
 
             bound = rest[0] if rest else "none"
             configs.append({"mma_shape": MmaShape(int(second), int(third)),
@@ -131,7 +131,7 @@ def attention_call(env: Env, heads: Heads, shape: AttentionShape, general: Any,
     bench/decode.py gives them; only that layer's bytes are filled. ``grid_tiles`` > 0: the tile list
     padded with empty tiles to ``grid_tiles`` x batch entries, as a decode graph's grid of that many
     tiles a request (the kernels' padding blocks exit at once)."""
-    from executor.kernels.attention import plan_tiles
+    from executor.tiles import plan_tiles
 
     torch = env.torch
     b, c, page = shape.batch, shape.context, heads.page_size
@@ -174,9 +174,9 @@ def attention_call(env: Env, heads: Heads, shape: AttentionShape, general: Any,
 
 
 def sweep_attention(env: Env, args: argparse.Namespace, copy_bytes_per_s: float) -> str:
-    from executor.kernels.attention import PagedAttention
-    from executor.kernels.codec import build_codec
-    from executor.kernels.decode_attention import DecodeAttention
+    from executor.kernels.attention.paged import PagedAttention
+    from executor.kernels.primitives.codec import build_codec
+    from executor.kernels.attention.decode import DecodeAttention
 
     heads = SMOKE_HEADS if args.smoke else REAL_HEADS
     shapes = SMOKE_ATTENTION if args.smoke else args.shapes
@@ -202,7 +202,7 @@ def sweep_attention(env: Env, args: argparse.Namespace, copy_bytes_per_s: float)
 
 
 def sweep_gemv(env: Env, args: argparse.Namespace) -> str:
-    from executor.kernels.codec import build_codec
+    from executor.kernels.primitives.codec import build_codec
     from executor.kernels.gemv import Gemv
 
     torch, bits = env.torch, (lambda x: x.view(env.torch.int16))

@@ -1,9 +1,10 @@
 """``materialize``: one device allocation per planned pool, a view per planned buffer.
 
 This is the only place the executor allocates device memory. Every view sits at
-its planned offset with its planned dtype and shape (invariant 1), and keeps its
-address for the arena's lifetime (invariant 5). Pools that are budget lines
-only (``materialized: false``, e.g. the CUDA context) are not allocated.
+its planned offset with its planned dtype and shape (invariant 1,
+docs/design.md), and keeps its address for the arena's lifetime (invariant 5).
+Pools that are budget lines only (``materialized: false``, e.g. the CUDA
+context) are not allocated.
 """
 
 from __future__ import annotations

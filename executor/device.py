@@ -1,7 +1,7 @@
 """Where kernels run: a CUDA GPU, or the Numba CUDA simulator over host memory.
 
 The executor is written once against torch tensors, which kernels take as they
-are (executor.kernels.launch). A ``Device`` says which torch device holds the
+are (executor.kernels.primitives.launch). A ``Device`` says which torch device holds the
 arena and which stream kernels launch on, so the simulator runs the same code path.
 """
 

@@ -12,7 +12,7 @@ schedules and launches step N + 1 before it waits for step N's sampled ids, so
 the host's scheduling, metadata and launch work runs while the GPU computes
 step N instead of between two steps. Step N + 1's decode rows take their
 tokens from step N's sampled ids on the device (scheduler.py's overlapped
-scheduling; kernels/embedding.py); each step's ids go to one of two pinned
+scheduling; kernels/rows/embedding.py); each step's ids go to one of two pinned
 host buffers by an asynchronous copy ordered after the step, so the next
 step's sampler cannot overwrite them before they are read. A request that
 stops on a stop id has computed one more row, which is dropped. Outputs are

@@ -29,7 +29,7 @@ Overlapped scheduling (vLLM's async scheduling). ``schedule`` may run once more
 before the last step's ``update``: one step in flight. A request whose sample
 is still in flight then gets a decode row whose token id is ``-(r + 1)``, "the
 id the step in flight samples for its chunk r", which the executor reads on
-the device (kernels/embedding.py); its RNG counter is ``StepChunk.sample_index``.
+the device (kernels/rows/embedding.py); its RNG counter is ``StepChunk.sample_index``.
 A request whose in-flight sample will make ``max_new_tokens`` gets no row; one
 that stops on a stop id there has computed one row for nothing, dropped in
 ``update``. ``update`` takes steps in order and skips chunks of requests that
@@ -97,6 +97,7 @@ from enum import Enum
 
 from executor.page_allocator import PageAllocator
 from executor.prefix_cache import CacheChain, PrefixCache
+from executor.step import RequestChunk
 from planner.capacity import Capacity
 
 FINISH_LENGTH = "length"
@@ -211,10 +212,8 @@ class ScheduledStep:
         """Recurrent slots of requests starting from token 0 this step: the engine zeroes them first."""
         return [c.slot for c in self.chunks if c.num_cached == 0 and c.slot >= 0]
 
-    def request_chunks(self) -> list:
-        """The chunks as ``executor.step.RequestChunk`` (imports the executor, hence torch, lazily)."""
-        from executor.step import RequestChunk
-
+    def request_chunks(self) -> list[RequestChunk]:
+        """The chunks as ``executor.step.RequestChunk``."""
         return [RequestChunk(c.token_ids, c.num_cached, c.page_ids, c.slot) for c in self.chunks]
 
 

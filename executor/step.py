@@ -4,8 +4,9 @@ A step is a list of ``RequestChunk``: each request contributes the tokens it
 feeds this step (a prefill chunk, or one decode token) and its page table.
 ``plan_step`` builds the host arrays and checks every capacity before anything
 is written, so a step that does not fit raises ``CapacityError`` and leaves the
-arena untouched (invariant 4). ``step_writer.StepWriter`` then copies the arrays
-into the planned buffers' leading rows: no allocation on the device.
+arena untouched (invariant 4, docs/design.md). ``step_writer.StepWriter`` then
+copies the arrays into the planned buffers' leading rows: no allocation on the
+device.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from itertools import chain, islice
 
 import numpy as np
 
-from executor.kernels.attention import NO_SPLIT_CHUNK, PREFILL_ROWS_PER_TILE, plan_decode_tiles, plan_tiles
-from executor.kernels.decode_attention_mma import FEW_BLOCKS_PER_SM
 from executor.page_tables import PageTables
-from planner.capacity import MIN_KV_CHUNK_TOKENS
+from executor.routing import FEW_BLOCKS_PER_SM, PREFILL_ROWS_PER_TILE
+from executor.tiles import NO_SPLIT_CHUNK, plan_decode_tiles, plan_tiles
+from planner.kernel_limits import MIN_KV_CHUNK_TOKENS
 from planner.plan import MemoryPlan
 
 
@@ -40,7 +41,7 @@ class RequestChunk:
 
     token_ids   the new tokens (a prefill chunk, or one decode token), >= 1; an id -(r + 1) stands
                 for the id the previous step sampled for its request r, read on the device
-                (the overlapped engine's decode rows: kernels/embedding.py)
+                (the overlapped engine's decode rows: kernels/rows/embedding.py)
     num_cached  tokens of the request already in the KV cache / recurrent state
     page_ids    physical KV pages of its logical pages, covering num_cached + len(token_ids)
     slot        recurrent-state slot (Qwen3.5), -1 for none
@@ -233,11 +234,11 @@ def pad_decode(plan: MemoryPlan, meta: StepMetadata, bucket: int) -> StepMetadat
     request, so its KV write lands nowhere that is read), has recurrent slot -1 (the recurrent
     kernels skip it), samples greedily, and owns no attention tile: its rows are computed and
     thrown away, and no real row reads them. The tile list is padded with -1 to
-    ``decode_tiles(bucket)`` entries, the graph's fixed attention grid.
+    ``decode_grid_tiles(plan, bucket)`` entries, the graph's fixed attention grid.
     """
     assert meta.pool == "decode" and meta.num_requests <= bucket <= plan.capacity.max_batch
     pad = bucket - meta.num_requests
-    num_tiles = decode_tiles(plan, bucket)
+    num_tiles = decode_grid_tiles(plan, bucket)
     assert meta.num_tiles <= num_tiles and meta.page_indices.shape[0] + pad <= plan.capacity.logical_pages
     zeros, ones = np.zeros(pad, np.int32), np.ones(pad, np.int32)
     ramp = np.arange(meta.num_requests + 1, bucket + 1, dtype=np.int32)  # indptr tails: one row or page each
@@ -267,7 +268,7 @@ def pad_decode(plan: MemoryPlan, meta: StepMetadata, bucket: int) -> StepMetadat
     )
 
 
-def decode_tiles(plan: MemoryPlan, bucket: int) -> int:
+def decode_grid_tiles(plan: MemoryPlan, bucket: int) -> int:
     """Attention tiles of a decode graph of ``bucket`` requests: the most any step of at most
     ``bucket`` requests gets from ``decode_kv_splits``, so the graph's fixed grid has few padding
     blocks. (Sizing it for every row split decode_kv_splits ways, 16,384 blocks at bucket 64 on

@@ -7,8 +7,8 @@ allocated on the device.
 
 The copies go straight to the driver (``cuMemcpyHtoDAsync`` on torch's current stream): a torch
 ``copy_`` of a pinned slice costs ~14 us of host time in dispatch, views and the pinned
-allocator's bookkeeping (five of them made a batch-1 Qwen3-8B write take 68.6 us on the H200,
-against 40.3 us through the driver; bench/profile_decode.py's host parts, 2026-11-30).
+allocator's bookkeeping (five of them make a batch-1 Qwen3-8B write take 68.6 us on the H200,
+against 40.3 us through the driver; docs/benchmarks.md, "Host work of a decode step").
 """
 
 from __future__ import annotations
@@ -77,9 +77,9 @@ class StepWriter:
 
     Each array is written into a host mirror of its buffer (a numpy view, no torch call), then every
     run of nearby buffers goes over in as few asynchronous copies as their gaps allow
-    (``MERGE_GAP_BYTES``), on torch's current stream, where the kernels run (an earlier version's
-    torch copy per buffer, ~18 of them, cost 0.65 ms of host time per batch-1 Qwen3-8B decode step on
-    an H200, a tenth of the step). The mirrors are host memory (pinned on CUDA), made once here. An event
+    (``MERGE_GAP_BYTES``), on torch's current stream, where the kernels run (a torch copy per
+    buffer, ~18 of them, costs 0.65 ms of host time per batch-1 Qwen3-8B decode step on an H200, a
+    tenth of the step). The mirrors are host memory (pinned on CUDA), made once here. An event
     recorded after a step's copies keeps the next ``write`` from refilling a mirror before the GPU
     has read it; a consumer on another stream must wait for the current one. In the simulator the
     copies are plain host copies.

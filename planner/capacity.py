@@ -1,7 +1,7 @@
 """Capacities: the largest step and batch shapes the planned buffers can hold.
 
 Every capacity is an i32 quantity because kernels index with i32; each is
-derived once here and carried in the plan (invariant 2).
+derived once here and carried in the plan (invariant 2, docs/design.md).
 """
 
 from __future__ import annotations
@@ -11,24 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from planner import checked
 from planner.checked import I32
 from planner.config import PrefillAttention
-
-#: Split-KV decode: a decode row's attention may be cut into kv chunks of at least
-#: this many tokens, computed by separate blocks and merged (long contexts at small
-#: batch otherwise leave most SMs idle: B x Hkv blocks)...
-MIN_KV_CHUNK_TOKENS = 64
-#: ... and into at most this many chunks (the depth of the decode pool's split scratch).
-MAX_DECODE_KV_SPLITS = 32
-#: GEMM prefill attention: float32 scores (and their probabilities in the activation dtype) of one
-#: tile of query rows x keys x q heads; a tile holds at most this many, or one row's whole context
-#: (Hq x C) when that is larger. 2^26 elements = 384 MiB with bf16 probabilities.
-MAX_PREFILL_SCORE_ELEMENTS = 1 << 26
-#: Fused decode GEMVs (executor/kernels/gemv.py): a block stages its B normalized rows as float32 in shared
-#: memory, after which its reduction scratch (a float32 per thread of a 128-thread block) must still fit the
-#: 48 KiB a block gets without opting in to more; every projection input a whole number of 16-byte chunks.
-GEMV_SHARED_BYTES = 48 * 1024
-GEMV_SCRATCH_BYTES = 4 * 128
-GEMV_CHUNK_BYTES = 16
-
+from planner.kernel_limits import (GEMV_CHUNK_BYTES, GEMV_SCRATCH_BYTES, GEMV_SHARED_BYTES, MAX_DECODE_KV_SPLITS,
+                                   MAX_PREFILL_SCORE_ELEMENTS, MIN_KV_CHUNK_TOKENS)
 
 class Capacity(BaseModel):
     """Planned limits of one step (tokens, pages, tiles) and of the KV pool."""

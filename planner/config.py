@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.dtypes import ActivationDtype
 from planner.errors import ConfigError
+from planner.kernel_limits import FLASH_DTYPE, FLASH_HEAD_DIM_MULTIPLE
 
 LayerType = Literal["full_attention", "linear_attention"]
 #: Backends of long prefill chunks' attention (the plan's, after serving prefill_attention "auto").
@@ -155,13 +156,6 @@ class HardwareConfig(_Frozen):
         if duplicates:
             raise ValueError(f"runtime_reserve names must be unique; repeated: {', '.join(duplicates)}")
         return self
-
-
-#: prefill_attention "flash": the kernel loads Q K^T operands 32 head dimensions at a time (two MMA k-steps a
-#: fragment load; tests/executor/test_flash_prefill.py holds this to executor/kernels/flash_attention.py)...
-FLASH_HEAD_DIM_MULTIPLE = 32
-#: ... and reads q, k, v and writes its output as bf16 only.
-FLASH_DTYPE = "bfloat16"
 
 
 class ServingConfig(_Frozen):

@@ -3,13 +3,13 @@
 A ``BufferRequest`` is what a buffer-group builder asks for: a name, a dtype, a
 shape and, for transient buffers, a live range over the stages of a step. The
 element count and the bytes of a buffer are computed here and only here
-(invariant 1: one layout, two uses); the executor allocates from the placed
-``Buffer`` and the budget sums the same ``Pool.bytes``.
+(invariant 1, docs/design.md: one layout, two uses); the executor allocates
+from the placed ``Buffer`` and the budget sums the same ``Pool.bytes``.
 
 Persistent pools place buffers one after another. Transient pools place each
 buffer at the lowest offset where it does not overlap, in bytes, any placed
 buffer whose live range overlaps its own; the pool's size is the peak of that
-packing (invariant 6).
+packing (invariant 6, docs/design.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The plan is the contract with the executor: every pool and buffer with its
 dtype, shape, offset and bytes; every capacity; the per-rank geometry; and the
 budget. The startup reserve is one checked non-KV total, computed once and used
-both by the fit check and by the KV-pool subtraction (invariant 2).
+both by the fit check and by the KV-pool subtraction (invariant 2, docs/design.md).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ residual stream, accumulated in place), ``normed`` and ``proj_out`` carry
 values across stages and layers, so they live the whole step. The other roles
 live only between the stage that writes them and the last stage that reads
 them, so roles of full-attention layers, of linear-attention layers and of the
-MLP share bytes (invariant 6). The decode pool is this layout at B rows, the
-prefill pool at T rows.
+MLP share bytes (invariant 6, docs/design.md). The decode pool is this layout
+at B rows, the prefill pool at T rows.
 """
 
 from __future__ import annotations

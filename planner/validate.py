@@ -2,7 +2,7 @@
 
 A config passes when it validates against its JSON Schema and loads into its
 pydantic model (the semantic rules). A plan passes when it validates against
-the plan schema, loads, and equals the plan the planner builds today from the
+the plan schema, loads, and equals the plan the planner builds from the
 plan's own model, hardware and serving configs: a hand-edited or stale plan
 fails, naming the first field that differs.
 """

@@ -1,60 +1,60 @@
 """Small-batch decode projections as GEMVs, with the row kernels around them fused in.
 
 At batch 1 a decode projection reads every weight once for two flops: it streams weights. cuBLAS
-ran Qwen3-8B's at 2.6-4.2 TB/s on the H200 (o_proj 13.1 us for 33.5 MB; .gpu sweep, 2026-11-30),
-and the RMSNorm before qkv and gate_up, SwiGLU after gate_up and the residual add after o_proj
-and down each cost a launch of their own (4.1 us for an add + RMSNorm of one row). Three kernels
-here replace the pairs:
+runs Qwen3-8B's at 2.6-4.2 TB/s on the H200 (o_proj 13.1 us for 33.5 MB), and the RMSNorm before
+qkv and gate_up, SwiGLU after gate_up and the residual add after o_proj and down each cost a
+launch of their own (4.1 us for an add + RMSNorm of one row). Three kernels here replace the
+pairs:
 
 - ``norm_project``: ``out [B, N] = normed(hidden) @ W^T``. The block's prologue writes RMSNorm(hidden)
-  (norm.py's rounding, NormStyle's weight) into shared memory as float32, once per block.
+  (rows/norm.py's rounding, NormStyle's weight) into shared memory as float32, once per block.
 - ``norm_swiglu``: ``act [B, I] = swiglu(normed @ W_gate^T, normed @ W_up^T)`` for the fused
   ``gate_up [2I, K]`` weight: a warp owns gate row n and up row I + n, so the SwiGLU is its epilogue
-  (activation.py's rounding: each projection rounded, then ``round(silu(gate)) * up``).
+  (rows/activation.py's rounding: each projection rounded, then ``round(silu(gate)) * up``).
 - ``project_add``: ``hidden [B, N] += x @ W^T`` in place, rounding as the add + RMSNorm kernel does:
   ``round(hidden + round(acc))``.
 
 Layout. A row team (a warp on the GPU; 4 lanes in the simulator, whose run time grows much faster
-than a thread's work) owns ``rows`` weight rows and walks K in 16-byte chunks (vector.py): lane l
-takes chunks l, l + 32, ..., so each warp load is 512 contiguous bytes of a row, ``chunks_per_lane``
-chunks of each row in flight before the multiply-adds against x's matching chunk (from global
-memory, where the block's warps share it through L1, or from the staged shared copy, 16 bytes a
-load). Then a shuffle tree sums the lanes and lane 0 runs the epilogue. Blocks of GEMV_WARPS warps
-walk row groups grid-stride; the launcher sizes the grid at ``blocks_per_sm`` blocks an SM, which the
-launch bounds also give ptxas (so a prologue runs once per block). Every output element belongs to
-one team, so ``project_add``'s in-place update has no race. Accumulation is float32 in chunk order,
-not cuBLAS's order: outputs differ from the GEMM path's by float32 rounding of the sums.
+than a thread's work) owns ``rows`` weight rows and walks K in 16-byte chunks
+(primitives/vector.py): lane l takes chunks l, l + 32, ..., so each warp load is 512 contiguous
+bytes of a row, ``chunks_per_lane`` chunks of each row in flight before the multiply-adds against
+x's matching chunk (from global memory, where the block's warps share it through L1, or from the
+staged shared copy, 16 bytes a load). Then a shuffle tree sums the lanes and lane 0 runs the
+epilogue. Blocks of GEMV_WARPS warps walk row groups grid-stride; the launcher sizes the grid at
+``blocks_per_sm`` blocks an SM, which the launch bounds also give ptxas (so a prologue runs once per
+block). Every output element belongs to one team, so ``project_add``'s in-place update has no race.
+Accumulation is float32 in chunk order, not cuBLAS's order: outputs differ from the GEMM path's by
+float32 rounding of the sums.
 
-Swept on the H200 (2026-11-30, CUDA-graph timing of distinct weight copies, batch 1, plain GEMV
-against ``torch.matmul``; us): qkv 6144 x 4096 14.0 (cuBLAS 15.4), o_proj 4096 x 4096 9.8 (13.1),
-gate_up 24576 x 4096 47.6 (48.3), down 4096 x 12288 25.0 (28.6), with one row a warp, 8 chunks a
-lane, 4 warps a block, 4 blocks an SM (94 registers); two rows x 4 chunks ran within 0.5 us of it.
-At batch 4 the same kernels were slower than cuBLAS on three of the four shapes (122 registers), so
-the plan keeps them to small batches (capacity ``decode_gemv_batch``). In a batch-1 Qwen3-8B decode
-graph (profiled): gate_up + SwiGLU 49.3 us, down + residual 24.5, qkv + RMSNorm 16.4, o_proj +
-residual 9.5. The prologue's loads all go out before any is used (a thread's hidden and norm-weight
-chunks, one memory round trip a row): loading and using a chunk at a time, it cost qkv 18.2 us and
-gate_up 51.1 in the same run. Loading a group's first weights before the prologue and during the
-previous group's lane sums measured slower (down 27.1 us, o_proj 10.9). A launch sweep at batch 1
-(2026-11-30) found qkv at 16.4-16.5 us with 8 or 16 warps a block (17.3 at 4 x 4, distinct weight
-copies) and gate_up within 0.5 us across shapes; the defaults stay.
+Why these shapes (on the H200, CUDA-graph timing over distinct weight copies, so L2 holds none;
+docs/benchmarks.md, "GEMV shapes" and "GEMV prologue"):
 
-Since 2026-12-01 the normed kernels (1) load their first row group's first trip of weights before
-the RMSNorm prologue, which then runs under that latency (only that trip, and only where there is a
-prologue to hide, unlike the attempt above), and (2) give a warp two rows, n and n + N / 2,
-with 8 chunks of each in flight: 8 KB a warp (128 registers, the launch bound's limit at 4 x 4). In
-the batch-1 Qwen3-8B decode graph on the H200 (profiled, the session's start tree 9df5adc in the same
-machine start): gate_up 48.7 us against 50.1, qkv 15.8 against 16.5; (1) alone had given qkv 16.0
-against 16.6 and gate_up 50.4 against 50.1. Paired, the residual kernels' weight buffer went to local
-memory (256 bytes a thread; the local ptxas, sm_90), so o_proj and down keep one row a warp.
+- One row a warp, 8 chunks a lane, 4 warps a block, 4 blocks an SM (94 registers): a plain GEMV at
+  batch 1 took qkv 6144 x 4096 14.0 us (cuBLAS 15.4), o_proj 4096 x 4096 9.8 (13.1), gate_up
+  24576 x 4096 47.6 (48.3), down 4096 x 12288 25.0 (28.6); two rows x 4 chunks ran within 0.5 us of
+  it. At batch 4 the same kernels were slower than cuBLAS on three of the four shapes (122
+  registers), so the plan keeps them to small batches (capacity ``decode_gemv_batch``).
+- The prologue's loads all go out before any is used (a thread's hidden and norm-weight chunks: one
+  memory round trip a row); loading and using a chunk at a time, qkv took 18.2 us and gate_up 51.0
+  against 16.4 and 49.3.
+- The normed kernels load their first row group's first trip of weights before the RMSNorm
+  prologue, which then runs under that latency, and give a warp two rows, n and n + N / 2, with 8
+  chunks of each in flight: 8 KB a warp (128 registers, the launch bound's limit at 4 x 4). In the
+  batch-1 Qwen3-8B decode graph gate_up took 48.7 us against 50.1 with one row a warp and no
+  preload, qkv 15.8 against 16.5. Paired, the residual kernels' weight buffer goes to local memory
+  (256 bytes a thread; the local ptxas, sm_90), and loading their next group's first weights during
+  the lane sums measured slower (down 27.1 us against 24.8, o_proj 10.9 against 9.8), so o_proj and
+  down keep one row a warp and load each trip where it starts.
+- The prologue writes the staged x 16 bytes at a time, the halves swizzled (``store_stage``). One
+  float32 at a time, a thread's 8 elements of a bf16 chunk lie 32 bytes from its neighbour's, so
+  every store is an 8-way bank conflict: about 4,000 shared-memory cycles an SM for 16 warps' 32
+  stores, which %globaltimer stamps put between a block's x arriving and its barrier (1.5-3.6 us).
+  Swizzled, qkv took 15.1 us against 16.1 and gate_up 49.8 against 50.8; without any prologue at
+  all they take 14.0 and 49.5.
 
-The prologue writes the staged x 16 bytes at a time (``store_stage``). One float32 at a time, a
-thread's 8 elements of a bf16 chunk lie 32 bytes from its neighbour's, so every store was an 8-way
-bank conflict: about 4,000 shared-memory cycles an SM for 16 warps' 32 stores. On the H200,
-%globaltimer stamps put a block's barrier 1.5-3.6 us after its x arrived (without the weight
-preload, which delays x). Stored 16 bytes at a time with the halves swizzled, qkv took 15.1 us
-against 16.1 and gate_up 49.8 against 50.8 (graphs of distinct weight copies, one machine start,
-2026-12-01); without any prologue at all they take 14.0 and 49.5.
+In the batch-1 Qwen3-8B decode graph: gate_up + SwiGLU 48.0 us, down + residual 24.8, qkv +
+RMSNorm 14.6, o_proj + residual 9.6, and the final RMSNorm + lm_head 278.5 (docs/benchmarks.md,
+"Decode step profile").
 """
 
 from __future__ import annotations
@@ -63,12 +63,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from executor.kernels.activation import build_swiglu
-from executor.kernels.codec import Codec
-from executor.kernels.launch import WARP_THREADS, Kernel, multiprocessor_count
-from executor.kernels.norm import build_normalize, inv_rms_from_sum
-from executor.kernels.reduce import block_sum, build_group_sum
-from executor.kernels.vector import (
+from executor.kernels.rows.activation import build_swiglu
+from executor.kernels.primitives.codec import Codec
+from executor.kernels.primitives.launch import WARP_THREADS, Kernel, multiprocessor_count
+from executor.kernels.rows.norm import build_normalize, inv_rms_from_sum
+from executor.kernels.primitives.reduce import block_sum, build_group_sum
+from executor.kernels.primitives.vector import (
     VECTOR_WORDS, array_layout, build_lanes, build_shared_vector_load, build_shared_vector_store, build_vector_access,
     lanes_for, vector_aligned, word_type,
 )

@@ -15,7 +15,7 @@ import torch
 from executor.arena import Arena
 from executor.models.context import StepViews
 from executor.models.flash_prefill_attention import FlashPrefillAttention
-from executor.models.kernels import Kernels, NormStyle
+from executor.models.launchers import Kernels, NormStyle
 from executor.models.prefill_attention import GemmPrefillAttention
 from executor.models.projections import Projections
 
@@ -23,7 +23,7 @@ from executor.models.projections import Projections
 class FullAttention:
     """GQA attention over the paged KV cache: fused QKV GEMM, q/k norm + RoPE with the
     KV write (one launch), paged attention (at decode, one launch with the one before where
-    decode_rope_attention.py can), optional sigmoid output gate (Qwen3.5), o_proj."""
+    kernels/attention/decode_rope.py can), optional sigmoid output gate (Qwen3.5), o_proj."""
 
     def __init__(self, arena: Arena, kernels: Kernels, proj: Projections, layer: int, norm: NormStyle,
                  output_gate: bool):
@@ -67,7 +67,7 @@ class FullAttention:
         tile_meta = tuple(step.meta(name) for name in (
             "page_indices", "page_indptr", "last_page_len", "q_indptr", "batch_indices", "positions",
             "request_indices", "qo_tile_indices", "kv_tile_indices", "kv_chunk_size", "total_num_rows"))
-        if step.pool == "decode":  # one launch where it can (decode_rope_attention.py)
+        if step.pool == "decode":  # one launch where it can (kernels/attention/decode_rope.py)
             split = (step.role("attn_partial_out"), step.role("attn_partial_lse")) if self.split_decode else ()
             k_.decode_rope_attention(q, k, v, self.q_norm, self.k_norm, self.eps, self.norm.weight_offset,
                                      self.rotary_dim, self.theta, self.k_cache, self.v_cache, *tile_meta, attn_out,

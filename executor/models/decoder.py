@@ -8,9 +8,9 @@ each block's output (see planner.step_buffers for the stages and live ranges). G
 (decode steps of at most the plan's ``decode_gemv_batch`` requests, graphs included): each
 block's first projection normalizes ``hidden`` and its last adds into it, so a layer is its two
 blocks and nothing between them; the final norm and lm_head are one more such projection, which
-writes the float32 logits itself. (On the H200, batch 1, Qwen3-8B: cuBLAS took 294.6 us for lm_head,
-after a 3.9 us norm launch and a 2.2 us gather and before a 3.6 us copy to float32; the GEMV took
-272.8 us for all four, docs/benchmarks.md, twenty-third session.)
+writes the float32 logits itself. (On the H200, batch 1, Qwen3-8B: cuBLAS took 294.6-294.8 us for
+lm_head, after a 3.9 us norm launch and a 2.2 us gather and before a 3.5-3.6 us copy to float32; the
+GEMV took 272.8 us for all four; docs/benchmarks.md, "Decode step profile".)
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from executor.arena import Arena
 from executor.models.blocks import Mlp
 from executor.models.context import StepViews, bucket_views, step_views
 from executor.models.graphs import DecodeGraphs
-from executor.models.kernels import Kernels, NormStyle
+from executor.models.launchers import Kernels, NormStyle
 from executor.models.projections import GemmProjections, GemvProjections, Projections
-from executor.step import StepMetadata, decode_tiles, pad_decode
+from executor.step import StepMetadata, decode_grid_tiles, pad_decode
 from executor.step_writer import StepWriter
 
 Block = Callable[[StepViews], None]
@@ -61,7 +61,7 @@ class DecoderModel:
         # The GEMV steps' final RMSNorm + lm_head: one fused GEMV, like a block's first projection.
         self.gemv_head = GemvProjections(kernels, self.final_norm, norm, self.eps) if self.gemv_batch else None
         self.writer = StepWriter(arena)
-        # The last step's sampled ids, which a token id -(r + 1) names (kernels/embedding.py): the
+        # The last step's sampled ids, which a token id -(r + 1) names (kernels/rows/embedding.py): the
         # embedding reads them before this step's sampler overwrites them (stream order).
         self.previous_ids = arena.tensor("sampling", "sampled_ids")
         self.graphs: DecodeGraphs | None = None
@@ -99,7 +99,7 @@ class DecoderModel:
             graphs.replay(meta, bucket)
         elif pad_to is not None:
             self.writer.write(pad_decode(self.arena.plan, meta, pad_to))
-            self._forward(bucket_views(self.arena, pad_to, decode_tiles(self.arena.plan, pad_to)))
+            self._forward(bucket_views(self.arena, pad_to, decode_grid_tiles(self.arena.plan, pad_to)))
         else:
             self.writer.write(meta)
             self._forward(step_views(self.arena, meta))

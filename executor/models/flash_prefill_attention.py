@@ -7,7 +7,7 @@ loop of GEMM tiles:
     keys, values <- its KV pages                      (GatherKv: [Hkv, kv_len, D] of the attn_keys/attn_values scratch)
     out rows      = softmax(q k^T D^-0.5, causal) v   (FlashAttention: every row of the chunk in one launch)
 
-The kernel (executor.kernels.flash_attention) keeps the scores and probabilities
+The kernel (executor.kernels.attention.flash) keeps the scores and probabilities
 on chip and reads the query heads where they are (qkv's strided rows, Qwen3.5's
 gated q included) and writes attn_out's rows, so there is no query packing, no
 score tile and no row tiling: the plan reserves only the gather scratch
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from executor.kernels.flash_attention import FlashAttention
-from executor.kernels.gemm_attention import GatherKv
-from executor.kernels.vector import as_words
+from executor.kernels.attention.flash import FlashAttention
+from executor.kernels.attention.gather import GatherKv
+from executor.kernels.primitives.vector import as_words
 from executor.models.context import StepViews
 
 

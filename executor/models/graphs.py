@@ -3,11 +3,11 @@
 A Numba launch costs tens of microseconds of host time, more than the
 weight-streaming floor of a small decode step, so decode replays graphs (a few
 microseconds each). A graph bakes in every shape and address; the arena's
-addresses never move (invariant: materialize once), and the shapes are the
+addresses never move (invariant 5, docs/design.md), and the shapes are the
 bucket's: a step of ``b`` requests is padded to the smallest bucket ``>= b``
-(``step.pad_decode``) and its metadata copied into the same planned buffers
-the graph reads. The serving config lists the buckets and the plan budgets
-their pools as the ``cuda_graphs`` runtime line.
+(``step.pad_decode``) and its metadata copied into the same planned buffers the
+graph reads. The serving config lists the buckets and the plan budgets their
+pools as the ``cuda_graphs`` runtime line.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from executor.arena import Arena
 from executor.models.context import StepViews, bucket_views
-from executor.step import StepMetadata, decode_tiles, pad_decode, plan_step
+from executor.step import StepMetadata, decode_grid_tiles, pad_decode, plan_step
 from executor.step_writer import StepWriter
 
 Forward = Callable[[StepViews], None]
@@ -58,7 +58,7 @@ class DecodeGraphs:
             # Qwen3.5, advancing its recurrent state).
             capture_stream.wait_stream(torch.cuda.current_stream(device.torch_device))
             with torch.cuda.stream(capture_stream):
-                views = bucket_views(self.arena, bucket, decode_tiles(plan, bucket))  # on the capture stream
+                views = bucket_views(self.arena, bucket, decode_grid_tiles(plan, bucket))  # on the capture stream
                 self.forward(views)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=capture_stream):

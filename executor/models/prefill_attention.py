@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from executor.kernels.causal_softmax import CausalSoftmax
-from executor.kernels.chunk_copy import ChunkCopy
-from executor.kernels.gemm_attention import GatherKv
-from executor.kernels.vector import as_words
+from executor.kernels.attention.causal_softmax import CausalSoftmax
+from executor.kernels.rows.chunk_copy import ChunkCopy
+from executor.kernels.attention.gather import GatherKv
+from executor.kernels.primitives.vector import as_words
 from executor.models.context import StepViews
 
 

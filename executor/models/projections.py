@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from executor.models.context import StepViews
-from executor.models.kernels import Kernels, NormStyle
+from executor.models.launchers import Kernels, NormStyle
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:

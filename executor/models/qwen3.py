@@ -5,7 +5,7 @@ from __future__ import annotations
 from executor.arena import Arena
 from executor.models.blocks import FullAttention
 from executor.models.decoder import DecoderModel
-from executor.models.kernels import QWEN3_NORM, build_kernels
+from executor.models.launchers import QWEN3_NORM, build_kernels
 
 
 def build_qwen3(arena: Arena) -> DecoderModel:

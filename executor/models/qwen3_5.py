@@ -6,7 +6,7 @@ from __future__ import annotations
 from executor.arena import Arena
 from executor.models.blocks import FullAttention, LinearAttention
 from executor.models.decoder import DecoderModel
-from executor.models.kernels import ZERO_CENTRED_NORM, build_kernels
+from executor.models.launchers import ZERO_CENTRED_NORM, build_kernels
 from executor.models.projections import Projections
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.kernels.flash_attention import FlashAttention
+from executor.kernels.attention.flash import FlashAttention
 from executor.models.flash_prefill_attention import FlashPrefillAttention
 from executor.step import RequestChunk, plan_step
-from planner.config import FLASH_HEAD_DIM_MULTIPLE, ModelConfig
+from planner.kernel_limits import FLASH_HEAD_DIM_MULTIPLE
+from planner.config import ModelConfig
 from planner.loader import load_model
 from planner.plan import MemoryPlan
 from tests.executor.harness import hf_logits, load_tiny, random_sequences

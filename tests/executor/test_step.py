@@ -8,9 +8,9 @@ import torch
 
 from executor.arena import materialize
 from executor.device import open_device
-from executor.kernels.attention import plan_decode_tiles
-from executor.kernels.decode_attention_mma import FEW_BLOCKS_PER_SM
-from executor.step import CapacityError, RequestChunk, decode_kv_chunk, decode_tiles, pad_decode, plan_step
+from executor.routing import FEW_BLOCKS_PER_SM
+from executor.tiles import plan_decode_tiles
+from executor.step import CapacityError, RequestChunk, decode_kv_chunk, decode_grid_tiles, pad_decode, plan_step
 from executor.step_writer import StepWriter
 from planner.loader import load_hardware, load_model, load_serving
 from planner.plan import build_plan
@@ -107,15 +107,15 @@ def test_a_decode_graph_grid_holds_every_step_of_its_bucket_with_less_than_a_wav
         for kv_lens in (np.full(bucket, cap.max_context), np.r_[cap.max_context, np.ones(bucket - 1, np.int64)]):
             tiles = plan_decode_tiles(kv_lens, decode_kv_chunk(plan, kv_lens), cap.decode_kv_splits)
             most = max(most, len(tiles[0]))
-        assert most <= decode_tiles(plan, bucket) <= cap.tiles
-        assert (decode_tiles(plan, bucket) - most) * num_kv_heads < wave, bucket
+        assert most <= decode_grid_tiles(plan, bucket) <= cap.tiles
+        assert (decode_grid_tiles(plan, bucket) - most) * num_kv_heads < wave, bucket
 
 
 def test_a_padded_decode_step_pads_its_tiles_to_the_graph_grid(arena):
     plan = arena.plan.model_copy(update={"hardware": arena.plan.hardware.model_copy(update={"num_sms": 132})})
     meta = plan_step(plan, [RequestChunk([5], 59, list(range(1, 16)), slot=0)])
     padded = pad_decode(plan, meta, 2)
-    num_tiles = decode_tiles(plan, 2)
+    num_tiles = decode_grid_tiles(plan, 2)
     assert meta.num_tiles < num_tiles == len(padded.request_indices)
     assert padded.request_indices[:meta.num_tiles].tolist() == meta.request_indices.tolist()
     assert (padded.request_indices[meta.num_tiles:] == -1).all()

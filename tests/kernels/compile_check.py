@@ -12,7 +12,7 @@ a time and keeps its chunk buffers out of local memory. The body also gets
 
     compile_for_sm90(
         '''
-        from executor.kernels.residual import build_add_inplace_kernel
+        from tests.kernels.add_inplace import build_add_inplace_kernel
         for name in DTYPES:
             ptx(build_add_inplace_kernel(build_codec(name)), arr(name, 2), arr(name, 2))
         '''
@@ -45,7 +45,7 @@ cuda = load_cuda()
 import numba.cuda.dispatcher as dispatcher
 from numba import types
 from numba.cuda.cudadrv.error import NvvmError, NvvmSupportError
-from executor.kernels.codec import build_codec
+from executor.kernels.primitives.codec import build_codec
 # Without a driver, device functions ask the (absent) current device for its
 # compute capability; pretend an H200 so NVVM compiles the whole kernel.
 dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from executor.kernels.codec import build_codec
-from executor.kernels.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, word_type
+from executor.kernels.primitives.codec import build_codec
+from executor.kernels.primitives.vector import VECTOR_WORDS, build_lanes, build_vector_access, lanes_for, word_type
 from executor.numba_cuda import load_cuda
 
 cuda = load_cuda()

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor.kernels.activation import SiluMul, build_silu_mul_vector_kernel
-from executor.kernels.codec import build_codec
+from executor.kernels.rows.activation import SiluMul, build_silu_mul_vector_kernel
+from executor.kernels.primitives.codec import build_codec
 from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import (
@@ -108,7 +108,7 @@ def test_shape_errors():
 def test_compiles_for_sm90():
     compile_for_sm90(
         """
-        from executor.kernels.activation import build_silu_mul_kernel, build_silu_mul_vector_kernel
+        from executor.kernels.rows.activation import build_silu_mul_kernel, build_silu_mul_vector_kernel
         for name in DTYPES:
             codec = build_codec(name)
             ptx(build_silu_mul_kernel(codec), arr(name, 2), arr(name, 2))

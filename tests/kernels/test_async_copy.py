@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from executor.kernels.async_copy import build_async_copy, build_chunk_copy, build_row_copy, build_shared_address
+from executor.kernels.primitives.async_copy import build_async_copy, build_chunk_copy, build_row_copy, build_shared_address
 from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
 

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.attention import PagedAttention, plan_decode_tiles, plan_tiles
-from executor.kernels.codec import build_codec
+from executor.kernels.attention.paged import PagedAttention
+from executor.tiles import plan_decode_tiles, plan_tiles
+from executor.kernels.primitives.codec import build_codec
 from executor.numba_cuda import load_cuda
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import TOL, assert_close_rel, from_storage, poisoned, to_storage
@@ -165,7 +166,7 @@ def test_plan_tiles_writes_capacity_buffers_and_checks_them():
 def test_merge_rejects_a_deeper_split_scratch_than_it_weighs():
     """The merge stages a row's log-sum-exps in shared memory of MAX_MERGE_CHUNKS; a deeper scratch is
     an error that names both depths, before any launch."""
-    from executor.kernels.attention import MAX_MERGE_CHUNKS
+    from executor.kernels.attention.merge import MAX_MERGE_CHUNKS
 
     attention = PagedAttention(build_codec("float32"), HEAD_DIM, 2, threads=32)
     depth = MAX_MERGE_CHUNKS + 1
@@ -173,7 +174,7 @@ def test_merge_rejects_a_deeper_split_scratch_than_it_weighs():
     partial_lse = np.zeros((1, depth, 4), np.float32)
     ints = np.zeros(1, np.int32)
     with pytest.raises(ValueError, match=f"{depth} kv chunks.*at most {MAX_MERGE_CHUNKS}"):
-        attention.merge_splits(partial_out, partial_lse, ints, ints, np.ones(1, np.int32), np.ones(1, np.uint32),
+        attention.merge(partial_out, partial_lse, ints, ints, np.ones(1, np.int32), np.ones(1, np.uint32),
                                np.zeros((1, 4, HEAD_DIM), np.float32))
 
 
@@ -181,7 +182,8 @@ def test_compiles_for_sm90():
     """PTX for sm_90, both codecs, real tile shapes (also checks real-GPU compilation on CPU machines)."""
     compile_for_sm90(
         """
-        from executor.kernels.attention import build_paged_attention
+        from executor.kernels.attention.merge import build_merge_kernel
+        from executor.kernels.attention.paged import build_paged_attention
         i32, u32 = arr("int32", 1), arr("uint32", 1)
         meta = (i32,) * 9 + (u32,)
         part = (arr("float32", 4), arr("float32", 3))
@@ -190,7 +192,8 @@ def test_compiles_for_sm90():
         cases = (("bfloat16", 128, 4, 1, "direct merge"), ("bfloat16", 256, 6, 1, "split"),
                  ("float32", 256, 2, 4, "direct"))
         for name, head_dim, group, rows, which in cases:
-            direct, split, merge = build_paged_attention(build_codec(name), head_dim, group, rows)
+            direct, split = build_paged_attention(build_codec(name), head_dim, group, rows)
+            merge = build_merge_kernel(build_codec(name), head_dim)
             arr3, arr4 = arr(name, 3), arr(name, 4)
             if "direct" in which:
                 ptx(direct, arr3, arr4, arr4, *meta, arr3, types.float32)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from executor.device import open_device
-from executor.kernels.causal_softmax import REGISTER_BUILDS, SIMULATOR_REGISTER_BUILDS, CausalSoftmax, register_keys
-from executor.kernels.codec import build_codec
+from executor.kernels.attention.causal_softmax import REGISTER_BUILDS, SIMULATOR_REGISTER_BUILDS, CausalSoftmax, register_keys
+from executor.kernels.primitives.codec import build_codec
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import DTYPES, TOL, assert_close_rel, from_storage, poisoned
 
@@ -133,7 +133,7 @@ def test_compiles_for_sm90():
     stores and no local memory (their chunk buffers in registers)."""
     compile_for_sm90(
         """
-        from executor.kernels.causal_softmax import (
+        from executor.kernels.attention.causal_softmax import (
             REGISTER_BUILDS, SOFTMAX_THREADS, SOFTMAX_WARP, STREAMING_ROWS_PER_BLOCK, build_register_softmax,
             build_streaming_softmax,
         )

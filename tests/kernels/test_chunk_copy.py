@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from executor.device import open_device
-from executor.kernels.chunk_copy import ChunkCopy
+from executor.kernels.rows.chunk_copy import ChunkCopy
 from tests.kernels.compile_check import compile_for_sm90
 
 
@@ -46,9 +46,9 @@ def test_views_not_made_of_aligned_chunks_are_copied_by_torch():
 def test_chunk_copy_compiles_for_sm90():
     compile_for_sm90(
         """
-        from executor.kernels.chunk_copy import build_chunk_copy
+        from executor.kernels.rows.chunk_copy import build_strided_copy_kernel
         raw = types.Array(types.uint8, 4, "A")
-        text = ptx(build_chunk_copy(), raw, raw)
+        text = ptx(build_strided_copy_kernel(), raw, raw)
         assert "ld.global.v4" in text and "st.global.v4" in text, "16-byte loads and stores"
         assert ".local" not in text, "chunk buffers in local memory"
         """

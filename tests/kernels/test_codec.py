@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.codec import build_codec
+from executor.kernels.primitives.codec import build_codec
 from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
 

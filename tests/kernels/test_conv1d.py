@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor.kernels.codec import build_codec
-from executor.kernels.conv1d import CausalConv1d
+from executor.kernels.primitives.codec import build_codec
+from executor.kernels.linear_attention.conv1d import CausalConv1d
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import DTYPES, TOL, assert_close_rel, from_storage, poisoned, rounded, to_storage
 
@@ -160,7 +160,7 @@ def test_shape_errors():
 def test_compiles_for_sm90():
     compile_for_sm90(
         """
-        from executor.kernels.conv1d import build_causal_conv1d
+        from executor.kernels.linear_attention.conv1d import build_causal_conv1d
         i32 = arr("int32", 1)
         for name in DTYPES:
             ptx(build_causal_conv1d(build_codec(name)), arr(name, 2), arr(name, 2), arr(name, 3), i32, i32,

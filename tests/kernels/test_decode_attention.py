@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.attention import PagedAttention, plan_tiles
-from executor.kernels.codec import build_codec
-from executor.kernels.decode_attention import DecodeAttention
-from executor.kernels.launch import SHARED_LIMIT_BYTES
+from executor.kernels.attention.paged import PagedAttention
+from executor.tiles import plan_tiles
+from executor.kernels.primitives.codec import build_codec
+from executor.kernels.attention.decode import DecodeAttention
+from executor.kernels.primitives.launch import SHARED_LIMIT_BYTES
 from executor.numba_cuda import load_cuda
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import TOL, assert_close_rel, from_storage, poisoned, to_storage
@@ -85,7 +86,7 @@ def test_decode_attention_compiles_for_sm90():
     16-byte K/V loads, registers only."""
     compile_for_sm90(
         """
-        from executor.kernels.decode_attention import build_decode_attention
+        from executor.kernels.attention.decode import build_decode_attention
         i32, u32 = arr("int32", 1), arr("uint32", 1)
         meta = (i32,) * 8 + (u32,)
         for name, head_dim, group, which in (("bfloat16", 128, 4, "split"), ("float32", 256, 6, "direct")):
@@ -108,8 +109,8 @@ def test_decode_attention_gpu_bf16_long_contexts(num_q_heads, num_kv_heads, head
     """Real sizes in bf16, contexts up to 32k, unsplit and split into kv chunks, against float64 sdpa:
     the CUDA-core kernel, and the tensor-core kernel in its most warps a block (also at D 256, which
     the launcher leaves to CUDA cores by default) and in its shape for calls of many pairs."""
-    from executor.kernels.decode_attention_mma import MANY_PAIRS_SHAPE, MmaShape, mma_warps, shared_bytes
-    from planner.capacity import MIN_KV_CHUNK_TOKENS
+    from executor.kernels.attention.decode_mma import MANY_PAIRS_SHAPE, MmaShape, mma_warps, shared_bytes
+    from planner.kernel_limits import MIN_KV_CHUNK_TOKENS
 
     device = torch.device("cuda")
     page_size, group, max_splits = 16, num_q_heads // num_kv_heads, 32

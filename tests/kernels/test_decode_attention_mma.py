@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from executor.kernels.decode_attention import DecodeAttention
-from executor.kernels.decode_attention_mma import (MANY_PAIRS_SHAPE, MAX_GROUP, MmaShape, default_mma_shapes, mma_warps,
+from executor.kernels.attention.decode import DecodeAttention
+from executor.kernels.attention.decode_mma import (MANY_PAIRS_SHAPE, MAX_GROUP, MmaShape, default_mma_shapes, mma_warps,
                                                   shared_bytes)
-from executor.kernels.launch import SHARED_LIMIT_BYTES
+from executor.kernels.primitives.launch import SHARED_LIMIT_BYTES
 from tests.kernels import test_decode_attention
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.test_attention import NUM_KV_HEADS, PAGE_SIZE
@@ -72,7 +72,7 @@ def test_mma_decode_attention_compiles_for_sm90():
     by ldmatrix (V transposed), bf16 MMAs, registers only."""
     compile_for_sm90(
         """
-        from executor.kernels.decode_attention_mma import build_decode_attention_mma, mma_warps
+        from executor.kernels.attention.decode_mma import build_decode_attention_mma, mma_warps
         i32, u32, bits3, bits4 = arr("int32", 1), arr("uint32", 1), arr("bfloat16", 3), arr("bfloat16", 4)
         meta = (i32,) * 8 + (u32,)
         for head_dim, group in ((128, 4), (256, 4)):

@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.attention import PagedAttention, plan_tiles
-from executor.kernels.codec import build_codec
-from executor.kernels.decode_attention import DecodeAttention
-from executor.kernels.decode_attention_mma import MmaShape
-from executor.kernels.decode_rope_attention import DecodeRopeAttention, fused_shapes
-from executor.kernels.launch import multiprocessor_count
-from executor.kernels.qk_rope_kv import QkNormRopeWriteKv
+from executor.kernels.attention.paged import PagedAttention
+from executor.tiles import plan_tiles
+from executor.kernels.primitives.codec import build_codec
+from executor.kernels.attention.decode import DecodeAttention
+from executor.kernels.attention.decode_mma import MmaShape
+from executor.kernels.attention.decode_rope import DecodeRopeAttention, fused_shapes
+from executor.kernels.primitives.launch import multiprocessor_count
+from executor.kernels.rope.fused_kv_write import QkNormRopeWriteKv
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.test_attention import make_batch
 
@@ -144,7 +145,7 @@ def test_fused_compiles_for_sm90():
     compile_for_sm90(
         """
         import re
-        from executor.kernels.decode_attention_mma import build_decode_attention_mma, MmaShape
+        from executor.kernels.attention.decode_mma import build_decode_attention_mma, MmaShape
         i32, u32, f32 = arr("int32", 1), arr("uint32", 1), types.float32
         bits1, bits3, bits4 = arr("bfloat16", 1), arr("bfloat16", 3), arr("bfloat16", 4)
         meta = (i32,) * 8 + (u32,)

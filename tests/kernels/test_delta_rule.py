@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor.kernels.codec import build_codec
-from executor.kernels.delta_rule import GatedDeltaRule, GdnGates
+from executor.kernels.primitives.codec import build_codec
+from executor.kernels.linear_attention.delta_rule import GatedDeltaRule, GdnGates
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import DTYPES, TOL, assert_close_rel, from_storage, poisoned, rounded, to_storage
 
@@ -212,7 +212,7 @@ def test_shape_errors():
 def test_compiles_for_sm90():
     compile_for_sm90(
         """
-        from executor.kernels.delta_rule import build_gdn_gates, build_gated_delta_rule
+        from executor.kernels.linear_attention.delta_rule import build_gdn_gates, build_gated_delta_rule
         i32 = arr("int32", 1)
         f32 = lambda ndim: arr("float32", ndim)
         for name in DTYPES:

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.codec import build_codec
-from executor.kernels.delta_rule import GatedDeltaRule
-from executor.kernels.delta_rule_decode import GatedDeltaRuleDecode
+from executor.kernels.primitives.codec import build_codec
+from executor.kernels.linear_attention.delta_rule import GatedDeltaRule
+from executor.kernels.linear_attention.delta_rule_decode import GatedDeltaRuleDecode
 from executor.numba_cuda import load_cuda
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import DTYPES, TOL, assert_close_rel, from_storage, poisoned, to_storage
@@ -170,7 +170,7 @@ def test_decode_delta_rule_compiles_for_sm90():
     others: 16-byte state loads and stores, the state chunks in registers (no local memory)."""
     compile_for_sm90(
         """
-        from executor.kernels.delta_rule_decode import build_gated_delta_rule_decode
+        from executor.kernels.linear_attention.delta_rule_decode import build_gated_delta_rule_decode
         i32 = arr("int32", 1)
         f32 = lambda ndim: arr("float32", ndim)
         for name in DTYPES:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.codec import build_codec
-from executor.kernels.embedding import Embedding, build_embedding_vector_kernel
+from executor.kernels.primitives.codec import build_codec
+from executor.kernels.rows.embedding import Embedding, build_embedding_vector_kernel
 from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import DTYPES, from_storage, poisoned, to_storage
@@ -94,7 +94,7 @@ def test_shape_errors():
 def test_compiles_for_sm90():
     compile_for_sm90(
         """
-        from executor.kernels.embedding import build_embedding_kernel, build_embedding_vector_kernel
+        from executor.kernels.rows.embedding import build_embedding_kernel, build_embedding_vector_kernel
         for name in DTYPES:
             ptx(build_embedding_kernel(build_codec(name)), arr("int32", 1), arr(name, 2), arr(name, 2), arr("int32", 1))
             vector_ptx(build_embedding_vector_kernel(build_codec(name)), arr("int32", 1), arr(name, 2), arr(name, 2),

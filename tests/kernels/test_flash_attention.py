@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.flash_attention import (
+from executor.kernels.attention.flash import (
     STATIC_SHARED_BYTES, BlockShape, FlashAttention, block_shape, query_tile_bytes, staged_bytes)
 from executor.numba_cuda import simulator_enabled
 from tests.kernels.attention_reference import causal_attention
@@ -99,7 +99,7 @@ def test_compiles_to_unrolled_mmas_in_registers_on_sm90():
     an O or S accumulator indexed at run time would spill to local memory."""
     compile_for_sm90(
         """
-        from executor.kernels.flash_attention import block_shape, build_flash_attention
+        from executor.kernels.attention.flash import block_shape, build_flash_attention
         for head_dim, group in ((128, 4), (256, 4)):
             shape = block_shape(head_dim)
             text = ptx(build_flash_attention(head_dim, group, shape),

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor.kernels.codec import build_codec
-from executor.kernels.gated_norm import GatedRmsNorm
+from executor.kernels.primitives.codec import build_codec
+from executor.kernels.rows.gated_norm import GatedRmsNorm
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import DTYPES, assert_bf16_close, assert_close_rel, from_storage, poisoned, to_storage
 
@@ -101,7 +101,7 @@ def test_shape_errors():
 def test_compiles_for_sm90():
     compile_for_sm90(
         """
-        from executor.kernels.gated_norm import build_gated_rms_norm
+        from executor.kernels.rows.gated_norm import build_gated_rms_norm
         for name in DTYPES:
             ptx(build_gated_rms_norm(build_codec(name)), arr(name, 3), arr(name, 2), arr(name, 1), arr(name, 2),
                 types.float32)

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from executor.device import open_device
-from executor.kernels.codec import build_codec
-from executor.kernels.causal_softmax import CausalSoftmax
-from executor.kernels.chunk_copy import ChunkCopy
-from executor.kernels.gemm_attention import GatherKv
+from executor.kernels.primitives.codec import build_codec
+from executor.kernels.attention.causal_softmax import CausalSoftmax
+from executor.kernels.rows.chunk_copy import ChunkCopy
+from executor.kernels.attention.gather import GatherKv
 from executor.models.prefill_attention import GemmPrefillAttention
 from executor.step import LongPrefillRequest
 from tests.kernels.compile_check import compile_for_sm90
@@ -118,7 +118,7 @@ def test_compiles_for_sm90():
     """The gather kernel, with float32 math only."""
     compile_for_sm90(
         """
-        from executor.kernels.gemm_attention import build_gather_kv
+        from executor.kernels.attention.gather import build_gather_kv
         i32 = arr("int32", 1)
         ptx(build_gather_kv(), arr("int32", 4), arr("int32", 4), i32, types.int32, types.int32, arr("int32", 3),
             arr("int32", 3))

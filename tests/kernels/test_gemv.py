@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.kernels.codec import build_codec
+from executor.kernels.primitives.codec import build_codec
 from executor.kernels.gemv import Gemv
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import DTYPES, assert_close_rel, rounded

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.kv_cache import WriteKv
+from executor.kernels.rows.kv_cache import WriteKv
 from executor.numba_cuda import load_cuda
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import DTYPES, poisoned, to_storage
@@ -80,7 +80,7 @@ def test_compiles_for_sm90():
     """PTX for sm_90 with both storage dtypes."""
     compile_for_sm90(
         """
-        from executor.kernels.kv_cache import write_kv_kernel
+        from executor.kernels.rows.kv_cache import write_kv_kernel
         i32 = arr("int32", 1)
         for name in DTYPES:
             rows, cache = arr(name, 3), arr(name, 4)

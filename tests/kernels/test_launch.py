@@ -1,4 +1,4 @@
-"""executor.kernels.launch: torch tensors as kernel arguments.
+"""executor.kernels.primitives.launch: torch tensors as kernel arguments.
 
 The fast GPU path picks a compiled overload by its own key and packs arguments itself,
 so the tests hold it to Numba's answers: the layout it assigns a strided tensor against
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.launch import Kernel, _launch_key, _tensor_layout
+from executor.kernels.primitives.launch import Kernel, _launch_key, _tensor_layout
 from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.async_copy import build_async_copy, build_shared_address
-from executor.kernels.mma import build_fragment_loads, build_mma_bf16, build_pack_bf16x2
+from executor.kernels.primitives.async_copy import build_async_copy, build_shared_address
+from executor.kernels.primitives.mma import build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.codec import build_codec
-from executor.kernels.norm import (
+from executor.kernels.primitives.codec import build_codec
+from executor.kernels.rows.norm import (
     SCRATCH_BYTES_PER_THREAD,
     AddRmsNormInplace,
     RmsNorm,
@@ -241,7 +241,7 @@ def test_compiles_for_sm90():
     float32 math only; the vector kernels with 16-byte accesses and no local memory."""
     compile_for_sm90(
         """
-        from executor.kernels.norm import (
+        from executor.kernels.rows.norm import (
             build_add_rms_norm_kernel, build_add_rms_norm_vector_kernel,
             build_rms_norm_kernel, build_rms_norm_vector_kernel,
         )

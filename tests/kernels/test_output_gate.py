@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.codec import build_codec
-from executor.kernels.output_gate import (
+from executor.kernels.primitives.codec import build_codec
+from executor.kernels.rows.output_gate import (
     GATE_BLOCKS_PER_SM,
     GATE_ROWS_UNROLL,
     GATE_THREADS,
@@ -17,7 +17,7 @@ from executor.kernels.output_gate import (
     build_sigmoid_mul_inplace_vector_kernel,
     gate_grid,
 )
-from executor.kernels.residual import MAX_COLUMN_BLOCKS
+from executor.kernels.primitives.grid import MAX_COLUMN_BLOCKS
 from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import (
@@ -259,7 +259,7 @@ def test_compiles_for_sm90():
     vector kernel with the launch bounds it carries (threads, blocks per SM) in its PTX."""
     compile_for_sm90(
         """
-        from executor.kernels.output_gate import (
+        from executor.kernels.rows.output_gate import (
             GATE_BLOCKS_PER_SM, GATE_THREADS, MAX_GATE_ROWS_UNROLL, SigmoidMulInplace,
             build_sigmoid_mul_inplace_kernel, build_sigmoid_mul_inplace_vector_kernel,
         )

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.codec import build_codec
-from executor.kernels.residual import AddInplace, build_add_inplace_vector_kernel
+from executor.kernels.primitives.codec import build_codec
+from tests.kernels.add_inplace import AddInplace, build_add_inplace_vector_kernel
 from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import DTYPES, from_storage, to_storage
@@ -90,7 +90,7 @@ def test_add_inplace_shape_errors():
 def test_compiles_for_sm90():
     compile_for_sm90(
         """
-        from executor.kernels.residual import build_add_inplace_kernel, build_add_inplace_vector_kernel
+        from tests.kernels.add_inplace import build_add_inplace_kernel, build_add_inplace_vector_kernel
         for name in DTYPES:
             ptx(build_add_inplace_kernel(build_codec(name)), arr(name, 2), arr(name, 2))
             vector_ptx(build_add_inplace_vector_kernel(build_codec(name)), arr(name, 2), arr(name, 2))

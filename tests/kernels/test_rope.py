@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.codec import build_codec
-from executor.kernels.kv_cache import WriteKv
-from executor.kernels.launch import Kernel, multiprocessor_count
-from executor.kernels.qk_rope_kv import QkNormRopeWriteKv, fused_launch
-from executor.kernels.norm import SCRATCH_BYTES_PER_THREAD
-from executor.kernels.rope import VECTOR_ROWS, QkNormRopeInplace, vector_shared_bytes
-from executor.kernels.rope_layout import vector_group_threads
-from executor.kernels.rope_unit_layout import cos_sin_slots
-from executor.kernels.rope_specialized import (
+from executor.kernels.primitives.codec import build_codec
+from executor.kernels.rows.kv_cache import WriteKv
+from executor.kernels.primitives.launch import Kernel, multiprocessor_count
+from executor.kernels.rope.fused_kv_write import QkNormRopeWriteKv, fused_launch
+from executor.kernels.rows.norm import SCRATCH_BYTES_PER_THREAD
+from executor.kernels.rope.qk_norm_rope import VECTOR_ROWS, QkNormRopeInplace, vector_shared_bytes
+from executor.kernels.rope.layout import vector_group_threads
+from executor.kernels.rope.unit_layout import cos_sin_slots
+from executor.kernels.rope.specialized import (
     SpecializedLaunch,
     block_threads,
     build_qk_norm_rope_specialized_kernel,
@@ -528,7 +528,7 @@ def test_specialized_compiles_for_sm90():
     compile_for_sm90(
         """
         import re, shutil, subprocess, tempfile
-        from executor.kernels.rope_specialized import build_qk_norm_rope_specialized_kernel, specialized_launch
+        from executor.kernels.rope.specialized import build_qk_norm_rope_specialized_kernel, specialized_launch
         f32 = types.float32
         argtypes = (arr("bfloat16", 3), arr("bfloat16", 1), arr("int32", 1), f32, f32, f32)
         shapes = {"qwen3": (True, 32, 128, 128), "qwen3_5": (False, 16, 256, 64)}
@@ -574,7 +574,7 @@ def test_specialized_compiles_for_sm90():
 def test_compiles_for_sm90():
     compile_for_sm90(
         """
-        from executor.kernels.rope import build_qk_norm_rope_kernel, build_qk_norm_rope_vector_kernel
+        from executor.kernels.rope.qk_norm_rope import build_qk_norm_rope_kernel, build_qk_norm_rope_vector_kernel
         f32, i32 = types.float32, types.int32
         for name in DTYPES:
             for round_before_weight in (True, False):
@@ -901,7 +901,7 @@ def test_fused_compiles_for_sm90():
     compile_for_sm90(
         """
         import re
-        from executor.kernels.qk_rope_kv import build_qk_norm_rope_write_kv_kernel
+        from executor.kernels.rope.fused_kv_write import build_qk_norm_rope_write_kv_kernel
         f32, i32, ids = types.float32, types.int32, arr("int32", 1)
         for name, round_before_weight in (("bfloat16", True), ("float32", False)):
             kernel = build_qk_norm_rope_write_kv_kernel(build_codec(name), round_before_weight)

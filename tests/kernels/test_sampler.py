@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.launch import Kernel
-from executor.kernels.sampler import (CHUNK, GROUP, MASK32, Sample, build_data_address, build_row_split, gumbel,
+from executor.kernels.primitives.launch import Kernel
+from executor.kernels.sampling.sampler import (CHUNK, GROUP, MASK32, Sample, build_data_address, build_row_split, gumbel,
                                       philox4x32, seed_words, uniform_bits)
 from executor.numba_cuda import load_cuda
 from tests.kernels.compile_check import compile_for_sm90
@@ -425,7 +425,7 @@ def test_sample_compiles_for_sm90_with_16_byte_loads():
     (argmax, window count, radix, Gumbel: UNROLL each), and no local memory (the loaded chunks
     in registers)."""
     compile_for_sm90("""
-        from executor.kernels.sampler import UNROLL, build_sample_kernel
+        from executor.kernels.sampling.sampler import UNROLL, build_sample_kernel
         i32 = arr("int32", 1)
         text = ptx(build_sample_kernel(), arr("float32", 2), arr("float32", 1), i32,
                    types.Array(types.int64, 1, "A"), i32, i32)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.sampling import Argmax
+from tests.kernels.argmax import Argmax
 from executor.numba_cuda import simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
 
@@ -67,7 +67,7 @@ def test_argmax_shape_errors():
 def test_compiles_for_sm90():
     compile_for_sm90(
         """
-        from executor.kernels.sampling import build_argmax_kernel
+        from tests.kernels.argmax import build_argmax_kernel
         ptx(build_argmax_kernel(), arr("float32", 2), arr("int32", 1))
         """
     )

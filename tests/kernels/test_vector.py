@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from executor.kernels.codec import build_codec
-from executor.kernels.vector import VECTOR_BYTES, VECTOR_WORDS, array_layout, lanes_for, vector_aligned
+from executor.kernels.primitives.codec import build_codec
+from executor.kernels.primitives.vector import VECTOR_BYTES, VECTOR_WORDS, array_layout, lanes_for, vector_aligned
 from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.lane_copy import build_lane_copy

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from planner.cli import main
-from planner.config import FLASH_HEAD_DIM_MULTIPLE, ServingConfig
+from planner.kernel_limits import FLASH_HEAD_DIM_MULTIPLE
+from planner.config import ServingConfig
 from planner.errors import ConfigError
 from planner.loader import load_hardware, load_model, load_serving
 from planner.plan import build_plan

@@ -6,7 +6,8 @@ import jsonschema
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.config import FLASH_HEAD_DIM_MULTIPLE, HardwareConfig, ModelConfig, ServingConfig
+from planner.kernel_limits import FLASH_HEAD_DIM_MULTIPLE
+from planner.config import HardwareConfig, ModelConfig, ServingConfig
 from planner.errors import PlanDoesNotFit
 from planner.layout import ALIGNMENT_BYTES
 from planner.plan import build_plan

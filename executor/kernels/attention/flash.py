@@ -1,0 +1,464 @@
+"""Causal prefill attention on tensor cores, without materialized scores (FlashAttention-2's loop).
+
+For one request's chunk of ``rows`` query rows, the last rows of its ``kv_len`` tokens (row r
+at position ``first_position + r``, first_position = kv_len - rows), over its keys at positions
+0..kv_len-1, its K/V head-major as GEMM attention's GatherKv writes them ([Hkv, C, D] scratch,
+C >= kv_len: a kv head's keys are one contiguous run, read 16 bytes a thread):
+
+    out[r, h] = softmax_k(q[r, h] . k[h // group, k] * D^-0.5, keys k <= first_position + r) @ v[h // group]
+
+All tensors are bf16; q and out are [rows, Hq, D], k and v [Hkv, >= kv_len, D]. The kernel reads
+them as int32 words (two bf16 a word) and accumulates in float32. Like FlashAttention, it rounds
+the probabilities P to bf16 for the P V product. The scores never reach memory: a block keeps
+an online softmax (running row maximum and sum, in exp2 units) across key blocks.
+
+Layout:
+- A block has ``warps`` warps over one q head's query rows, ``m_tiles`` 16-row tiles a warp
+  (``BlockShape``; ``block_shape`` picks two m-tiles for D <= 128, one for D 256). Blocks of the
+  last rows (the most keys under the causal mask) are launched first.
+- ``block_shape`` stages the block's query rows once in dynamic shared memory (past the 48 KiB a
+  block gets by default: ``Kernel`` opts in); each warp reads its Q fragments there by ``ldmatrix``
+  every k-step. A shape may keep one m-tile's Q fragments in registers instead (benchmarks).
+- Per key block of ``keys`` keys, the block stages K and V key-major in static shared memory by
+  cp.async (executor/kernels/primitives/async_copy.py), each row padded by 4 words so that the 8
+  rows an ldmatrix phase reads fall in 32 distinct banks. V of a key block is copied while the warps
+  compute its scores, K of the next while they compute P V: one K and one V buffer. A copy's
+  addresses are a row cursor's multiply-add and a shared offset computed inside the loop; held
+  across it, they take a register each (255 registers and spills).
+- Each warp then runs S = Q K^T, the softmax update and O += P V with ``mma_bf16``, its K fragments
+  from ``ldmatrix.x4`` two n-tiles a load and each feeding every m-tile, V's with ``.trans`` (so V
+  needs no transposed copy; primitives/mma.py). O (D / 2 float32 a lane an m-tile) and S stay in
+  registers: every fragment loop has constant bounds. The sm_90 compile test checks for no local
+  memory.
+- A key block's softmax update is one straight run over all the warp's rows (independent chains the
+  scheduler interleaves; the conditional O rescales come after). Scores stay raw until the exponent:
+  2^(s * scale_log2 - max * scale_log2) is one FMA and one ex2.approx.ftz (primitives/fast_math.py).
+  O is rescaled only when a row's maximum grew (alpha = 1 exactly otherwise). Only key blocks that
+  cross the diagonal of the block's rows are masked.
+
+On the H200 one Qwen3-8B layer's attention at 16,384 tokens takes 7,046-7,316 us (300-312 TFLOP/s,
+D 128), where torch SDPA's fused kernel takes 3,322; Qwen3.5-9B's (D 256) 8,228-8,294 us (265-267
+TFLOP/s; bench/attention.py, docs/benchmarks.md, "Causal prefill attention of one layer").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from executor.kernels.primitives.launch import Kernel
+from executor.kernels.primitives.async_copy import build_async_copy, build_row_copy, build_shared_address
+from executor.kernels.primitives.fast_math import build_exp2_scaled
+from executor.kernels.primitives.mma import build_a_fragment_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
+from executor.kernels.primitives.reduce import build_group_max, build_group_sum
+from executor.kernels.primitives.shared_tile import build_shared_tile
+from executor.kernels.primitives.vector import as_words, vector_aligned
+from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
+
+cuda = load_cuda()
+from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
+
+PAD_WORDS = 4  # per staged row: shifts consecutive rows by 4 banks (16 bytes, keeping rows 16-byte aligned)
+LOG2_E = 1.4426950408889634
+#: Static shared memory a block may declare (PTX's limit): the K and V tiles must fit it; Q's tile is dynamic.
+STATIC_SHARED_BYTES = 48 * 1024
+#: Head sizes whose two m-tiles' O a thread holds (2 x D / 2 float32); D 256's would take all 255 registers.
+MAX_TWO_TILE_HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """A block's work: ``warps`` warps of ``m_tiles`` 16-row query tiles each, ``keys`` keys staged a
+    round; the query fragments in registers (one m-tile only) or read from a shared query tile."""
+
+    warps: int
+    keys: int
+    m_tiles: int = 1
+    query_in_shared: bool = False
+    #: Launch bound: blocks an SM the compiler must leave registers for (None: no bound).
+    blocks_per_sm: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.m_tiles > 1 and not self.query_in_shared:
+            raise ValueError(f"flash attention block {self}: {self.m_tiles} m-tiles a warp need the shared query tile")
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.m_tiles * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+def block_shape(head_dim: int) -> BlockShape:
+    """4 warps, 32 keys a round, Q in shared memory; two m-tiles a warp (each K and V fragment then
+    feeds both) where O of 32 rows fits a thread's registers beside S (D <= MAX_TWO_TILE_HEAD_DIM).
+
+    Measured on the H200 (bench/attention.py --block-shapes, one Qwen3-8B layer, us at 4,096 / 16,384
+    tokens, one start): D 128 at 4:32:2:shared 649.9 / 7,076.9; Q in registers 4:64:1 672.6 /
+    8,140.3, the same under three blocks an SM 759.3 / 8,146.4; 4:64:1:shared under four blocks an
+    SM 669.1 / 8,064.7; 4:64:2:shared (spills) 744.8 / 7,893.8 (docs/benchmarks.md, "Causal prefill
+    attention of one layer").
+    """
+    m_tiles = 2 if head_dim <= MAX_TWO_TILE_HEAD_DIM else 1
+    shape = BlockShape(4, 32, m_tiles, True)
+    if staged_bytes(head_dim, shape.keys) > STATIC_SHARED_BYTES:
+        raise ValueError(f"flash attention: head_dim {head_dim} does not fit a 32-key block in shared memory")
+    return shape
+
+
+def staged_bytes(head_dim: int, keys: int) -> int:
+    """Static shared memory of one staged key block: K and V, each [keys, D/2 + pad] words."""
+    return 2 * 4 * keys * (head_dim // 2 + PAD_WORDS)
+
+
+def query_tile_bytes(head_dim: int, shape: BlockShape) -> int:
+    """Dynamic shared memory of a block's query tile, [rows, D/2 + pad] words (0 with Q in registers)."""
+    return 4 * shape.rows * (head_dim // 2 + PAD_WORDS) if shape.query_in_shared else 0
+
+
+def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Callable[..., Any]:
+    """Kernel ``(q [rows, Hq, D/2], k, v [Hkv, >= kv_len, D/2], out [rows, Hq, D/2] int32 words,
+    rows, kv_len, first_position int32, scale_log2 f32)``; grid (ceil(rows / shape.rows), Hq),
+    shape.threads threads, ``query_tile_bytes`` of dynamic shared memory.
+
+    head_dim a multiple of 32 (a fragment load covers two k-steps of Q K^T), keys of 16, q head h
+    reads kv head h // group. scale_log2 is D^-0.5 * log2(e).
+    """
+    assert head_dim % 32 == 0 and shape.keys % 16 == 0 and shape.m_tiles >= 1
+    D, KB, M, Q_IN_SHARED = head_dim, shape.keys, shape.m_tiles, shape.query_in_shared
+    ROW_WORDS = D // 2 + PAD_WORDS         # a staged Q, K or V row
+    K_STEPS = D // 16                      # k-steps of Q K^T
+    S_TILES = KB // 8                      # n-tiles of S
+    P_STEPS = KB // 16                     # k-steps of P V
+    O_TILES = D // 8                       # n-tiles of O
+    CHUNKS_PER_ROW = D // 8                # 16-byte chunks of a Q, K or V row
+    THREADS, WARP_ROWS, ROWS_PER_BLOCK = shape.threads, 16 * M, shape.rows
+    COPIES = KB * CHUNKS_PER_ROW // THREADS  # chunks a thread stages of K, and of V, per key block
+    Q_COPIES = ROWS_PER_BLOCK * CHUNKS_PER_ROW // THREADS  # chunks a thread stages of Q, once
+    assert COPIES * THREADS == KB * CHUNKS_PER_ROW and Q_COPIES * THREADS == ROWS_PER_BLOCK * CHUNKS_PER_ROW
+    # Per m-tile: a lane's S values and O values.
+    S_VALUES, O_VALUES = 4 * S_TILES, 4 * O_TILES
+    # A lane's registers over all its m-tiles (local arrays need constant sizes): Q fragments (all
+    # k-steps in registers, or one k-step of each m-tile read from shared memory), S, one k-step's P
+    # words, O, row states.
+    QA_WORDS = 4 * M if Q_IN_SHARED else 4 * K_STEPS
+    SACC_VALUES, PA_WORDS, ACC_VALUES, ROW_STATES = M * S_VALUES, 4 * M, M * O_VALUES, 2 * M
+    mma = build_mma_bf16()
+    pack = build_pack_bf16x2()
+    exp2_scaled = build_exp2_scaled()
+    lane_address, _, load_b_x4_trans = build_fragment_loads()
+    load_a_x4 = build_a_fragment_load()
+    copy_async, copy_async_wait_all = build_async_copy()
+    row_cursor, copy_row_async, fresh_address = build_row_copy(4 * (D // 2))  # K and V rows: D / 2 words
+    ROWS_PER_PASS = THREADS // CHUNKS_PER_ROW  # rows the block's threads copy a chunk each of
+    shared_address = build_shared_address()
+    query_tile = build_shared_tile(ROWS_PER_BLOCK, ROW_WORDS)
+    quad_max = build_group_max()
+    quad_sum = build_group_sum()
+    # ldmatrix and cp.async need 16-byte aligned rows; the simulator takes no alignment (and needs none).
+    TILE_ALIGNMENT = None if simulator_enabled() else 16
+    SCRATCH_VALUES = THREADS if simulator_enabled() else 1  # the simulator's quad reductions
+
+    @cuda.jit(device=True, inline=True)
+    def stage_queries(q, head, first, limit, tile, tile_address):
+        """Start copying query rows first.. of one q head into the query tile, Q_COPIES 16-byte chunks
+        a thread; zeros from row ``limit`` on. Once a block, so plain array indexing does."""
+        tid = cuda.threadIdx.x
+        for i in range(Q_COPIES):
+            c = tid + i * THREADS
+            row = c // CHUNKS_PER_ROW
+            col = (c % CHUNKS_PER_ROW) * 4
+            valid = first + row < limit
+            copy_async(tile, tile_address, (row, col), q, (first + row if valid else 0, head, col), valid)
+
+    @cuda.jit(device=True, inline=True)
+    def stage(src, cursor, first, limit, tile, tile_address):
+        """Start copying rows first.. of one kv head of K or V (``cursor``: its row 0, this thread's
+        chunk) into tile, COPIES 16-byte chunks a thread; zeros from row ``limit`` on (V's stale rows
+        could hold NaN bits, and 0 x NaN would reach the output). A copy's addresses are a cursor
+        multiply-add and a shared offset computed here, in the key loop: where the compiler could
+        hoist them, it held each copy's address in registers across the loop."""
+        tid = cuda.threadIdx.x
+        lane_row = tid // CHUNKS_PER_ROW
+        rows_left = limit - first - lane_row  # this thread's rows below limit, from its first
+        address = fresh_address(tile_address)
+        for i in range(COPIES):
+            valid = ROWS_PER_PASS * i < rows_left
+            row = first + lane_row + ROWS_PER_PASS * i
+            copy_row_async(tile, address, (lane_row + ROWS_PER_PASS * i, (tid % CHUNKS_PER_ROW) * 4), src, cursor,
+                           row if valid else 0, valid)
+
+    if Q_IN_SHARED:
+        @cuda.jit(device=True, inline=True)
+        def start_queries(q, h, first_row, rows, warp_row, dynamic, ks, qa):
+            """Start copying the block's query rows of head h into the dynamic query tile (zeros past
+            the chunk's rows); returns the tile."""
+            qs = query_tile(dynamic, 0)
+            stage_queries(q, h, first_row, rows, qs, shared_address(qs, (0, 0)))
+            return qs
+
+        @cuda.jit(device=True, inline=True)
+        def query_fragments(qs, q_lane, warp_row, s, qa):
+            """qa[4 i .. 4 i + 3] <- m-tile i's A fragment of k-step s."""
+            for i in range(M):
+                qa[4 * i], qa[4 * i + 1], qa[4 * i + 2], qa[4 * i + 3] = load_a_x4(qs, q_lane, warp_row + 16 * i, 8 * s)
+
+        QA_STEP = 0  # m-tile i's fragment of any k-step sits at qa[4 i]
+    else:
+        @cuda.jit(device=True, inline=True)
+        def start_queries(q, h, first_row, rows, warp_row, dynamic, ks, qa):
+            """qa[4 s ..] <- the warp's A fragments of every k-step, from global memory (zeros past the
+            chunk's rows); returns a stand-in tile (K's) that nothing reads as queries."""
+            lane = cuda.threadIdx.x % 32
+            t = lane % 4
+            r0 = first_row + warp_row + lane // 4
+            r1 = r0 + 8
+            for s in range(K_STEPS):
+                qa[4 * s] = q[r0, h, 8 * s + t] if r0 < rows else 0
+                qa[4 * s + 1] = q[r1, h, 8 * s + t] if r1 < rows else 0
+                qa[4 * s + 2] = q[r0, h, 8 * s + t + 4] if r0 < rows else 0
+                qa[4 * s + 3] = q[r1, h, 8 * s + t + 4] if r1 < rows else 0
+            return ks
+
+        @cuda.jit(device=True, inline=True)
+        def query_fragments(qs, q_lane, warp_row, s, qa):
+            pass  # loaded once by start_queries
+
+        QA_STEP = 4  # k-step s's fragment sits at qa[4 s]
+
+    @cuda.jit(device=True, inline=True)
+    def mma_pair(a0, a1, a2, a3, b0, b1, b2, b3, acc, c):
+        """acc[c .. c + 3] += A (b0, b1) and acc[c + 4 .. c + 7] += A (b2, b3): one A fragment against
+        two n-tiles' B fragments."""
+        acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma(a0, a1, a2, a3, b0, b1, acc[c], acc[c + 1], acc[c + 2],
+                                                         acc[c + 3])
+        acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7] = mma(a0, a1, a2, a3, b2, b3, acc[c + 4], acc[c + 5],
+                                                             acc[c + 6], acc[c + 7])
+
+    @cuda.jit(device=True, inline=True)
+    def scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc):
+        """sacc <- Q K^T of this warp's m-tiles and the staged keys (raw dot products). Per k-step,
+        every K fragment (two n-tiles a load) feeds all m-tiles."""
+        for i in range(SACC_VALUES):
+            sacc[i] = float32(0.0)
+        for s in range(K_STEPS):
+            query_fragments(qs, q_lane, warp_row, s, qa)
+            for j in range(0, S_TILES, 2):
+                # K rows 8j.. are n-tile j, rows 8j + 8.. n-tile j + 1: A's quarters are their b0, b1.
+                b0, b0_next, b1, b1_next = load_a_x4(ks, k_lane, 8 * j, 8 * s)
+                for i in range(M):
+                    a = QA_STEP * s + 4 * i
+                    mma_pair(qa[a], qa[a + 1], qa[a + 2], qa[a + 3], b0, b1, b0_next, b1_next, sacc,
+                             i * S_VALUES + 4 * j)
+
+    @cuda.jit(device=True, inline=True)
+    def mask(sacc, tile, first_key, p0, p1, t):
+        """One m-tile's keys after a row's position to -inf. A stored row's position is below kv_len,
+        so this also drops the zero-filled keys past it."""
+        for j in range(S_TILES):
+            c = tile * S_VALUES + 4 * j
+            key = first_key + 8 * j + 2 * t
+            if key > p0:
+                sacc[c] = -math.inf
+            if key + 1 > p0:
+                sacc[c + 1] = -math.inf
+            if key > p1:
+                sacc[c + 2] = -math.inf
+            if key + 1 > p1:
+                sacc[c + 3] = -math.inf
+
+    @cuda.jit(device=True, inline=True)
+    def row_max(sacc, first, start):
+        """The row's maximum over its S values and ``start``. first: an m-tile's S values at 0, + 0 for
+        row g (values 0, 1 of each n-tile), + 2 for row g + 8. Two chains, half as long as one."""
+        even, odd = start, start
+        for j in range(S_TILES):
+            even = max(even, sacc[first + 4 * j])
+            odd = max(odd, sacc[first + 4 * j + 1])
+        return max(even, odd)
+
+    @cuda.jit(device=True, inline=True)
+    def exponentiate(sacc, first, scale_log2, max_log2):
+        """p = 2^(score * scale_log2 - max_log2), one FMA and one ex2 a score; returns the row's partial
+        sum (two chains)."""
+        even, odd = float32(0.0), float32(0.0)
+        for j in range(S_TILES):
+            p0 = exp2_scaled(sacc[first + 4 * j], scale_log2, max_log2)
+            p1 = exp2_scaled(sacc[first + 4 * j + 1], scale_log2, max_log2)
+            sacc[first + 4 * j], sacc[first + 4 * j + 1] = p0, p1
+            even += p0
+            odd += p1
+        return even + odd
+
+    @cuda.jit(device=True, inline=True)
+    def softmax_update(scratch, sacc, row_maxima, row_sums, alphas, scale_log2):
+        """The online softmax over one key block's scores, every row state in one straight run (its
+        chains independent, for the scheduler to interleave): new row maxima, S <- P in place, sums
+        rescaled and grown, and alphas[r] = 2^((old max - new max) * scale_log2) for O."""
+        best = cuda.local.array(ROW_STATES, float32)
+        for r in range(ROW_STATES):
+            best[r] = row_max(sacc, (r // 2) * S_VALUES + 2 * (r % 2), row_maxima[r])
+        for r in range(ROW_STATES):
+            best[r] = quad_max(scratch, best[r], 4)
+        for r in range(ROW_STATES):
+            alphas[r] = float32(math.exp2((row_maxima[r] - best[r]) * scale_log2))
+            row_maxima[r] = best[r]
+            total = exponentiate(sacc, (r // 2) * S_VALUES + 2 * (r % 2), scale_log2, best[r] * scale_log2)
+            row_sums[r] = row_sums[r] * alphas[r] + total
+
+    @cuda.jit(device=True, inline=True)
+    def accumulate(sacc, pa, vs, v_lane, o):
+        """o += P V, one k-step (16 keys) at a time: that step's P as bf16 A fragments of every m-tile
+        (two S n-tiles make one), then V's B fragments transposed out of the key-major tile, two
+        output n-tiles a load, each feeding every m-tile. Packing a step just before its MMAs keeps
+        only its P words live beside S and O."""
+        for s in range(P_STEPS):
+            for i in range(M):
+                c = i * S_VALUES + 8 * s
+                pa[4 * i] = pack(sacc[c], sacc[c + 1])
+                pa[4 * i + 1] = pack(sacc[c + 2], sacc[c + 3])
+                pa[4 * i + 2] = pack(sacc[c + 4], sacc[c + 5])
+                pa[4 * i + 3] = pack(sacc[c + 6], sacc[c + 7])
+            for j in range(0, O_TILES, 2):
+                b0, b1, b2, b3 = load_b_x4_trans(vs, v_lane, 16 * s, 4 * j)
+                for i in range(M):
+                    mma_pair(pa[4 * i], pa[4 * i + 1], pa[4 * i + 2], pa[4 * i + 3], b0, b1, b2, b3, o,
+                             i * O_VALUES + 4 * j)
+
+    @cuda.jit(device=True, inline=True)
+    def rescale(o, first, alpha):
+        # first: an m-tile's O values at 0, + 0 for row g, + 2 for row g + 8
+        for j in range(O_TILES):
+            o[first + 4 * j] *= alpha
+            o[first + 4 * j + 1] *= alpha
+
+    @cuda.jit(**launch_bounds(None if shape.blocks_per_sm is None else (THREADS, shape.blocks_per_sm)))
+    def flash_attention(q, k, v, out, rows, kv_len, first_position, scale_log2):
+        scratch = cuda.shared.array(SCRATCH_VALUES, float32)
+        dynamic = cuda.shared.array(0, int32, alignment=TILE_ALIGNMENT)
+        ks = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
+        vs = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
+        qa = cuda.local.array(QA_WORDS, int32)
+        sacc = cuda.local.array(SACC_VALUES, float32)
+        pa = cuda.local.array(PA_WORDS, int32)
+        o = cuda.local.array(ACC_VALUES, float32)
+        row_maxima = cuda.local.array(ROW_STATES, float32)  # running, raw score units; [2 i] row g, [2 i + 1] g + 8
+        row_sums = cuda.local.array(ROW_STATES, float32)
+        alphas = cuda.local.array(ROW_STATES, float32)  # this key block's rescale of each row state's O and sum
+        lane = cuda.threadIdx.x % 32
+        g = lane // 4
+        t = lane % 4
+        h = cuda.blockIdx.y
+        kvh = h // group
+        # Causal blocks differ in work: the last query rows see the most keys. Launch them first so
+        # the short blocks fill the tail of the grid.
+        first_row = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * ROWS_PER_BLOCK
+        warp_row = (cuda.threadIdx.x // 32) * WARP_ROWS  # the warp's first row in the block
+        qs = start_queries(q, h, first_row, rows, warp_row, dynamic, ks, qa)
+        # Shared addresses taken once: each copy and fragment load then adds a constant offset. A's
+        # quarters are the transposed load's matrices, untransposed: Q's, and K's two n-tiles at a time.
+        ks_address = shared_address(ks, (0, 0))
+        vs_address = shared_address(vs, (0, 0))
+        q_lane = lane_address(qs, True)
+        k_lane = lane_address(ks, True)
+        v_lane = lane_address(vs, True)
+        for i in range(ACC_VALUES):
+            o[i] = float32(0.0)
+        # Finite start: a row whose keys are all masked so far keeps alpha = 1 and sum 0, not NaN.
+        for i in range(ROW_STATES):
+            row_maxima[i] = float32(-1e30)
+            row_sums[i] = float32(0.0)
+        unmasked_end = first_position + first_row + 1  # keys below this are visible to every row of the block
+        key_end = first_position + min(first_row + ROWS_PER_BLOCK, rows)  # the block's last row sees up to here
+        # Pipeline: a shared Q lands with the first K; V of a key block lands during its Q K^T and
+        # softmax, K of the next during its P V.
+        col = (cuda.threadIdx.x % CHUNKS_PER_ROW) * 4
+        k_cursor = row_cursor(k, (kvh, 0, col))
+        v_cursor = row_cursor(v, (kvh, 0, col))
+        stage(k, k_cursor, 0, kv_len, ks, ks_address)
+        for first_key in range(0, key_end, KB):
+            copy_async_wait_all()
+            cuda.syncthreads()  # K landed for every thread; every warp is done with the last block's V
+            stage(v, v_cursor, first_key, kv_len, vs, vs_address)
+            scores(qs, q_lane, warp_row, ks, k_lane, qa, sacc)
+            if first_key + KB > unmasked_end:
+                for i in range(M):
+                    p0 = first_position + first_row + warp_row + 16 * i + g
+                    mask(sacc, i, first_key, p0, p0 + 8, t)
+            softmax_update(scratch, sacc, row_maxima, row_sums, alphas, scale_log2)
+            for r in range(ROW_STATES):
+                if alphas[r] != float32(1.0):  # the row's maximum grew: rare once a few key blocks are in
+                    rescale(o, (r // 2) * O_VALUES + 2 * (r % 2), alphas[r])
+            copy_async_wait_all()
+            cuda.syncthreads()  # V landed for every thread; every warp is done with this block's K
+            if first_key + KB < key_end:
+                stage(k, k_cursor, first_key + KB, kv_len, ks, ks_address)
+            accumulate(sacc, pa, vs, v_lane, o)
+        for r in range(ROW_STATES):
+            inv_sum = float32(1.0) / quad_sum(scratch, row_sums[r], 4)
+            row = first_row + warp_row + 16 * (r // 2) + 8 * (r % 2) + g
+            c = (r // 2) * O_VALUES + 2 * (r % 2)
+            if row < rows:
+                for j in range(O_TILES):
+                    out[row, h, 4 * j + t] = pack(o[c + 4 * j] * inv_sum, o[c + 4 * j + 1] * inv_sum)
+
+    return flash_attention
+
+
+class FlashAttention:
+    """Launcher: causal attention of one request's query chunk over its keys, bf16 (or its int16 bits).
+
+    q, out [rows, Hq, D]; k, v [Hkv, C, D] with C >= kv_len (GatherKv's scratch; only the first
+    kv_len keys are read); Hq a multiple of Hkv; D a multiple of 32; every row's heads 16-byte
+    aligned (a strided q such as Qwen3.5's gated one is fine). Query row r is at position
+    kv_len - rows + r and sees keys 0..kv_len - rows + r.
+    """
+
+    def __init__(self, shape: BlockShape | None = None) -> None:
+        """``shape``: one block shape for every head size instead of ``block_shape``'s (for benchmarks)."""
+        self.shape = shape
+        self._kernels: dict[tuple[int, int], tuple[BlockShape, Kernel]] = {}
+
+    def kernel(self, head_dim: int, group: int) -> tuple[BlockShape, Kernel]:
+        """The block shape and kernel for this head size and GQA group (built once)."""
+        entry = self._kernels.get((head_dim, group))
+        if entry is None:
+            shape = self.shape or block_shape(head_dim)
+            kernel = Kernel(build_flash_attention(head_dim, group, shape),
+                            dynamic_shared_bytes=query_tile_bytes(head_dim, shape))
+            entry = self._kernels[(head_dim, group)] = (shape, kernel)
+        return entry
+
+    def __call__(self, q: Any, k: Any, v: Any, out: Any, kv_len: int, stream: Any = 0) -> None:
+        """Attention of the chunk's rows, the last ``rows`` of the request's ``kv_len`` tokens (query
+        row r at position kv_len - rows + r), over k[:, :kv_len] and v[:, :kv_len]."""
+        rows, q_heads, head_dim = q.shape
+        kv_heads, capacity, _ = k.shape
+        if tuple(out.shape) != tuple(q.shape) or tuple(v.shape) != tuple(k.shape) or k.shape[2] != head_dim:
+            raise ValueError(f"flash attention: q {tuple(q.shape)}, out {tuple(out.shape)}, k {tuple(k.shape)}, "
+                             f"v {tuple(v.shape)}: q and out must match, k and v must match, one head_dim")
+        if head_dim % 32 or kv_heads == 0 or q_heads % kv_heads:
+            raise ValueError(f"flash attention: head_dim {head_dim} must be a multiple of 32 and q heads {q_heads} "
+                             f"a multiple of kv heads {kv_heads}")
+        if not rows <= kv_len <= capacity:
+            raise ValueError(f"flash attention: kv_len {kv_len} must hold the chunk's {rows} rows and fit the "
+                             f"{capacity} keys of k and v")
+        if k.stride(1) != head_dim or v.stride(1) != head_dim:
+            raise ValueError(f"flash attention: k and v rows must lie head_dim {head_dim} elements apart (a kv head's "
+                             f"keys one run), not {k.stride(1)} and {v.stride(1)}")
+        if not vector_aligned(q, k, v, out):
+            raise ValueError("flash attention: every head of q, k, v and out must be 16-byte aligned and contiguous")
+        if rows == 0:
+            return
+        shape, kernel = self.kernel(head_dim, q_heads // kv_heads)
+        grid = (-(-rows // shape.rows), q_heads)
+        scale_log2 = np.float32(LOG2_E / math.sqrt(head_dim))
+        kernel[grid, shape.threads, stream, query_tile_bytes(head_dim, shape)](
+            as_words(q), as_words(k), as_words(v), as_words(out), np.int32(rows), np.int32(kv_len),
+            np.int32(kv_len - rows), scale_log2)
+

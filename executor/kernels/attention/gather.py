@@ -1,0 +1,82 @@
+"""Gathering a request's keys and values for GEMM prefill attention; the GEMMs run through torch.
+
+A long prefill chunk computes attention as ``softmax(scale * Q K^T, causal) V``
+with two batched GEMMs on the tensor cores (executor.models.prefill_attention).
+Their operands must be contiguous, the KV cache is paged:
+
+- ``GatherKv``: one request's first ``num_tokens`` keys and values, copied out
+  of their KV pages into the contiguous ``[Hkv, C, D]`` scratch a GEMM reads.
+  A pure copy of storage elements (any 4-byte element type; callers pass bf16
+  pairs as int32).
+
+Between the two GEMMs runs the causal softmax (causal_softmax.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from executor.kernels.primitives.launch import Kernel
+from executor.numba_cuda import load_cuda, simulator_enabled
+
+cuda = load_cuda()
+
+#: gather: elements each thread copies (consecutive threads take consecutive elements).
+GATHER_PER_THREAD = 4
+
+
+def build_gather_kv() -> Any:
+    """Kernel ``(k_cache, v_cache [pages, S, Hkv, W], page_indices [P] i32, page_start, num_tokens,
+    keys, values [Hkv, C, W])``: keys[h, j, :] = k_cache[page_indices[page_start + j // S], j % S, h, :]
+    for j < num_tokens (and the same for values). A flat grid over num_tokens x Hkv x W elements,
+    ordered as the pages are (token, head, element): reads are coalesced, writes within a head row."""
+
+    @cuda.jit
+    def gather_kv_kernel(k_cache, v_cache, page_indices, page_start, num_tokens, keys, values):
+        page_size, heads, width = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        total = num_tokens * heads * width
+        base = cuda.blockIdx.x * cuda.blockDim.x * GATHER_PER_THREAD
+        end = min(total, base + cuda.blockDim.x * GATHER_PER_THREAD)
+        for e in range(base + cuda.threadIdx.x, end, cuda.blockDim.x):
+            w = e % width
+            h = (e // width) % heads
+            j = e // (width * heads)
+            page = page_indices[page_start + j // page_size]
+            keys[h, j, w] = k_cache[page, j % page_size, h, w]
+            values[h, j, w] = v_cache[page, j % page_size, h, w]
+
+    return gather_kv_kernel
+
+
+class GatherKv:
+    """Launcher: copy one request's ``num_tokens`` keys and values from the paged cache.
+
+    - k_cache, v_cache [pages, S, Hkv, W]: one layer's cache (any element type; W = D, or D / 2
+      for bf16 viewed as int32 pairs).
+    - page_indices [P] int32: the step's page table; the request's pages start at ``page_start``.
+    - keys, values [Hkv, C, W]: the planned gather scratch, same element type; C >= num_tokens.
+    """
+
+    def __init__(self) -> None:
+        self.kernel = Kernel(build_gather_kv())
+        self.threads = 32 if simulator_enabled() else 256
+
+    def __call__(self, k_cache: Any, v_cache: Any, page_indices: Any, page_start: int, num_tokens: int,
+                 keys: Any, values: Any, stream: Any = 0) -> None:
+        _, page_size, heads, width = (int(n) for n in k_cache.shape)
+        if tuple(keys.shape[::2]) != (heads, width) or keys.shape != values.shape:
+            raise ValueError(f"gather_kv: keys/values must be [{heads}, C, {width}], got {tuple(keys.shape)} "
+                             f"and {tuple(values.shape)}")
+        if num_tokens > keys.shape[1]:
+            raise ValueError(f"gather_kv: {num_tokens} tokens, scratch holds {keys.shape[1]}")
+        if page_start + -(-num_tokens // page_size) > page_indices.shape[0]:
+            raise ValueError(f"gather_kv: {num_tokens} tokens from page entry {page_start} run past the "
+                             f"{page_indices.shape[0]}-entry page table")
+        if num_tokens == 0:
+            return
+        per_block = self.threads * GATHER_PER_THREAD
+        blocks = -(-num_tokens * heads * width // per_block)
+        self.kernel[blocks, self.threads, stream](k_cache, v_cache, page_indices, np.int32(page_start),
+                                                  np.int32(num_tokens), keys, values)

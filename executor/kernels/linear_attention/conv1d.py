@@ -1,0 +1,199 @@
+"""Causal depthwise conv1d + SiLU over a batch of requests, with the per-slot conv state.
+
+Qwen3.5's Gated DeltaNet runs ``in_proj_qkv``'s output through a depthwise
+causal convolution (kernel K = 4, no bias), then SiLU. HF (``causal_conv1d_fn``
+/ ``causal_conv1d_update``) computes, per channel c and output row t of a
+request whose earlier inputs are kept in its conv state::
+
+    xfull = [conv_state[slot, c, 0 .. K-2] ; x[rows of the request, c]]
+    out[t, c] = silu(sum_i weight[c, i] * xfull[t + i])     (cross-correlation)
+    conv_state[slot, c, :] <- the last K-1 entries of xfull
+
+so a request continues exactly across prefill chunks of any length >= 1 and
+decode steps of one row. A request admitted with no prior tokens must start
+from a zeroed slot: the caller zeroes ``conv_state[slot]`` on admission (HF's
+zero left padding).
+
+Work split (race-free by construction): thread (channel c, row tile) computes
+the rows of its tile, except that the first K-1 rows of every request (the
+only rows that read the conv state) belong to the tile holding the request's
+first row, even when they spill into the next tile. That thread is the only
+one that reads the request's conv state, and it writes the new state after its
+own reads, so no other thread touches the slot. Rows of other tiles read their
+K-1 predecessors from ``x``, which this kernel never writes.
+
+Accumulation and SiLU in float32; one rounding to storage at the end.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from executor.kernels.primitives.codec import Codec
+from executor.kernels.primitives.launch import Kernel
+from executor.kernels.primitives.reduce import threads_for
+from executor.numba_cuda import load_cuda
+
+cuda = load_cuda()
+from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
+
+MAX_THREADS = 128  # channels per block
+DEFAULT_ROWS_PER_TILE = 16  # token rows per thread: prefill parallelism vs. K-1 re-read rows
+
+
+@cuda.jit(device=True)
+def request_of_row(q_indptr, num_requests, row):
+    """The request b whose rows ``q_indptr[b] <= row < q_indptr[b+1]`` hold ``row`` (binary search).
+
+    Empty requests are skipped: the largest b with ``q_indptr[b] <= row`` wins.
+    """
+    lo = 0
+    hi = num_requests
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if q_indptr[mid] <= row:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def build_causal_conv1d(codec: Codec, kernel_size: int = 4) -> Any:
+    """Kernel ``(x, weight, conv_state, q_indptr, slot_ids, out, rows_per_tile)``.
+
+    x [T, C], weight [C, K], conv_state [slots, C, K-1], out [T, C]: storage
+    dtype of ``codec``; q_indptr [B+1], slot_ids [B]: int32. Launch with grid
+    (ceil(C / blockDim), ceil(T / rows_per_tile)). conv_state is updated in
+    place; out must not alias x or conv_state.
+    """
+    if kernel_size < 2:
+        raise ValueError(f"causal_conv1d: kernel_size must be >= 2, got {kernel_size}")
+    load, store = codec.load, codec.store
+    taps = kernel_size
+    hist = kernel_size - 1  # inputs carried between calls
+
+    @cuda.jit
+    def causal_conv1d_kernel(x, weight, conv_state, q_indptr, slot_ids, out, rows_per_tile):
+        c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if c >= x.shape[1]:
+            return
+        num_requests = slot_ids.shape[0]
+        total = q_indptr[num_requests]  # rows past the batch (graph padding) are not touched
+        t0 = cuda.blockIdx.y * rows_per_tile
+        if t0 >= total:
+            return
+        t1 = min(t0 + rows_per_tile, total)
+
+        w = cuda.local.array(taps, float32)
+        for i in range(taps):
+            w[i] = load(weight[c, i])
+        window = cuda.local.array(hist, float32)  # xfull[t - hist .. t - 1], oldest first
+
+        b = request_of_row(q_indptr, num_requests, t0)
+        while b < num_requests and q_indptr[b] < t1:
+            start = q_indptr[b]
+            end = q_indptr[b + 1]
+            slot = slot_ids[b]
+            if slot < 0:  # a graph's padding request: no state, output unused
+                end = start
+            owns_start = start >= t0
+            if owns_start:
+                lo = start
+                hi = min(end, max(t1, start + hist))  # the state-reading rows may spill past t1
+            else:
+                lo = max(t0, start + hist)  # those rows belong to the tile of `start`
+                hi = min(end, t1)
+            if lo < hi:
+                for i in range(hist):
+                    p = lo - start + i  # position in xfull; < hist means the old state
+                    if p < hist:
+                        window[i] = load(conv_state[slot, c, p])
+                    else:
+                        window[i] = load(x[start + p - hist, c])
+                for t in range(lo, hi):
+                    xt = load(x[t, c])
+                    acc = w[hist] * xt
+                    for i in range(hist):
+                        acc += w[i] * window[i]
+                    out[t, c] = store(acc / (float32(1.0) + float32(math.exp(-acc))))
+                    for i in range(hist - 1):
+                        window[i] = window[i + 1]
+                    window[hist - 1] = xt
+            if owns_start and end > start:
+                # New state = xfull[n .. n + hist - 1], n = rows of the request. Ascending j
+                # reads state[j + n] (n >= 1) before any write reaches that index.
+                n = end - start
+                for j in range(hist):
+                    p = n + j
+                    if p < hist:
+                        conv_state[slot, c, j] = conv_state[slot, c, p]
+                    else:
+                        conv_state[slot, c, j] = x[start + p - hist, c]
+            b += 1
+
+    return causal_conv1d_kernel
+
+
+class CausalConv1d:
+    """Launcher: causal depthwise conv1d + SiLU over a batch, updating the conv state in place.
+
+    Arrays (numpy in the simulator; torch CUDA tensors / numba device arrays on
+    the GPU; strided views are fine):
+
+    - x [T, C]: ``in_proj_qkv`` output, C = conv_dim = 2*Hk*dk + Hv*dv, storage dtype.
+    - weight [C, K]: ``conv1d.weight`` squeezed from [C, 1, K], storage dtype.
+    - conv_state [num_slots, C, K-1]: storage dtype, oldest input first; in place.
+    - q_indptr [B+1] int32, slot_ids [B] int32: the batch (distinct slots; -1: a padding request, skipped).
+    - out [T, C]: storage dtype; must not alias x or conv_state.
+
+    Rows ``>= q_indptr[B]`` are left untouched. No scratch.
+    """
+
+    def __init__(
+        self, codec: Codec, kernel_size: int = 4, rows_per_tile: int = DEFAULT_ROWS_PER_TILE
+    ) -> None:
+        if rows_per_tile < 1:
+            raise ValueError(f"causal_conv1d: rows_per_tile must be >= 1, got {rows_per_tile}")
+        self.kernel_size = kernel_size
+        self.rows_per_tile = rows_per_tile
+        self.kernel = Kernel(build_causal_conv1d(codec, kernel_size))
+
+    def __call__(
+        self,
+        x: Any,
+        weight: Any,
+        conv_state: Any,
+        q_indptr: Any,
+        slot_ids: Any,
+        out: Any,
+        stream: Any = 0,
+    ) -> None:
+        rows, channels = _check_shapes(x, weight, conv_state, q_indptr, slot_ids, out, self.kernel_size)
+        if rows == 0 or channels == 0:
+            return
+        threads = threads_for(channels, MAX_THREADS)
+        grid = ((channels + threads - 1) // threads, (rows + self.rows_per_tile - 1) // self.rows_per_tile)
+        self.kernel[grid, threads, stream](x, weight, conv_state, q_indptr, slot_ids, out, self.rows_per_tile)
+
+
+def _check_shapes(
+    x: Any, weight: Any, conv_state: Any, q_indptr: Any, slot_ids: Any, out: Any, kernel_size: int
+) -> tuple[int, int]:
+    """Validate the launcher's shapes; return (T, C)."""
+    if len(x.shape) != 2:
+        raise ValueError(f"causal_conv1d: x must be [T, C], got {tuple(x.shape)}")
+    rows, channels = int(x.shape[0]), int(x.shape[1])
+    if tuple(out.shape) != (rows, channels):
+        raise ValueError(f"causal_conv1d: out must be [{rows}, {channels}], got {tuple(out.shape)}")
+    if tuple(weight.shape) != (channels, kernel_size):
+        raise ValueError(f"causal_conv1d: weight must be [{channels}, {kernel_size}], got {tuple(weight.shape)}")
+    if len(conv_state.shape) != 3 or tuple(conv_state.shape[1:]) != (channels, kernel_size - 1):
+        raise ValueError(
+            f"causal_conv1d: conv_state must be [slots, {channels}, {kernel_size - 1}], got {tuple(conv_state.shape)}"
+        )
+    if len(slot_ids.shape) != 1 or tuple(q_indptr.shape) != (int(slot_ids.shape[0]) + 1,):
+        raise ValueError(
+            f"causal_conv1d: need q_indptr [B+1] and slot_ids [B], got {tuple(q_indptr.shape)}, {tuple(slot_ids.shape)}"
+        )
+    return rows, channels

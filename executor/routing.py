@@ -1,0 +1,126 @@
+"""Which kernel serves which step: the routing table and every threshold it uses.
+
+This module is host-side (no torch, no numba) and is the one place the rules live: the launchers
+import their thresholds from here, the step planner sizes decode tiles by them, and
+``docs/kernels.md`` is this table rendered (``python3 -m executor.routing`` prints it; a test fails
+when the two drift).
+
+Shape rules (rows, batch, head_dim, dtype) are decided here. A launcher may still fall back from a
+vector kernel to the scalar kernel of the same operation when a view is not 16-byte aligned: that
+is a data-layout fallback with identical results, not a routing choice.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+#: Prefill chunks' paged attention packs this many query rows a tile: the rows of a tile share
+#: every K/V load, so a long chunk's KV traffic falls by this factor.
+PREFILL_ROWS_PER_TILE = 4
+
+#: q/k norm + RoPE + KV write run as one fused launch for steps of at most this many rows (decode
+#: steps and short chunks, where launches dominate: 7.5 us a Qwen3-8B layer at batch 1 on the
+#: H200 against 12.3 us for three launches); longer steps take the separate kernels, which were
+#: about 40 us a layer faster at 4,096 rows.
+FUSED_ROPE_KV_MAX_ROWS = 128
+
+#: bf16 q/k norm + RoPE calls of at least this many rows take the kernel specialized to its shape
+#: (prefill chunks); shorter calls keep the vector kernel's wider blocks (the specialized kernel is
+#: measured at long prefill only).
+SPECIALIZED_ROPE_MIN_ROWS = 256
+
+#: Tensor-core decode attention serves bf16 heads up to this head_dim: measured at 128; at 256 a
+#: lane holds 64 output and 32 q registers and ptxas spills at sm_90, so those heads keep the
+#: CUDA-core kernel.
+TENSOR_CORE_DECODE_MAX_HEAD_DIM = 128
+
+#: Decode attention aims at this many blocks an SM: about 180 registers a thread leave two
+#: four-warp blocks resident an SM, so a decode step splits its rows into kv chunks until it has
+#: this many blocks an SM (one wave), and calls of up to this many (row, kv head) pairs an SM run
+#: the four-warp shape; larger calls run two-warp blocks in waves.
+FEW_BLOCKS_PER_SM = 2
+
+#: A split-KV merge launch of at most this many rows loads a row's first partials before it knows
+#: the row is split: 4 rows' partials (1 MiB at Qwen3-8B) cost less than the dependent round they
+#: save (0.7 us at batch 1), where batch 64's 16 MiB made the merge 3.8 us slower (H200).
+MERGE_SPECULATE_MAX_ROWS = 4
+
+
+@dataclass(frozen=True)
+class Route:
+    """One row of the table: at this step kind and operation, when ``condition`` holds, ``kernel``
+    runs, for the reason ``why``."""
+
+    step: str
+    operation: str
+    condition: str
+    kernel: str
+    why: str
+
+
+ROUTES: tuple[Route, ...] = (
+    Route("any", "embedding", "always", "rows/embedding.py Embedding", "one gather a step"),
+    Route("decode", "projections + norms", "batch <= plan capacity.decode_gemv_batch",
+          "gemv.py Gemv (RMSNorm prologue, SwiGLU / residual epilogues)",
+          "a small batch is bound by reading the weights once; cuBLAS pays launches and a norm between"),
+    Route("decode", "projections + norms", "batch > capacity.decode_gemv_batch; every prefill step",
+          "torch GEMMs + rows/norm.py AddRmsNormInplace + rows/activation.py SiluMul",
+          "the matmul rate pays off once rows share the weight reads"),
+    Route("decode", "q/k norm + RoPE + KV write + attention",
+          f"full rotary (Qwen3), bf16, head_dim <= {TENSOR_CORE_DECODE_MAX_HEAD_DIM}",
+          "attention/decode_rope.py (decode_mma.py with rope/decode_prologue.py): one launch",
+          "the prologue's loads overlap the first KV pages'"),
+    Route("decode", "q/k norm + RoPE + KV write", f"otherwise, rows <= {FUSED_ROPE_KV_MAX_ROWS}",
+          "rope/fused_kv_write.py QkNormRopeWriteKv (fused)", "one launch instead of three"),
+    Route("decode", "attention", f"bf16, head_dim <= {TENSOR_CORE_DECODE_MAX_HEAD_DIM}",
+          "attention/decode_mma.py (four-warp blocks up to FEW_BLOCKS_PER_SM pairs an SM, two-warp past)",
+          "the group's query heads are an MMA tile's rows"),
+    Route("decode", "attention", "otherwise (float32, head_dim 256)", "attention/decode.py (CUDA cores)",
+          "lane groups per key, online softmax"),
+    Route("decode", "attention merge", "a row split in kv chunks", "attention/merge.py SplitMerge",
+          f"split-KV fills the SMs at small batch; speculative loads up to {MERGE_SPECULATE_MAX_ROWS} rows"),
+    Route("prefill", "q/k norm + RoPE + KV write", f"rows <= {FUSED_ROPE_KV_MAX_ROWS}",
+          "rope/fused_kv_write.py (fused)", "launch-bound"),
+    Route("prefill", "q/k norm + RoPE", f"rows > {FUSED_ROPE_KV_MAX_ROWS}, bf16, rows >= {SPECIALIZED_ROPE_MIN_ROWS}",
+          "rope/specialized.py, then rows/kv_cache.py WriteKv", "bandwidth-bound; shape compiled in"),
+    Route("prefill", "q/k norm + RoPE", f"rows > {FUSED_ROPE_KV_MAX_ROWS}, otherwise",
+          "rope/qk_norm_rope.py (vector, scalar for unaligned views), then WriteKv", "general shapes"),
+    Route("prefill", "attention", "chunk < serving gemm_attention_min_tokens",
+          f"attention/paged.py PagedAttention ({PREFILL_ROWS_PER_TILE} rows a tile)",
+          "mixed steps of short chunks and decode rows in one launch"),
+    Route("prefill", "attention", "chunk >= gemm_attention_min_tokens, plan prefill_attention flash (bf16, "
+          "head_dim % 32 == 0)", "attention/gather.py GatherKv + attention/flash.py FlashAttention",
+          "tensor cores, no score buffer"),
+    Route("prefill", "attention", "chunk >= gemm_attention_min_tokens, prefill_attention gemm (non-bf16 runs: "
+          "float32 in the simulator, float16)", "GatherKv + torch GEMMs + attention/causal_softmax.py",
+          "the path for dtypes the flash kernel does not take"),
+    Route("prefill", "conv1d, gates, gated norm (Qwen3.5)", "always",
+          "linear_attention/conv1d.py, delta_rule.py GdnGates, rows/gated_norm.py", "one launch each"),
+    Route("prefill", "gated delta rule (Qwen3.5)", "always", "linear_attention/delta_rule.py GatedDeltaRule",
+          "recurrent over a chunk's tokens"),
+    Route("decode", "gated delta rule (Qwen3.5)", "state rows 16-byte aligned",
+          "linear_attention/delta_rule_decode.py", "bound by moving the state once"),
+    Route("any", "output gate (Qwen3.5)", "always", "rows/output_gate.py SigmoidMulInplace", "in place"),
+    Route("any", "sampling", "always", "sampling/sampler.py Sample (greedy, temperature, top-k)",
+          "one launch for the step's rows"),
+)
+
+
+def render_markdown() -> str:
+    """``docs/kernels.md``: the thresholds and the table, for readers."""
+    names = ("PREFILL_ROWS_PER_TILE", "FUSED_ROPE_KV_MAX_ROWS", "SPECIALIZED_ROPE_MIN_ROWS",
+             "TENSOR_CORE_DECODE_MAX_HEAD_DIM", "FEW_BLOCKS_PER_SM", "MERGE_SPECULATE_MAX_ROWS")
+    module = sys.modules[__name__]
+    lines = ["# Kernels: which one serves which step", "",
+             "Rendered from `executor/routing.py` (`python3 -m executor.routing > docs/kernels.md`); "
+             "kernel paths are under `executor/kernels/`.", "",
+             "## Thresholds", "", "| name | value |", "| --- | ---: |"]
+    lines += [f"| `{name}` | {getattr(module, name)} |" for name in names]
+    lines += ["", "## Routes", "", "| step | operation | when | kernel | why |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {r.step} | {r.operation} | {r.condition} | {r.kernel} | {r.why} |" for r in ROUTES]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_markdown())
