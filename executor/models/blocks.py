@@ -64,9 +64,7 @@ class FullAttention:
         k = qkv[:, self.q_rows : self.q_rows + self.kv_rows].view(n, self.kv_heads, d)
         v = qkv[:, self.q_rows + self.kv_rows :].view(n, self.kv_heads, d)
         attn_out = step.role("attn_out").view(n, self.q_heads, d)
-        tile_meta = tuple(step.meta(name) for name in (
-            "page_indices", "page_indptr", "last_page_len", "q_indptr", "batch_indices", "positions",
-            "request_indices", "qo_tile_indices", "kv_tile_indices", "kv_chunk_size", "total_num_rows"))
+        tile_meta = step.tile_meta
         if step.pool == "decode":  # one launch where it can (kernels/attention/decode_rope.py)
             split = (step.role("attn_partial_out"), step.role("attn_partial_lse")) if self.split_decode else ()
             k_.decode_rope_attention(q, k, v, self.q_norm, self.k_norm, self.eps, self.norm.weight_offset,

@@ -9,12 +9,18 @@ in every shape and address.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from executor.arena import Arena
 from executor.step import LongPrefillRequest, StepMetadata
+
+
+#: The attention-plan buffers of an attention launch, in its argument order.
+TILE_META = ("page_indices", "page_indptr", "last_page_len", "q_indptr", "batch_indices", "positions",
+             "request_indices", "qo_tile_indices", "kv_tile_indices", "kv_chunk_size", "total_num_rows")
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,12 @@ class StepViews:
             "total_num_rows": 1,
         }
         return self.arena.tensor("attention_plan", name)[: lengths[name]]
+
+    @cached_property
+    def tile_meta(self) -> tuple[torch.Tensor, ...]:
+        """The attention metadata every attention launch of the step takes, in the launchers' order
+        (page_indices .. total_num_rows): sliced once per step, shared by every layer."""
+        return tuple(self.meta(name) for name in TILE_META)
 
     def slot_ids(self) -> torch.Tensor:
         return self.arena.tensor("recurrent_state", "slot_ids")[: self.num_requests]
