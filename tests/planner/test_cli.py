@@ -37,7 +37,7 @@ def test_plan_table_names_kv_capacity_and_largest_buffers(capsys):
     code, out, _ = _run(capsys, "plan", "--model", "qwen3.5-9b", "--hardware", "h200", "--max-batch", "32",
                         "--max-context", "32768", "--format", "table")
     assert code == 0
-    assert "KV pages:" in out and "max concurrency at full context" in out
+    assert "KV pages:" in out and "max concurrency at max_context 32,768:" in out
     assert "largest transient buffers: prefill/" in out
     assert "prefill attention of chunks >= 256 tokens: flash (serving auto), no score scratch" in out
 
