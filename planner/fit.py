@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
+from planner.concurrency import largest_context_holding
 from planner.config import ServingConfig, serving_with
 from planner.draft import Draft, Drafter, kv_pool_bytes
 from planner.errors import PlanDoesNotFit
@@ -68,9 +69,7 @@ def explain_does_not_fit(drafter: Drafter, draft: Draft) -> PlanDoesNotFit:
 
 def _largest_context(drafter: Drafter, draft: Draft) -> int | None:
     """Largest max_context below this one of which one request fits, at otherwise unchanged settings."""
-    serving, cap = draft.serving, draft.capacity
-    guess = draft.usable_kv_pages * cap.page_size
-    return largest(lambda context: drafter.holds(serving, 1, context), 1, cap.max_context - 1, guess=guess)
+    return largest_context_holding(drafter, draft, 1, draft.capacity.max_context - 1)
 
 
 def _smallest_utilization(drafter: Drafter, draft: Draft, required_bytes: int) -> float | None:

@@ -17,14 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner import checked
 from planner.capacity import Capacity, with_kv_pages
-from planner.concurrency import concurrency_fields
+from planner.concurrency import concurrency_fields, largest_context_holding
 from planner.config import HardwareConfig, ModelConfig, ServingConfig
 from planner.draft import Draft, Drafter, Dtypes, resolve_dtypes
 from planner.fit import explain_does_not_fit
 from planner.geometry import Geometry
 from planner.kv_cache import build_kv_cache
 from planner.layout import Pool
-from planner.search import largest
 from planner.step_buffers import STAGES
 
 __all__ = ["Budget", "BudgetLine", "Dtypes", "MemoryPlan", "build_plan", "plan_fits", "resolve_dtypes"]
@@ -117,6 +116,5 @@ def _draft_at_context(drafter: Drafter, serving: ServingConfig) -> Draft:
     limit = drafter.draft(serving)  # at context_limit: the model's max_position_embeddings for auto
     if serving.max_context != "auto" or limit.holds(1):
         return limit
-    guess = limit.usable_kv_pages * limit.capacity.page_size
-    context = largest(lambda c: drafter.holds(serving, 1, c), 1, limit.capacity.max_context - 1, guess=guess)
+    context = largest_context_holding(drafter, limit, 1, limit.capacity.max_context - 1)
     return limit if context is None else drafter.draft(serving, context)
