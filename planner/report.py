@@ -89,7 +89,8 @@ def _kv_lines(plan: MemoryPlan) -> list[str]:
         lines.append(f"KV memory the batch leaves unused: {capacity.kv_pages_beyond_batch:,} pages "
                      f"({format_bytes(capacity.kv_pages_beyond_batch * plan.pool('kv_cache').bytes // capacity.kv_pages)}); "
                      f"{use}")
-    lines.append(f"largest batch at max_context {capacity.max_context:,}: {capacity.max_batch_at_context:,} requests; "
+    batch = capacity.max_batch_at_context
+    lines.append(f"largest batch at max_context {capacity.max_context:,}: {batch:,} request{'s' * (batch != 1)}; "
                  f"largest context at batch {capacity.max_batch}: "
                  + (f"{capacity.max_context_at_batch:,} tokens" if capacity.max_context_at_batch else "none fits"))
     if capacity.recurrent_slots:
