@@ -10,6 +10,7 @@ gpu_memory_utilization that would fit, the biggest consumers, other knobs).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -83,24 +84,30 @@ def serving_overrides(args: argparse.Namespace) -> dict[str, object]:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from planner.loader import plan_from_configs
-    from planner.report import format_table
+    from planner.report import floor_hundredths, format_table
 
-    plan = plan_from_configs(args.model, args.hardware, args.serving, serving_overrides(args))
-    if args.out:
-        Path(args.out).write_text(plan.model_dump_json(indent=1) + "\n")
     if args.format:
         shown = args.format
     elif args.out:
-        shown = None  # the JSON went to the file
+        shown = None  # the JSON goes to the file
     else:
         shown = "table" if sys.stdout.isatty() else "json"
+    try:
+        plan = plan_from_configs(args.model, args.hardware, args.serving, serving_overrides(args))
+    except PlanDoesNotFit as error:
+        if shown == "json":  # the verdict for a script reading stdout; the line on stderr as always
+            print(json.dumps({"fits": False, "reason": str(error), "required_bytes": error.required_bytes,
+                              "usable_bytes": error.usable_bytes, "advice": error.advice}, indent=1))
+        raise
+    if args.out:
+        Path(args.out).write_text(plan.model_dump_json(indent=1) + "\n")
     if shown == "table":
         print(format_table(plan))
     elif shown == "json":
         print(plan.model_dump_json(indent=1))
     else:
         print(f"memplan: wrote {args.out} ({plan.model.name} on {plan.hardware.name}: fits, "
-              f"max concurrency {plan.capacity.max_concurrency:.2f} at max_context {plan.capacity.max_context:,})",
+              f"max concurrency {floor_hundredths(plan.capacity.max_concurrency):.2f} at max_context {plan.capacity.max_context:,})",
               file=sys.stderr)
     return EXIT_OK
 

@@ -64,7 +64,7 @@ def format_table(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-def _floor2(value: float) -> float:
+def floor_hundredths(value: float) -> float:
     """``value`` rounded down to two decimals: 21.996 requests shows as 21.99, never as 22.00."""
     return math.floor(value * 100) / 100
 
@@ -81,7 +81,7 @@ def _kv_lines(plan: MemoryPlan) -> list[str]:
     lines = [
         f"KV pages: {capacity.kv_pages - 1:,} = {capacity.kv_tokens:,} tokens (+1 padding page), "
         f"{format_bytes(capacity.kv_bytes_per_token)} per token",
-        f"max concurrency at max_context {context}: {_floor2(capacity.max_concurrency):,.2f} requests ({limit})",
+        f"max concurrency at max_context {context}: {floor_hundredths(capacity.max_concurrency):,.2f} requests ({limit})",
     ]
     if capacity.kv_pages_beyond_batch:
         use = ("only the prefix cache can use them" if not capacity.recurrent_slots

@@ -253,3 +253,11 @@ def test_plan_and_run_take_the_same_default_serving(capsys):
     assert code == 0 and plan["capacity"]["max_context"] == 64
     args = argparse.Namespace(plan=None, model="tiny-qwen3", checkpoint=None, hardware="cpu-sim", serving=None)
     assert load_plan(args, {}).model_dump(mode="json") == plan
+
+
+def test_does_not_fit_with_json_output_prints_the_verdict_and_its_advice(capsys):
+    code, out, err = _run(capsys, "plan", "--model", "qwen3-32b", "--hardware", "h100-sxm", "--max-model-len",
+                          "40960", "--format", "json")
+    verdict = json.loads(out)
+    assert code == 3 and verdict["fits"] is False and verdict["reason"] in err
+    assert verdict["advice"]["max_context"] < 40960 and verdict["advice"]["gpu_memory_utilization"] > 0.9
