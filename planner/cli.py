@@ -106,8 +106,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     elif shown == "json":
         print(plan.model_dump_json(indent=1))
     else:
-        print(f"memplan: wrote {args.out} ({plan.model.name} on {plan.hardware.name}: fits, "
-              f"max concurrency {floor_hundredths(plan.capacity.max_concurrency):.2f} at max_context {plan.capacity.max_context:,})",
+        capacity = plan.capacity
+        print(f"memplan: wrote {args.out} ({plan.model.name} on {plan.hardware.name}: fits, max concurrency "
+              f"{floor_hundredths(capacity.max_concurrency):.2f} at max_context {capacity.max_context:,})",
               file=sys.stderr)
     return EXIT_OK
 

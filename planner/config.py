@@ -277,15 +277,17 @@ class ServingConfig(_Frozen):
         64, validation_alias=_vllm_alias("max_batch"), description="Most concurrent requests in a step (max_num_seqs)."
     )
     max_context: Annotated[int, Field(ge=1, le=1 << 24)] | Literal["auto"] | None = Field(
-        None, validation_alias=_vllm_alias("max_context"), description="Longest request, prompt plus output, in tokens (max_model_len); 32k (32,000) and 32K "
-        "(32,768) are accepted. null: the model's max_position_embeddings. auto (or -1): the largest context up "
+        None, validation_alias=_vllm_alias("max_context"),
+        description="Longest request, prompt plus output, in tokens (max_model_len); 32k (32,000) and 32K (32,768)"
+        " are accepted. null: the model's max_position_embeddings. auto (or -1): the largest context up "
         "to the model's limit of which one request fits the KV pool (vLLM's auto); the plan's capacity says "
         "which."
     )
     page_size: Annotated[int, Field(ge=1, le=1 << 12)] = Field(
         16, validation_alias=_vllm_alias("page_size"), description="Tokens per KV page (block_size).")
     max_prefill_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = Field(
-        2048, validation_alias=_vllm_alias("max_prefill_tokens"), description="Prefill tokens per step, the chunk size (max_num_batched_tokens for prefill)."
+        2048, validation_alias=_vllm_alias("max_prefill_tokens"),
+        description="Prefill tokens per step, the chunk size (max_num_batched_tokens for prefill)."
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0, description="Share of device memory the plan may use (gpu_memory_utilization)."

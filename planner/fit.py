@@ -9,6 +9,9 @@ layout as the failure, never from an approximate formula, so applying it gives a
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 from pydantic import ValidationError
 
 from planner.concurrency import largest_context_holding
@@ -18,8 +21,8 @@ from planner.errors import PlanDoesNotFit
 from planner.report import format_bytes
 from planner.search import largest
 
-#: gpu_memory_utilization advice is a multiple of this (vLLM users write 0.92, not 0.9137).
-UTILIZATION_STEP = 100  # per unit: 0.01
+#: gpu_memory_utilization advice is in hundredths (vLLM users write 0.92, not 0.9137).
+HUNDREDTHS = 100
 TENSOR_PARALLEL_SIZES = (2, 4, 8, 16, 32, 64)
 
 
@@ -75,17 +78,17 @@ def _largest_context(drafter: Drafter, draft: Draft) -> int | None:
 def _smallest_utilization(drafter: Drafter, draft: Draft, required_bytes: int) -> float | None:
     """Smallest multiple of 0.01 above serving gpu_memory_utilization at which this max_context fits."""
     serving = draft.serving
-    lowest = int(serving.gpu_memory_utilization * UTILIZATION_STEP) + 1
-    if lowest > UTILIZATION_STEP:
+    lowest = math.floor(Fraction(repr(serving.gpu_memory_utilization)) * HUNDREDTHS) + 1
+    if lowest > HUNDREDTHS:
         return None
 
-    def fits(steps_below_one: int) -> bool:  # true from some utilization up to 1: search downwards
-        changed = _changed(serving, gpu_memory_utilization=(UTILIZATION_STEP - steps_below_one) / UTILIZATION_STEP)
+    def fits(below_one: int) -> bool:  # true from some utilization up to 1: search down from 1
+        changed = _changed(serving, gpu_memory_utilization=(HUNDREDTHS - below_one) / HUNDREDTHS)
         return changed is not None and drafter.holds(changed, 1, draft.capacity.max_context)
 
-    estimate = -(-required_bytes * UTILIZATION_STEP // drafter.hardware.device_memory_bytes)
-    below = largest(fits, 0, UTILIZATION_STEP - lowest, guess=UTILIZATION_STEP - estimate)
-    return None if below is None else (UTILIZATION_STEP - below) / UTILIZATION_STEP
+    estimate = -(-required_bytes * HUNDREDTHS // drafter.hardware.device_memory_bytes)
+    below = largest(fits, 0, HUNDREDTHS - lowest, guess=HUNDREDTHS - estimate)
+    return None if below is None else (HUNDREDTHS - below) / HUNDREDTHS
 
 
 def _other_knobs(drafter: Drafter, serving: ServingConfig, context: int) -> dict[str, object]:
