@@ -23,7 +23,7 @@ def format_table(plan: MemoryPlan) -> str:
     """The budget as a table: pools with bytes and share, KV capacity and concurrency, largest transient buffers."""
     budget, capacity, hardware = plan.budget, plan.capacity, plan.hardware
     tp = plan.serving.tensor_parallel_size
-    measured = ("measured on this card" if hardware.device_memory_source == "measured"
+    measured = ("measured" if hardware.device_memory_source == "measured"
                 else "declared, not measured")
     lines = [
         f"memplan: {plan.model.name} on {hardware.name}  (tp={tp}, "
