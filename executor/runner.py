@@ -40,8 +40,8 @@ EXIT_OK, EXIT_ERROR = 0, 2
 
 #: The simulator keeps the arena in host memory; refuse plans bigger than this there.
 SIM_MAX_MATERIALIZED_BYTES = 1 << 30
-#: The serving config used when --hardware is cpu-sim and --serving is not given.
-SIM_HARDWARE, SIM_SERVING = "cpu-sim", "sim"
+#: The simulator's hardware config (its default_serving is the tiny configs/serving/sim.yaml).
+SIM_HARDWARE = "cpu-sim"
 #: Seconds between progress lines on stderr.
 PROGRESS_INTERVAL_S = 2.0
 
@@ -162,10 +162,7 @@ def load_plan(args: argparse.Namespace, overrides: dict[str, object]) -> MemoryP
     model = args.model if args.model is not None else args.checkpoint
     if model is None:
         raise RunError("give --model, --checkpoint DIR (its config.json) or --plan FILE")
-    serving = args.serving
-    if serving is None:
-        serving = SIM_SERVING if _hardware_name(args.hardware) == SIM_HARDWARE else "default"
-    return plan_from_configs(model, args.hardware, serving, overrides)
+    return plan_from_configs(model, args.hardware, args.serving, overrides)  # None: the hardware's default_serving
 
 
 def read_plan_file(path: Path) -> MemoryPlan:
@@ -189,12 +186,6 @@ def read_plan_file(path: Path) -> MemoryPlan:
         raise ConfigError(str(path), where.lstrip("."), value,
                           f"differs from the plan this planner builds from the file's configs ({expected!r}); re-plan")
     return plan
-
-
-def _hardware_name(spec: str) -> str:
-    from planner.loader import load_hardware
-
-    return load_hardware(spec).name
 
 
 def _check_fits_device(plan: MemoryPlan, simulator: bool) -> None:

@@ -6,6 +6,8 @@ derived once here and carried in the plan (invariant 2, docs/design.md).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner import checked
@@ -46,6 +48,22 @@ class Capacity(BaseModel):
     recurrent_slots: int = Field(0, description="recurrent-state slots: B x states_per_slot (Qwen3.5)")
     kv_pages: int = Field(0, description="KV pages allocated, page 0 (padding) included")
     kv_tokens: int = Field(0, description="tokens the usable KV pages hold: (kv_pages - 1) x S")
+    kv_bytes_per_token: int = Field(0, description="KV bytes one token takes over this rank's full-attention "
+                                    "layers (K and V)")
+    max_concurrency: float = Field(0.0, description="requests of max_context held at once: usable KV pages / "
+                                   "pages_per_request (kv_tokens / C in whole pages), capped by max_batch and by the "
+                                   "requests the recurrent-state slots hold; a plan fits only when this is >= 1")
+    concurrency_limit: Literal["kv_cache", "max_batch", "recurrent_slots"] = Field(
+        "kv_cache", description="what caps max_concurrency: the KV pool, or max_batch / the recurrent slots "
+        "(then KV memory is left over: kv_pages_beyond_batch)")
+    kv_pages_beyond_batch: int = Field(0, description="usable KV pages that the requests max_batch and the "
+                                       "recurrent slots admit never fill, at max_context each (only the prefix cache "
+                                       "can use them); 0 when the KV pool is the limit")
+    max_batch_at_context: int = Field(0, description="largest max_batch at which that many requests of max_context "
+                                      "fit at once, re-planned at that batch (step buffers, slots and graphs grow "
+                                      "with it)")
+    max_context_at_batch: int = Field(0, description="largest max_context (up to the model's limit) at which "
+                                      "max_batch requests of it fit at once, re-planned at that context; 0: none")
 
 
 def build_capacity(

@@ -21,17 +21,9 @@ class Width(Enum):
     I64 = ("i64", -(2**63), 2**63 - 1)
     U64 = ("u64", 0, 2**64 - 1)
 
-    @property
-    def label(self) -> str:
-        return self.value[0]
-
-    @property
-    def min(self) -> int:
-        return self.value[1]
-
-    @property
-    def max(self) -> int:
-        return self.value[2]
+    def __init__(self, label: str, low: int, high: int):
+        # Plain attributes, not properties over .value: every count of a plan reads them.
+        self.label, self.min, self.max = label, low, high
 
 
 I32, U32, I64, U64 = Width.I32, Width.U32, Width.I64, Width.U64

@@ -1,30 +1,59 @@
 """``memplan``: the one command-line module (plan, validate, run); ``memplan --help`` needs no torch.
 
-Exit codes: 0 the plan fits (or validates); 2 a bad config or plan file (one
-line naming the file, field, value and rule; no traceback); 3 the plan does not
-fit (biggest consumers and the serving knob that would fit).
+Exit codes: 0 the plan fits (or validates); 2 a bad config or plan file, or a
+missing executor package (one line naming the file, field, value and rule, or
+what to install; no traceback); 3 the plan does not fit (one request of
+max_context does not fit the KV pool: the largest max_context and the
+gpu_memory_utilization that would fit, the biggest consumers, other knobs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from planner import __version__
 from planner.checked import CheckedOverflowError
+from planner.config import parse_token_count
 from planner.errors import ConfigError, PlanDoesNotFit
 
 EXIT_OK, EXIT_BAD_CONFIG, EXIT_DOES_NOT_FIT = 0, 2, 3
 
+#: Top-level modules of the executor's packages (pyproject's executor extra, and torch): a missing one
+#: is an install step, not a bug.
+EXECUTOR_MODULES = ("torch", "numpy", "numba", "numba_cuda", "llvmlite", "safetensors", "cuda")
+EXECUTOR_INSTALL = ("install torch first (pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu, "
+                    "or the CUDA build for a GPU), then pip install 'memplan[executor]'")
+
+
+def context_length(text: str) -> int | str:
+    """--max-model-len: an integer, 32k (32,000), 32K (32,768), or auto (or -1: the largest that fits)."""
+    if text in ("auto", "-1"):
+        return "auto"
+    try:
+        return parse_token_count(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def token_count(text: str) -> int:
+    """A token-count flag: an integer, 32k (32,000) or 32K (32,768)."""
+    try:
+        return parse_token_count(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
 #: flag -> ServingConfig field; flags are named like vLLM's where they mean the same.
 SERVING_FLAGS = {
     "max_batch": ("--max-batch", "--max-num-seqs", int),
-    "max_context": ("--max-context", "--max-model-len", int),
+    "max_context": ("--max-context", "--max-model-len", context_length),
     "page_size": ("--page-size", "--block-size", int),
     "gpu_memory_utilization": ("--gpu-memory-utilization", None, float),
-    "max_prefill_tokens": ("--max-prefill-tokens", "--max-num-batched-tokens", int),
+    "max_prefill_tokens": ("--max-prefill-tokens", "--max-num-batched-tokens", token_count),
     "tensor_parallel_size": ("--tensor-parallel-size", "-tp", int),
     "kv_cache_dtype": ("--kv-cache-dtype", None, str),
     "dtype": ("--dtype", None, str),
@@ -39,10 +68,13 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, model_required: boo
     parser.add_argument("--model", required=model_required,
                         help="YAML file, shipped name (qwen3-8b), HF config.json or checkpoint directory")
     parser.add_argument("--hardware", default="h200", help="YAML file or shipped name (default: h200)")
-    parser.add_argument("--serving", default=None, help="YAML file or shipped name (default: configs/serving/default.yaml)")
+    parser.add_argument("--serving", default=None, help="YAML file or shipped name (default: the hardware's "
+                        "default_serving: configs/serving/default.yaml, sim.yaml on cpu-sim)")
     for field, (flag, alias, kind) in SERVING_FLAGS.items():
         names = [flag] + ([alias] if alias else [])
-        parser.add_argument(*names, dest=field, type=kind, default=None, help=f"override serving.{field}")
+        extra = (" (32k = 32,000, 32K = 32,768; auto: the largest that fits)" if field == "max_context"
+                 else " (32k = 32,000, 32K = 32,768)" if kind is token_count else "")
+        parser.add_argument(*names, dest=field, type=kind, default=None, help=f"override serving.{field}{extra}")
 
 
 def serving_overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -51,16 +83,33 @@ def serving_overrides(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from planner.report import format_table
-
     from planner.loader import plan_from_configs
+    from planner.report import floor_hundredths, format_table
 
-    plan = plan_from_configs(args.model, args.hardware, args.serving or "default", serving_overrides(args))
-    text = format_table(plan) if args.format == "table" else plan.model_dump_json(indent=1)
+    if args.format:
+        shown = args.format
+    elif args.out:
+        shown = None  # the JSON goes to the file
+    else:
+        shown = "table" if sys.stdout.isatty() else "json"
+    try:
+        plan = plan_from_configs(args.model, args.hardware, args.serving, serving_overrides(args))
+    except PlanDoesNotFit as error:
+        if shown == "json":  # the verdict for a script reading stdout; the line on stderr as always
+            print(json.dumps({"fits": False, "reason": str(error), "required_bytes": error.required_bytes,
+                              "usable_bytes": error.usable_bytes, "advice": error.advice}, indent=1))
+        raise
     if args.out:
         Path(args.out).write_text(plan.model_dump_json(indent=1) + "\n")
-    if args.format == "table" or not args.out:
-        print(text)
+    if shown == "table":
+        print(format_table(plan))
+    elif shown == "json":
+        print(plan.model_dump_json(indent=1))
+    else:
+        capacity = plan.capacity
+        print(f"memplan: wrote {args.out} ({plan.model.name} on {plan.hardware.name}: fits, max concurrency "
+              f"{floor_hundredths(capacity.max_concurrency):.2f} at max_context {capacity.max_context:,})",
+              file=sys.stderr)
     return EXIT_OK
 
 
@@ -75,9 +124,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from executor.runner import run  # torch and numba load only for `memplan run`
+    try:
+        from executor.runner import run  # torch and numba load only for `memplan run`
 
-    return run(args, serving_overrides(args))
+        return run(args, serving_overrides(args))
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] not in EXECUTOR_MODULES:
+            raise
+        print(f"memplan: run needs the executor's packages; {error.name} is missing: {EXECUTOR_INSTALL}",
+              file=sys.stderr)
+        return EXIT_BAD_CONFIG
 
 
 RUN_DESCRIPTION = """\
@@ -100,8 +156,8 @@ more KV pages than the pool) or with an id outside the vocabulary is rejected
 in its own output line; the others still run.
 
 --checkpoint DIR without --model plans the model of DIR/config.json.
---serving defaults to configs/serving/default.yaml, or to the tiny
-configs/serving/sim.yaml when --hardware is cpu-sim.
+--serving defaults to the hardware's default_serving, as for memplan plan:
+configs/serving/default.yaml, or the tiny configs/serving/sim.yaml on cpu-sim.
 Exit codes: 0 ok (rejected requests included); 2 a bad config, plan file,
 checkpoint or request file; 3 the plan does not fit."""
 
@@ -118,10 +174,6 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = RUN_DESCRIPTION
     parser.epilog = RUN_EXAMPLE
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    for action in parser._actions:  # the shared --serving help names plan's default only
-        if action.dest == "serving":
-            action.help = ("YAML file or shipped name (default: configs/serving/default.yaml; "
-                           "sim.yaml when --hardware is cpu-sim)")
     parser.add_argument("--plan", help="a plan JSON file (instead of --model/--hardware/--serving); "
                                        "it must equal what this planner builds from its configs")
     parser.add_argument("--checkpoint", help="HF checkpoint directory (config.json + *.safetensors); "
@@ -158,11 +210,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memplan", description="Plan and run LLM inference memory, byte for byte.")
+    parser.add_argument("--version", action="version", version=f"memplan {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     plan = commands.add_parser("plan", help="build a memory plan and print its budget")
     add_config_arguments(plan)
-    plan.add_argument("--format", choices=("json", "table"), default="json")
+    plan.add_argument("--format", choices=("json", "table"), default=None,
+                      help="stdout: the budget table or the plan JSON (default: the table on a terminal, JSON when "
+                           "stdout is piped, nothing beside --out)")
     plan.add_argument("--out", help="write the plan JSON here")
     plan.set_defaults(handler=_cmd_plan)
 
@@ -180,16 +235,32 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        code = _dispatch(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:  # the reader closed stdout (memplan plan ... | head): it has what it wanted
+        _silence_stdout()
+        return EXIT_OK
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    try:
         return args.handler(args)
-    except ConfigError as error:
-        print(f"memplan: config error: {error}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    except CheckedOverflowError as error:
+    except (ConfigError, CheckedOverflowError) as error:
         print(f"memplan: config error: {error}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     except PlanDoesNotFit as error:
         print(f"memplan: does not fit: {error}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush at exit finds no closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor (a test's capture)
+        pass
 
 
 if __name__ == "__main__":

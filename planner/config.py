@@ -9,9 +9,11 @@ per-rank shapes, byte counts) never live here: they belong to the plan.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from planner.dtypes import ActivationDtype
 from planner.errors import ConfigError
@@ -50,6 +52,16 @@ class LinearAttentionConfig(_Frozen):
         return self
 
 
+class OmittedTower(_Frozen):
+    """A part of the checkpoint the plan leaves out (a multimodal wrapper's vision tower): never planned,
+    never loaded; the plan serves the text stack only."""
+
+    config_field: str = Field(min_length=1, max_length=64, description="The HF config field it comes from, "
+                              "e.g. vision_config.")
+    parameters: Annotated[int, Field(ge=0, le=1 << 40)] = Field(description="Its parameter count.")
+    bytes: Annotated[int, Field(ge=0, le=1 << 42)] = Field(description="Its weight bytes in the model's dtype.")
+
+
 class ModelConfig(_Frozen):
     """A decoder-only text model: Qwen3 or the Qwen3.5 hybrid text stack."""
 
@@ -80,6 +92,10 @@ class ModelConfig(_Frozen):
     )
     linear_attention: LinearAttentionConfig | None = Field(
         None, description="Gated DeltaNet geometry; required exactly when a layer is linear_attention."
+    )
+    omitted_towers: tuple[OmittedTower, ...] = Field(
+        (), description="Parts of the checkpoint left out of the plan (a multimodal config's vision tower), "
+        "with their bytes; the plan is text-only."
     )
 
     @model_validator(mode="after")
@@ -137,6 +153,10 @@ class HardwareConfig(_Frozen):
     device_memory_bytes: Annotated[int, Field(ge=1 << 20, le=1 << 44)] = Field(
         description="Total device memory as cudaMemGetInfo reports it, bytes."
     )
+    device_memory_source: Literal["measured", "declared"] = Field(
+        "declared", description="measured: device_memory_bytes is cudaMemGetInfo's total read on this card; "
+        "declared: taken from a datasheet or nvidia-smi, not measured (tables say so)."
+    )
     hbm_bandwidth_bytes_per_s: Annotated[int, Field(ge=1, le=1 << 50)] = Field(
         description="Datasheet memory bandwidth, bytes/s (a lead; benchmarks measure the real one)."
     )
@@ -148,6 +168,10 @@ class HardwareConfig(_Frozen):
     runtime_reserve: tuple[RuntimeLine, ...] = Field(
         (), description="Named fixed costs outside the arena (context, module images, workspace, margin)."
     )
+    default_serving: str = Field(
+        "default", min_length=1, max_length=128, description="The serving config (file or shipped name) that "
+        "memplan plan and memplan run use on this hardware when --serving is not given."
+    )
 
     @model_validator(mode="after")
     def _unique_lines(self) -> HardwareConfig:
@@ -158,18 +182,106 @@ class HardwareConfig(_Frozen):
         return self
 
 
+#: vLLM's names of serving fields, accepted as YAML keys (and as flags) beside memplan's own.
+VLLM_SERVING_NAMES = {
+    "max_num_seqs": "max_batch",
+    "max_model_len": "max_context",
+    "block_size": "page_size",
+    "max_num_batched_tokens": "max_prefill_tokens",
+}
+#: Default decode graph buckets stop at this batch (vLLM's default capture sizes stop at 512 too);
+#: larger decode steps run eagerly.
+MAX_DEFAULT_GRAPH_BATCH = 512
+_TOKEN_COUNT = re.compile(r"^(\d+(?:\.\d+)?)([kmgKMG]?)$")
+_TOKEN_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_token_count(text: str) -> int:
+    """A token count written like vLLM's: ``40960``, ``32k`` (32,000), ``32K`` (32,768), ``1.5m``; lower-case
+    units are decimal, upper-case binary. Raises ValueError naming the accepted forms."""
+    match = _TOKEN_COUNT.match(text.strip())
+    value = None
+    if match:
+        try:
+            value = Decimal(match.group(1)) * _TOKEN_UNITS[match.group(2)]
+        except InvalidOperation:
+            value = None
+    if value is None or value != value.to_integral_value():
+        raise ValueError(f"{text!r} is not a token count: use an integer, 32k (32,000) or 32K (32,768)")
+    return int(value)
+
+
+def default_graph_batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """Decode graph buckets when none are given: the powers of two below max_batch, then max_batch itself
+    (up to MAX_DEFAULT_GRAPH_BATCH): 64 gives 1, 2, 4, 8, 16, 32, 64; 48 gives 1, ..., 32, 48."""
+    top = min(max_batch, MAX_DEFAULT_GRAPH_BATCH)
+    return (*(1 << i for i in range(top.bit_length()) if (1 << i) < top), top)
+
+
+def graph_buckets_for_batch(buckets: tuple[int, ...], old_batch: int, new_batch: int) -> tuple[int, ...]:
+    """The decode graph buckets after max_batch changes from ``old_batch`` to ``new_batch``: default buckets
+    follow the batch; given ones lose those above it (like vLLM's capture sizes), keeping at least (1,)."""
+    if tuple(buckets) == default_graph_batch_sizes(old_batch):
+        return default_graph_batch_sizes(new_batch)
+    return tuple(b for b in buckets if b <= new_batch) or (1,)
+
+
+def vllm_name_clash(data: dict[str, Any]) -> tuple[str, str] | None:
+    """(vLLM name, memplan name) of a field given under both names, or None."""
+    for vllm_name, field in VLLM_SERVING_NAMES.items():
+        if vllm_name in data and field in data:
+            return vllm_name, field
+    return None
+
+
+def with_memplan_names(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with vLLM's field names replaced by memplan's (callers refuse a vllm_name_clash first)."""
+    return {VLLM_SERVING_NAMES.get(key, key): value for key, value in data.items()}
+
+
+def _vllm_alias(field: str) -> AliasChoices:
+    """memplan's name of ``field`` or vLLM's; the loader (and the schema) refuse both at once."""
+    return AliasChoices(field, *(vllm for vllm, name in VLLM_SERVING_NAMES.items() if name == field))
+
+
+def _serving_schema_extra(schema: dict[str, Any]) -> None:
+    """The published schema accepts what the loader accepts: vLLM's names (never both names of one field)
+    and human-readable token counts."""
+    properties = schema["properties"]
+    count = {"type": "string", "pattern": _TOKEN_COUNT.pattern}
+    properties["max_context"]["anyOf"][1:1] = [count, {"const": -1, "type": "integer"}]
+    properties["max_prefill_tokens"] = {"anyOf": [{k: v for k, v in properties["max_prefill_tokens"].items()
+                                                   if k not in ("default", "description", "title")}, count],
+                                        **{k: v for k, v in properties["max_prefill_tokens"].items()
+                                           if k in ("default", "description", "title")}}
+    for vllm_name, field in VLLM_SERVING_NAMES.items():
+        alias = {k: v for k, v in properties[field].items() if k not in ("default", "title")}
+        properties[vllm_name] = {**alias, "description": f"vLLM's name of {field}."}
+    schema["dependentSchemas"] = {vllm_name: {"not": {"required": [field]}}
+                                  for vllm_name, field in VLLM_SERVING_NAMES.items()}
+
+
 class ServingConfig(_Frozen):
-    """How the model is served: batch, context, paging and memory share (vLLM names in parentheses)."""
+    """How the model is served: batch, context, paging and memory share (vLLM names in parentheses; those
+    names are accepted as keys too)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, json_schema_extra=_serving_schema_extra)
 
     max_batch: Annotated[int, Field(ge=1, le=1 << 16)] = Field(
-        64, description="Most concurrent requests in a step (max_num_seqs)."
+        64, validation_alias=_vllm_alias("max_batch"), description="Most concurrent requests in a step (max_num_seqs)."
     )
-    max_context: Annotated[int, Field(ge=1, le=1 << 24)] | None = Field(
-        None, description="Longest request, prompt plus output, in tokens (max_model_len); null: the model's limit."
+    max_context: Annotated[int, Field(ge=1, le=1 << 24)] | Literal["auto"] | None = Field(
+        None, validation_alias=_vllm_alias("max_context"),
+        description="Longest request, prompt plus output, in tokens (max_model_len); 32k (32,000) and 32K (32,768)"
+        " are accepted. null: the model's max_position_embeddings. auto (or -1): the largest context up "
+        "to the model's limit of which one request fits the KV pool (vLLM's auto); the plan's capacity says "
+        "which."
     )
-    page_size: Annotated[int, Field(ge=1, le=1 << 12)] = Field(16, description="Tokens per KV page (block_size).")
+    page_size: Annotated[int, Field(ge=1, le=1 << 12)] = Field(
+        16, validation_alias=_vllm_alias("page_size"), description="Tokens per KV page (block_size).")
     max_prefill_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = Field(
-        2048, description="Prefill tokens per step, the chunk size (max_num_batched_tokens for prefill)."
+        2048, validation_alias=_vllm_alias("max_prefill_tokens"),
+        description="Prefill tokens per step, the chunk size (max_num_batched_tokens for prefill)."
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0, description="Share of device memory the plan may use (gpu_memory_utilization)."
@@ -184,7 +296,8 @@ class ServingConfig(_Frozen):
         "auto", description="KV cache dtype; auto: the activation dtype (kv_cache_dtype)."
     )
     min_kv_pages: Annotated[int, Field(ge=1, le=1 << 24)] = Field(
-        64, description="Fewer KV pages than this is reported as 'does not fit'."
+        1, description="Usable KV pages (the padding page 0 not counted) a plan needs at the least. A plan fits "
+        "only when its KV pool also holds one request of max_context: ceil(max_context / page_size) pages."
     )
     states_per_slot: Annotated[int, Field(ge=1, le=4)] = Field(
         1, description="Recurrent states kept per decode slot (Qwen3.5); 2 lets a prefill run beside a graph slot."
@@ -209,8 +322,25 @@ class ServingConfig(_Frozen):
         "fitting a block's shared memory."
     )
     decode_graph_batch_sizes: tuple[Annotated[int, Field(ge=1, le=1 << 16)], ...] = Field(
-        (1, 2, 4, 8, 16, 32, 64), description="Batch buckets captured as decode CUDA graphs; each <= max_batch."
+        default_factory=lambda data: default_graph_batch_sizes(data.get("max_batch", 64)),
+        description="Batch buckets captured as decode CUDA graphs; each <= max_batch. Omitted: the powers of two "
+        f"below max_batch, then max_batch (up to {MAX_DEFAULT_GRAPH_BATCH}), following max_batch when a flag "
+        "changes it.",
     )
+
+    @field_validator("max_context", mode="before")
+    @classmethod
+    def _context_length(cls, value: Any) -> Any:
+        if value == -1:
+            return "auto"
+        if isinstance(value, str) and value != "auto":
+            return parse_token_count(value)
+        return value
+
+    @field_validator("max_prefill_tokens", mode="before")
+    @classmethod
+    def _prefill_tokens(cls, value: Any) -> Any:
+        return parse_token_count(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _buckets(self) -> ServingConfig:
@@ -224,6 +354,21 @@ class ServingConfig(_Frozen):
         return self
 
 
+def serving_with(serving: ServingConfig, **change: Any) -> ServingConfig:
+    """``serving`` with some fields changed, validated; a new max_batch moves the graph buckets like a
+    --max-batch flag does (graph_buckets_for_batch). Raises pydantic's ValidationError (a ValueError)."""
+    if "max_batch" in change and "decode_graph_batch_sizes" not in change:
+        change["decode_graph_batch_sizes"] = graph_buckets_for_batch(
+            serving.decode_graph_batch_sizes, serving.max_batch, change["max_batch"])
+    return ServingConfig.model_validate({**serving.model_dump(), **change})
+
+
+def context_limit(model: ModelConfig, serving: ServingConfig) -> int:
+    """The context the plan is laid out for: serving max_context when it is a number, else the model's
+    max_position_embeddings (for auto: the largest the planner tries)."""
+    return serving.max_context if isinstance(serving.max_context, int) else model.max_position_embeddings
+
+
 def resolved_dtypes(model: ModelConfig, serving: ServingConfig) -> tuple[str, str]:
     """(activation dtype, KV cache dtype) after "auto": the model's dtype, then the activations'."""
     activations = model.dtype if serving.dtype == "auto" else serving.dtype
@@ -233,7 +378,7 @@ def resolved_dtypes(model: ModelConfig, serving: ServingConfig) -> tuple[str, st
 def check_compatible(model: ModelConfig, serving: ServingConfig, source: str = "serving") -> None:
     """Rules that involve both the model and the serving config; raises ConfigError naming ``source``
     (the serving config's file, when the caller knows it)."""
-    if serving.max_context is not None and serving.max_context > model.max_position_embeddings:
+    if isinstance(serving.max_context, int) and serving.max_context > model.max_position_embeddings:
         raise ConfigError(
             source, "max_context", serving.max_context,
             f"exceeds the model's max_position_embeddings ({model.max_position_embeddings})",

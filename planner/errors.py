@@ -20,7 +20,10 @@ class ConfigError(ValueError):
 class PlanDoesNotFit(RuntimeError):
     """The plan needs more device memory than the serving config allows."""
 
-    def __init__(self, message: str, *, required_bytes: int, usable_bytes: int):
+    def __init__(self, message: str, *, required_bytes: int, usable_bytes: int,
+                 advice: dict[str, object] | None = None):
         self.required_bytes = required_bytes
         self.usable_bytes = usable_bytes
+        #: serving field -> a value at which the plan fits, each on its own (what the message advises)
+        self.advice = dict(advice or {})
         super().__init__(message)

@@ -1,78 +1,121 @@
 """Why a plan does not fit, and which serving knob would make it fit.
 
-For each knob a user can lower (or raise), search for the value closest to the
-current one at which ``build_plan`` succeeds, by re-planning: the advice comes
-from the same layout as the failure, never from an approximate formula.
+A plan fits when its KV pool holds one request of max_context (``Draft.holds``). When it does not, the
+error names the largest max_context that fits at these settings and the smallest gpu_memory_utilization
+(in steps of 0.01) that fits this max_context, then any other single knob (a smaller batch or prefill
+chunk, more tensor parallelism) that fits. Every value comes from re-planning through drafts of the same
+layout as the failure, never from an approximate formula, so applying it gives a plan that fits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from fractions import Fraction
 
-from planner.config import HardwareConfig, ModelConfig, ServingConfig
-from planner.errors import ConfigError, PlanDoesNotFit
-from planner.layout import Pool
+from pydantic import ValidationError
+
+from planner.concurrency import largest_context_holding
+from planner.config import ServingConfig, serving_with
+from planner.draft import Draft, Drafter, kv_pool_bytes
+from planner.errors import PlanDoesNotFit
 from planner.report import format_bytes
+from planner.search import largest
+
+#: gpu_memory_utilization advice is in hundredths (vLLM users write 0.92, not 0.9137).
+HUNDREDTHS = 100
+TENSOR_PARALLEL_SIZES = (2, 4, 8, 16, 32, 64)
 
 
-def explain_does_not_fit(
-    model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig,
-    non_kv_bytes: int, usable_bytes: int, page_bytes: int, pools: tuple[Pool, ...],
-) -> PlanDoesNotFit:
-    """A PlanDoesNotFit naming the biggest consumers and the knobs that would fit."""
-    required = non_kv_bytes + serving.min_kv_pages * page_bytes
-    biggest = sorted(pools, key=lambda p: -p.bytes)[:3]
-    consumers = ", ".join(f"{p.name} {format_bytes(p.bytes)}" for p in biggest)
-    advice = _advice(model, hardware, serving)
-    message = (
-        f"{model.name} on {hardware.name} does not fit: needs {format_bytes(required)} "
-        f"(non-KV {format_bytes(non_kv_bytes)} + {serving.min_kv_pages} KV pages x {format_bytes(page_bytes)}), "
-        f"usable {format_bytes(usable_bytes)} ({serving.gpu_memory_utilization:g} x "
-        f"{format_bytes(hardware.device_memory_bytes)}). Biggest: {consumers}. "
-        + (f"Would fit with: {'; or '.join(advice)}." if advice else "No single serving knob makes it fit.")
-    )
-    return PlanDoesNotFit(message, required_bytes=required, usable_bytes=usable_bytes)
+def explain_does_not_fit(drafter: Drafter, draft: Draft) -> PlanDoesNotFit:
+    """A PlanDoesNotFit for a draft whose KV pool cannot hold one request of its max_context."""
+    model, hardware, serving = drafter.model, drafter.hardware, draft.serving
+    cap = draft.capacity
+    needed = draft.pages_needed(1)
+    required = draft.non_kv_bytes + kv_pool_bytes(needed + 1, draft.page_bytes)
+    usable = (f"the usable {format_bytes(draft.usable_bytes)} ({serving.gpu_memory_utilization:g} x "
+              f"{format_bytes(hardware.device_memory_bytes)})")
+    if draft.available_bytes < 0:
+        left = f"the non-KV pools alone need {format_bytes(draft.non_kv_bytes)} of {usable}"
+    else:
+        left = (f"{usable} less the non-KV pools' {format_bytes(draft.non_kv_bytes)} leaves "
+                f"{draft.usable_kv_pages:,} pages ({draft.usable_kv_pages * cap.page_size:,} tokens)")
+    biggest = sorted(draft.pools, key=lambda p: -p.bytes)[:3]
+    auto = " (auto: not even the shortest context fits)" if serving.max_context == "auto" else ""
+    advice: dict[str, object] = {}
+    parts = [
+        f"{model.name} on {hardware.name} does not fit one request of max_context {cap.max_context:,}{auto}: it "
+        f"needs {needed:,} KV pages of {format_bytes(draft.page_bytes)} (+1 padding page), "
+        f"{format_bytes(required)} in all; {left}",
+        "Biggest: " + ", ".join(f"{p.name} {format_bytes(p.bytes)}" for p in biggest),
+    ]
+    context = _largest_context(drafter, draft) if serving.max_context != "auto" else None
+    if context is not None:
+        advice["max_context"] = context
+        parts.append(f"Largest max_context that fits at these settings: --max-model-len {context}")
+    else:
+        parts.append("No max_context fits at these settings")
+    utilization = _smallest_utilization(drafter, draft, required)
+    if utilization is not None:
+        advice["gpu_memory_utilization"] = utilization
+        parts.append(f"gpu_memory_utilization that fits max_context {cap.max_context:,}: "
+                     f"--gpu-memory-utilization {utilization:g} (now {serving.gpu_memory_utilization:g})")
+    else:
+        parts.append(f"No gpu_memory_utilization up to 1 fits max_context {cap.max_context:,}")
+    advice.update(_other_knobs(drafter, serving, cap.max_context))
+    others = [f"--{knob.replace('_', '-')} {value} (now {getattr(serving, knob)})" for knob, value in advice.items()
+              if knob not in ("max_context", "gpu_memory_utilization")]
+    if others:
+        parts.append("Also fits: " + "; or ".join(others))
+    return PlanDoesNotFit(". ".join(parts) + ".", required_bytes=required, usable_bytes=draft.usable_bytes,
+                          advice=advice)
 
 
-def _advice(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig) -> list[str]:
-    advice = []
-    for knob in ("max_batch", "max_prefill_tokens", "max_context"):
-        current = getattr(serving, knob) or model.max_position_embeddings
-        best = _largest_fitting(lambda v, k=knob: _fits(model, hardware, serving, **{k: v}), 1, current - 1)
-        if best is not None:
-            advice.append(f"--{knob.replace('_', '-')} {best} (now {current})")
-    for utilization in (0.92, 0.95, 0.98):
-        if utilization > serving.gpu_memory_utilization and _fits(model, hardware, serving, gpu_memory_utilization=utilization):
-            advice.append(f"--gpu-memory-utilization {utilization} (now {serving.gpu_memory_utilization:g})")
-            break
-    for tp in (2, 4, 8, 16):
-        if tp > serving.tensor_parallel_size and _fits(model, hardware, serving, tensor_parallel_size=tp):
-            advice.append(f"--tensor-parallel-size {tp} (now {serving.tensor_parallel_size})")
-            break
-    return advice
+def _largest_context(drafter: Drafter, draft: Draft) -> int | None:
+    """Largest max_context below this one of which one request fits, at otherwise unchanged settings."""
+    return largest_context_holding(drafter, draft, 1, draft.capacity.max_context - 1)
 
 
-def _fits(model: ModelConfig, hardware: HardwareConfig, serving: ServingConfig, **change: object) -> bool:
-    from planner.checked import CheckedOverflowError
-    from planner.plan import plan_fits
-
-    data = {**serving.model_dump(), **change}
-    buckets = data["decode_graph_batch_sizes"]
-    data["decode_graph_batch_sizes"] = tuple(b for b in buckets if b <= data["max_batch"]) or (1,)
-    try:
-        return plan_fits(model, hardware, ServingConfig.model_validate(data, strict=False))
-    except (ConfigError, CheckedOverflowError, ValueError):
-        return False
-
-
-def _largest_fitting(fits: Callable[[int], bool], low: int, high: int) -> int | None:
-    """Largest v in [low, high] with fits(v), assuming fits is monotone (true below a threshold)."""
-    if high < low or not fits(low):
+def _smallest_utilization(drafter: Drafter, draft: Draft, required_bytes: int) -> float | None:
+    """Smallest multiple of 0.01 above serving gpu_memory_utilization at which this max_context fits."""
+    serving = draft.serving
+    lowest = math.floor(Fraction(repr(serving.gpu_memory_utilization)) * HUNDREDTHS) + 1
+    if lowest > HUNDREDTHS:
         return None
-    while low < high:
-        middle = (low + high + 1) // 2
-        if fits(middle):
-            low = middle
-        else:
-            high = middle - 1
-    return low
+
+    def fits(below_one: int) -> bool:  # true from some utilization up to 1: search down from 1
+        changed = _changed(serving, gpu_memory_utilization=(HUNDREDTHS - below_one) / HUNDREDTHS)
+        return changed is not None and drafter.holds(changed, 1, draft.capacity.max_context)
+
+    estimate = -(-required_bytes * HUNDREDTHS // drafter.hardware.device_memory_bytes)
+    below = largest(fits, 0, HUNDREDTHS - lowest, guess=HUNDREDTHS - estimate)
+    return None if below is None else (HUNDREDTHS - below) / HUNDREDTHS
+
+
+def _other_knobs(drafter: Drafter, serving: ServingConfig, context: int) -> dict[str, object]:
+    """Other single knobs that fit: the largest smaller max_batch and max_prefill_tokens, the smallest
+    larger tensor_parallel_size."""
+    found: dict[str, object] = {}
+    for knob in ("max_batch", "max_prefill_tokens"):
+        current = getattr(serving, knob)
+
+        def fits(value: int, knob: str = knob) -> bool:
+            changed = _changed(serving, **{knob: value})
+            return changed is not None and drafter.holds(changed, 1, context)
+
+        best = largest(fits, 1, current - 1)
+        if best is not None:
+            found[knob] = best
+    for tp in TENSOR_PARALLEL_SIZES:
+        if tp > serving.tensor_parallel_size:
+            changed = _changed(serving, tensor_parallel_size=tp)
+            if changed is not None and drafter.holds(changed, 1, context):
+                found["tensor_parallel_size"] = tp
+                break
+    return found
+
+
+def _changed(serving: ServingConfig, **change: object) -> ServingConfig | None:
+    try:
+        return serving_with(serving, **change)
+    except ValidationError:
+        return None

@@ -1,19 +1,34 @@
 """Translate a Hugging Face ``config.json`` into a ``ModelConfig``.
 
 Accepted: model_type ``qwen3``; ``qwen3_5_text``; ``qwen3_5`` (the multimodal
-wrapper, whose text stack sits under ``text_config``). Fields we do not model
-are ignored; fields we model but do not support (attention bias, another
-activation) are errors, so a checkpoint never loads into the wrong math.
+wrapper, whose text stack sits under ``text_config``: the plan is text-only and
+names the vision tower it leaves out, with its bytes). A field that changes the
+memory or the maths is modelled or refused with an error naming it, so a
+checkpoint never plans or loads into the wrong math: quantized weights, RoPE
+scaling (YaRN, linear, dynamic, ...), sliding-window attention, attention bias,
+another activation, an audio tower, a boolean written as a string. Fields that
+change neither (token ids, initializer ranges) are ignored.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from planner import checked
 from planner.config import ModelConfig
+from planner.dtypes import dtype_bytes
 from planner.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
+#: RoPE types that are plain RoPE for text (mrope: Qwen3.5's multimodal RoPE, whose three position
+#: components are equal for text tokens).
+PLAIN_ROPE_TYPES = ("default", "mrope")
+#: HF boolean fields memplan reads; each must be a JSON boolean ("false" is a non-empty, truthy string).
+BOOLEAN_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "attn_output_gate")
+#: transformers' Qwen3_5VisionConfig defaults, for fields a vision_config leaves out.
+VISION_DEFAULTS = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "in_channels": 3, "patch_size": 16,
+                   "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 3584,
+                   "num_position_embeddings": 2304}
 
 
 def model_from_hf_config(config: dict[str, Any], name: str) -> ModelConfig:
@@ -21,23 +36,84 @@ def model_from_hf_config(config: dict[str, Any], name: str) -> ModelConfig:
     from planner.loader import validate  # local: loader imports this module
 
     source = "config.json"
+    return validate(ModelConfig, _model_fields(config, source, name), source)
+
+
+def _model_fields(config: dict[str, Any], source: str, name: str) -> dict[str, Any]:
     model_type = config.get("model_type")
     if model_type == "qwen3_5":
-        if not isinstance(config.get("text_config"), dict):
-            raise ConfigError(source, "text_config", config.get("text_config"), "qwen3_5 needs a text_config mapping")
-        text = {**config["text_config"]}
-        text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
-        text.setdefault("dtype", config.get("dtype", config.get("torch_dtype")))
-        return model_from_hf_config({**text, "model_type": "qwen3_5_text"}, name)
+        return _wrapper_fields(config, source, name)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(source, "model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    _require_unsupported_off(config, source)
+    _refuse_unmodelled(config, source)
     fields = _common_fields(config, source, name)
     if model_type == "qwen3_5_text":
         fields.update(_qwen3_5_fields(config, source))
     else:
+        layer_types = config.get("layer_types")
+        if isinstance(layer_types, list) and any(kind != "full_attention" for kind in layer_types):
+            raise ConfigError(source, "layer_types", sorted(set(layer_types)),
+                              "qwen3 layers other than full_attention (sliding windows) are not modelled")
         fields["architecture"] = "qwen3"
-    return validate(ModelConfig, fields, source)
+    return fields
+
+
+def _wrapper_fields(config: dict[str, Any], source: str, name: str) -> dict[str, Any]:
+    """qwen3_5: the text stack of ``text_config``, and the towers beside it left out."""
+    if not isinstance(config.get("text_config"), dict):
+        raise ConfigError(source, "text_config", config.get("text_config"), "qwen3_5 needs a text_config mapping")
+    for field in BOOLEAN_FIELDS:
+        _boolean(config, field, False, source)
+    if config.get("quantization_config") is not None:
+        _refuse_quantization(config["quantization_config"], "quantization_config", source)
+    if config.get("audio_config") is not None:
+        raise ConfigError(source, "audio_config", "{...}", "an audio tower memplan cannot size; the text stack of a "
+                          "config without it can be planned")
+    text = {**config["text_config"]}
+    text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    text.setdefault("dtype", config.get("dtype", config.get("torch_dtype")))
+    try:
+        fields = _model_fields({**text, "model_type": "qwen3_5_text"}, source, name)
+    except ConfigError as error:
+        raise ConfigError(source, f"text_config.{error.field}" if error.field else "text_config", error.value,
+                          error.rule) from None
+    vision = config.get("vision_config")
+    if vision is not None:
+        if not isinstance(vision, dict):
+            raise ConfigError(source, "vision_config", vision, "must be a mapping")
+        parameters = vision_tower_parameters(vision, source)
+        fields["omitted_towers"] = [{
+            "config_field": "vision_config", "parameters": parameters,
+            "bytes": checked.mul("vision tower bytes", parameters, dtype_bytes(fields["dtype"]), width=checked.U64),
+        }]
+    return fields
+
+
+def vision_tower_parameters(vision: dict[str, Any], source: str = "config.json") -> int:
+    """Parameters of a Qwen3.5 vision tower (Qwen3_5VisionModel): patch embedding (Conv3d with bias),
+    learned position embedding, ``depth`` blocks (two LayerNorms, qkv and proj with bias, a two-layer MLP
+    with bias), and the patch merger (LayerNorm, two linear layers with bias)."""
+    unknown = [key for key in ("deepstack_visual_indexes",) if vision.get(key)]
+    if unknown:
+        raise ConfigError(source, f"vision_config.{unknown[0]}", vision[unknown[0]],
+                          "a vision tower with deepstack mergers memplan cannot size")
+    size = {}
+    for key, default in VISION_DEFAULTS.items():
+        value = vision.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(source, f"vision_config.{key}", value, "must be a positive integer")
+        size[key] = value
+    h, inner, out = size["hidden_size"], size["intermediate_size"], size["out_hidden_size"]
+    kernel = size["in_channels"] * size["temporal_patch_size"] * size["patch_size"] ** 2
+    merged = h * size["spatial_merge_size"] ** 2
+    block = 2 * 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * inner + inner) + (inner * h + h)
+    parts = (
+        kernel * h + h,  # patch_embed.proj
+        size["num_position_embeddings"] * h,  # pos_embed
+        size["depth"] * block,  # blocks
+        2 * h + (merged * merged + merged) + (merged * out + out),  # merger
+    )
+    return checked.add("vision tower parameters", *parts, width=checked.U64)
 
 
 def _common_fields(config: dict[str, Any], source: str, name: str) -> dict[str, Any]:
@@ -57,7 +133,7 @@ def _common_fields(config: dict[str, Any], source: str, name: str) -> dict[str, 
         "rms_norm_eps": config.get("rms_norm_eps", 1e-6),
         "rope_theta": rope.get("rope_theta", config.get("rope_theta", 1_000_000.0)),
         "partial_rotary_factor": rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)),
-        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "tie_word_embeddings": _boolean(config, "tie_word_embeddings", False, source),
         "dtype": config.get("dtype") or config.get("torch_dtype") or "bfloat16",
     }
     return fields
@@ -73,7 +149,7 @@ def _qwen3_5_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
         ]
     return {
         "architecture": "qwen3_5",
-        "attn_output_gate": bool(config.get("attn_output_gate", True)),
+        "attn_output_gate": _boolean(config, "attn_output_gate", True, source),
         "layer_types": layer_types,
         "linear_attention": {
             "num_key_heads": config.get("linear_num_key_heads"),
@@ -85,9 +161,47 @@ def _qwen3_5_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
     }
 
 
-def _require_unsupported_off(config: dict[str, Any], source: str) -> None:
+def _refuse_unmodelled(config: dict[str, Any], source: str) -> None:
+    """Fields that change the memory or the maths and that memplan does not model."""
+    for field in BOOLEAN_FIELDS:
+        _boolean(config, field, False, source)
+    if config.get("quantization_config") is not None:
+        _refuse_quantization(config["quantization_config"], "quantization_config", source)
+    for field in ("rope_scaling", "rope_parameters"):
+        rope = config.get(field)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise ConfigError(source, field, rope, "must be a mapping")
+        key = "rope_type" if "rope_type" in rope else "type"
+        kind = rope.get(key, "default")
+        if kind not in PLAIN_ROPE_TYPES:
+            raise ConfigError(source, f"{field}.{key}", kind, "RoPE scaling is not modelled (the planner and the "
+                              "executor compute plain RoPE); without it the model serves up to its "
+                              "original_max_position_embeddings")
+    if config.get("use_sliding_window", False):
+        raise ConfigError(source, "use_sliding_window", True, "sliding-window attention is not modelled")
     if config.get("attention_bias", False):
         raise ConfigError(source, "attention_bias", True, "attention bias is not supported")
+    if config.get("mlp_bias", False):
+        raise ConfigError(source, "mlp_bias", True, "MLP bias is not supported")
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(source, "hidden_act", act, "only silu (SwiGLU) is supported")
+
+
+def _refuse_quantization(quantization: Any, field: str, source: str) -> None:
+    method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+    raise ConfigError(source, field, method, "quantized weights are not modelled: memplan plans and loads "
+                      "bfloat16, float16 or float32 weights; use the unquantized checkpoint")
+
+
+def _boolean(config: dict[str, Any], field: str, default: bool, source: str) -> bool:
+    """``config[field]`` as a JSON boolean (``default`` when absent or null); a string such as "false" is
+    refused rather than read as True."""
+    value = config.get(field)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(source, field, value, "must be a JSON boolean (true or false)")
+    return value

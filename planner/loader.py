@@ -6,6 +6,7 @@ offending value and the rule it broke, so the CLI can print one line.
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -13,14 +14,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from planner.config import HardwareConfig, ModelConfig, ServingConfig
+from planner.config import (
+    HardwareConfig, ModelConfig, ServingConfig, graph_buckets_for_batch, vllm_name_clash, with_memplan_names)
 from planner.errors import ConfigError
 from planner.hf_import import model_from_hf_config
 
 if TYPE_CHECKING:
     from planner.plan import MemoryPlan
 
-CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
+#: The shipped configs: package data of ``planner`` (``configs/`` at the checkout's root links here).
+CONFIG_ROOT = Path(__file__).resolve().parent / "configs"
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -62,24 +65,34 @@ def _given(overrides: dict[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (overrides or {}).items() if v is not None}
 
 
-def _serving_data(spec: str | None, overrides: dict[str, Any] | None) -> dict[str, Any]:
-    data: dict[str, Any] = {} if spec is None else _read_yaml(_resolve(spec, "serving"))
+def _serving_data(spec: str | None, overrides: dict[str, Any] | None) -> Any:
+    data: Any = {} if spec is None else _read_yaml(_resolve(spec, "serving"))
+    if not isinstance(data, dict):
+        return data  # validate names the rule
+    clash = vllm_name_clash(data)
+    if clash:
+        raise ConfigError(serving_source(spec), clash[0], data[clash[0]],
+                          f"vLLM's name of {clash[1]}, which is given too; give one of them")
+    data = with_memplan_names(data)
     given = _given(overrides)
-    if given:
-        if "max_batch" in given and "decode_graph_batch_sizes" not in given:
-            # Like vLLM's capture sizes: buckets above a lowered batch limit are dropped.
-            buckets = data.get("decode_graph_batch_sizes", ServingConfig().decode_graph_batch_sizes)
-            given["decode_graph_batch_sizes"] = [b for b in buckets if b <= given["max_batch"]] or [1]
-        data = {**data, **given}
-    return data
+    if "max_batch" in given and "decode_graph_batch_sizes" not in given:
+        buckets = data.get("decode_graph_batch_sizes")
+        if isinstance(buckets, list) and all(isinstance(b, int) for b in buckets):
+            old_batch = data.get("max_batch", 64)
+            data["decode_graph_batch_sizes"] = list(graph_buckets_for_batch(
+                tuple(buckets), old_batch if isinstance(old_batch, int) else 64, given["max_batch"]))
+    return {**data, **given}
 
 
 def plan_from_configs(model: str, hardware: str, serving: str | None,
                       overrides: dict[str, Any] | None = None) -> MemoryPlan:
-    """Load the model, hardware and serving configs (with flag overrides) and build their plan."""
+    """Load the model, hardware and serving configs (with flag overrides) and build their plan. ``serving``
+    None: the hardware's default_serving (the same for ``memplan plan`` and ``memplan run``)."""
     from planner.plan import build_plan
 
-    return build_plan(load_model(model), load_hardware(hardware), load_serving(serving, overrides),
+    hardware_config = load_hardware(hardware)
+    serving = hardware_config.default_serving if serving is None else serving
+    return build_plan(load_model(model), hardware_config, load_serving(serving, overrides),
                       serving_source=serving_source(serving, overrides))
 
 
@@ -104,15 +117,29 @@ def _rule(error: dict[str, Any]) -> str:
     return message
 
 
+#: Other names of shipped configs (lower case): what users type for a card.
+ALIASES = {
+    "hardware": {"h100": "h100-sxm", "h100-80gb": "h100-sxm", "a100": "a100-80gb", "a100-80g": "a100-80gb",
+                 "5090": "rtx-5090", "rtx5090": "rtx-5090", "l40-s": "l40s", "sim": "cpu-sim"},
+}
+
+
 def _resolve(spec: str, kind: str) -> Path:
     path = Path(spec)
     if path.exists():
         return path
-    shipped = CONFIG_ROOT / kind / f"{spec}.yaml"
+    folder = CONFIG_ROOT / kind
+    name = spec.lower()
+    name = ALIASES.get(kind, {}).get(name, name)
+    shipped = folder / f"{name}.yaml"
     if shipped.exists():
         return shipped
-    names = sorted(p.stem for p in (CONFIG_ROOT / kind).glob("*.yaml"))
-    raise ConfigError(spec, "", spec, f"no such file, and not a shipped {kind} name ({', '.join(names)})")
+    names = sorted(p.stem for p in folder.glob("*.yaml"))
+    close = difflib.get_close_matches(name, [*names, *ALIASES.get(kind, {})], n=3, cutoff=0.6)
+    suggestion = "; did you mean " + " or ".join(
+        dict.fromkeys(ALIASES.get(kind, {}).get(c, c) for c in close)) + "?" if close else ""
+    raise ConfigError(spec, "", spec, f"no such file, and not a shipped {kind} name "
+                                      f"({', '.join(names)}){suggestion}")
 
 
 def _read_yaml(path: Path) -> Any:

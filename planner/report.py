@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -19,13 +20,19 @@ def format_bytes(count: int) -> str:
 
 
 def format_table(plan: MemoryPlan) -> str:
-    """The budget as a table: pools with bytes and share, KV capacity, largest transient buffers."""
-    budget, capacity = plan.budget, plan.capacity
+    """The budget as a table: pools with bytes and share, KV capacity and concurrency, largest transient buffers."""
+    budget, capacity, hardware = plan.budget, plan.capacity, plan.hardware
+    tp = plan.serving.tensor_parallel_size
+    measured = ("measured" if hardware.device_memory_source == "measured"
+                else "declared, not measured")
     lines = [
-        f"memplan: {plan.model.name} on {plan.hardware.name}  (tp={plan.serving.tensor_parallel_size}, "
+        f"memplan: {plan.model.name} on {hardware.name}  (tp={tp}, "
         f"{plan.dtypes.weights} weights, {plan.dtypes.kv_cache} KV)",
-        f"device {format_bytes(budget.device_bytes)}, usable {format_bytes(budget.usable_bytes)} "
+        *([f"per GPU: every figure below is one of the {tp} ranks'"] if tp > 1 else []),
+        f"device {format_bytes(budget.device_bytes)} ({measured}), usable {format_bytes(budget.usable_bytes)} "
         f"(gpu_memory_utilization {plan.serving.gpu_memory_utilization:g})",
+        *(f"text-only: {tower.config_field} left out ({tower.parameters:,} parameters, {format_bytes(tower.bytes)}); "
+          "neither planned nor loaded" for tower in plan.model.omitted_towers),
         "",
         f"{'pool':<18}{'bytes':>16}{'':>14}{'share':>8}",
     ]
@@ -37,14 +44,9 @@ def format_table(plan: MemoryPlan) -> str:
             for line in pool.buffers:
                 lines.append(f"  {line.name:<16}{line.bytes:>16,}{format_bytes(line.bytes):>14}")
     lines.append(f"{'free':<18}{budget.free_bytes:>16,}{format_bytes(budget.free_bytes):>14}")
-    usable_pages = capacity.kv_pages - 1
-    lines += [
-        "",
-        f"KV pages: {usable_pages:,} = {capacity.kv_tokens:,} tokens (+1 padding page); "
-        f"max concurrency at full context: {capacity.kv_tokens / capacity.max_context:.2f}",
-        f"step capacity: batch {capacity.max_batch}, tokens {capacity.max_tokens_per_step:,}, "
-        f"logical pages {capacity.logical_pages:,}, tiles {capacity.tiles:,}, context {capacity.max_context:,}",
-    ]
+    lines += ["", *_kv_lines(plan)]
+    lines.append(f"step capacity: batch {capacity.max_batch}, tokens {capacity.max_tokens_per_step:,}, "
+                 f"logical pages {capacity.logical_pages:,}, tiles {capacity.tiles:,}, context {capacity.max_context:,}")
     if capacity.prefill_gather_tokens:
         tile = (f", score tile {capacity.prefill_score_elements:,} elements" if capacity.prefill_score_elements
                 else ", no score scratch")
@@ -53,8 +55,6 @@ def format_table(plan: MemoryPlan) -> str:
     lines.append(f"decode projections: fused GEMVs at batch <= {capacity.decode_gemv_batch} "
                  f"(serving decode_gemv_max_batch {plan.serving.decode_gemv_max_batch}), cuBLAS above"
                  if capacity.decode_gemv_batch else "decode projections: cuBLAS at every batch")
-    if capacity.recurrent_slots:
-        lines.append(f"recurrent-state slots: {capacity.recurrent_slots}")
     transient = sorted(
         ((pool.name, b) for pool in plan.pools if pool.name in ("decode", "prefill") for b in pool.buffers),
         key=lambda item: -item[1].bytes,
@@ -62,3 +62,37 @@ def format_table(plan: MemoryPlan) -> str:
     lines.append("largest transient buffers: " + ", ".join(
         f"{pool}/{b.name} {list(b.shape)} {format_bytes(b.bytes)}" for pool, b in transient))
     return "\n".join(lines)
+
+
+def floor_hundredths(value: float) -> float:
+    """``value`` rounded down to two decimals: 21.996 requests shows as 21.99, never as 22.00."""
+    return math.floor(value * 100) / 100
+
+
+def _kv_lines(plan: MemoryPlan) -> list[str]:
+    """KV pool, concurrency at max_context, and how far batch and context go."""
+    capacity = plan.capacity
+    context = f"{capacity.max_context:,}" + (" (auto)" if plan.serving.max_context == "auto" else "")
+    limit = {
+        "kv_cache": "the KV pool is the limit",
+        "max_batch": f"capped by max_batch {capacity.max_batch}",
+        "recurrent_slots": f"capped by the {capacity.recurrent_slots} recurrent-state slots",
+    }[capacity.concurrency_limit]
+    lines = [
+        f"KV pages: {capacity.kv_pages - 1:,} = {capacity.kv_tokens:,} tokens (+1 padding page), "
+        f"{format_bytes(capacity.kv_bytes_per_token)} per token",
+        f"max concurrency at max_context {context}: {floor_hundredths(capacity.max_concurrency):,.2f} requests ({limit})",
+    ]
+    if capacity.kv_pages_beyond_batch:
+        use = ("only the prefix cache can use them" if not capacity.recurrent_slots
+               else "nothing uses them: raise max_batch or lower gpu_memory_utilization")
+        lines.append(f"KV memory the batch leaves unused: {capacity.kv_pages_beyond_batch:,} pages "
+                     f"({format_bytes(capacity.kv_pages_beyond_batch * plan.pool('kv_cache').bytes // capacity.kv_pages)}); "
+                     f"{use}")
+    batch = capacity.max_batch_at_context
+    lines.append(f"largest batch at max_context {capacity.max_context:,}: {batch:,} request{'s' * (batch != 1)}; "
+                 f"largest context at batch {capacity.max_batch}: "
+                 + (f"{capacity.max_context_at_batch:,} tokens" if capacity.max_context_at_batch else "none fits"))
+    if capacity.recurrent_slots:
+        lines.append(f"recurrent-state slots: {capacity.recurrent_slots}")
+    return lines

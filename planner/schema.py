@@ -1,6 +1,6 @@
 """JSON Schemas of the configs and the plan, generated from the pydantic models.
 
-The committed files in ``schemas/`` are the published contract; a test fails
+The committed files in ``planner/schemas/`` (``schemas/`` at the root) are the published contract; a test fails
 when they drift from the models. Regenerate with ``python -m planner.schema``.
 """
 
@@ -14,7 +14,8 @@ from typing import Any
 from planner.config import HardwareConfig, ModelConfig, ServingConfig
 from planner.plan import MemoryPlan
 
-SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
+#: Package data of ``planner`` (``schemas/`` at the checkout's root links here).
+SCHEMA_DIR = Path(__file__).resolve().parent / "schemas"
 MODELS = {"model": ModelConfig, "hardware": HardwareConfig, "serving": ServingConfig, "plan": MemoryPlan}
 
 
@@ -36,7 +37,7 @@ def main() -> int:
     SCHEMA_DIR.mkdir(exist_ok=True)
     for kind in MODELS:
         (SCHEMA_DIR / f"{kind}.schema.json").write_text(schema_text(kind))
-        print(f"wrote schemas/{kind}.schema.json")
+        print(f"wrote {SCHEMA_DIR / f'{kind}.schema.json'}")
     return 0
 
 

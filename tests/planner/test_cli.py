@@ -37,7 +37,7 @@ def test_plan_table_names_kv_capacity_and_largest_buffers(capsys):
     code, out, _ = _run(capsys, "plan", "--model", "qwen3.5-9b", "--hardware", "h200", "--max-batch", "32",
                         "--max-context", "32768", "--format", "table")
     assert code == 0
-    assert "KV pages:" in out and "max concurrency at full context" in out
+    assert "KV pages:" in out and "max concurrency at max_context 32,768:" in out
     assert "largest transient buffers: prefill/" in out
     assert "prefill attention of chunks >= 256 tokens: flash (serving auto), no score scratch" in out
 
@@ -133,3 +133,131 @@ def test_console_script_runs_without_torch():
              "from planner.cli import main; sys.exit(main(['plan', '--model', 'qwen3-8b', '--format', 'table']))")
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# -- output: the table on a terminal, JSON when piped or asked, a closed stdout ------------------------------------
+
+
+def test_plan_prints_the_table_on_a_terminal_and_json_when_piped(capsys, monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    code, out, _ = _run(capsys, "plan", "--model", "qwen3-8b")
+    assert code == 0 and out.startswith("memplan: qwen3-8b on h200")
+    code, out, _ = _run(capsys, "plan", "--model", "qwen3-8b", "--format", "json")
+    assert code == 0 and json.loads(out)["model"]["name"] == "qwen3-8b"
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    code, out, _ = _run(capsys, "plan", "--model", "qwen3-8b")
+    assert code == 0 and json.loads(out)["model"]["name"] == "qwen3-8b"
+
+
+def test_plan_out_writes_the_json_and_leaves_stdout_empty(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    code, out, err = _run(capsys, "plan", "--model", "qwen3-8b", "--out", str(tmp_path / "plan.json"))
+    assert code == 0 and out == "" and "plan.json" in err
+    assert json.loads((tmp_path / "plan.json").read_text())["capacity"]["max_context"] == 40960
+
+
+def test_version(capsys):
+    from planner import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"memplan {__version__}"
+
+
+def test_a_closed_stdout_ends_quietly():
+    """`memplan plan ... | head -1`: the reader goes away after one line; no BrokenPipeError traceback."""
+    process = subprocess.Popen([sys.executable, "-m", "planner.cli", "plan", "--model", "qwen3-8b"], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.readline().strip() == b"{"
+    process.stdout.close()
+    assert process.wait(timeout=60) == 0
+    assert process.stderr.read() == b""
+
+
+def test_run_without_the_executors_packages_is_one_line_saying_what_to_install():
+    probe = ("import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None\n"
+             "from planner.cli import main\n"
+             "sys.exit(main(['run', '--model', 'tiny-qwen3', '--hardware', 'cpu-sim', '--random-weights']))")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2
+    line = result.stderr.strip()
+    assert "\n" not in line and "is missing" in line and "pip install torch" in line and "memplan[executor]" in line
+
+
+# -- vLLM's names and defaults -------------------------------------------------------------------------------------
+
+
+def _plan_json(capsys, *argv):
+    code, out, err = _run(capsys, "plan", *argv, "--format", "json")
+    return code, (json.loads(out) if code == 0 else None), err
+
+
+def test_vllm_names_work_as_serving_yaml_keys(capsys, tmp_path):
+    path = tmp_path / "serving.yaml"
+    path.write_text("max_num_seqs: 8\nmax_model_len: 16K\nblock_size: 32\nmax_num_batched_tokens: 1k\n")
+    code, plan, _ = _plan_json(capsys, "--model", "qwen3-8b", "--serving", str(path))
+    capacity = plan["capacity"]
+    assert code == 0 and (capacity["max_batch"], capacity["max_context"], capacity["page_size"],
+                          capacity["max_prefill_tokens"]) == (8, 16384, 32, 1000)
+    assert plan["serving"]["decode_graph_batch_sizes"] == [1, 2, 4, 8]
+    assert _run(capsys, "validate", str(path))[0] == 0
+    path.write_text("max_num_seqs: 8\nmax_batch: 16\n")
+    code, _, err = _run(capsys, "plan", "--model", "qwen3-8b", "--serving", str(path))
+    assert code == 2 and "max_num_seqs = 8" in err and "max_batch" in err
+    assert _run(capsys, "validate", str(path))[0] == 2
+
+
+def test_graph_buckets_follow_max_batch(capsys, tmp_path):
+    path = tmp_path / "serving.yaml"
+    path.write_text("max_batch: 32\n")
+    code, plan, _ = _plan_json(capsys, "--model", "qwen3-8b", "--serving", str(path))
+    assert code == 0 and plan["serving"]["decode_graph_batch_sizes"] == [1, 2, 4, 8, 16, 32]
+    code, plan, _ = _plan_json(capsys, "--model", "qwen3-8b", "--max-batch", "48")
+    assert plan["serving"]["decode_graph_batch_sizes"] == [1, 2, 4, 8, 16, 32, 48]
+    path.write_text("max_batch: 32\ndecode_graph_batch_sizes: [4, 32]\n")  # given buckets: those above go
+    code, plan, _ = _plan_json(capsys, "--model", "qwen3-8b", "--serving", str(path), "--max-batch", "16")
+    assert plan["serving"]["decode_graph_batch_sizes"] == [4]
+
+
+@pytest.mark.parametrize("value, context", [("32k", 32000), ("32K", 32768), ("40960", 40960), ("1.5k", 1500)])
+def test_max_model_len_takes_human_readable_counts(capsys, value, context):
+    code, plan, _ = _plan_json(capsys, "--model", "qwen3-8b", "--max-model-len", value)
+    assert code == 0 and plan["capacity"]["max_context"] == context
+
+
+def test_max_context_defaults_to_the_models_limit(capsys, tmp_path):
+    from planner.loader import load_model
+    from tests.hf_reference import hf_config_dict
+
+    data = {**hf_config_dict(load_model("qwen3-0.6b")), "max_position_embeddings": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    code, plan, err = _plan_json(capsys, "--model", str(tmp_path))
+    assert code == 0, err
+    assert plan["serving"]["max_context"] is None and plan["capacity"]["max_context"] == 4096
+
+
+def test_hardware_aliases_and_a_did_you_mean(capsys):
+    code, plan, _ = _plan_json(capsys, "--model", "qwen3-8b", "--hardware", "h100")
+    assert code == 0 and plan["hardware"]["name"] == "h100-sxm"
+    code, _, err = _run(capsys, "plan", "--model", "qwen3-8b", "--hardware", "rtx-5080")
+    assert code == 2 and "did you mean rtx-5090?" in err
+
+
+def test_plan_and_run_take_the_same_default_serving(capsys):
+    """cpu-sim names the tiny sim serving config; memplan plan and memplan run both take it."""
+    import argparse
+
+    from executor.runner import load_plan
+
+    code, plan, _ = _plan_json(capsys, "--model", "tiny-qwen3", "--hardware", "cpu-sim")
+    assert code == 0 and plan["capacity"]["max_context"] == 64
+    args = argparse.Namespace(plan=None, model="tiny-qwen3", checkpoint=None, hardware="cpu-sim", serving=None)
+    assert load_plan(args, {}).model_dump(mode="json") == plan
+
+
+def test_does_not_fit_with_json_output_prints_the_verdict_and_its_advice(capsys):
+    code, out, err = _run(capsys, "plan", "--model", "qwen3-32b", "--hardware", "h100-sxm", "--max-model-len",
+                          "40960", "--format", "json")
+    verdict = json.loads(out)
+    assert code == 3 and verdict["fits"] is False and verdict["reason"] in err
+    assert verdict["advice"]["max_context"] < 40960 and verdict["advice"]["gpu_memory_utilization"] > 0.9

@@ -57,3 +57,81 @@ def test_unsupported_or_inconsistent_config_is_a_config_error(tmp_path, change, 
         load_model(str(tmp_path / "config.json"))
     assert str(tmp_path / "config.json") in str(error.value)
     assert field in error.value.field
+
+
+REFUSED = {
+    "fp8 quantization": ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+                         "quantization_config"),
+    "yarn rope_scaling": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                            "original_max_position_embeddings": 32768}}, "rope_scaling.rope_type"),
+    "legacy rope_scaling type": ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type"),
+    "yarn rope_parameters": ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+                             "rope_parameters.rope_type"),
+    "sliding window": ({"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
+    "sliding layer types": ({"layer_types": ["sliding_attention"] * 36}, "layer_types"),
+    "string boolean": ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
+    "string bias": ({"attention_bias": "false"}, "attention_bias"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=list(REFUSED))
+def test_a_field_that_changes_memory_or_maths_is_refused_naming_it(tmp_path, capsys, case):
+    from planner.cli import main
+
+    change, field = REFUSED[case]
+    data = {**hf_config_dict(load_model("qwen3-8b")), **change}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    code = main(["plan", "--model", str(tmp_path), "--format", "json"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err
+    assert f"{tmp_path / 'config.json'}: {field} = " in err
+
+
+def test_a_multimodal_wrappers_refusals_name_the_nested_field(tmp_path):
+    text = {**hf_config_dict(load_model("qwen3.5-9b")), "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}
+    for wrapper, field in (({"text_config": text}, "text_config.rope_parameters.rope_type"),
+                           ({"text_config": hf_config_dict(load_model("qwen3.5-9b")), "audio_config": {}},
+                            "audio_config"),
+                           ({"text_config": hf_config_dict(load_model("qwen3.5-9b")),
+                             "quantization_config": {"quant_method": "fp8"}}, "quantization_config")):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", **wrapper}))
+        with pytest.raises(ConfigError) as error:
+            load_model(str(tmp_path))
+        assert error.value.field == field
+
+
+def test_plain_rope_and_mrope_parameters_are_accepted(tmp_path):
+    data = hf_config_dict(load_model("qwen3-8b"))
+    data.update(rope_scaling=None, use_sliding_window=False, sliding_window=None,
+                layer_types=["full_attention"] * 36, tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    assert load_model(str(tmp_path)).model_dump(exclude={"name"}) == load_model("qwen3-8b").model_dump(exclude={"name"})
+
+
+VISION = {"depth": 3, "hidden_size": 64, "intermediate_size": 96, "num_heads": 4, "out_hidden_size": 4096,
+          "num_position_embeddings": 16, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
+
+
+@pytest.mark.parametrize("vision", [VISION, {}], ids=["small", "transformers-defaults"])
+def test_a_vision_tower_is_left_out_and_counted_like_transformers(tmp_path, vision):
+    torch = pytest.importorskip("torch")
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    with torch.device("meta"):
+        reference = sum(p.numel() for p in Qwen3_5VisionModel(Qwen3_5VisionConfig(**vision)).parameters())
+    wrapper = {"model_type": "qwen3_5", "text_config": hf_config_dict(load_model("qwen3.5-9b")),
+               "vision_config": vision, "dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(wrapper))
+    (tower,) = load_model(str(tmp_path)).omitted_towers
+    assert (tower.config_field, tower.parameters, tower.bytes) == ("vision_config", reference, 2 * reference)
+
+
+def test_the_table_says_what_a_text_only_plan_left_out(tmp_path, capsys):
+    from planner.cli import main
+
+    wrapper = {"model_type": "qwen3_5", "text_config": hf_config_dict(load_model("qwen3.5-9b")), "vision_config": {}}
+    (tmp_path / "config.json").write_text(json.dumps(wrapper))
+    assert main(["plan", "--model", str(tmp_path), "--format", "table"]) == 0
+    assert "text-only: vision_config left out (453,650,672 parameters, 865.270 MiB); neither planned nor loaded" \
+        in capsys.readouterr().out

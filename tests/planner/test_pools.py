@@ -89,17 +89,17 @@ def test_logical_pages_count_shared_prefix_pages_per_request():
 
 
 def test_gemm_attention_scratch_is_bounded_and_shares_bytes_with_the_mlp(plan_for):
-    """Qwen3-8B, default serving (T = 2048 + 63, C = 8192): a whole step's scores (32 heads x T x C
+    """Qwen3-8B, default serving at C = 8192 (T = 2048 + 63): a whole step's scores (32 heads x T x C
     = 553 M) are capped at 2^26, which still holds one row's whole context (32 x 8192); the
     scratch lives only at the attention stage, so it reuses some of the MLP's bytes."""
-    plan = plan_for("qwen3-8b", prefill_attention="gemm")
+    plan = plan_for("qwen3-8b", prefill_attention="gemm", max_context=8192)
     assert plan.capacity.prefill_score_elements == 1 << 26
     prefill = plan.pool("prefill")
     scratch = {b.name: b for b in prefill.buffers if b.name.startswith("attn_") and b.name != "attn_out"}
     assert set(scratch) == {"attn_packed", "attn_keys", "attn_values", "attn_scores", "attn_probs"}
     assert scratch["attn_keys"].shape == (8, 8192, 128)
     assert scratch["attn_scores"].bytes == 4 << 26 and scratch["attn_probs"].bytes == 2 << 26
-    without = plan_for("qwen3-8b", prefill_attention="gemm", gemm_attention_min_tokens=4096)  # longer than any chunk: no GEMM attention
+    without = plan_for("qwen3-8b", prefill_attention="gemm", max_context=8192, gemm_attention_min_tokens=4096)  # longer than any chunk: no GEMM attention
     assert without.capacity.prefill_score_elements == 0
     assert not any(b.name.startswith("attn_") and b.name != "attn_out" for b in without.pool("prefill").buffers)
     # The pool grows by less than the scratch: it overlaps the MLP roles' bytes.

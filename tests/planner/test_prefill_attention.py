@@ -50,9 +50,9 @@ def test_auto_falls_back_to_gemm_for_float32():
 
 
 def test_flash_plans_the_gather_scratch_and_no_score_tile(plan_for):
-    """Qwen3-8B, default serving (C = 8192): both backends gather a request's keys and values into
+    """Qwen3-8B, default serving at C = 8192: both backends gather a request's keys and values into
     [Hkv, C, D]; only gemm has the packed queries and the score tile."""
-    gemm, flash = plan_for("qwen3-8b", prefill_attention="gemm"), plan_for("qwen3-8b", prefill_attention="flash")
+    gemm, flash = (plan_for("qwen3-8b", prefill_attention=backend, max_context=8192) for backend in ("gemm", "flash"))
     assert _attention_scratch(gemm) == GATHER | GEMM_ONLY
     assert _attention_scratch(flash) == GATHER
     for plan in (gemm, flash):
