@@ -212,7 +212,8 @@ def _request_chunk(chunk: StepChunk, request: Request) -> RequestChunk:
     its batch or on overlap. Its page list is keyed by admission: it only grows until the request is
     released."""
     return RequestChunk(chunk.token_ids, chunk.num_cached, chunk.page_ids, chunk.slot, request.temperature,
-                        request.top_k, request.seed, chunk.sample_index, page_table_key=request.admission)
+                        request.top_k, request.seed, chunk.sample_index, top_p=request.top_p,
+                        page_table_key=request.admission)
 
 
 def _allocation_count(model: DecoderModel) -> int | None:

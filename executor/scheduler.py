@@ -122,6 +122,7 @@ class Request:
     temperature: float = 0.0  # <= 0: greedy
     top_k: int = 0  # <= 0: no restriction
     seed: int = 0  # the request's RNG key: its tokens depend on it, not on its batch
+    top_p: float = 1.0  # >= 1: no restriction
 
     state: RequestState = field(default=RequestState.WAITING, init=False)
     output_ids: list[int] = field(default_factory=list, init=False)
