@@ -340,6 +340,16 @@ class Scheduler:
         self._finish(request, FINISH_ABORT)
         return request
 
+    def stop(self, request_id: Hashable) -> Request:
+        """Finish an unfinished request now as "stop" (its caller found a stop string in its text), also
+        with a step in flight: update() skips that step's chunk of it, as it does for a request that
+        sampled a stop id there."""
+        request = self._requests[request_id]
+        if request.state is RequestState.WAITING:
+            self.waiting.remove(request)
+        self._finish(request, FINISH_STOP)
+        return request
+
     def _rejection(self, request: Request) -> str | None:
         cap = self.capacity
         prompt = len(request.prompt_ids)
