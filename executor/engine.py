@@ -30,7 +30,7 @@ import torch
 
 from executor.models.decoder import DecoderModel
 from executor.page_tables import PageTables
-from executor.scheduler import Request, ScheduledStep, Scheduler, SchedulerStats, StepChunk
+from executor.scheduler import FINISH_STOP, Request, ScheduledStep, Scheduler, SchedulerStats, StepChunk
 from executor.step import RequestChunk, plan_step
 
 
@@ -143,7 +143,9 @@ class Engine:
                     if len(request.output_ids) > count:
                         results[id(request)].token_times_s.append(now)
                         stop = on_tokens is not None and on_tokens(request, request.output_ids[count:])
-                        if stop and not request.is_finished:
+                        if stop and request.is_finished:  # its last id also made max_new_tokens
+                            request.finish_reason = FINISH_STOP
+                        elif stop:
                             self.scheduler.stop(request_id)
                             finished.append(request)
                 for request in finished:

@@ -93,13 +93,19 @@ def read_requests(args: argparse.Namespace, vocab_size: int, tokenizer: Tokenize
         rng = np.random.default_rng(args.seed)
         specs += [RequestSpec(rng.integers(0, vocab_size, args.prompt_len).tolist(), args.max_new_tokens,
                               seed=args.seed) for _ in range(batch)]
+    mark_out_of_vocabulary(specs, vocab_size)
+    for spec in specs:
+        if sampling is not None:
+            apply_sampling(spec, sampling)
+    return specs
+
+
+def mark_out_of_vocabulary(specs: list[RequestSpec], vocab_size: int) -> None:
+    """Mark rejected (``error``) each request with a prompt id outside [0, vocab_size)."""
     for spec in specs:
         bad = next(((i, t) for i, t in enumerate(spec.prompt_ids) if not 0 <= t < vocab_size), None)
         if bad is not None:
             spec.error = f"prompt: id {bad[1]} at position {bad[0]} is outside the vocabulary [0, {vocab_size})"
-        if sampling is not None:
-            apply_sampling(spec, sampling)
-    return specs
 
 
 def apply_sampling(spec: RequestSpec, sampling: Sampling) -> None:

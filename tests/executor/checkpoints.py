@@ -16,7 +16,7 @@ from tests.hf_reference import hf_model
 #: A chat template in the Qwen style: a default system turn, <|im_start|> role headers, eos_token
 #: after assistant turns (a special-token variable), the generation prompt.
 CHAT_TEMPLATE = (
-    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nyou are a tiny model<|im_end|>\\n' }}{% endif %}"
+    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\ntiny<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' }}"
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}"
@@ -34,8 +34,8 @@ CORPUS = [
 
 
 def train_tokenizer(vocab_size: int):
-    """A small BPE (Metaspace pre-tokenizer and decoder, like SentencePiece) with the chat special tokens
-    first: ids 0, 1, 2; at most ``vocab_size`` ids."""
+    """A small BPE (Metaspace pre-tokenizer and decoder, like SentencePiece) of ``vocab_size`` ids: the chat
+    special tokens first (ids 0, 1, 2), the corpus's merges, then added words up to the size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -44,7 +44,9 @@ def train_tokenizer(vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[*SPECIAL_TOKENS, "<unk>"],
                                   show_progress=False)
     tokenizer.train_from_iterator(CORPUS, trainer=trainer)
-    assert tokenizer.get_vocab_size() <= vocab_size
+    # Words for the ids the corpus left unused, so every id a random model samples has text.
+    tokenizer.add_tokens([f"w{index}" for index in range(tokenizer.get_vocab_size(), vocab_size)])
+    assert tokenizer.get_vocab_size() == vocab_size
     return tokenizer
 
 
