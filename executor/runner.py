@@ -98,7 +98,10 @@ def _run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
             return progress[0].after_step
 
         def on_output(index, spec, result, text) -> None:
-            writer.write(output_record(index, spec, result, text))
+            record = output_record(index, spec, result, text)
+            writer.write(record)
+            if streaming and record["finish_reason"] == "rejected":  # its line may go nowhere: say why here
+                print(f"memplan: the prompt was rejected: {record['error']}", file=sys.stderr)
 
         stream = _terminal_stream(sys.stdout) if streaming else None
         report = served.run(specs, on_output=on_output, stream=stream, ignore_eos=args.ignore_eos,

@@ -146,7 +146,7 @@ class ServedModel:
         generated (needs a tokenizer and exactly one spec). ``progress(requests, total)`` makes the
         engine's per-step callback from its requests."""
         from executor.engine import Engine
-        from executor.scheduler import Request
+        from executor.scheduler import FINISH_REJECTED, Request
 
         if stream is not None and (self.tokenizer is None or len(specs) != 1):
             raise RunError("streaming text needs a tokenizer and exactly one request")
@@ -169,7 +169,9 @@ class ServedModel:
         def on_finish(result: RequestResult) -> None:
             index = result.request_id
             text = None
-            if index in texts:
+            if result.finish_reason == FINISH_REJECTED:
+                pass  # it generated nothing: its line has the error, not a text
+            elif index in texts:
                 text = texts[index].finish(result.output_ids)
             elif self.tokenizer is not None:
                 text = finished_text(self.tokenizer, result.output_ids, specs[index].stop)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable
@@ -292,15 +291,6 @@ def read_prompt_file(path: Path) -> list[list[int]]:
     return prompts
 
 
-def write_outputs(specs: list[RequestSpec], results: dict, out: str | None) -> None:
-    if out:
-        with open(out, "w") as stream:
-            write_jsonl(specs, results, stream)
-    else:
-        write_jsonl(specs, results, sys.stdout)
-        sys.stdout.flush()
-
-
 def output_record(index: int, spec: RequestSpec, result: Any | None, text: str | None = None) -> dict:
     """One request's output line; ``result`` is the engine's RequestResult (None: rejected here); ``text``
     (its detokenized output, when the run has a tokenizer) goes beside ``output_ids``."""
@@ -318,11 +308,6 @@ def output_record(index: int, spec: RequestSpec, result: Any | None, text: str |
     if result.error is not None:
         record["error"] = result.error
     return record
-
-
-def write_jsonl(specs: list[RequestSpec], results: dict, stream: TextIO) -> None:
-    for index, spec in enumerate(specs):
-        stream.write(json.dumps(output_record(index, spec, results.get(index))) + "\n")
 
 
 class OutputWriter:
