@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
@@ -93,8 +93,8 @@ def read_requests(args: argparse.Namespace, vocab_size: int, tokenizer: Tokenize
         specs += [RequestSpec(rng.integers(0, vocab_size, args.prompt_len).tolist(), args.max_new_tokens,
                               seed=args.seed) for _ in range(batch)]
     mark_out_of_vocabulary(specs, vocab_size)
-    for spec in specs:
-        if sampling is not None:
+    if sampling is not None:
+        for spec in specs:
             apply_sampling(spec, sampling)
     return specs
 
