@@ -47,6 +47,10 @@ HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 #: Sampling fields a run flag, a request line or SamplingParams may set.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+#: generation_config.json fields that change sampling and are not applied here, with their neutral value:
+#: the report names those a checkpoint sets to something else.
+UNAPPLIED_FIELDS = {"repetition_penalty": 1.0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                    "typical_p": 1.0, "no_repeat_ngram_size": 0}
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class GenerationDefaults:
     eos_ids: tuple[int, ...] = ()
     eos_source: str | None = None  # the file that named them
     sampling: Sampling = Sampling()
+    unapplied: tuple[str, ...] = ()  # "repetition_penalty 1.05", ...: set by the checkpoint, not applied here
 
     def describe_eos(self, ignore_eos: bool) -> str:
         if not self.eos_ids:
@@ -106,7 +111,9 @@ def read_generation_defaults(directory: str | Path | None, vocab_size: int) -> G
             eos_ids = _eos_ids(data["eos_token_id"], str(path), f"{where}eos_token_id", vocab_size)
             eos_source = str(path)
             break
-    return GenerationDefaults(eos_ids, eos_source, _checkpoint_sampling(generation, str(generation_path)))
+    unapplied = tuple(f"{name} {generation[name]}" for name, neutral in UNAPPLIED_FIELDS.items()
+                      if generation.get(name) not in (None, neutral))
+    return GenerationDefaults(eos_ids, eos_source, _checkpoint_sampling(generation, str(generation_path)), unapplied)
 
 
 def resolve_sampling(checkpoint: Sampling, *, temperature: float | None = None, top_p: float | None = None,

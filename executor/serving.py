@@ -188,6 +188,8 @@ class ServedModel:
                ignore_eos: bool = False) -> RunReport:
         """The RunReport of an engine run over ``specs``."""
         sampling = self.generation.sampling.describe()
+        if self.generation.unapplied:
+            sampling += f"; not applied: {', '.join(self.generation.unapplied)} (generation_config.json)"
         eos = self.generation.describe_eos(ignore_eos)
         lines = [f"weights: {self.weights_source}", f"EOS ids: {eos}", f"sampling defaults: {sampling}"]
         text = summary(self.plan, self.arena, report, list(specs), no_prefix_caching, self.graphs, self.warm_up_s,

@@ -129,9 +129,11 @@ def test_generation_defaults_from_the_checkpoint_files(tmp_path):
     assert defaults.eos_ids == (5,) and defaults.eos_source.endswith("config.json")
     assert defaults.sampling == Sampling()  # no generation_config.json: greedy
     (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": [7, 8, 7], "do_sample": True, "temperature": 0.6, "top_p": 0.95}))
+        {"eos_token_id": [7, 8, 7], "do_sample": True, "temperature": 0.6, "top_p": 0.95, "repetition_penalty": 1.05,
+         "min_p": 0.0}))
     defaults = read_generation_defaults(tmp_path, VOCAB)
     assert defaults.eos_ids == (7, 8) and defaults.eos_source.endswith("generation_config.json")
+    assert defaults.unapplied == ("repetition_penalty 1.05",)  # min_p 0 is neutral
     sampling = defaults.sampling
     assert (sampling.temperature, sampling.top_p, sampling.top_k) == (0.6, 0.95, 50)  # HF's top_k default
     assert "top_k from HF's default" in sampling.describe()
