@@ -181,7 +181,7 @@ class RequestText:
         self._shown = ""
 
     def add(self, ids: Sequence[int]) -> bool:
-        """Take the request's new ids; True when its text now contains a stop string."""
+        """Take the request's new ids; True when its text contains a stop string."""
         before = len(self.detokenizer.text)
         self.detokenizer.add(ids)
         text = self.detokenizer.text
