@@ -30,7 +30,7 @@ import torch
 
 from executor.models.decoder import DecoderModel
 from executor.page_tables import PageTables
-from executor.scheduler import Request, ScheduledStep, Scheduler, SchedulerStats, StepChunk
+from executor.scheduler import FINISH_STOP, Request, ScheduledStep, Scheduler, SchedulerStats, StepChunk
 from executor.step import RequestChunk, plan_step
 
 
@@ -98,9 +98,14 @@ class Engine:
         self.read_back = ReadBack(model, plan.capacity.max_batch)
 
     def run(self, requests: Sequence[Request], arrival_steps: Sequence[int] | None = None,
-            on_step: Callable[[int], None] | None = None) -> EngineReport:
+            on_step: Callable[[int], None] | None = None,
+            on_tokens: Callable[[Request, list[int]], bool] | None = None,
+            on_finish: Callable[[RequestResult], None] | None = None) -> EngineReport:
         """Run ``requests`` to completion. ``arrival_steps[i]``: the step before which request i arrives
         (all at step 0 by default). ``on_step(steps_done)`` runs after every step (progress reports).
+        ``on_tokens(request, new_ids)`` runs when a step gave a request ids (text, streaming); True
+        finishes the request there as "stop" (a stop string in its text). ``on_finish(result)`` runs
+        once per request as it finishes (a rejected one at its arrival), its result complete.
         Returns one result per request, in input order."""
         arrivals = list(arrival_steps) if arrival_steps is not None else [0] * len(requests)
         pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
@@ -112,7 +117,8 @@ class Engine:
             while pending and arrivals[pending[0]] <= steps:
                 request = requests[pending.pop(0)]
                 results[id(request)].arrival_s = time.perf_counter() - start
-                self.scheduler.add(request)
+                if not self.scheduler.add(request):  # rejected: finished at its arrival
+                    _finish_result(results[id(request)], request, on_finish)
             step = self.scheduler.schedule() if self.overlap or in_flight is None else None
             launched = None
             if step is not None:
@@ -131,20 +137,26 @@ class Engine:
                 now = time.perf_counter() - start
                 # Stamp the ids update() keeps (it drops those of requests finished or preempted since).
                 counts = {c.request_id: len(by_id[c.request_id].output_ids) for c in done.chunks if c.sample}
-                self.scheduler.update(done, sampled_ids)
+                finished = self.scheduler.update(done, sampled_ids)
                 for request_id, count in counts.items():
-                    if len(by_id[request_id].output_ids) > count:
-                        results[id(by_id[request_id])].token_times_s.append(now)
+                    request = by_id[request_id]
+                    if len(request.output_ids) > count:
+                        results[id(request)].token_times_s.append(now)
+                        stop = on_tokens is not None and on_tokens(request, request.output_ids[count:])
+                        if stop and request.is_finished:  # its last id also made max_new_tokens
+                            request.finish_reason = FINISH_STOP
+                        elif stop:
+                            self.scheduler.stop(request_id)
+                            finished.append(request)
+                for request in finished:
+                    _finish_result(results[id(request)], request, on_finish)
                 if on_step is not None:
                     on_step(done.index + 1)
                 if allocations_start is None:  # after the first step run (warm-up: compiles, cuBLAS set-up)
                     allocations_start = _allocation_count(self.model)
             in_flight = launched
         for request in requests:
-            result = results[id(request)]
-            result.output_ids = list(request.output_ids)
-            result.finish_reason, result.error = request.finish_reason, request.error
-            result.token_times_s = result.token_times_s[: len(result.output_ids)]
+            _finish_result(results[id(request)], request, None)
         end_count = _allocation_count(self.model)
         grown = None if allocations_start is None or end_count is None else end_count - allocations_start
         return EngineReport([results[id(r)] for r in requests], self.scheduler.stats(), self.prefix_caching,
@@ -212,7 +224,18 @@ def _request_chunk(chunk: StepChunk, request: Request) -> RequestChunk:
     its batch or on overlap. Its page list is keyed by admission: it only grows until the request is
     released."""
     return RequestChunk(chunk.token_ids, chunk.num_cached, chunk.page_ids, chunk.slot, request.temperature,
-                        request.top_k, request.seed, chunk.sample_index, page_table_key=request.admission)
+                        request.top_k, request.seed, chunk.sample_index, top_p=request.top_p,
+                        page_table_key=request.admission)
+
+
+def _finish_result(result: RequestResult, request: Request,
+                   on_finish: Callable[[RequestResult], None] | None) -> None:
+    """Fill ``result`` from its finished request (ids, reason, one time stamp per kept id); report it."""
+    result.output_ids = list(request.output_ids)
+    result.finish_reason, result.error = request.finish_reason, request.error
+    result.token_times_s = result.token_times_s[: len(result.output_ids)]
+    if on_finish is not None:
+        on_finish(result)
 
 
 def _allocation_count(model: DecoderModel) -> int | None:

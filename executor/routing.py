@@ -102,7 +102,7 @@ ROUTES: tuple[Route, ...] = (
     Route("decode", "gated delta rule (Qwen3.5)", "state rows 16-byte aligned",
           "linear_attention/delta_rule_decode.py", "bound by moving the state once"),
     Route("any", "output gate (Qwen3.5)", "always", "rows/output_gate.py SigmoidMulInplace", "in place"),
-    Route("any", "sampling", "always", "sampling/sampler.py Sample (greedy, temperature, top-k)",
+    Route("any", "sampling", "always", "sampling/sampler.py Sample (greedy, temperature, top-k, top-p)",
           "one launch for the step's rows"),
 )
 

@@ -29,8 +29,10 @@ def materialized_bytes(plan: MemoryPlan) -> int:
 
 
 def summary(plan: MemoryPlan, arena: Arena, report: EngineReport, specs: list[RequestSpec],
-            no_prefix_caching: bool, graphs: GraphCapture | None = None, warm_up_s: float | None = None) -> str:
-    """The stderr report: planned vs allocated bytes, the allocator's view, throughput, latency, capacities."""
+            no_prefix_caching: bool, graphs: GraphCapture | None = None, warm_up_s: float | None = None,
+            extra_lines: list[str] | None = None) -> str:
+    """The stderr report: planned vs allocated bytes, the allocator's view, throughput, latency, capacities;
+    ``extra_lines`` (weights, EOS and sampling defaults) after the requests' line."""
     device, stats, cap = arena.device, report.stats, plan.capacity
     rejected = stats.rejected + sum(1 for spec in specs if spec.error is not None)
     lines = [f"memplan run: {plan.model.name} on {plan.hardware.name} (device {device.kind}), "
@@ -49,6 +51,7 @@ def summary(plan: MemoryPlan, arena: Arena, report: EngineReport, specs: list[Re
     tokens_per_s = report.generated_tokens / report.wall_s if report.wall_s > 0 else float("nan")
     lines.append(f"requests: {len(specs)} ({len(specs) - rejected} run, {rejected} rejected); "
                  f"{report.generated_tokens} tokens generated in {report.wall_s:.3f} s = {tokens_per_s:,.1f} tokens/s")
+    lines += extra_lines or []
     lines.append(f"TTFT: {_percentiles(report, report.ttfts)}")
     lines.append(f"TPOT: {_percentiles(report, report.tpots)}")
     lines.append("scheduling: " + ("overlapped (the next step launched before the last one's ids are read)"

@@ -1,18 +1,27 @@
-"""``memplan run`` (its flags are parsed in planner.cli): build (or load) a plan, materialize it once, load weights, run the requests
-through the engine (continuous batching), and report.
+"""``memplan run`` (its flags are parsed in planner.cli): build (or load) a plan, materialize it once, load
+weights, run the requests through the engine (continuous batching), and report.
 
-stdout (or ``--out``): one JSONL line per request, in input order: ``{"request", "prompt_len",
-"output_ids", "finish_reason", "ttft_ms", "token_latencies_ms"}`` plus ``"error"`` for a rejected one.
-stderr: a progress line every ~2 s and at the end, then planned vs allocated bytes per pool, the device
-allocator's view (CUDA), requests and tokens/s, TTFT and TPOT p50/p99, the prefix-cache hit rate, peak KV
-pages and recurrent slots vs the plan, preemptions and allocations after warm-up (CUDA).
+Weights: ``--model DIR`` serves DIR's safetensors when it holds them (``--checkpoint DIR`` says the same,
+and gives the weights of a ``--plan``); ``--random-weights`` fills the planned shapes from ``--seed``.
+The tokenizer is the weights' directory's (or ``--tokenizer DIR``'s); without one, requests are ids only
+and text input is an error. The checkpoint's generation_config.json gives the EOS ids (``--ignore-eos``
+keeps generating) and, with ``do_sample``, the sampling defaults that ``--temperature``, ``--top-p`` and
+``--top-k`` replace field by field (executor.generation); a request's own fields come first.
+
+stdout (or ``--out``): one JSONL line per request, written and flushed as it finishes: ``{"request",
+"prompt_len", "output_ids", "text" (with a tokenizer), "finish_reason", "ttft_ms", "token_latencies_ms"}``
+plus ``"error"`` for a rejected one. A single ``--prompt`` streams its text to stdout instead (the line
+goes to ``--out`` only). stderr: a progress line every ~2 s and at the end, then planned vs allocated
+bytes per pool, the device allocator's view (CUDA), requests and tokens/s, the weights, EOS ids and
+sampling defaults, TTFT and TPOT p50/p99, the prefix-cache hit rate, peak KV pages and recurrent slots
+vs the plan, preemptions and allocations after warm-up (CUDA).
 
 A request the plan can never hold (prompt + max_new_tokens over max_context, more KV pages than the pool,
 an empty prompt) is rejected by the scheduler, one with an id outside the vocabulary here; either way only
 that request's line says so (``finish_reason`` "rejected", ``error``) and the run goes on.
 
-Exit codes: 0 ok (rejected requests included); 2 a bad config, plan file, checkpoint or request file (one
-line naming the file and line); 3 the plan does not fit (raised to planner.cli.main, which maps
+Exit codes: 0 ok (rejected requests included); 2 a bad config, plan file, checkpoint, tokenizer or request
+file (one line naming the file and line); 3 the plan does not fit (raised to planner.cli.main, which maps
 ConfigError / PlanDoesNotFit / CheckedOverflowError).
 
 torch and numba are imported inside ``run``, after the simulator is chosen:
@@ -22,26 +31,22 @@ NUMBA_ENABLE_CUDASIM must be set before numba.cuda is first imported.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from executor.run_report import GraphCapture, materialized_bytes, summary
-from executor.workload import RequestFileError, RequestSpec, RunError, read_requests, write_outputs
+from executor.serving import RANDOM_WEIGHTS, choose_simulator
+from executor.workload import OutputWriter, RequestFileError, RunError, output_record, read_requests
 from planner.errors import ConfigError
 
 if TYPE_CHECKING:
-    from executor.arena import Arena
+    from executor.tokenizer import Tokenizer
     from planner.plan import MemoryPlan
 
 EXIT_OK, EXIT_ERROR = 0, 2
 
-#: The simulator keeps the arena in host memory; refuse plans bigger than this there.
-SIM_MAX_MATERIALIZED_BYTES = 1 << 30
-#: The simulator's hardware config (its default_serving is the tiny configs/serving/sim.yaml).
-SIM_HARDWARE = "cpu-sim"
 #: Seconds between progress lines on stderr.
 PROGRESS_INTERVAL_S = 2.0
 
@@ -49,13 +54,15 @@ PROGRESS_INTERVAL_S = 2.0
 def run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     """Run ``memplan run``; return the exit code (ConfigError and PlanDoesNotFit propagate).
     ``overrides``: the serving flags as ServingConfig fields, None where not given."""
-    _choose_simulator(args.device)
+    choose_simulator(args.device)
     from executor.device import DeviceError
     from executor.step import CapacityError
+    from executor.tokenizer import TokenizerError
     from executor.weights import WeightsError
 
     labels = ((CapacityError, "capacity error"), (WeightsError, "weights error"),
-              (RequestFileError, "request error"), (DeviceError, "device error"), (RunError, "error"))
+              (TokenizerError, "tokenizer error"), (RequestFileError, "request error"),
+              (DeviceError, "device error"), (RunError, "error"))
     try:
         return _run(args, overrides)
     except tuple(kind for kind, _ in labels) as error:
@@ -64,66 +71,92 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
         return EXIT_ERROR
 
 
-def _choose_simulator(device: str) -> None:
-    """Enable the Numba CUDA simulator for ``--device sim`` (or auto without CUDA), before numba.cuda loads."""
-    if device == "sim":
-        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-    elif device == "auto":
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-
-
 def _run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
-    from executor.arena import materialize
-    from executor.device import open_device
-    from executor.engine import Engine, warm_up
-    from executor.models import build_model
+    from executor.generation import read_generation_defaults, resolve_sampling
+    from executor.serving import ServedModel
 
     plan = load_plan(args, overrides)
-    device = open_device(args.device)
-    _check_fits_device(plan, device.is_sim)
-    specs = read_requests(args, plan.model.vocab_size)  # before anything is allocated
+    weights = weights_source(args)
+    directory = None if weights == RANDOM_WEIGHTS else weights
+    tokenizer = load_tokenizer(args, directory)
+    generation = read_generation_defaults(directory, plan.model.vocab_size)
+    sampling = resolve_sampling(generation.sampling, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k)
+    generation = replace(generation, sampling=sampling)
+    specs = read_requests(args, plan.model.vocab_size, tokenizer, sampling)  # before anything is allocated
+    streaming = len(args.prompt or []) == 1 and len(specs) == 1  # a single --prompt: its text on the terminal
+    writer = OutputWriter(args.out, None if streaming else sys.stdout)
     try:
-        arena = materialize(plan, device)
-    except ValueError as error:  # e.g. tensor_parallel_size != 1
-        raise RunError(str(error)) from None
-    _load_weights(arena, args)
-    model = build_model(arena)
-    warm_up_s = None
-    if not device.is_sim:  # on a GPU: keep the kernels' first-call compilation out of the latencies
-        start = time.perf_counter()
-        warm_up(model)
-        warm_up_s = time.perf_counter() - start
-    graphs = None if args.eager or device.is_sim else capture_graphs(model)
-    engine = Engine(model, prefix_caching=not args.no_prefix_caching, overlap=not args.no_overlap)
-    runnable = [index for index, spec in enumerate(specs) if spec.error is None]
-    requests = [_engine_request(index, specs[index]) for index in runnable]
-    progress = _Progress(requests, len(specs), sys.stderr)
-    report = engine.run(requests, [specs[index].arrival_step for index in runnable], on_step=progress.after_step)
-    progress.print_line(report.steps, final=True)
-    write_outputs(specs, dict(zip(runnable, report.results)), args.out)
-    print(summary(plan, arena, report, specs, args.no_prefix_caching, graphs, warm_up_s), file=sys.stderr)
+        served = ServedModel.open(plan, args.device, weights=weights, seed=args.seed, tokenizer=tokenizer,
+                                  generation=generation, eager=args.eager)
+        progress: list[_Progress] = []
+
+        def make_progress(requests: list, total: int):
+            progress.append(_Progress(requests, total, sys.stderr))
+            return progress[0].after_step
+
+        def on_output(index, spec, result, text) -> None:
+            record = output_record(index, spec, result, text)
+            writer.write(record)
+            if streaming and record["finish_reason"] == "rejected":  # its line may go nowhere: say why here
+                print(f"memplan: the prompt was rejected: {record['error']}", file=sys.stderr)
+
+        stream = _terminal_stream(sys.stdout) if streaming else None
+        report = served.run(specs, on_output=on_output, stream=stream, ignore_eos=args.ignore_eos,
+                            prefix_caching=not args.no_prefix_caching, overlap=not args.no_overlap,
+                            progress=make_progress)
+    finally:
+        writer.close()
+    if streaming:
+        print(file=sys.stdout, flush=True)  # end the streamed text's line
+    if progress:
+        progress[0].print_line(report.engine.steps, final=True)
+    print(report.text, file=sys.stderr)
     return EXIT_OK
 
 
-def capture_graphs(model) -> GraphCapture:
-    import torch
+def weights_source(args: argparse.Namespace) -> str | Path:
+    """Where the weights come from: ``--checkpoint DIR``, ``--random-weights``, or ``--model DIR`` holding
+    safetensors; anything else is a WeightsError saying what to give."""
+    from executor.weights import WeightsError, has_weights
 
-    device = model.device.torch_device
-    torch.cuda.synchronize(device)
-    reserved, start = torch.cuda.memory_reserved(device), time.perf_counter()
-    model.capture_decode_graphs()
-    return GraphCapture(model.graphs.buckets, time.perf_counter() - start,
-                        torch.cuda.memory_reserved(device) - reserved)
+    if args.checkpoint and args.random_weights:
+        raise RunError("give --checkpoint DIR or --random-weights, not both")
+    if args.checkpoint:
+        return Path(args.checkpoint)
+    if args.random_weights:
+        return RANDOM_WEIGHTS
+    if args.model and has_weights(args.model):
+        return Path(args.model)
+    if args.model and Path(args.model).is_dir():
+        raise WeightsError(f"{args.model} holds no *.safetensors (or model.safetensors.index.json): give "
+                           "--checkpoint DIR or --random-weights")
+    raise WeightsError("no weights: give --model DIR (a checkpoint with safetensors), --checkpoint DIR or "
+                       "--random-weights")
 
 
-def _engine_request(index: int, spec: RequestSpec):
-    from executor.scheduler import Request
+def load_tokenizer(args: argparse.Namespace, weights_directory: Path | None) -> Tokenizer | None:
+    """``--tokenizer DIR``'s tokenizer (which must have one), else the weights' directory's, else --model
+    DIR's; None where there is none."""
+    from executor.tokenizer import Tokenizer, TokenizerError
 
-    return Request(request_id=index, prompt_ids=spec.prompt_ids, max_new_tokens=spec.max_new_tokens,
-                   stop_ids=spec.stop_ids, temperature=spec.temperature, top_k=spec.top_k, seed=spec.seed)
+    if args.tokenizer:
+        tokenizer = Tokenizer.from_directory(args.tokenizer)
+        if tokenizer is None:
+            raise TokenizerError(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
+        return tokenizer
+    for directory in (weights_directory, args.model):
+        if directory is not None and Path(directory).is_dir():
+            return Tokenizer.from_directory(directory)
+    return None
+
+
+def _terminal_stream(stream: TextIO):
+    def write(text: str) -> None:
+        stream.write(text)
+        stream.flush()
+
+    return write
 
 
 class _Progress:
@@ -188,22 +221,3 @@ def read_plan_file(path: Path) -> MemoryPlan:
     return plan
 
 
-def _check_fits_device(plan: MemoryPlan, simulator: bool) -> None:
-    total = materialized_bytes(plan)
-    if simulator and total > SIM_MAX_MATERIALIZED_BYTES:
-        raise RunError(f"the simulator runs tiny configs in host memory; this plan ({plan.model.name} on "
-                       f"{plan.hardware.name}) materializes {total:,} bytes: use --hardware {SIM_HARDWARE} "
-                       f"and a tiny model, or --device cuda")
-
-
-def _load_weights(arena: Arena, args: argparse.Namespace) -> None:
-    from executor.weights import WeightsError, fill_random, load_checkpoint
-
-    if args.checkpoint and args.random_weights:
-        raise RunError("give --checkpoint DIR or --random-weights, not both")
-    if args.checkpoint:
-        load_checkpoint(arena, args.checkpoint)
-    elif args.random_weights:
-        fill_random(arena, args.seed)
-    else:
-        raise WeightsError("no weights: give --checkpoint DIR or --random-weights")

@@ -123,6 +123,7 @@ class Request:
     temperature: float = 0.0  # <= 0: greedy
     top_k: int = 0  # <= 0: no restriction
     seed: int = 0  # the request's RNG key: its tokens depend on it, not on its batch
+    top_p: float = 1.0  # >= 1: no restriction
 
     state: RequestState = field(default=RequestState.WAITING, init=False)
     output_ids: list[int] = field(default_factory=list, init=False)
@@ -336,6 +337,16 @@ class Scheduler:
         if request.state is RequestState.WAITING:
             self.waiting.remove(request)
         self._finish(request, FINISH_ABORT)
+        return request
+
+    def stop(self, request_id: Hashable) -> Request:
+        """Finish an unfinished request now as "stop" (its caller found a stop string in its text), also
+        with a step in flight: update() skips that step's chunk of it, as it does for a request that
+        sampled a stop id there."""
+        request = self._requests[request_id]
+        if request.state is RequestState.WAITING:
+            self.waiting.remove(request)
+        self._finish(request, FINISH_STOP)
         return request
 
     def _rejection(self, request: Request) -> str | None:

@@ -45,7 +45,7 @@ class RequestChunk:
     num_cached  tokens of the request already in the KV cache / recurrent state
     page_ids    physical KV pages of its logical pages, covering num_cached + len(token_ids)
     slot        recurrent-state slot (Qwen3.5), -1 for none
-    temperature, top_k, seed   sampling parameters (temperature <= 0: greedy)
+    temperature, top_k, top_p, seed   sampling parameters (temperature <= 0: greedy; top_p >= 1: no nucleus)
     sample_step index of the token this step samples for the request (the RNG counter)
     page_table_key  names page_ids in plan_step's PageTables (it only grows under one key); None:
                 converted from page_ids every step
@@ -59,6 +59,7 @@ class RequestChunk:
     top_k: int = 0
     seed: int = 0
     sample_step: int = 0
+    top_p: float = 1.0
     page_table_key: Hashable | None = None
 
 
@@ -108,6 +109,7 @@ class StepMetadata:
     slot_ids: np.ndarray  # [requests] int32
     temperature: np.ndarray  # [requests] float32
     top_k: np.ndarray  # [requests] int32
+    top_p: np.ndarray  # [requests] float32
     seeds: np.ndarray  # [requests] int64
     sample_steps: np.ndarray  # [requests] int32
     long_prefill_requests: tuple[LongPrefillRequest, ...] = ()  # the prefill_attention backend's (host only)
@@ -190,6 +192,7 @@ def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk], page_tables: Pag
         slot_ids=_i32(slots),
         temperature=np.array([c.temperature for c in chunks], dtype=np.float32),
         top_k=_i32([c.top_k for c in chunks]),
+        top_p=np.array([c.top_p for c in chunks], dtype=np.float32),
         seeds=np.array([c.seed for c in chunks], dtype=np.int64),
         sample_steps=_i32([c.sample_step for c in chunks]),
         long_prefill_requests=long_requests,
@@ -263,6 +266,7 @@ def pad_decode(plan: MemoryPlan, meta: StepMetadata, bucket: int) -> StepMetadat
         slot_ids=np.concatenate([meta.slot_ids, -ones]),
         temperature=np.concatenate([meta.temperature, np.zeros(pad, np.float32)]),
         top_k=np.concatenate([meta.top_k, zeros]),
+        top_p=np.concatenate([meta.top_p, np.ones(pad, np.float32)]),
         seeds=np.concatenate([meta.seeds, np.zeros(pad, np.int64)]),
         sample_steps=np.concatenate([meta.sample_steps, zeros]),
     )

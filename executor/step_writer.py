@@ -39,6 +39,7 @@ _DESTINATIONS = {
     "logits_indices": ("sampling", "logits_indices"),
     "temperature": ("sampling", "temperature"),
     "top_k": ("sampling", "top_k"),
+    "top_p": ("sampling", "top_p"),
     "seeds": ("sampling", "seeds"),
     "sample_steps": ("sampling", "sample_steps"),
 }

@@ -1,15 +1,25 @@
 """Fill the weights pool: from a safetensors checkpoint, a state dict, or a seed.
 
-Tensors are read one at a time and copied straight into their planned views
-(one staging tensor at most). Names, shapes and dtypes are checked against the
-plan first: a missing, unexpected or mis-shaped tensor is one error listing all
-of them, raised before anything is written.
+A checkpoint directory holds one ``*.safetensors`` file or shards that
+``model.safetensors.index.json`` maps tensor names to (its ``weight_map``; without an index every
+``*.safetensors`` file of the directory is read, and a name in two of them is an error). Each file
+is memory-mapped and each tensor is copied from the mapping straight into its planned view: no
+host copy when the dtypes agree or the view is on the host, one host staging tensor (the cast)
+for a device view of another dtype.
+
+Names, shapes and dtypes are checked against the plan first: a missing, unexpected or mis-shaped
+tensor is one error listing all of them, raised before anything is written. Qwen3.5's multimodal
+checkpoints keep the text stack under ``model.language_model.``: those names serve the text model,
+and the vision tower and multi-token-prediction weights are left out.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import mmap
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,28 +31,164 @@ from executor.arena import Arena
 _PREFIXES = (("model.language_model.", "model."),)
 #: Checkpoint tensors that are not part of the text model we serve.
 _IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.")
+#: A sharded checkpoint's map of tensor names to files (transformers' save_pretrained name).
+INDEX_FILE = "model.safetensors.index.json"
+#: safetensors dtype names -> torch dtypes.
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+#: The safetensors format's bound on its JSON header.
+MAX_HEADER_BYTES = 100 << 20
+_LENGTH_BYTES = 8  # the header length: a little-endian u64 before the header
 
 
 class WeightsError(ValueError):
     """The checkpoint does not match the plan's weights."""
 
 
+def has_weights(directory: str | Path) -> bool:
+    """Whether ``directory`` holds a safetensors checkpoint (an index or a ``*.safetensors`` file)."""
+    directory = Path(directory)
+    return directory.is_dir() and ((directory / INDEX_FILE).is_file() or any(directory.glob("*.safetensors")))
+
+
 def load_checkpoint(arena: Arena, checkpoint: str | Path) -> int:
     """Copy every tensor of an HF checkpoint directory into the arena; return bytes loaded."""
-    from safetensors import safe_open
-
     directory = Path(checkpoint)
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise WeightsError(f"{directory}: no *.safetensors files")
-    handles = [safe_open(str(path), framework="pt") for path in files]
     readers: dict[str, Callable[[], torch.Tensor]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    for handle in handles:
-        for key in handle.keys():
-            readers[key] = lambda h=handle, k=key: h.get_tensor(k)
-            shapes[key] = tuple(handle.get_slice(key).get_shape())
+    for name, (shard, entry) in checkpoint_tensors(directory).items():
+        readers[name] = lambda s=shard, n=name: s.tensor(n)
+        shapes[name] = entry.shape
     return _load(arena, readers, shapes, str(directory))
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: its dtype name, shape and byte range in the data section."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+class SafetensorsFile:
+    """A safetensors file, memory-mapped (copy-on-write: the mapping is never written back); ``tensor(name)``
+    is a torch view of the mapping. The header is checked as the format defines it: a JSON object of
+    entries whose dtype is known, whose shape is a list of ints >= 0, and whose byte range lies in the
+    data section and holds exactly shape x dtype bytes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with open(path, "rb") as stream:
+                size = stream.seek(0, 2)
+                stream.seek(0)
+                length = int.from_bytes(stream.read(_LENGTH_BYTES), "little") if size >= _LENGTH_BYTES else -1
+                if not 0 < length <= min(MAX_HEADER_BYTES, size - _LENGTH_BYTES):
+                    raise WeightsError(f"{path}: not a safetensors file (header length {length}, file {size} bytes)")
+                header = stream.read(length)
+                self._map = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_COPY)
+        except OSError as error:
+            raise WeightsError(f"{path}: cannot read: {error.strerror}") from None
+        self._data_start = _LENGTH_BYTES + length
+        self.entries = _parse_header(path, header, size - self._data_start)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        entry = self.entries[name]
+        dtype = SAFETENSORS_DTYPES[entry.dtype]
+        count = math.prod(entry.shape)
+        if count == 0:
+            return torch.empty(entry.shape, dtype=dtype)
+        flat = torch.frombuffer(self._map, dtype=dtype, count=count, offset=self._data_start + entry.start)
+        return flat.view(entry.shape)
+
+
+def checkpoint_tensors(directory: Path) -> dict[str, tuple[SafetensorsFile, TensorEntry]]:
+    """Every tensor of a checkpoint directory: name -> (its file, its entry), from the index's weight_map
+    when there is one, else from every ``*.safetensors`` file."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_weight_map(index)
+        shards = {file: SafetensorsFile(directory / file) for file in sorted(set(weight_map.values()))}
+        tensors = {}
+        for name, file in weight_map.items():
+            shard = shards[file]
+            if name not in shard.entries:
+                raise WeightsError(f"{index}: weight_map puts {name} in {file}, which does not hold it")
+            tensors[name] = (shard, shard.entries[name])
+        return tensors
+    paths = sorted(directory.glob("*.safetensors"))
+    if not paths:
+        raise WeightsError(f"{directory}: no *.safetensors files (and no {INDEX_FILE})")
+    tensors = {}
+    for path in paths:
+        shard = SafetensorsFile(path)
+        for name, entry in shard.entries.items():
+            if name in tensors:
+                raise WeightsError(f"{directory}: {name} is in both {tensors[name][0].path.name} and {path.name} "
+                                   f"(an {INDEX_FILE} would say which to read)")
+            tensors[name] = (shard, entry)
+    return tensors
+
+
+def _read_weight_map(index: Path) -> dict[str, str]:
+    try:
+        data = json.loads(index.read_text())
+    except OSError as error:
+        raise WeightsError(f"{index}: cannot read: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise WeightsError(f"{index}: malformed JSON at line {error.lineno}: {error.msg}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise WeightsError(f"{index}: weight_map: expected an object of tensor name -> file name")
+    missing = sorted({file for file in weight_map.values() if not (index.parent / file).is_file()})
+    if missing:
+        raise WeightsError(f"{index}: weight_map names shards that are not in {index.parent}: {', '.join(missing)}")
+    outside = sorted({file for file in weight_map.values() if Path(file).name != file})
+    if outside:
+        raise WeightsError(f"{index}: weight_map names files outside its directory: {', '.join(outside)}")
+    return weight_map
+
+
+def _parse_header(path: Path, header: bytes, data_bytes: int) -> dict[str, TensorEntry]:
+    try:
+        data = json.loads(header)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise WeightsError(f"{path}: not a safetensors file (its header is not JSON)") from None
+    if not isinstance(data, dict):
+        raise WeightsError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    entries = {}
+    for name, value in data.items():
+        if name == "__metadata__":
+            continue
+        bad = _entry_problem(value, data_bytes)
+        if bad:
+            raise WeightsError(f"{path}: tensor {name}: {bad}")
+        entries[name] = TensorEntry(value["dtype"], tuple(value["shape"]), *value["data_offsets"])
+    return entries
+
+
+def _entry_problem(value: object, data_bytes: int) -> str | None:
+    if not isinstance(value, dict):
+        return "expected an object with dtype, shape and data_offsets"
+    dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
+    if dtype not in SAFETENSORS_DTYPES:
+        return f"dtype {dtype!r} is not one of {', '.join(SAFETENSORS_DTYPES)}"
+    if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
+        return f"shape {shape!r}: expected a list of ints >= 0"
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in offsets)):
+        return f"data_offsets {offsets!r}: expected [start, end]"
+    start, end = offsets
+    if not 0 <= start <= end <= data_bytes:
+        return f"data_offsets {offsets} outside the data section of {data_bytes} bytes"
+    itemsize = torch.empty((), dtype=SAFETENSORS_DTYPES[dtype]).element_size()
+    if end - start != math.prod(shape) * itemsize:
+        return (f"data_offsets {offsets} hold {end - start} bytes, shape {shape} of {dtype} needs "
+                f"{math.prod(shape) * itemsize}")
+    return None
 
 
 def load_state_dict(arena: Arena, tensors: Mapping[str, torch.Tensor], source: str = "state dict") -> int:
@@ -115,7 +261,10 @@ def _load(arena: Arena, readers: Mapping[str, Callable[[], torch.Tensor]], shape
     total = 0
     for name, key in found.items():
         view = arena.tensor("weights", name)
-        view.copy_(readers[key]())  # casts to the planned dtype (A_log, dt_bias stay float32)
+        source = readers[key]()
+        if source.dtype != view.dtype and source.device != view.device:
+            source = source.to(view.dtype)  # cast on the host: copy_ across devices and dtypes stages on the device
+        view.copy_(source)  # A_log and dt_bias are planned float32
         total += planned[name].bytes
     return total
 

@@ -66,7 +66,8 @@ SERVING_FLAGS = {
 def add_config_arguments(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
     """--model/--hardware/--serving and the serving override flags (shared by plan and run)."""
     parser.add_argument("--model", required=model_required,
-                        help="YAML file, shipped name (qwen3-8b), HF config.json or checkpoint directory")
+                        help="YAML file, shipped name (qwen3-8b), HF config.json or checkpoint directory "
+                             "(run: its safetensors are the weights)")
     parser.add_argument("--hardware", default="h200", help="YAML file or shipped name (default: h200)")
     parser.add_argument("--serving", default=None, help="YAML file or shipped name (default: the hardware's "
                         "default_serving: configs/serving/default.yaml, sim.yaml on cpu-sim)")
@@ -145,12 +146,29 @@ report on stderr (planned vs allocated bytes, tokens/s, TTFT and TPOT p50/p99,
 prefix-cache hit rate, peak KV pages and recurrent slots, preemptions,
 allocations after warm-up).
 
-Requests come from --requests FILE, --prompt-ids FILE and the synthetic
-workload (--num-requests/--input-len/--output-len/--shared-prefix), in that
-order; with none of them, --batch prompts of --prompt-len random ids.
-A --requests line is a JSON object: "prompt_ids" [int, ...] or "prompt_len"
-int (random ids), and optionally "max_new_tokens" (default --max-new-tokens),
-"stop_ids", "temperature", "top_k", "seed".
+Weights: --model DIR serves DIR's safetensors (one file, or shards and their
+model.safetensors.index.json) when it holds them; --checkpoint DIR says the
+same (and gives a --plan its weights); --random-weights fills the planned
+shapes from --seed. Text: the checkpoint's tokenizer.json (or --tokenizer DIR)
+and chat template; without them requests are ids only.
+
+Requests come from --prompt TEXT (repeatable), --requests FILE, --prompt-ids
+FILE and the synthetic workload (--num-requests/--input-len/--output-len/
+--shared-prefix), in that order; with none of them, --batch prompts of
+--prompt-len random ids. A --requests line is a JSON object with one of
+"prompt_ids" [int, ...], "prompt_len" int (random ids), "prompt" text or
+"messages" [{"role": ..., "content": ...}, ...] (rendered by the chat template
+with the generation prompt), and optionally "max_new_tokens" (default
+--max-new-tokens), "stop_ids", "stop" (strings), "temperature", "top_p",
+"top_k", "seed", "ignore_eos".
+A request stops at the checkpoint's EOS ids (generation_config.json, then
+config.json; finish_reason "stop") unless --ignore-eos. Sampling fields a
+request leaves out come from --temperature/--top-p/--top-k, then from the
+checkpoint's generation_config.json (with do_sample), else greedy; the report
+says which applied.
+Output lines (JSONL, stdout or --out) are written as requests finish, each
+naming its input index ("request"), with "text" beside "output_ids" when there
+is a tokenizer. A single --prompt streams its text to stdout instead.
 A request the plan can never hold (prompt + max_new_tokens over max_context,
 more KV pages than the pool) or with an id outside the vocabulary is rejected
 in its own output line; the others still run.
@@ -162,7 +180,11 @@ Exit codes: 0 ok (rejected requests included); 2 a bad config, plan file,
 checkpoint or request file; 3 the plan does not fit."""
 
 RUN_EXAMPLE = """\
-example (the Numba CUDA simulator, no GPU):
+examples:
+  memplan run --model path/to/Qwen3-8B --prompt "The capital of France is" --max-new-tokens 32
+  memplan run --model path/to/Qwen3-8B --requests chat.jsonl --out answers.jsonl
+  memplan run --model path/to/Qwen3.5-9B --prompt "..." --temperature 0.7 --top-p 0.8 --seed 1
+the Numba CUDA simulator (no GPU):
   memplan run --model tiny-qwen3 --hardware cpu-sim --device sim --random-weights \\
               --batch 2 --prompt-len 5 --max-new-tokens 3
   memplan run --model tiny-qwen3 --hardware cpu-sim --device sim --random-weights \\
@@ -177,14 +199,29 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", help="a plan JSON file (instead of --model/--hardware/--serving); "
                                        "it must equal what this planner builds from its configs")
     parser.add_argument("--checkpoint", help="HF checkpoint directory (config.json + *.safetensors); "
-                                             "implies --model DIR when --model is absent")
+                                             "implies --model DIR when --model is absent (--model DIR with "
+                                             "safetensors means the same)")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="directory of tokenizer.json (default: the checkpoint's, or --model DIR's)")
     parser.add_argument("--random-weights", action="store_true", help="fill the weight pool from --seed")
-    parser.add_argument("--seed", type=int, default=0, help="seed of --random-weights and synthetic prompts")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of --random-weights, of synthetic prompts and the sampling seed of requests "
+                             "that set none")
+    parser.add_argument("--prompt", action="append", metavar="TEXT",
+                        help="a text prompt (repeatable); a single one streams its text to stdout")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sampling temperature of requests that set none (0: greedy; default: the "
+                             "checkpoint's generation_config.json, else greedy)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1] of requests that set none")
+    parser.add_argument("--top-k", type=int, default=None, help="top-k of requests that set none (0: no limit)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="generate past the checkpoint's EOS ids, to max_new_tokens (stop ids still stop)")
     parser.add_argument("--device", choices=("auto", "cuda", "sim"), default="auto",
                         help="cuda, or the Numba CUDA simulator (tiny configs); auto: cuda when present")
     parser.add_argument("--requests", metavar="FILE",
-                        help="JSONL requests: {\"prompt_ids\": [...]} or {\"prompt_len\": N}, optional "
-                             "max_new_tokens, stop_ids, temperature, top_k, seed")
+                        help="JSONL requests: {\"prompt_ids\": [...]}, {\"prompt_len\": N}, {\"prompt\": text} or "
+                             "{\"messages\": [...]}, optional max_new_tokens, stop_ids, stop, temperature, top_p, "
+                             "top_k, seed, ignore_eos")
     parser.add_argument("--prompt-ids", metavar="FILE", help="JSONL file, one {\"prompt_ids\": [...]} per line")
     parser.add_argument("--num-requests", type=int, metavar="N",
                         help="synthetic workload: N requests of --input-len random ids")
@@ -205,7 +242,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "launch the next step first, one step in flight)")
     parser.add_argument("--eager", action="store_true",
                         help="run decode steps eagerly instead of replaying the captured CUDA graphs")
-    parser.add_argument("--out", help="write the per-request JSONL here instead of stdout")
+    parser.add_argument("--out", help="write the per-request JSONL here instead of stdout (line by line, flushed)")
 
 
 def build_parser() -> argparse.ArgumentParser:

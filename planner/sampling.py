@@ -15,6 +15,8 @@ def build_sampling(geometry: Geometry, max_batch: int, dtype: str) -> Pool:
     logits         [B, V] f32  the same logits widened for sampling
     temperature    [B] f32     per request; <= 0 is greedy
     top_k          [B] int32   per request; <= 0 is no restriction
+    top_p          [B] f32     per request; >= 1 is no restriction (the nucleus needs no scratch: the
+                               sampler's radix select keeps its mass bins in shared memory)
     seeds          [B] int64   per request RNG key
     sample_steps   [B] int32   index of the token each request samples (the RNG counter)
     sampled_ids    [B] int32   the step's output tokens (the one host read-back)
@@ -29,6 +31,7 @@ def build_sampling(geometry: Geometry, max_batch: int, dtype: str) -> Pool:
             BufferRequest("logits", "float32", (max_batch, g.vocab_size)),
             BufferRequest("temperature", "float32", (max_batch,)),
             BufferRequest("top_k", "int32", (max_batch,)),
+            BufferRequest("top_p", "float32", (max_batch,)),
             BufferRequest("seeds", "int64", (max_batch,)),
             BufferRequest("sample_steps", "int32", (max_batch,)),
             BufferRequest("sampled_ids", "int32", (max_batch,)),

@@ -1,5 +1,5 @@
 """The decoder forward shared by Qwen3 and Qwen3.5: embed, layers, final norm,
-lm_head and sampling (greedy, temperature, top-k), over the planned buffers.
+lm_head and sampling (greedy, temperature, top-k, top-p), over the planned buffers.
 
 The model holds its layers twice, once per projections backend (projections.py), and a step runs
 one of them throughout. GEMM layers: the residual stream ``hidden`` is accumulated in place by
@@ -161,5 +161,6 @@ class DecoderModel:
     def _sample(self, step: StepViews) -> None:
         """Sample from ``logits`` (float32, written by the forward) into ``sampled_ids``."""
         sampling = lambda name: self._sampling(step, name)  # noqa: E731
-        self.kernels.sample(sampling("logits"), sampling("temperature"), sampling("top_k"), sampling("seeds"),
+        self.kernels.sample(sampling("logits"), sampling("temperature"), sampling("top_k"), sampling("top_p"),
+                            sampling("seeds"),
                             sampling("sample_steps"), sampling("sampled_ids"), stream=step.stream)

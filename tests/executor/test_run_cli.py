@@ -90,7 +90,9 @@ def test_requests_the_plan_cannot_hold_are_rejected_in_their_line_and_the_rest_r
                  "--max-new-tokens", "2"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    ok, over, outside = _outputs(out)
+    lines = _outputs(out)
+    assert [line["request"] for line in lines] == [2, 1, 0]  # as they finish: rejected here, at arrival, then run
+    ok, over, outside = sorted(lines, key=lambda line: line["request"])
     assert ok["finish_reason"] == "length" and len(ok["output_ids"]) == 2 and "error" not in ok
     assert over["finish_reason"] == "rejected" and over["output_ids"] == [] and over["prompt_len"] == 63
     assert "max_context" in over["error"] and "65" in over["error"] and "64" in over["error"]

@@ -375,6 +375,24 @@ def test_one_step_in_flight_while_scheduling_and_updates_in_order():
     assert scheduler.schedule() is None and not scheduler.has_unfinished
 
 
+def test_stop_with_a_step_in_flight_finishes_the_request_and_update_skips_its_chunk():
+    """A stop string found after a step's update, with the next step already scheduled: stop() finishes the
+    request as "stop" there and frees its pages and slot; the step in flight's sample for it is dropped."""
+    scheduler = scheduler_for(make_capacity(slots_per_request=1), recurrent=True)
+    scheduler.add(Request("s", prompt(5), 6))
+    scheduler.add(Request("t", prompt(3, base=1), 2))
+    first = scheduler.schedule()
+    second = scheduler.schedule()  # in flight: both requests' next decode rows
+    scheduler.update(first, [11, 12])
+    stopped = scheduler.stop("s")
+    assert stopped.finish_reason == "stop" and stopped.output_ids == [11] and stopped.slot == -1
+    scheduler.check()
+    (done,) = scheduler.update(second, [13, 14])
+    assert stopped.output_ids == [11]  # its in-flight sample was dropped
+    assert done.request_id == "t" and done.output_ids == [12, 14] and done.finish_reason == "length"
+    assert_all_released(scheduler)
+
+
 @pytest.mark.step_by_step
 def test_abort_releases_pages_and_slot():
     scheduler = scheduler_for(make_capacity(slots_per_request=1), recurrent=True)

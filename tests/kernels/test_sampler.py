@@ -64,8 +64,30 @@ def noise_np(seed: int, step: int, vocab: int, exact_logs: bool = True):
     return words, u, g
 
 
-def reference_token(row, temperature, top_k, seed, step, exact_logs: bool = True) -> int:
-    """The token the kernel must produce, by the definition (no window, top-k by sorting)."""
+def nucleus_np(x: np.ndarray, candidates: np.ndarray, top_p: float) -> np.ndarray:
+    """The top-p nucleus inside ``candidates`` by the definition, in float64: the values v, largest first,
+    until the softmax mass of {x >= v} over the candidates reaches top_p; every tie of the last is in."""
+    if not 0 < top_p < 1:
+        return candidates
+    values = np.sort(x[candidates].astype(np.float64))[::-1]
+    cumulative = np.cumsum(np.exp(values - values[0]))
+    last = min(int(np.searchsorted(cumulative / cumulative[-1], np.float32(top_p))), values.size - 1)
+    return candidates & (x.astype(np.float64) >= values[last])
+
+
+def stable_reference_token(row, temperature, top_k, seed, step, top_p: float, exact_logs: bool = True,
+                           slack: float = 1e-4) -> int:
+    """reference_token, checked to give the same token with top_p moved by a relative ``slack`` either way:
+    the kernel's float32 mass sums cannot then land on a nucleus with another winner."""
+    tokens = {reference_token(row, temperature, top_k, seed, step, exact_logs, top_p=top_p * scale)
+              for scale in (1 - slack, 1.0, 1 + slack)}
+    assert len(tokens) == 1, f"top_p {top_p} sits on a nucleus edge whose winner changes: {tokens}"
+    return tokens.pop()
+
+
+def reference_token(row, temperature, top_k, seed, step, exact_logs: bool = True, top_p: float = 1.0) -> int:
+    """The token the kernel must produce, by the definition (no window, top-k by sorting, the top-p
+    nucleus of the top-k restricted softmax by sorting)."""
     row = np.asarray(row, dtype=np.float32)
     vocab = row.shape[0]
     greedy = int(torch.argmax(torch.from_numpy(row.copy())))
@@ -81,6 +103,7 @@ def reference_token(row, temperature, top_k, seed, step, exact_logs: bool = True
     candidates = np.ones(vocab, dtype=bool)
     if 0 < top_k < vocab:
         candidates = row >= np.sort(row)[::-1][top_k - 1]  # ties with the k-th value stay in
+    candidates = nucleus_np(x, candidates, top_p)
     _, _, g = noise_np(seed, step, vocab, exact_logs)
     return int(np.argmax(np.where(candidates, x + g, np.float32(-np.inf))))
 
@@ -88,34 +111,36 @@ def reference_token(row, temperature, top_k, seed, step, exact_logs: bool = True
 # ------------------------------------------------------------------ helpers
 
 
-def params(rows, temperature, top_k, seed, step):
-    """Per-row parameter arrays from scalars or sequences."""
+def params(rows, temperature, top_k, seed, step, top_p=1.0):
+    """Per-row parameter arrays (temperature, top_k, top_p, seed, step) from scalars or sequences."""
     return (np.broadcast_to(np.asarray(temperature, np.float32), (rows,)).copy(),
             np.broadcast_to(np.asarray(top_k, np.int32), (rows,)).copy(),
+            np.broadcast_to(np.asarray(top_p, np.float32), (rows,)).copy(),
             np.broadcast_to(np.asarray(seed, np.int64), (rows,)).copy(),
             np.broadcast_to(np.asarray(step, np.int32), (rows,)).copy())
 
 
-def run_sample(logits, temperature, top_k, seed, step, max_threads: int = SIM_THREADS) -> np.ndarray:
+def run_sample(logits, temperature, top_k, seed, step, max_threads: int = SIM_THREADS, top_p=1.0) -> np.ndarray:
     logits = np.asarray(logits, dtype=np.float32)
     out = np.full(logits.shape[0], POISON, dtype=np.int32)
-    Sample(max_threads)(logits, *params(logits.shape[0], temperature, top_k, seed, step), out)
+    Sample(max_threads)(logits, *params(logits.shape[0], temperature, top_k, seed, step, top_p), out)
     assert (out != POISON).all(), "a row was not written"
     return out
 
 
-def launch(logits, temperature, top_k, seed, step, blocks: int, threads: int) -> np.ndarray:
+def launch(logits, temperature, top_k, seed, step, blocks: int, threads: int, top_p=1.0) -> np.ndarray:
     """The kernel on ``blocks`` blocks of ``threads`` (fewer blocks than rows: they grid-stride)."""
     out = np.full(logits.shape[0], POISON, dtype=np.int32)
-    Sample(SIM_THREADS).kernel[blocks, threads](logits, *params(logits.shape[0], temperature, top_k, seed, step), out)
+    Sample(SIM_THREADS).kernel[blocks, threads](logits, *params(logits.shape[0], temperature, top_k, seed, step, top_p),
+                                                out)
     assert (out != POISON).all(), "a row was not written"
     return out
 
 
-def draw_many(row, temperature, top_k, seed, steps, threads: int) -> np.ndarray:
+def draw_many(row, temperature, top_k, seed, steps, threads: int, top_p=1.0) -> np.ndarray:
     """One token per step for one logits row, one launch: a single block grid-strides the rows."""
     logits = np.tile(np.asarray(row, np.float32), (len(steps), 1))
-    return launch(logits, temperature, top_k, seed, steps, blocks=1, threads=threads)
+    return launch(logits, temperature, top_k, seed, steps, blocks=1, threads=threads, top_p=top_p)
 
 
 def argmax_np(logits) -> np.ndarray:
@@ -315,6 +340,73 @@ def test_top_k_distribution_matches_restricted_softmax():
     assert chi_square(counts[kept], softmax(ROW8[kept].astype(np.float64) / 1.5)) < 18.0, counts  # df = 2
 
 
+# ------------------------------------------------------------------ top-p
+
+
+def top_p_cases():
+    """(name, logits [4, V], temperature, top_k, top_p per row)."""
+    rng = np.random.default_rng(13)
+    flat = rng.standard_normal((4, 50)).astype(np.float32)
+    ties = (np.round(rng.standard_normal((4, 64)) * 2) / 2).astype(np.float32)  # the nucleus ends on a tie
+    tail = np.full((4, 151), -21.01, np.float32)  # outside the window: part of Z, never a candidate
+    tail[:, [7, 70, 140]] = [0.0, -0.5, -20.0]
+    below_one = float(np.nextafter(np.float32(1.0), np.float32(0.0)))
+    return [
+        ("nucleus", flat, 1.0, 0, [0.9, 0.5, 0.2, 0.75]),
+        ("top-k then nucleus", flat, 0.7, [5, 20, 3, 49], [0.6, 0.9, 0.99, 0.3]),
+        ("tied nucleus edge", ties, 1.5, 0, [0.8, 0.4, 0.95, 0.6]),
+        ("tiny p: the max and its ties", ties, 2.0, 0, 1e-6),
+        ("p just below 1, a tail outside the window", tail, 1.0, 0, below_one),
+    ]
+
+
+@pytest.mark.parametrize("case", top_p_cases(), ids=lambda c: c[0])
+def test_top_p_tokens_match_numpy_reference(case):
+    name, logits, temperature, top_k, top_p = case
+    seeds, steps = [5, -6, 2**40 + 7, 8], [0, 3, 2**20, 9]
+    top_k, top_p = np.broadcast_to(top_k, (4,)), np.broadcast_to(np.asarray(top_p, np.float32), (4,))
+    got = run_sample(logits, temperature, top_k, seeds, steps, top_p=top_p)
+    slack = 1e-9 if name.startswith("p just below 1") else 1e-4  # that p is the float32 just below 1
+    expected = [stable_reference_token(logits[b], temperature, int(top_k[b]), seeds[b], steps[b], float(top_p[b]),
+                                       slack=slack) for b in range(4)]
+    assert list(got) == expected
+
+
+def test_top_p_one_equals_plain_temperature_sampling():
+    rng = np.random.default_rng(14)
+    logits = rng.standard_normal((4, 40)).astype(np.float32) * 2
+    temperature, top_k, seeds, steps = [0.8, 1.0, 1.3, 0.6], [0, 7, 0, 30], [1, 2, 3, 4], [5, 6, 7, 8]
+    plain = run_sample(logits, temperature, top_k, seeds, steps)
+    assert list(run_sample(logits, temperature, top_k, seeds, steps, top_p=1.0)) == list(plain)
+    assert list(plain) == [reference_token(logits[b], temperature[b], top_k[b], seeds[b], steps[b]) for b in range(4)]
+
+
+def test_samples_stay_in_the_nucleus():
+    row = np.full(32, -4.0, np.float32)
+    row[[9, 21, 2]] = [1.0, 0.9, 0.8]  # about 0.95 of the mass at T = 1; p = 0.9 needs all three
+    got = draw_many(row, 1.0, 0, 55, np.arange(48), threads=4, top_p=0.9)
+    assert set(got.tolist()) == {9, 21, 2}
+
+
+def test_top_p_distribution_matches_the_renormalised_nucleus():
+    probs = softmax(ROW8.astype(np.float64) / 1.2)
+    kept = [0, 6, 1, 2]  # 2.0, 1.5, 1.0, 0.5: the first three hold < 0.8 of the mass, four > 0.8
+    assert probs[kept[:3]].sum() < 0.8 < probs[kept].sum()
+    draws = draw_many(ROW8, 1.2, 0, 777, np.arange(128), threads=4, top_p=0.8)
+    counts = np.bincount(draws, minlength=8)
+    assert counts.sum() == counts[kept].sum()
+    assert chi_square(counts[kept], probs[kept] / probs[kept].sum()) < 20.0, counts  # df = 3
+
+
+def test_top_p_token_does_not_depend_on_the_batch():
+    rng = np.random.default_rng(15)
+    logits = rng.standard_normal((3, 64)).astype(np.float32)
+    temperature, top_k, top_p, seeds, steps = [1.0, 0.9, 1.1], [0, 12, 0], [0.7, 0.85, 0.5], [9, 8, 7], [1, 2, 3]
+    alone = [run_sample(logits[[b]], temperature[b], top_k[b], seeds[b], steps[b], top_p=top_p[b])[0]
+             for b in range(3)]
+    assert list(run_sample(logits, temperature, top_k, seeds, steps, top_p=top_p)) == alone
+
+
 # ------------------------------------------------------------------ rows that start anywhere
 
 VIEW_VOCAB = 151  # 37 chunks and a head or tail: 2 sweeps of CHUNK_THREADS x GROUP logits, the second partial
@@ -408,13 +500,15 @@ def test_sampled_tokens_on_rows_that_start_anywhere(name):
 
 def test_launcher_shape_errors_and_empty_batch():
     logits = np.zeros((2, 8), np.float32)
-    t, k, s, st = params(2, 1.0, 0, 0, 0)
+    t, k, p, s, st = params(2, 1.0, 0, 0, 0)
     with pytest.raises(ValueError, match="out_ids"):
-        Sample(SIM_THREADS)(logits, t, k, s, st, np.zeros(3, np.int32))
+        Sample(SIM_THREADS)(logits, t, k, p, s, st, np.zeros(3, np.int32))
     with pytest.raises(ValueError, match="top_k"):
-        Sample(SIM_THREADS)(logits, t, np.zeros(1, np.int32), s, st, np.zeros(2, np.int32))
+        Sample(SIM_THREADS)(logits, t, np.zeros(1, np.int32), p, s, st, np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match="top_p"):
+        Sample(SIM_THREADS)(logits, t, k, np.ones(3, np.float32), s, st, np.zeros(2, np.int32))
     with pytest.raises(ValueError, match="empty vocabulary"):
-        Sample(SIM_THREADS)(np.zeros((2, 0), np.float32), t, k, s, st, np.zeros(2, np.int32))
+        Sample(SIM_THREADS)(np.zeros((2, 0), np.float32), t, k, p, s, st, np.zeros(2, np.int32))
     with pytest.raises(ValueError, match="power of two"):
         Sample(1024)
     Sample(SIM_THREADS)(np.zeros((0, 8), np.float32), *params(0, 1.0, 0, 0, 0), np.zeros(0, np.int32))
@@ -427,7 +521,7 @@ def test_sample_compiles_for_sm90_with_16_byte_loads():
     compile_for_sm90("""
         from executor.kernels.sampling.sampler import UNROLL, build_sample_kernel
         i32 = arr("int32", 1)
-        text = ptx(build_sample_kernel(), arr("float32", 2), arr("float32", 1), i32,
+        text = ptx(build_sample_kernel(), arr("float32", 2), arr("float32", 1), i32, arr("float32", 1),
                    types.Array(types.int64, 1, "A"), i32, i32)
         loads = text.count("ld.global.v4.f32")
         assert loads >= 4 * UNROLL, f"sample kernel: {loads} 16-byte loads, expected at least {4 * UNROLL}"
@@ -467,9 +561,33 @@ def test_gpu_tokens_match_numpy_reference(vocab, offset):
     seed = torch.arange(rows, dtype=torch.int64, device="cuda") * 7919 - 3
     step = torch.arange(rows, dtype=torch.int32, device="cuda") * 13
     out = torch.full((rows,), POISON, dtype=torch.int32, device="cuda")
-    Sample()(logits, temperature, top_k, seed, step, out)
+    top_p = torch.ones(rows, device="cuda")
+    Sample()(logits, temperature, top_k, top_p, seed, step, out)
     torch.cuda.synchronize()
     host = logits.cpu().numpy()
     expected = [reference_token(host[b], float(temperature[b]), int(top_k[b]), int(seed[b]), int(step[b]),
                                 exact_logs=False) for b in range(rows)]
+    assert out.cpu().tolist() == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [151936, 248320])
+def test_gpu_top_p_tokens_match_numpy_reference(vocab):
+    """Top-p at real vocabularies: peaked rows (the radix select over the window) and a flat one (every
+    logit in the window), with and without top-k; each expected token holds for p moved by 1e-4 either way."""
+    gen = torch.Generator(device="cuda").manual_seed(16)
+    rows = 6
+    logits = torch.randn(rows, vocab, device="cuda", generator=gen) * 3
+    logits[2] *= 0.02  # flat
+    temperature = torch.tensor([1.0, 0.7, 1.0, 0.6, 1.3, 0.9], device="cuda")
+    top_k = torch.tensor([0, 50, 0, 0, 400, 20], dtype=torch.int32, device="cuda")
+    top_p = torch.tensor([0.9, 0.8, 0.95, 0.5, 0.97, 0.3], device="cuda")
+    seed = torch.arange(rows, dtype=torch.int64, device="cuda") * 104729 + 1
+    step = torch.arange(rows, dtype=torch.int32, device="cuda") * 17
+    out = torch.full((rows,), POISON, dtype=torch.int32, device="cuda")
+    Sample()(logits, temperature, top_k, top_p, seed, step, out)
+    torch.cuda.synchronize()
+    host = logits.cpu().numpy()
+    expected = [stable_reference_token(host[b], float(temperature[b]), int(top_k[b]), int(seed[b]), int(step[b]),
+                                       float(top_p[b]), exact_logs=False) for b in range(rows)]
     assert out.cpu().tolist() == expected

@@ -1,9 +1,9 @@
-"""Random sampling of one token per row: temperature, top-k, a stateless counter-based RNG.
+"""Random sampling of one token per row: temperature, top-k, top-p, a stateless counter-based RNG.
 
-Kernel ``sample(logits, temperature, top_k, seed, step, out_ids)``, one block per row:
+Kernel ``sample(logits, temperature, top_k, top_p, seed, step, out_ids)``, one block per row:
 
 - ``logits`` float32 [B, V] (a row-sliced view is fine), ``temperature`` float32 [B],
-  ``top_k`` int32 [B], ``seed`` int64 [B] (its 64 bits are the RNG key: negative
+  ``top_k`` int32 [B], ``top_p`` float32 [B], ``seed`` int64 [B] (its 64 bits are the RNG key: negative
   seeds are fine), ``step`` int32 [B] (the index of the token being sampled for
   the request; only its low 32 bits matter), ``out_ids`` int32 [B].
 - ``temperature <= 0`` (or NaN), ``top_k == 1``: greedy, the first index of the
@@ -12,6 +12,10 @@ Kernel ``sample(logits, temperature, top_k, seed, step, out_ids)``, one block pe
   logits; ``top_k <= 0`` or ``>= V`` means no restriction. Ties at the k-th value
   are all kept (HF's TopKLogitsWarper keeps ``logits >= k-th largest``), and
   -0.0 counts as equal to +0.0.
+- ``0 < top_p < 1`` restricts the candidates further to the nucleus: the smallest set of the
+  largest logits whose share of the (top-k restricted) softmax is at least ``top_p`` (HF's
+  TopPLogitsWarper after TopKLogitsWarper, vLLM's order). Ties at its smallest value are all
+  kept. ``top_p >= 1`` (or <= 0, or NaN) is no restriction.
 - A row whose maximum is not finite (a NaN anywhere, +inf, or all -inf) gets the
   greedy answer in every mode: softmax is undefined there, and a NaN row shows up
   as the index of its first NaN instead of a plausible token. So does a row whose
@@ -24,9 +28,11 @@ generators) keyed by the 64-bit seed (key = low word, high word) at counter
 ``(i, step, 0, 0)``; word 0 ``w`` of the output gives
 ``u = ((w >> 9) + 0.5) * 2**-23``, in ``[2**-24, 1 - 2**-24]`` (never 0 or 1).
 Counter words 2 and 3 are free for other streams of the same request (a top-p
-draw, say). No float sum is involved anywhere, so the token depends only on
+draw, say). Without top-p no float sum is involved anywhere, so the token depends only on
 (seed, step, logits row, T, k): not on the batch position,
-the batch composition or the block size. The hash is integer-only (uint64 holding
+the batch composition or the block size. A top-p row's nucleus comes from float32 sums in a
+fixed tree over the block's threads: its token depends on (seed, step, row, T, k, p) and the
+block size (one per vocabulary size for a launcher), never on the batch. The hash is integer-only (uint64 holding
 32-bit words, every product of two 32-bit words fits, every sum is masked), so the
 simulator computes the very bits the GPU does; the two logs are float32 ``logf``
 on the GPU and float64-then-rounded in the simulator (the last bit of a Gumbel
@@ -60,7 +66,16 @@ depend on the order it visits the elements in, so the token does not either.
    passes, each a read of the row, 16 per-thread counters in shared memory and a
    16-wide tree reduction; it stops early when the digit bin being split closes
    the count at exactly k. The cost does not depend on k.
-4. Gumbel pass: the window (and top-k) test of a thread's 32 loaded logits marks the
+4. top-p only (0 < p < 1): a mass pass sums ``m_i = exp(x_i - x_M)`` over the top-k set (Z)
+   and over its part inside the window. If the window's share is below p, the nucleus holds
+   every candidate already and nothing more is done. Otherwise an MSD radix select, like
+   top-k's, walks the digit bins from the top by their mass (per-thread float32 bin sums in
+   the radix counters' shared memory, stored as bits) to the key where the mass from the top
+   reaches p x Z: 8 passes, each a read of the row that computes ``m_i`` for the window's
+   candidates of the current prefix only. Chunks whose logits all lie more than 110 below the
+   max in ``x`` (``m_i`` is exactly 0 in float32 there) are settled by 4 multiplies in the mass
+   pass, and chunks outside the window by the window test in the radix passes.
+5. Gumbel pass: the window (and top-k, top-p) test of a thread's 32 loaded logits marks the
    candidates in a 32-bit mask; Philox (10 rounds of two 64-bit multiplies) and the
    two logs then run once per marked candidate, on its logit read again (from L1: the
    thread loaded it just before), then a block argmax. The hash out of the unrolled
@@ -68,7 +83,8 @@ depend on the order it visits the elements in, so the token does not either.
    in registers (indexed by constants).
 
 So: greedy 1 pass; unrestricted 2 passes; top-k 3 passes, at most 11 when more
-than k logits lie within ~21 * T of the max. No global scratch; static shared
+than k logits lie within ~21 * T of the max; top-p adds 1 pass, or 9 when the window holds
+more than a share p of the mass (the usual case for a peaked distribution). No global scratch; static shared
 memory only (``SHARED_BYTES``, under 37 KB). No warp shuffles (the simulator runs it).
 
 Block size and unroll. At batch 1 one block runs on one SM, so a pass takes about (row
@@ -117,8 +133,9 @@ NVVM_INLINE = {} if simulator_enabled() else {"forceinline": True}
 RADIX_BITS = 4
 RADIX = 1 << RADIX_BITS
 RADIX_PASSES = 32 // RADIX_BITS
-# Static shared memory per block: radix counters, argmax candidates (value, index), 3 int64 of state.
-SHARED_BYTES = RADIX * MAX_THREADS * 4 + MAX_THREADS * 8 + 3 * 8
+# Static shared memory per block: radix counters, argmax candidates (value, index), 3 int64 of state,
+# the top-p mass still wanted (float32, padded to 8 bytes).
+SHARED_BYTES = RADIX * MAX_THREADS * 4 + MAX_THREADS * 8 + 3 * 8 + 8
 
 # Philox4x32-10 constants (multipliers and Weyl key increments of the published generator).
 PHILOX_ROUNDS = 10
@@ -137,6 +154,9 @@ TWO_M24 = np.float32(2.0**-24)
 # a span under 20, plus 1 of slack. Elements further than this below the max cannot win.
 GUMBEL_WINDOW = np.float32(21.0)
 WINDOW_REL = np.float32(2.0**-20)  # covers float32 rounding of large scores (|x| * 2**-23 per rounding)
+# exp(d) is exactly 0 in float32 for d < -104 (the smallest subnormal is exp(-103.3)): a logit this
+# far below the max in x = logit / T adds nothing to a top-p mass.
+MASS_FLOOR = np.float32(-110.0)
 NEG_INF = np.float32(-np.inf)
 POS_INF = np.float32(np.inf)
 NAN_KEY = 0xFFFFFFFF  # NaN sorts above +inf (it is always a candidate and wins, as in argmax)
@@ -232,6 +252,24 @@ def block_count(counts, value):
         cuda.syncthreads()
         stride //= 2
     total = int64(counts[0, 0])
+    cuda.syncthreads()
+    return total
+
+
+@cuda.jit(device=True, inline=True)
+def block_sum(values, value):
+    """Block-wide float32 sum of a per-thread value through ``values`` (a fixed tree: the same bits for a
+    block size); every thread gets it. Ends with a barrier."""
+    tid = cuda.threadIdx.x
+    values[tid] = value
+    cuda.syncthreads()
+    stride = cuda.blockDim.x // 2
+    while stride > 0:
+        if tid < stride:
+            values[tid] += values[tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+    total = values[0]
     cuda.syncthreads()
     return total
 
@@ -413,7 +451,8 @@ def radix_visit(carry, logit, _index, context):
 
 @cuda.jit(device=True, inline=True)
 def is_candidate(logit, inv_t, cut, threshold):
-    """Whether an element may win the Gumbel-max: inside the window and (threshold > 0) the top k."""
+    """Whether an element may win the Gumbel-max: inside the window and (threshold > 0) the top k and the
+    top-p nucleus (both upper sets of the order keys: one threshold holds them)."""
     return logit * inv_t >= cut and (threshold == 0 or order_key(logit) >= threshold)
 
 
@@ -426,6 +465,113 @@ def gumbel_visit(best, logit, index, context):
         score = logit * inv_t + gumbel(key0, key1, step_word, uint64(index))
         return better(score, int32(index), best[0], best[1])
     return best
+
+
+@cuda.jit(device=True, inline=True)
+def mass_visit(carry, logit, _index, context):
+    """Top-p mass carry ``(in top k, in top k and the window)`` of ``exp(x - x_top)``; context is
+    ``(1 / T, cut, top-k threshold key or 0, x_top)``."""
+    inv_t, cut, threshold, x_top = context
+    total, inside = carry
+    if threshold == 0 or order_key(logit) >= threshold:
+        x = logit * inv_t
+        mass = float32(math.exp(x - x_top))
+        total += mass
+        if x >= cut:
+            inside += mass
+    return total, inside
+
+
+@cuda.jit(device=True, inline=True)
+def mass_chunk_may_change(_carry, words, first_word, context):
+    """False when every logit of the chunk lies so far below the max (MASS_FLOOR) that its mass is 0."""
+    inv_t, x_top = context[0], context[3]
+    below = True
+    for k in range(CHUNK):
+        below &= words[first_word + k] * inv_t - x_top < MASS_FLOOR
+    return not below
+
+
+@cuda.jit(device=True, inline=True)
+def radix_mass_visit(carry, logit, _index, context):
+    """Adds the element's mass to this thread's float32 bin (bits in ``counts``) of its digit when it is
+    a candidate whose key matches the digits chosen so far; context is ``(1 / T, cut, top-k threshold,
+    x_top, counts, prefix, shift)`` (top_p_key). The carry passes through."""
+    inv_t, cut, threshold, x_top, counts, prefix, shift = context
+    if is_candidate(logit, inv_t, cut, threshold):
+        key = order_key(logit)
+        if (key >> (shift + RADIX_BITS)) == prefix:
+            digit = (key >> shift) & (RADIX - 1)
+            tid = cuda.threadIdx.x
+            mass = float32(math.exp(logit * inv_t - x_top))
+            counts[digit, tid] = float_as_int(_int_as_float(counts[digit, tid]) + mass)
+    return carry
+
+
+def build_top_p_key(mass_scan: Callable[..., Any], radix_mass_scan: Callable[..., Any]) -> Callable[..., Any]:
+    """Device function ``top_p_key(logits, b, head, chunks, words, p, context, values, counts, state, wanted)``:
+    the ``order_key`` threshold of row b's top-p nucleus, or 0 when it holds every candidate; context is
+    ``(1 / T, cut, top-k threshold key or 0, x_top)``.
+
+    ``mass_scan`` (mass_visit) gives Z and the window's mass. When the window holds at least p x Z,
+    the nucleus's smallest key lies among the window's candidates: an MSD radix select over their
+    keys, 4 bits a pass, with float32 mass bins (bits in ``counts``) summed by a tree. Thread 0 walks
+    the bins from the top, skipping empty ones, to the one where the mass from the top reaches the
+    mass still wanted (``wanted[0]``). The chosen bin is never empty unless float rounding left the
+    wanted mass above every bin, and then the walk ends in the lowest bin, below every candidate
+    already counted: the nucleus is never empty. Ends with a barrier.
+    """
+
+    @cuda.jit(device=True, **NVVM_INLINE)
+    def top_p_key(logits, b, head, chunks, words, p, context, values, counts, state, wanted):
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        total, inside = mass_scan(logits, b, head, chunks, words, (float32(0.0), float32(0.0)), context)
+        total = block_sum(values, total)
+        inside = block_sum(values, inside)
+        goal = p * total
+        if inside < goal:
+            return int64(0)  # every candidate is in the nucleus (uniform: every thread has the same sums)
+        inv_t, cut, threshold, x_top = context
+        if tid == 0:
+            state[0] = 0  # digits chosen so far
+            wanted[0] = goal  # mass still wanted inside them
+        cuda.syncthreads()
+        for p_index in range(RADIX_PASSES):
+            shift = 32 - RADIX_BITS * (p_index + 1)
+            prefix = state[0]
+            for d in range(RADIX):
+                counts[d, tid] = 0  # the bits of 0.0
+            radix_mass_scan(logits, b, head, chunks, words, 0, (inv_t, cut, threshold, x_top, counts, prefix, shift))
+            cuda.syncthreads()
+            stride = nt // 2
+            while stride > 0:
+                if tid < stride:
+                    for d in range(RADIX):
+                        counts[d, tid] = float_as_int(_int_as_float(counts[d, tid])
+                                                      + _int_as_float(counts[d, tid + stride]))
+                cuda.syncthreads()
+                stride //= 2
+            if tid == 0:
+                goal_left = wanted[0]
+                above = float32(0.0)
+                d = RADIX - 1
+                while d > 0:
+                    mass = _int_as_float(counts[d, 0])
+                    if mass > float32(0.0) and above + mass >= goal_left:
+                        break
+                    above += mass
+                    d -= 1
+                state[0] = prefix * RADIX + d
+                wanted[0] = goal_left - above
+            # Every thread reads state[0] at the next pass's start; thread 0 rewrites it only after that
+            # pass's barriers.
+            cuda.syncthreads()
+        key = state[0]
+        cuda.syncthreads()
+        return key
+
+    return top_p_key
 
 
 def build_gumbel_scan(load_group: Callable[..., Any]) -> Callable[..., Any]:
@@ -519,16 +665,20 @@ def build_kth_largest_key(radix_scan: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def build_sample_kernel() -> Callable[..., Any]:
-    """Kernel ``(logits f32 [B, V], temperature f32 [B], top_k i32 [B], seed i64 [B], step i32 [B], out_ids i32 [B])``.
+    """Kernel ``(logits f32 [B, V], temperature f32 [B], top_k i32 [B], top_p f32 [B], seed i64 [B],
+    step i32 [B], out_ids i32 [B])``.
 
     Launch with one block per row (grid-stride over rows) and a power-of-two block of at
-    most MAX_THREADS threads; shared memory is static. Any block size gives the same tokens.
+    most MAX_THREADS threads; shared memory is static. Any block size gives the same tokens
+    for rows without top-p (module docstring).
     """
     load_group = build_load_group(build_vector_access()[0])
     row_split = build_row_split(build_data_address())
     argmax_scan = build_row_scan(load_group, argmax_visit, argmax_chunk_may_change)
     window_scan = build_row_scan(load_group, window_visit, window_chunk_may_change)
     kth_largest_key = build_kth_largest_key(build_row_scan(load_group, radix_visit, any_chunk))
+    top_p_key = build_top_p_key(build_row_scan(load_group, mass_visit, mass_chunk_may_change),
+                                build_row_scan(load_group, radix_mass_visit, window_chunk_may_change))
     gumbel_scan = build_gumbel_scan(load_group)
 
     # Hold ptxas to 128 registers a thread, so that a block of MAX_THREADS launches (64K registers an
@@ -536,11 +686,12 @@ def build_sample_kernel() -> Callable[..., Any]:
     launch_options = launch_bounds(MAX_THREADS)
 
     @cuda.jit(**launch_options)
-    def sample(logits, temperature, top_k, seed, step, out_ids):
+    def sample(logits, temperature, top_k, top_p, seed, step, out_ids):
         values = cuda.shared.array(MAX_THREADS, float32)
         indices = cuda.shared.array(MAX_THREADS, int32)
         counts = cuda.shared.array((RADIX, MAX_THREADS), int32)
         state = cuda.shared.array(3, int64)
+        wanted = cuda.shared.array(1, float32)
         words = cuda.local.array(GROUP, float32)  # registers: the loaded chunks
         vocab = logits.shape[1]
         tid = cuda.threadIdx.x
@@ -570,7 +721,13 @@ def build_sample_kernel() -> Callable[..., Any]:
                 inside = window_scan(logits, b, head, chunks, words, int64(0), (inv_t, cut))
                 if block_count(counts, inside) > k:
                     threshold = kth_largest_key(logits, b, head, chunks, words, k, counts, state)
-            # 4. Gumbel-max over the candidates.
+            # 4. top-p: the nucleus's threshold key (an upper set inside the top k's); 0 keeps everything.
+            p = float32(top_p[b])
+            if p > float32(0.0) and p < float32(1.0):
+                nucleus = top_p_key(logits, b, head, chunks, words, p, (inv_t, cut, threshold, x_top), values, counts,
+                                    state, wanted)
+                threshold = max(threshold, nucleus)
+            # 5. Gumbel-max over the candidates.
             key0, key1 = seed_words(seed[b])
             step_word = uint64(int64(step[b])) & MASK32
             context = (inv_t, cut, threshold, key0, key1, step_word)
@@ -583,10 +740,10 @@ def build_sample_kernel() -> Callable[..., Any]:
 
 
 class Sample:
-    """Launcher: ``out_ids[b]`` = a token of row b (greedy, or sampled with temperature and top-k).
+    """Launcher: ``out_ids[b]`` = a token of row b (greedy, or sampled with temperature, top-k and top-p).
 
     Arrays (all indexed by row b): logits float32 [B, V], temperature float32 [B],
-    top_k int32 [B], seed int64 [B], step int32 [B], out_ids int32 [B]. Semantics and
+    top_k int32 [B], top_p float32 [B], seed int64 [B], step int32 [B], out_ids int32 [B]. Semantics and
     cost: the module docstring. One block per row of ``threads_for(ceil(V / GROUP), max_threads)``
     threads (a thread reads GROUP logits a sweep); no scratch buffers, SHARED_BYTES of static
     shared memory per block.
@@ -596,11 +753,11 @@ class Sample:
         self.kernel = Kernel(build_sample_kernel())
         self.max_threads = check_max_threads(max_threads, MAX_THREADS)
 
-    def __call__(self, logits: Any, temperature: Any, top_k: Any, seed: Any, step: Any, out_ids: Any,
+    def __call__(self, logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, step: Any, out_ids: Any,
                  stream: Any = 0) -> None:
         rows, vocab = logits.shape
-        for name, array in (("temperature", temperature), ("top_k", top_k), ("seed", seed), ("step", step),
-                            ("out_ids", out_ids)):
+        for name, array in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed),
+                            ("step", step), ("out_ids", out_ids)):
             if tuple(array.shape) != (rows,):
                 raise ValueError(f"{name} has shape {tuple(array.shape)}, expected ({rows},)")
         if vocab == 0:
@@ -608,4 +765,4 @@ class Sample:
         if rows == 0:
             return
         threads = threads_for(math.ceil(vocab / GROUP), self.max_threads)
-        self.kernel[rows, threads, stream](logits, temperature, top_k, seed, step, out_ids)
+        self.kernel[rows, threads, stream](logits, temperature, top_k, top_p, seed, step, out_ids)

@@ -1,0 +1,226 @@
+"""A served model: a plan materialized once with its weights, tokenizer and generation defaults,
+running workloads of requests through the engine. ``memplan run`` (executor.runner) and the Python
+API (executor.api) both stand on it.
+
+``ServedModel.open(plan, device, weights=..., tokenizer=...)`` materializes the plan (one allocation
+per pool), loads the weights (a checkpoint directory, or random ones from a seed), builds the model
+and, on a GPU, runs the warm-up step pair and captures the decode graphs. ``run(specs, ...)`` serves
+``RequestSpec``s: rejected-here ones are reported first, the others go through one ``Engine`` run;
+each request's output (its result and text) reaches ``on_output`` as it finishes, and a request's
+text can stream to ``stream`` while it is generated. ``RunReport`` is the run's report as an object;
+its ``text`` is what ``memplan run`` prints on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from executor.generation import GenerationDefaults, RequestText, finished_text, read_generation_defaults
+from executor.run_report import GraphCapture, materialized_bytes, summary
+from executor.workload import RequestSpec, RunError, add_eos
+
+if TYPE_CHECKING:
+    from executor.arena import Arena
+    from executor.engine import EngineReport, RequestResult
+    from executor.models.decoder import DecoderModel
+    from executor.tokenizer import Tokenizer
+    from planner.plan import MemoryPlan
+
+#: The simulator keeps the arena in host memory; refuse plans bigger than this there.
+SIM_MAX_MATERIALIZED_BYTES = 1 << 30
+#: ``ServedModel.open``'s ``weights`` for random weights of the planned shapes.
+RANDOM_WEIGHTS = "random"
+
+#: on_output(input index, spec, engine result or None when rejected before the engine, text or None)
+OutputCallback = Callable[[int, RequestSpec, "RequestResult | None", "str | None"], None]
+
+
+def choose_simulator(device: str) -> None:
+    """Enable the Numba CUDA simulator for ``device`` "sim" (or "auto" without CUDA), before numba.cuda loads."""
+    if device == "sim":
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    elif device == "auto":
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+
+@dataclass(frozen=True)
+class PoolBytes:
+    name: str
+    planned: int
+    allocated: int
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """One run's report: the engine's (``engine``: per-request results, scheduler counters), the bytes
+    planned and allocated per pool, throughput and latency, the generation defaults that applied, and
+    ``text``, the report ``memplan run`` prints."""
+
+    engine: EngineReport
+    pools: tuple[PoolBytes, ...]
+    requests: int
+    rejected: int
+    generated_tokens: int
+    wall_s: float
+    ttft_ms_p50: float | None
+    ttft_ms_p99: float | None
+    tpot_ms_p50: float | None
+    tpot_ms_p99: float | None
+    preemptions: int
+    peak_kv_pages: int
+    sampling_defaults: str  # what requests that set no sampling parameter sampled with, and why
+    eos: str
+    text: str
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+
+@dataclass
+class ServedModel:
+    """A materialized plan with its weights and model; see the module docstring."""
+
+    plan: MemoryPlan
+    arena: Arena
+    model: DecoderModel
+    tokenizer: Tokenizer | None
+    generation: GenerationDefaults
+    graphs: GraphCapture | None = None
+    warm_up_s: float | None = None
+    weights_source: str = ""
+
+    @classmethod
+    def open(cls, plan: MemoryPlan, device: str = "auto", *, weights: str | Path, seed: int = 0,
+             tokenizer: Tokenizer | None = None, generation: GenerationDefaults | None = None,
+             eager: bool = False) -> ServedModel:
+        """Materialize ``plan`` on ``device`` ("auto", "cuda", "sim"), fill its weights from ``weights`` (a
+        checkpoint directory, or RANDOM_WEIGHTS from ``seed``), build the model; on a GPU warm it up and
+        capture the decode graphs unless ``eager``. ``generation``: the checkpoint's defaults (read from
+        the weights' directory when None)."""
+        choose_simulator(device)
+        from executor.arena import materialize
+        from executor.device import open_device
+        from executor.engine import warm_up
+        from executor.models import build_model
+        from executor.weights import fill_random, load_checkpoint
+
+        opened = open_device(device)
+        check_fits_device(plan, opened.is_sim)
+        if generation is None:
+            directory = None if weights == RANDOM_WEIGHTS else weights
+            generation = read_generation_defaults(directory, plan.model.vocab_size)
+        try:
+            arena = materialize(plan, opened)
+        except ValueError as error:  # e.g. tensor_parallel_size != 1
+            raise RunError(str(error)) from None
+        if weights == RANDOM_WEIGHTS:
+            fill_random(arena, seed)
+            source = f"random (seed {seed})"
+        else:
+            load_checkpoint(arena, weights)
+            source = str(weights)
+        model = build_model(arena)
+        served = cls(plan, arena, model, tokenizer, generation, weights_source=source)
+        if not opened.is_sim:  # on a GPU: keep the kernels' first-call compilation out of the latencies
+            start = time.perf_counter()
+            warm_up(model)
+            served.warm_up_s = time.perf_counter() - start
+            if not eager:
+                served.graphs = capture_graphs(model)
+        return served
+
+    def run(self, specs: Sequence[RequestSpec], *, on_output: OutputCallback | None = None,
+            stream: Callable[[str], None] | None = None, ignore_eos: bool = False, prefix_caching: bool = True,
+            overlap: bool = True, progress: Callable[[list, int], Callable[[int], None]] | None = None) -> RunReport:
+        """Serve ``specs`` (see the module docstring); the checkpoint's EOS ids join their stop ids unless
+        ``ignore_eos`` (or a spec's own). ``stream``: where the text of the only request goes while it is
+        generated (needs a tokenizer and exactly one spec). ``progress(requests, total)`` makes the
+        engine's per-step callback from its requests."""
+        from executor.engine import Engine
+        from executor.scheduler import FINISH_REJECTED, Request
+
+        if stream is not None and (self.tokenizer is None or len(specs) != 1):
+            raise RunError("streaming text needs a tokenizer and exactly one request")
+        add_eos(list(specs), self.generation.eos_ids, ignore_eos)
+        for index, spec in enumerate(specs):
+            if spec.error is not None and on_output is not None:
+                on_output(index, spec, None, None)
+        runnable = [index for index, spec in enumerate(specs) if spec.error is None]
+        requests = [Request(request_id=index, prompt_ids=specs[index].prompt_ids,
+                            max_new_tokens=specs[index].max_new_tokens, stop_ids=specs[index].stop_ids,
+                            temperature=specs[index].temperature, top_k=specs[index].top_k,
+                            seed=specs[index].seed, top_p=specs[index].top_p) for index in runnable]
+        texts = {index: RequestText(self.tokenizer, specs[index].stop, stream) for index in runnable
+                 if self.tokenizer is not None and (specs[index].stop or stream is not None)}
+
+        def on_tokens(request: Request, new_ids: list[int]) -> bool:
+            text = texts.get(request.request_id)
+            return text is not None and text.add(new_ids)
+
+        def on_finish(result: RequestResult) -> None:
+            index = result.request_id
+            text = None
+            if result.finish_reason == FINISH_REJECTED:
+                pass  # it generated nothing: its line has the error, not a text
+            elif index in texts:
+                text = texts[index].finish(result.output_ids)
+            elif self.tokenizer is not None:
+                text = finished_text(self.tokenizer, result.output_ids, specs[index].stop)
+            if on_output is not None:
+                on_output(index, specs[index], result, text)
+
+        engine = Engine(self.model, prefix_caching=prefix_caching, overlap=overlap)
+        on_step = progress(requests, len(specs)) if progress is not None else None
+        report = engine.run(requests, [specs[index].arrival_step for index in runnable], on_step=on_step,
+                            on_tokens=on_tokens if texts else None, on_finish=on_finish)
+        return self.report(report, specs, not prefix_caching, ignore_eos)
+
+    def report(self, report: EngineReport, specs: Sequence[RequestSpec], no_prefix_caching: bool,
+               ignore_eos: bool = False) -> RunReport:
+        """The RunReport of an engine run over ``specs``."""
+        sampling = self.generation.sampling.describe()
+        if self.generation.unapplied:
+            sampling += f"; not applied: {', '.join(self.generation.unapplied)} (generation_config.json)"
+        eos = self.generation.describe_eos(ignore_eos)
+        lines = [f"weights: {self.weights_source}", f"EOS ids: {eos}", f"sampling defaults: {sampling}"]
+        text = summary(self.plan, self.arena, report, list(specs), no_prefix_caching, self.graphs, self.warm_up_s,
+                       extra_lines=lines)
+        ttfts, tpots = report.ttfts, report.tpots
+
+        def percentile(values: list[float], q: int) -> float | None:
+            return report.percentile_ms(values, q) if values else None
+
+        pools = tuple(PoolBytes(pool.name, pool.bytes, self.arena.pools[pool.name].numel())
+                      for pool in self.plan.pools if pool.materialized)
+        rejected = report.stats.rejected + sum(1 for spec in specs if spec.error is not None)
+        return RunReport(report, pools, len(specs), rejected, report.generated_tokens, report.wall_s,
+                         percentile(ttfts, 50), percentile(ttfts, 99), percentile(tpots, 50), percentile(tpots, 99),
+                         report.stats.preemptions, report.stats.peak_kv_pages_used, sampling, eos, text)
+
+
+def check_fits_device(plan: MemoryPlan, simulator: bool) -> None:
+    total = materialized_bytes(plan)
+    if simulator and total > SIM_MAX_MATERIALIZED_BYTES:
+        raise RunError(f"the simulator runs tiny configs in host memory; this plan ({plan.model.name} on "
+                       f"{plan.hardware.name}) materializes {total:,} bytes: use --hardware cpu-sim "
+                       f"and a tiny model, or --device cuda")
+
+
+def capture_graphs(model: DecoderModel) -> GraphCapture:
+    import torch
+
+    device = model.device.torch_device
+    torch.cuda.synchronize(device)
+    reserved, start = torch.cuda.memory_reserved(device), time.perf_counter()
+    model.capture_decode_graphs()
+    return GraphCapture(model.graphs.buckets, time.perf_counter() - start,
+                        torch.cuda.memory_reserved(device) - reserved)
