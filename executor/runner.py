@@ -50,6 +50,8 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     """Run ``memplan run``; return the exit code (ConfigError and PlanDoesNotFit propagate).
     ``overrides``: the serving flags as ServingConfig fields, None where not given."""
     _choose_simulator(args.device)
+    if args.no_kernel_cache:  # read by every Kernel at its first launch (executor/kernel_cache.py)
+        os.environ["MEMPLAN_KERNEL_CACHE"] = "0"
     from executor.device import DeviceError
     from executor.step import CapacityError
     from executor.weights import WeightsError
@@ -80,32 +82,68 @@ def _run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     from executor.device import open_device
     from executor.engine import Engine, warm_up
     from executor.models import build_model
+    from executor.startup import KernelCensus, StartupClock
 
+    clock = StartupClock()
     plan = load_plan(args, overrides)
     device = open_device(args.device)
     _check_fits_device(plan, device.is_sim)
     specs = read_requests(args, plan.model.vocab_size)  # before anything is allocated
+    clock.mark("plan")
+    # On a GPU, the kernels start-up needs that the cache lacks compile in processes meanwhile.
+    compiling = None if device.is_sim else _start_compile(plan)
+    if compiling is not None:
+        clock.mark("kernel discovery")
     try:
         arena = materialize(plan, device)
     except ValueError as error:  # e.g. tensor_parallel_size != 1
         raise RunError(str(error)) from None
+    device.synchronize()
+    clock.mark("materialize")
     _load_weights(arena, args)
     model = build_model(arena)
+    device.synchronize()
+    clock.mark("weights")
+    if compiling is not None:
+        compiled = compiling.wait()
+        clock.mark("kernels", compiled.line())
+        for failure in compiled.failed:
+            print(f"memplan run: kernel compile failed, it compiles at its first launch: {failure}", file=sys.stderr)
     warm_up_s = None
-    if not device.is_sim:  # on a GPU: keep the kernels' first-call compilation out of the latencies
-        start = time.perf_counter()
+    if not device.is_sim:  # on a GPU: keep the kernels' first-call loading or compilation out of the latencies
         warm_up(model)
-        warm_up_s = time.perf_counter() - start
+        warm_up_s = clock.mark("warm-up", KernelCensus.of(model).text())
+    before_capture = KernelCensus.of(model)
     graphs = None if args.eager or device.is_sim else capture_graphs(model)
+    if graphs is not None:
+        clock.mark("graph capture", KernelCensus.of(model).since(before_capture).text())
     engine = Engine(model, prefix_caching=not args.no_prefix_caching, overlap=not args.no_overlap)
     runnable = [index for index, spec in enumerate(specs) if spec.error is None]
     requests = [_engine_request(index, specs[index]) for index in runnable]
     progress = _Progress(requests, len(specs), sys.stderr)
+    print(f"memplan run: ready after {clock.elapsed_s():.1f} s: {clock.line()}", file=sys.stderr, flush=True)
+    engine_start = time.perf_counter() - clock.origin
     report = engine.run(requests, [specs[index].arrival_step for index in runnable], on_step=progress.after_step)
     progress.print_line(report.steps, final=True)
     write_outputs(specs, dict(zip(runnable, report.results)), args.out)
+    first_tokens = [result.token_times_s[0] for result in report.results if result.token_times_s]
+    first_token_s = engine_start + min(first_tokens) if first_tokens else None
     print(summary(plan, arena, report, specs, args.no_prefix_caching, graphs, warm_up_s), file=sys.stderr)
+    print(f"start-up: {clock.line(first_token_s)}", file=sys.stderr)
+    for phase in clock.phases:
+        if phase.detail:
+            print(f"  {phase.name}: {phase.detail}", file=sys.stderr)
     return EXIT_OK
+
+
+def _start_compile(plan: MemoryPlan):
+    """The cold-start compile (executor/compile.py) of the kernels ``plan``'s start-up needs that the
+    persistent cache lacks, running in processes; None when the cache is off."""
+    from executor.compile import StartupCompile
+    from executor.kernel_cache import KernelCache
+
+    cache = KernelCache.from_environment()
+    return None if cache is None else StartupCompile(plan, cache, sys.stderr)
 
 
 def capture_graphs(model) -> GraphCapture:
