@@ -104,13 +104,19 @@ class CompileReport:
 # -- which kernels ------------------------------------------------------------------------------------------------
 
 
-def planned_kernels(plan: MemoryPlan, target: Target) -> tuple[list[PlannedKernel], int]:
-    """(the cacheable kernel specializations ``plan``'s start-up needs, how many more cannot be cached),
-    by discovery. Run it inside ``target_device(target...)`` in a process without a GPU."""
+#: key -> (dispatcher, argtypes): what compiles a planned kernel.
+Sources = dict[str, tuple[Any, tuple]]
+
+
+def planned_kernels(plan: MemoryPlan, target: Target) -> tuple[list[PlannedKernel], int, Sources]:
+    """(the cacheable kernel specializations ``plan``'s start-up needs, how many more cannot be cached,
+    what compiles each), by discovery. Run it inside ``target_device(target...)`` in a process without
+    a GPU, or on the GPU the target describes."""
     from executor.kernel_discovery import discover
     from executor.kernel_key import describe_kernel, kernel_key
 
     planned: dict[str, PlannedKernel] = {}
+    sources: Sources = {}
     uncacheable = 0
     for need in discover(plan):
         try:
@@ -119,8 +125,10 @@ def planned_kernels(plan: MemoryPlan, target: Target) -> tuple[list[PlannedKerne
         except Uncacheable:
             uncacheable += 1
             continue
-        planned.setdefault(key, PlannedKernel(key, need.name, need.phase, len(repr(description))))
-    return list(planned.values()), uncacheable
+        if key not in planned:
+            planned[key] = PlannedKernel(key, need.name, need.phase, len(repr(description)))
+            sources[key] = (need.kernel.dispatcher, need.argtypes)
+    return list(planned.values()), uncacheable, sources
 
 
 def manifest_digest(plan: MemoryPlan, target: Target) -> str:
@@ -150,6 +158,7 @@ class CompileJob:
     missing: list[PlannedKernel]
     manifest: str | None
     start: float
+    sources: Sources = field(default_factory=dict)  # what compiles each planned kernel here
 
 
 def prepare_compile(plan: MemoryPlan, cache: KernelCache, target: Target, *,
@@ -165,13 +174,13 @@ def prepare_compile(plan: MemoryPlan, cache: KernelCache, target: Target, *,
         if keys is not None and all(cache.contains(key) for key in keys):
             report = CompileReport(needed=len(keys), cached=len(keys), from_manifest=True)
             return CompileJob(report, [], [], None, start)
-    planned, uncacheable = planned_kernels(plan, target)
+    planned, uncacheable, sources = planned_kernels(plan, target)
     if select is not None:
         planned = [kernel for kernel in planned if select(kernel)]
     missing = sorted((kernel for kernel in planned if not cache.contains(kernel.key)), key=lambda k: -k.weight)
     report = CompileReport(needed=len(planned) + uncacheable, cached=len(planned) - len(missing),
                            uncacheable=uncacheable)
-    return CompileJob(report, planned, missing, digest, start)
+    return CompileJob(report, planned, missing, digest, start, sources)
 
 
 def run_compile(job: CompileJob, plan: MemoryPlan, cache: KernelCache, target: Target, *, jobs: int,
@@ -183,16 +192,16 @@ def run_compile(job: CompileJob, plan: MemoryPlan, cache: KernelCache, target: T
     by name). Writes the start-up manifest when nothing failed. Progress goes to ``progress``."""
     report = job.report
     if job.missing:
-        _compile_missing(plan, cache, target, job.missing, jobs, report, progress, compile_function, in_process)
+        _compile_missing(plan, cache, target, job, jobs, progress, compile_function, in_process)
     if job.manifest is not None and not report.failed:
         cache.store_manifest(job.manifest, [kernel.key for kernel in job.planned])
     report.seconds = time.perf_counter() - job.start
     return report
 
 
-def _compile_missing(plan: MemoryPlan, cache: KernelCache, target: Target, missing: list[PlannedKernel], jobs: int,
-                     report: CompileReport, progress: TextIO | None, compile_function: CompileFunction | None,
-                     in_process: bool) -> None:
+def _compile_missing(plan: MemoryPlan, cache: KernelCache, target: Target, job: CompileJob, jobs: int,
+                     progress: TextIO | None, compile_function: CompileFunction | None, in_process: bool) -> None:
+    report, missing = job.report, job.missing
     bar = Progress(len(missing), progress)
     names = {kernel.key: kernel.name for kernel in missing}
 
@@ -210,7 +219,8 @@ def _compile_missing(plan: MemoryPlan, cache: KernelCache, target: Target, missi
     try:
         if in_process:
             for kernel in missing:
-                done(*task(kernel.key))
+                done(kernel.key, *_compile_into(cache, kernel.key, *job.sources[kernel.key], target.arch,
+                                                compile_function))
             return
         report.processes = max(1, min(jobs, len(missing)))
         context = multiprocessing.get_context("spawn")  # no fork after CUDA (or numba) initialized here
@@ -237,37 +247,43 @@ def compile_task(plan_json: str, major: int, minor: int, num_sms: int, cache_roo
                  compile_function: CompileFunction | None, key: str) -> tuple[str, float, str | None]:
     """Compile the kernel of ``key`` (one of the plan's planned kernels) into the cache at ``cache_root``,
     unless it is there already: (key, seconds, error or None)."""
-    from executor.kernel_compiler import compile_image, target_device
+    from executor.kernel_compiler import target_device
 
-    arch, start = Arch(major, minor), time.perf_counter()
-    try:
-        with target_device(arch, num_sms):
+    arch = Arch(major, minor)
+    with target_device(arch, num_sms):
+        try:
             kernels = _process_kernels(plan_json, major, minor, num_sms)
-            if key not in kernels:
-                return key, 0.0, "not among this process's discovered kernels (the sources changed?)"
-            dispatcher, argtypes = kernels[key]
-            cache = KernelCache(Path(cache_root))
-            cache.get_or_build(key, lambda: (compile_function or compile_image)(dispatcher, argtypes, arch))
+        except Exception as error:
+            return key, 0.0, f"discovery failed: {_one_line(error)}"
+        if key not in kernels:
+            return key, 0.0, "not among this process's discovered kernels (the sources changed?)"
+        return (key, *_compile_into(KernelCache(Path(cache_root)), key, *kernels[key], arch, compile_function))
+
+
+def _compile_into(cache: KernelCache, key: str, dispatcher: Any, argtypes: tuple, arch: Arch,
+                  compile_function: CompileFunction | None) -> tuple[float, str | None]:
+    """Compile one kernel into ``cache`` unless it is there: (seconds, error or None)."""
+    from executor.kernel_compiler import compile_image
+
+    start = time.perf_counter()
+    try:
+        cache.get_or_build(key, lambda: (compile_function or compile_image)(dispatcher, argtypes, arch))
     except Exception as error:
-        return key, time.perf_counter() - start, f"{type(error).__name__}: {error}".splitlines()[0]
-    return key, time.perf_counter() - start, None
+        return time.perf_counter() - start, _one_line(error)
+    return time.perf_counter() - start, None
+
+
+def _one_line(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 @functools.cache
-def _process_kernels(plan_json: str, major: int, minor: int, num_sms: int) -> dict[str, tuple[Any, tuple]]:
-    """key -> (dispatcher, argtypes) of a plan's discovered kernels, built once per compile process."""
-    from executor.kernel_discovery import discover
-    from executor.kernel_key import kernel_key
+def _process_kernels(plan_json: str, major: int, minor: int, num_sms: int) -> Sources:
+    """What compiles each of a plan's planned kernels, discovered once per compile process."""
     from planner.plan import MemoryPlan
 
-    arch, kernels = Arch(major, minor), {}
-    for need in discover(MemoryPlan.model_validate_json(plan_json)):
-        try:
-            kernels.setdefault(kernel_key(need.kernel.dispatcher, need.argtypes, arch),
-                               (need.kernel.dispatcher, need.argtypes))
-        except Uncacheable:
-            pass
-    return kernels
+    return planned_kernels(MemoryPlan.model_validate_json(plan_json), Target(Arch(major, minor), num_sms))[2]
 
 
 class Progress:

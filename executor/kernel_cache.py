@@ -113,7 +113,7 @@ class KernelCache:
         except FileNotFoundError:
             return None
         except OSError as error:
-            self._warn(f"cannot read {path} ({error.strerror}); compiling the kernel")
+            self.warn(f"cannot read {path} ({error.strerror}); compiling the kernel")
             return None
         try:
             return decode_entry(data, key)
@@ -155,7 +155,7 @@ class KernelCache:
                 os.fsync(handle.fileno())
             os.replace(temporary, path)
         except OSError as error:
-            self._warn(f"cannot write {path} ({error.strerror or error}); {consequence}")
+            self.warn(f"cannot write {path} ({error.strerror or error}); {consequence}")
             try:
                 temporary.unlink(missing_ok=True)
             except OSError:
@@ -166,7 +166,7 @@ class KernelCache:
     def discard(self, key: str, reason: str) -> None:
         """Remove a bad entry, with one warning line."""
         path = self.path(key)
-        self._warn(f"discarding {path}: {reason}; compiling the kernel again")
+        self.warn(f"discarding {path}: {reason}; compiling the kernel again")
         try:
             path.unlink(missing_ok=True)
         except OSError:
@@ -221,7 +221,8 @@ class KernelCache:
                 pass  # absent, or another process wrote into it meanwhile
         return removed
 
-    def _warn(self, message: str) -> None:
+    def warn(self, message: str) -> None:
+        """One line on the warnings stream (stderr)."""
         print(f"memplan: kernel cache: {message}", file=self.warnings or sys.stderr, flush=True)
 
 

@@ -42,6 +42,11 @@ def load_cached(dispatcher: Any, argtypes: Sequence[Any]) -> tuple[Any | None, s
         key = kernel_key(dispatcher, argtypes, device_arch())
     except Uncacheable:
         return None, None
+    except Exception as error:  # a value the key walk trips on: compile as without the cache, and say so
+        function = dispatcher.py_func
+        cache.warn(f"cannot key {function.__module__}.{function.__qualname__} ({type(error).__name__}: {error}); "
+                   "compiling it without the cache")
+        return None, None
     entry = cache.load(key)
     if entry is None:
         return None, key
@@ -59,6 +64,7 @@ def store_compiled(key: str | None, overload: Any) -> None:
     if key is None or cache is None:
         return
     try:
+        _check_launchable(overload, overload.argument_types)
         entry = _entry(overload, device_arch(), overload._codelibrary.get_cubin())
     except Uncacheable:
         return
@@ -135,6 +141,8 @@ def _check_launchable(overload: Any, argtypes: Sequence[Any]) -> None:
 
     if overload.debug or overload.extensions or getattr(overload, "launch_config_sensitive", False):
         raise Uncacheable("a debug, extended or launch-configuration sensitive overload")
+    if overload.shared_memory_carveout is not None:
+        raise Uncacheable("an overload with a shared memory carveout (set when Numba binds it)")
     try:
         for numba_type in argtypes:
             _packer(numba_type)
@@ -143,9 +151,13 @@ def _check_launchable(overload: Any, argtypes: Sequence[Any]) -> None:
 
 
 def _entry(overload: Any, arch: Arch, cubin: Any) -> CachedKernel:
+    from numba.cuda.memory_management.nrt import NRT_LIBRARY
+
     library = overload._codelibrary
     if overload.cooperative or library._setup_functions or library._teardown_functions:
         raise Uncacheable("a cooperative kernel or one whose module needs set-up")
+    if NRT_LIBRARY in library._linking_files:
+        raise Uncacheable("a kernel linked with Numba's runtime (its module needs set-up)")
     if any(hasattr(obj, "__cuda_array_interface__") for obj in library.referenced_objects.values()):
         raise Uncacheable("a kernel that references device arrays")
     function = overload.py_func

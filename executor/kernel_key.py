@@ -79,7 +79,11 @@ def kernel_key(dispatcher: Any, argtypes: Sequence[Any], arch: Arch, description
     (``description``: ``describe_kernel(dispatcher)`` when the caller has it); raises Uncacheable."""
     if description is None:
         description = describe_kernel(dispatcher)
-    material = (KEY_VERSION, description, tuple(_type_name(t) for t in argtypes), arch.name, toolchain())
+    try:
+        tools = toolchain()
+    except Exception as error:  # no NVVM here: nothing to compile with, nothing to key
+        raise Uncacheable(f"no toolchain ({type(error).__name__}: {error})") from None
+    material = (KEY_VERSION, description, tuple(_type_name(t) for t in argtypes), arch.name, tools)
     return hashlib.sha256(repr(material).encode()).hexdigest()
 
 
