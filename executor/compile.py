@@ -331,7 +331,12 @@ class StartupCompile:
         target = Target(device_arch(), multiprocessor_count())
         self.report: CompileReport | None = None
         self.error: BaseException | None = None
-        job = prepare_compile(plan, cache, target, use_manifest=True)
+        self._thread: threading.Thread | None = None
+        try:
+            job = prepare_compile(plan, cache, target, use_manifest=True)
+        except Exception as error:  # discovery tripped: the run goes on, compiling at first launch
+            self.error = error
+            return
 
         def run() -> None:
             try:
@@ -343,7 +348,8 @@ class StartupCompile:
         self._thread.start()
 
     def wait(self) -> CompileReport:
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if self.report is None:
             message = f"{type(self.error).__name__}: {self.error}" if self.error else "no report"
             return CompileReport(failed=[f"start-up compile: {message}"])
