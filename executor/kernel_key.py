@@ -178,8 +178,8 @@ class _Describer:
             return ("set", tuple(sorted(repr(self.value(item)) for item in obj)))
         if isinstance(obj, dict):
             return ("dict", tuple(sorted((repr(self.value(k)), self.value(v)) for k, v in obj.items())))
-        if isinstance(obj, pytypes.ModuleType):
-            return ("module", obj.__name__)
+        if isinstance(obj, pytypes.ModuleType):  # a project module's functions are reached by attribute: its source
+            return ("module", obj.__name__, module_digest(obj.__name__) if _is_project(obj) else "")
         if isinstance(obj, type):
             return ("class", _qualified(obj))
         if hasattr(obj, "__cuda_array_interface__"):
@@ -269,6 +269,23 @@ def _names(code: pytypes.CodeType) -> set[str]:
         if isinstance(const, pytypes.CodeType):
             names |= _names(const)
     return names
+
+
+def _is_project(module: pytypes.ModuleType) -> bool:
+    """Whether ``module`` is a source file outside the interpreter's and installed packages' directories."""
+    path = getattr(module, "__file__", None)
+    if not path or not path.endswith(".py"):
+        return False
+    return not any(os.path.abspath(path).startswith(root + os.sep) for root in _library_roots())
+
+
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return tuple({os.path.abspath(paths[name]) for name in ("stdlib", "platstdlib", "purelib", "platlib")
+                  if name in paths})
 
 
 def _qualified(cls: type) -> str:
