@@ -44,9 +44,7 @@ if TYPE_CHECKING:
 CompileFunction = Callable[[Any, tuple, Arch], CachedKernel]
 #: Seconds between progress lines when stderr is not a terminal.
 PROGRESS_INTERVAL_S = 2.0
-#: The oldest compute capability the kernels compile for (executor.device.MIN_COMPUTE_CAPABILITY).
-MIN_CAPABILITY = (8, 0)
-EXIT_OK, EXIT_COMPILE_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_COMPILE_FAILED = 0, 1
 
 
 class CompileError(ValueError):
@@ -369,27 +367,28 @@ def available_cores() -> int:
 def compile_command(args: argparse.Namespace, overrides: dict[str, object], out: TextIO = sys.stdout,
                     err: TextIO = sys.stderr) -> int:
     """``memplan compile``: fill the cache for the hardware's compute capability, no GPU needed."""
+    from executor.device import MIN_COMPUTE_CAPABILITY
+    from executor.kernel_compiler import target_device
     from planner.loader import plan_from_configs
 
-    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1":
-        raise CompileError("memplan compile compiles for a GPU: unset NUMBA_ENABLE_CUDASIM")
     if args.jobs is not None and args.jobs < 1:
         raise CompileError(f"--jobs must be at least 1, got {args.jobs}")
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1":
+        raise CompileError("memplan compile compiles for a GPU: unset NUMBA_ENABLE_CUDASIM")
     if not cache_enabled():
         raise CompileError("the kernel cache is off (MEMPLAN_KERNEL_CACHE=0): nothing to fill")
     plan = plan_from_configs(args.model, args.hardware, args.serving or "default", overrides)
     arch = Arch.from_capability(plan.hardware.compute_capability)
-    if (arch.major, arch.minor) < MIN_CAPABILITY:
+    if (arch.major, arch.minor) < MIN_COMPUTE_CAPABILITY:
+        minimum = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
         raise CompileError(f"hardware {plan.hardware.name} has compute capability {plan.hardware.compute_capability}; "
-                           f"the kernels compile for {'.'.join(map(str, MIN_CAPABILITY))} or later")
+                           f"the kernels compile for {minimum} or later")
     target = Target(arch, plan.hardware.num_sms)
     cache = KernelCache(default_cache_dir())
     select = (lambda kernel: args.kernels in kernel.name) if args.kernels else None
-    from executor.kernel_compiler import target_device
-
     jobs = args.jobs or available_cores()
     with target_device(arch, target.num_sms):  # this process has no GPU, or must compile for another
-        job = prepare_compile(plan, cache, target, select=select, use_manifest=select is None)
+        job = prepare_compile(plan, cache, target, select=select, use_manifest=select is None and not args.list)
         report = run_compile(job, plan, cache, target, jobs=jobs, progress=err, in_process=jobs == 1)
     planned = job.planned
     print(f"memplan compile: {plan.model.name} on {plan.hardware.name} ({arch.name}, {target.num_sms} SMs): "

@@ -245,3 +245,24 @@ def test_memplan_compile_for_sm90_without_a_gpu_fills_the_cache_and_a_second_cal
     second = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stderr[-4000:]
     assert "2 needed, 2 in the cache in" in second.stdout and "compiled" not in second.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize("flags, env, message", [
+    (["--jobs", "0"], {}, "--jobs must be at least 1, got 0"),
+    ([], {}, "unset NUMBA_ENABLE_CUDASIM"),  # this process runs the simulator
+    ([], {"NUMBA_ENABLE_CUDASIM": None, "MEMPLAN_KERNEL_CACHE": "0"}, "the kernel cache is off"),
+    (["--hardware", "cpu-sim", "--serving", "sim"], {"NUMBA_ENABLE_CUDASIM": None},
+     "cpu-sim has compute capability 0.0"),
+])
+def test_memplan_compile_refuses_what_it_cannot_compile_for_in_one_line(monkeypatch, capsys, tmp_path, flags, env,
+                                                                         message):
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
+    for name, value in env.items():  # none of these cases gets as far as loading numba.cuda
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert main(["compile", "--model", "tiny-qwen3", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("memplan: compile error: ") and message in err[0], err
+    assert list(KernelCache(tmp_path).entry_paths()) == []
