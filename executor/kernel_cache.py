@@ -12,6 +12,9 @@ POSIX): a reader sees a whole entry or none, and processes filling one key at on
 whole entry (the last one stays; they hold the same kernel). ``load`` checks the magic, the header,
 the key, the size and the checksum; an entry failing any check is discarded with one warning line on
 stderr and the kernel is compiled again, never used.
+
+Start-up manifests (``manifests/<digest>.json``: the keys a plan's start-up needs, executor/compile.py)
+are written the same way; an unreadable one is ignored.
 """
 
 from __future__ import annotations

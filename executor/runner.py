@@ -44,6 +44,8 @@ SIM_MAX_MATERIALIZED_BYTES = 1 << 30
 SIM_HARDWARE, SIM_SERVING = "cpu-sim", "sim"
 #: Seconds between progress lines on stderr.
 PROGRESS_INTERVAL_S = 2.0
+#: Failed start-up compiles named on stderr (the report counts them all).
+MAX_FAILURE_LINES = 3
 
 
 def run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
@@ -107,7 +109,7 @@ def _run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     if compiling is not None:
         compiled = compiling.wait()
         clock.mark("kernels", compiled.line())
-        for failure in compiled.failed:
+        for failure in compiled.failed[:MAX_FAILURE_LINES]:
             print(f"memplan run: kernel compile failed, it compiles at its first launch: {failure}", file=sys.stderr)
     warm_up_s = None
     if not device.is_sim:  # on a GPU: keep the kernels' first-call loading or compilation out of the latencies
