@@ -83,6 +83,7 @@ class CompileReport:
     seconds: float = 0.0
     from_manifest: bool = False  # the keys came from a start-up manifest (no discovery)
     slowest: tuple[str, float] | None = None  # (name, seconds) of the longest compile
+    compile_seconds: dict[str, float] = field(default_factory=dict)  # key -> seconds, of those compiled
 
     def line(self) -> str:
         parts = [f"{self.needed} needed", f"{self.cached} in the cache"]
@@ -206,6 +207,7 @@ def _compile_missing(plan: MemoryPlan, cache: KernelCache, target: Target, job: 
     def done(key: str, seconds: float, error: str | None) -> None:
         if error is None:
             report.compiled += 1
+            report.compile_seconds[key] = seconds
             if report.slowest is None or seconds > report.slowest[1]:
                 report.slowest = (names[key], seconds)
         else:
@@ -395,7 +397,9 @@ def compile_command(args: argparse.Namespace, overrides: dict[str, object], out:
           f"{report.line()}", file=out)
     if args.list:
         for kernel in planned:
-            print(f"  {kernel.key[:16]}  {kernel.phase:<16}  {kernel.name}", file=out)
+            seconds = report.compile_seconds.get(kernel.key)
+            state = "cached" if seconds is None else f"{seconds:.1f} s"
+            print(f"  {kernel.key[:16]}  {kernel.phase:<16}  {state:>8}  {kernel.name}", file=out)
     for failure in report.failed:
         print(f"memplan compile: failed: {failure}", file=err)
     info = cache.info()

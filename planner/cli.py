@@ -118,7 +118,8 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile processes (default: one per available core; 1 compiles in this process)")
     parser.add_argument("--kernels", default=None, metavar="TEXT",
                         help="compile only the kernels whose module.qualname contains TEXT")
-    parser.add_argument("--list", action="store_true", help="list the kernels start-up needs (key, pass, name)")
+    parser.add_argument("--list", action="store_true",
+                        help="list the kernels start-up needs (key, first pass, compile seconds or cached, name)")
 
 
 RUN_DESCRIPTION = """\
