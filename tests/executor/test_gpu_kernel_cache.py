@@ -22,7 +22,7 @@ from tests.executor.harness import load_with_hf
 
 pytestmark = pytest.mark.gpu
 
-SERVING = dict(max_batch=4, max_context=512, max_prefill_tokens=512, gpu_memory_utilization=0.2)
+SERVING = dict(max_batch=4, max_context=512, max_prefill_tokens=512, gpu_memory_utilization=0.1)
 
 
 def _outputs(loaded) -> torch.Tensor:
