@@ -17,6 +17,7 @@ those land in the cache too (launch.py's ``Kernel._compile``).
 
 from __future__ import annotations
 
+import types as pytypes
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
@@ -97,17 +98,31 @@ def find_kernels(root: Any) -> list[Kernel]:
 
 
 def _children(obj: Any) -> Iterator[Any]:
-    """What ``find_kernels`` looks into: the values of containers and the attributes of executor objects
-    (not tensors, plans or anything else)."""
+    """What ``find_kernels`` looks into: the values of containers, the attributes of executor objects,
+    and what executor functions (a model's mixer builders, say) close over; not tensors, plans or
+    anything else."""
     if isinstance(obj, dict):
         yield from obj.values()
     elif isinstance(obj, (list, tuple, set, frozenset)):
         yield from obj
+    elif isinstance(obj, pytypes.FunctionType):
+        if obj.__module__.startswith("executor."):
+            yield from (cell.cell_contents for cell in obj.__closure__ or () if _bound(cell))
+    elif isinstance(obj, pytypes.MethodType):
+        yield obj.__self__
     elif type(obj).__module__.startswith("executor."):
         if is_dataclass(obj):
             yield from (getattr(obj, f.name) for f in fields(obj))
         elif hasattr(obj, "__dict__"):
             yield from vars(obj).values()
+
+
+def _bound(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a cell not yet bound
+        return False
+    return True
 
 
 def argument_types(args: tuple) -> tuple:
