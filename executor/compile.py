@@ -366,9 +366,11 @@ def available_cores() -> int:
 # -- memplan compile / memplan cache ------------------------------------------------------------------------------
 
 
-def compile_command(args: argparse.Namespace, overrides: dict[str, object], out: TextIO = sys.stdout,
-                    err: TextIO = sys.stderr) -> int:
-    """``memplan compile``: fill the cache for the hardware's compute capability, no GPU needed."""
+def compile_command(args: argparse.Namespace, overrides: dict[str, object], out: TextIO | None = None,
+                    err: TextIO | None = None) -> int:
+    """``memplan compile``: fill the cache for the hardware's compute capability, no GPU needed (output to
+    ``out`` and ``err``, stdout and stderr by default)."""
+    out, err = out or sys.stdout, err or sys.stderr
     from executor.device import MIN_COMPUTE_CAPABILITY
     from executor.kernel_compiler import target_device
     from planner.loader import plan_from_configs
@@ -407,8 +409,9 @@ def compile_command(args: argparse.Namespace, overrides: dict[str, object], out:
     return EXIT_COMPILE_FAILED if report.failed else EXIT_OK
 
 
-def cache_command(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    """``memplan cache info`` / ``memplan cache clear``."""
+def cache_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """``memplan cache info`` / ``memplan cache clear`` (output to ``out``, stdout by default)."""
+    out = out or sys.stdout
     cache = KernelCache(default_cache_dir())
     if args.action == "clear":
         removed = cache.clear()
