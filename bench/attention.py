@@ -81,8 +81,9 @@ def kernel_registers(flash: Any, heads: Heads) -> str:
     _, kernel = flash.kernel(heads.head_dim, heads.q_heads // heads.kv_heads)
     if kernel.simulated:
         return "n/a"
-    attributes = next(iter(kernel.dispatcher.overloads.values()))._codelibrary.get_cufunc().attrs
-    return f"{attributes.regs} / {attributes.local}"
+    # The cuda.core kernel the fast launch path holds (compiled here or loaded from the kernel cache).
+    launched = next(entry[0] for entry in kernel._launches.values() if entry is not None)
+    return f"{launched.attributes.num_regs} / {launched.attributes.local_size_bytes}"
 
 
 def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, shapes: list[Any],

@@ -4,7 +4,7 @@
                                   [--gemv 4x4,16x1,...] [--out FILE]
     python3 bench/launch_sweep.py --smoke     # tiny shapes in the Numba CUDA simulator (checks the script)
 
-- Decode attention (executor/kernels/decode_attention.py) at Qwen3-8B's heads (32 q / 8 kv heads of
+- Decode attention (executor/kernels/attention/decode.py) at Qwen3-8B's heads (32 q / 8 kv heads of
   128, bf16, pages of 16). Configurations: ``mma:W:S[:B]``, the tensor-core kernel
   (decode_attention_mma.py) with W warps a block, S ring slots a warp and optionally B, its launch
   bound's blocks an SM; ``mma:auto``, the launcher's own pick (four warps of two slots up to two

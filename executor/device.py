@@ -34,7 +34,7 @@ class DeviceError(RuntimeError):
     """The requested device is not available."""
 
 
-#: The oldest GPU the kernels compile for: bf16 stores are PTX ``cvt.rn.bf16.f32`` (executor/kernels/codec.py),
+#: The oldest GPU the kernels compile for: bf16 stores are PTX ``cvt.rn.bf16.f32`` (executor/kernels/primitives/codec.py),
 #: which needs sm_80 (A100 and later).
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
@@ -50,7 +50,9 @@ def check_compute_capability(name: str, capability: tuple[int, int]) -> None:
 
 @dataclass(frozen=True)
 class Device:
-    """A place to run: ``kind`` is "cuda" or "sim"."""
+    """A place to run: ``kind`` is "cuda", "sim", or "meta" (torch's meta device: views with shapes,
+    strides and offsets and no data, where launches only note what they would compile;
+    executor/kernel_discovery.py)."""
 
     kind: str
     torch_device: torch.device
@@ -64,8 +66,8 @@ class Device:
     def current_stream(self) -> Any:
         """The Numba stream of torch's current stream, where kernels must launch so that they order
         with the torch GEMMs around them and are recorded while a CUDA graph is captured (0 in the
-        simulator)."""
-        if self.is_sim:
+        simulator and on the meta device)."""
+        if self.kind != "cuda":
             return 0
         handle = torch.cuda.current_stream(self.torch_device).cuda_stream
         stream = self._numba_streams.get(handle)
@@ -74,7 +76,7 @@ class Device:
         return stream
 
     def synchronize(self) -> None:
-        if not self.is_sim:
+        if self.kind == "cuda":
             torch.cuda.synchronize(self.torch_device)
 
 

@@ -32,6 +32,7 @@ from executor.models.decoder import DecoderModel
 from executor.page_tables import PageTables
 from executor.scheduler import FINISH_STOP, Request, ScheduledStep, Scheduler, SchedulerStats, StepChunk
 from executor.step import RequestChunk, plan_step
+from planner.plan import MemoryPlan
 
 
 @dataclass
@@ -164,31 +165,42 @@ class Engine:
 
 
 def warm_up(model: DecoderModel) -> None:
-    """Run one prefill step and one decode step on scratch data before serving, so that first-call
-    work (Numba compilation, cuBLAS set-up) is not charged to the first requests' latencies.
-
-    The prefill step feeds a chunk long enough for the long-chunk attention backend (serving
-    gemm_attention_min_tokens and prefill_attention, when the KV pool has the pages) beside a
-    one-token chunk for the paged kernel; the decode step continues the long one. It writes KV pages
-    from 1 and recurrent slots from 0 and leaves them: no request owns a page yet, the prefix cache
-    is empty, and a slot is zeroed on admission.
-    """
+    """Run ``warm_up_steps`` (one prefill step and one decode step on scratch data) before serving, so
+    that first-call work (loading or compiling kernels, cuBLAS set-up) is not charged to the first
+    requests' latencies."""
     plan = model.arena.plan
+    steps = warm_up_steps(plan)
+    for chunk in steps[0] if steps else ():
+        model.reset_slot(chunk.slot)  # a no-op without recurrent state
+    sampled = None
+    for chunks in steps:
+        sampled = model.step(plan_step(plan, chunks))
+    if sampled is not None:
+        sampled.tolist()  # waits for the device
+
+
+def warm_up_steps(plan: MemoryPlan) -> list[list[RequestChunk]]:
+    """The scratch steps ``warm_up`` runs (kernel discovery runs the same ones): a prefill step that
+    feeds a chunk long enough for the long-chunk attention backend (serving gemm_attention_min_tokens
+    and prefill_attention, when the KV pool has the pages) beside a one-token chunk for the paged
+    kernel, then a decode step that continues the long one; none when the KV pool has fewer than two
+    usable pages.
+
+    They write KV pages from 1 and recurrent slots from 0 and leave them: no request owns a page yet,
+    the prefix cache is empty, and a slot is zeroed on admission.
+    """
     cap = plan.capacity
     page_size, usable_pages = cap.page_size, cap.kv_pages - 1
     long_len = min(plan.serving.gemm_attention_min_tokens, cap.max_prefill_tokens, cap.max_context - 1,
                    (usable_pages - 1) * page_size - 1)
     if long_len < 1:
-        return  # a KV pool of fewer than two usable pages: nothing to warm up with
+        return []
     recurrent = plan.geometry.num_linear_layers > 0
     long_pages = list(range(1, 2 + long_len // page_size))  # room for the decode step's token too
     chunks = [RequestChunk([0] * long_len, 0, long_pages, slot=0 if recurrent else -1)]
     if cap.max_batch > 1 and long_len + 1 <= cap.max_tokens_per_step:
         chunks.append(RequestChunk([0], 0, [long_pages[-1] + 1], slot=1 if recurrent else -1))
-    for chunk in chunks:
-        model.reset_slot(chunk.slot)  # a no-op without recurrent state
-    model.step(plan_step(plan, chunks))
-    model.step(plan_step(plan, [RequestChunk([0], long_len, long_pages, slot=chunks[0].slot)])).tolist()
+    return [chunks, [RequestChunk([0], long_len, long_pages, slot=chunks[0].slot)]]
 
 
 class ReadBack:

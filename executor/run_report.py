@@ -46,7 +46,7 @@ def summary(plan: MemoryPlan, arena: Arena, report: EngineReport, specs: list[Re
     lines.append(f"device memory in use: {_process_line(plan, arena)}")
     if warm_up_s is not None:
         lines.append(f"warm-up: one prefill and one decode step before the clock started, {warm_up_s:.2f} s "
-                     "(first-call kernel compilation)")
+                     "(first-call kernel loading or compilation)")
     lines.append(f"decode graphs: {_graphs_line(plan, arena, graphs)}")
     tokens_per_s = report.generated_tokens / report.wall_s if report.wall_s > 0 else float("nan")
     lines.append(f"requests: {len(specs)} ({len(specs) - rejected} run, {rejected} rejected); "

@@ -31,6 +31,7 @@ NUMBA_ENABLE_CUDASIM must be set before numba.cuda is first imported.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import replace
@@ -55,6 +56,8 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     """Run ``memplan run``; return the exit code (ConfigError and PlanDoesNotFit propagate).
     ``overrides``: the serving flags as ServingConfig fields, None where not given."""
     choose_simulator(args.device)
+    if args.no_kernel_cache:  # read by every Kernel at its first launch (executor/kernel_cache.py)
+        os.environ["MEMPLAN_KERNEL_CACHE"] = "0"
     from executor.device import DeviceError
     from executor.step import CapacityError
     from executor.tokenizer import TokenizerError
@@ -74,7 +77,9 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
 def _run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     from executor.generation import read_generation_defaults, resolve_sampling
     from executor.serving import ServedModel
+    from executor.startup import StartupClock
 
+    clock = StartupClock()
     plan = load_plan(args, overrides)
     weights = weights_source(args)
     directory = None if weights == RANDOM_WEIGHTS else weights
@@ -84,11 +89,14 @@ def _run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
                                 top_k=args.top_k)
     generation = replace(generation, sampling=sampling)
     specs = read_requests(args, plan.model.vocab_size, tokenizer, sampling)  # before anything is allocated
+    clock.mark("plan")
     streaming = len(args.prompt or []) == 1 and len(specs) == 1  # a single --prompt: its text on the terminal
     writer = OutputWriter(args.out, None if streaming else sys.stdout)
     try:
         served = ServedModel.open(plan, args.device, weights=weights, seed=args.seed, tokenizer=tokenizer,
-                                  generation=generation, eager=args.eager)
+                                  generation=generation, eager=args.eager, clock=clock, log=sys.stderr)
+        print(f"memplan run: ready after {clock.elapsed_s():.1f} s: {clock.line()}", file=sys.stderr, flush=True)
+        engine_start = time.perf_counter() - clock.origin
         progress: list[_Progress] = []
 
         def make_progress(requests: list, total: int):
@@ -112,6 +120,12 @@ def _run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     if progress:
         progress[0].print_line(report.engine.steps, final=True)
     print(report.text, file=sys.stderr)
+    first_tokens = [result.token_times_s[0] for result in report.engine.results if result.token_times_s]
+    first_token_s = engine_start + min(first_tokens) if first_tokens else None
+    print(f"start-up: {clock.line(first_token_s)}", file=sys.stderr)
+    for phase in clock.phases:
+        if phase.detail:
+            print(f"  {phase.name}: {phase.detail}", file=sys.stderr)
     return EXIT_OK
 
 

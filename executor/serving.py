@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from executor.generation import GenerationDefaults, RequestText, finished_text, read_generation_defaults
 from executor.run_report import GraphCapture, materialized_bytes, summary
@@ -28,11 +28,14 @@ if TYPE_CHECKING:
     from executor.arena import Arena
     from executor.engine import EngineReport, RequestResult
     from executor.models.decoder import DecoderModel
+    from executor.startup import StartupClock
     from executor.tokenizer import Tokenizer
     from planner.plan import MemoryPlan
 
 #: The simulator keeps the arena in host memory; refuse plans bigger than this there.
 SIM_MAX_MATERIALIZED_BYTES = 1 << 30
+#: Failed start-up compiles named on the log (the compile's own line counts them all).
+MAX_FAILURE_LINES = 3
 #: ``ServedModel.open``'s ``weights`` for random weights of the planned shapes.
 RANDOM_WEIGHTS = "random"
 
@@ -97,20 +100,24 @@ class ServedModel:
     graphs: GraphCapture | None = None
     warm_up_s: float | None = None
     weights_source: str = ""
+    clock: StartupClock | None = None  # the start-up phases of open()
 
     @classmethod
     def open(cls, plan: MemoryPlan, device: str = "auto", *, weights: str | Path, seed: int = 0,
              tokenizer: Tokenizer | None = None, generation: GenerationDefaults | None = None,
-             eager: bool = False) -> ServedModel:
+             eager: bool = False, clock: StartupClock | None = None, log: TextIO | None = None) -> ServedModel:
         """Materialize ``plan`` on ``device`` ("auto", "cuda", "sim"), fill its weights from ``weights`` (a
         checkpoint directory, or RANDOM_WEIGHTS from ``seed``), build the model; on a GPU warm it up and
         capture the decode graphs unless ``eager``. ``generation``: the checkpoint's defaults (read from
-        the weights' directory when None)."""
+        the weights' directory when None). On a GPU the kernels start-up needs that the persistent kernel
+        cache lacks compile in processes while the plan materializes and the weights load (executor/compile.py);
+        ``clock`` records the start-up phases, and ``log`` gets the compile's progress and failures."""
         choose_simulator(device)
         from executor.arena import materialize
         from executor.device import open_device
         from executor.engine import warm_up
         from executor.models import build_model
+        from executor.startup import KernelCensus, StartupClock
         from executor.weights import fill_random, load_checkpoint
 
         opened = open_device(device)
@@ -118,10 +125,16 @@ class ServedModel:
         if generation is None:
             directory = None if weights == RANDOM_WEIGHTS else weights
             generation = read_generation_defaults(directory, plan.model.vocab_size)
+        clock = clock if clock is not None else StartupClock()
+        compiling = None if opened.is_sim else start_compile(plan, log)
+        if compiling is not None:
+            clock.mark("kernel discovery")
         try:
             arena = materialize(plan, opened)
         except ValueError as error:  # e.g. tensor_parallel_size != 1
             raise RunError(str(error)) from None
+        opened.synchronize()
+        clock.mark("materialize")
         if weights == RANDOM_WEIGHTS:
             fill_random(arena, seed)
             source = f"random (seed {seed})"
@@ -129,13 +142,22 @@ class ServedModel:
             load_checkpoint(arena, weights)
             source = str(weights)
         model = build_model(arena)
+        opened.synchronize()
+        clock.mark("weights")
+        if compiling is not None:
+            compiled = compiling.wait()
+            clock.mark("kernels", compiled.line())
+            for failure in compiled.failed[:MAX_FAILURE_LINES]:
+                print(f"memplan: kernel compile failed, it compiles at its first launch: {failure}", file=log)
         served = cls(plan, arena, model, tokenizer, generation, weights_source=source)
-        if not opened.is_sim:  # on a GPU: keep the kernels' first-call compilation out of the latencies
-            start = time.perf_counter()
+        if not opened.is_sim:  # on a GPU: keep the kernels' first-call loading or compilation out of the latencies
             warm_up(model)
-            served.warm_up_s = time.perf_counter() - start
+            served.warm_up_s = clock.mark("warm-up", KernelCensus.of(model).text())
             if not eager:
+                before_capture = KernelCensus.of(model)
                 served.graphs = capture_graphs(model)
+                clock.mark("graph capture", KernelCensus.of(model).since(before_capture).text())
+        served.clock = clock
         return served
 
     def run(self, specs: Sequence[RequestSpec], *, on_output: OutputCallback | None = None,
@@ -213,6 +235,16 @@ def check_fits_device(plan: MemoryPlan, simulator: bool) -> None:
         raise RunError(f"the simulator runs tiny configs in host memory; this plan ({plan.model.name} on "
                        f"{plan.hardware.name}) materializes {total:,} bytes: use --hardware cpu-sim "
                        f"and a tiny model, or --device cuda")
+
+
+def start_compile(plan: MemoryPlan, log: TextIO | None):
+    """The cold-start compile (executor/compile.py) of the kernels ``plan``'s start-up needs that the
+    persistent cache lacks, running in processes; None when the cache is off."""
+    from executor.compile import StartupCompile
+    from executor.kernel_cache import KernelCache
+
+    cache = KernelCache.from_environment()
+    return None if cache is None else StartupCompile(plan, cache, log)
 
 
 def capture_graphs(model: DecoderModel) -> GraphCapture:

@@ -93,7 +93,7 @@ class StepWriter:
         destinations.update({f"{pool}.token_ids": (pool, "token_ids") for pool in ("decode", "prefill")})
         if plan.geometry.num_linear_layers:
             destinations["slot_ids"] = ("recurrent_state", "slot_ids")
-        pinned = not arena.device.is_sim
+        pinned = arena.device.kind == "cuda"  # the simulator and the meta device (no data) copy on the host
         self.segments: list[_Segment] = []
         self.targets: dict[str, _Target] = {}
         for pool_name in sorted({pool for pool, _ in destinations.values()}):
@@ -103,7 +103,8 @@ class StepWriter:
                 base, end = run[0].offset, max(buffer.offset + buffer.bytes for buffer in run)
                 device = arena.pools[pool_name][base:end]
                 mirror = torch.empty(end - base, dtype=torch.uint8, pin_memory=pinned)
-                mirror.copy_(device)  # so that copying a gap writes back what the device holds
+                if not device.is_meta:
+                    mirror.copy_(device)  # so that copying a gap writes back what the device holds
                 mirror_bytes = mirror.numpy()
                 for buffer in run:
                     start = buffer.offset - base
@@ -131,7 +132,7 @@ class StepWriter:
                 assert count <= target.host.shape[0], "plan_step checked every capacity"
                 target.host[:count] = values
                 written[target.segment].append((target.start_bytes, target.start_bytes + values.itemsize * count))
-        if self.copy_async is None:  # the simulator: plain host copies
+        if self.copy_async is None:  # the simulator (and the meta device): plain host copies
             for segment, ranges in zip(self.segments, written):
                 for start, end in _merged(ranges):
                     segment.device[start:end].copy_(segment.mirror[start:end])

@@ -1,10 +1,12 @@
-"""``memplan``: the one command-line module (plan, validate, run); ``memplan --help`` needs no torch.
+"""``memplan``: the one command-line module (plan, validate, run, compile, cache); ``memplan --help``
+needs no torch.
 
 Exit codes: 0 the plan fits (or validates); 2 a bad config or plan file, or a
 missing executor package (one line naming the file, field, value and rule, or
 what to install; no traceback); 3 the plan does not fit (one request of
 max_context does not fit the KV pool: the largest max_context and the
-gpu_memory_utilization that would fit, the biggest consumers, other knobs).
+gpu_memory_utilization that would fit, the biggest consumers, other knobs). ``memplan compile``:
+1 when a kernel failed to compile.
 """
 
 from __future__ import annotations
@@ -137,6 +139,46 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return EXIT_BAD_CONFIG
 
 
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from executor.compile import CompileError, compile_command  # numba loads only for `memplan compile`
+
+    try:
+        return compile_command(args, serving_overrides(args))
+    except CompileError as error:
+        print(f"memplan: compile error: {error}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+
+
+def _cmd_cache(args: argparse.Namespace) -> int:
+    from executor.compile import cache_command
+
+    return cache_command(args)
+
+
+COMPILE_DESCRIPTION = """\
+Fill the persistent kernel cache with the kernels a plan's start-up needs
+(warm-up and every decode-graph bucket), compiled for the hardware's compute
+capability: no GPU needed (NVVM and nvJitLink run on the host), one process
+per core. A later `memplan run` of the same plan on that GPU loads them instead
+of compiling; a second `memplan compile` compiles nothing.
+
+The cache is $MEMPLAN_CACHE_DIR, else ${XDG_CACHE_HOME:-~/.cache}/memplan;
+MEMPLAN_KERNEL_CACHE=0 turns it off. Exit codes: 0 ok; 1 a kernel failed to
+compile; 2 a bad config (or the cache is off, or the simulator is on)."""
+
+
+def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``memplan compile`` beside the shared config flags."""
+    parser.description = COMPILE_DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--jobs", type=int, default=None, metavar="N",
+                        help="compile processes (default: one per available core; 1 compiles in this process)")
+    parser.add_argument("--kernels", default=None, metavar="TEXT",
+                        help="compile only the kernels whose module.qualname contains TEXT")
+    parser.add_argument("--list", action="store_true",
+                        help="list the kernels start-up needs (key, first pass, compile seconds or cached, name)")
+
+
 RUN_DESCRIPTION = """\
 Build the plan (from --model/--hardware/--serving and the serving flags, or load
 it with --plan), materialize it on the device once, load the weights, run the
@@ -242,6 +284,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "launch the next step first, one step in flight)")
     parser.add_argument("--eager", action="store_true",
                         help="run decode steps eagerly instead of replaying the captured CUDA graphs")
+    parser.add_argument("--no-kernel-cache", action="store_true",
+                        help="neither load compiled kernels from the persistent cache nor store them (the same as "
+                             "MEMPLAN_KERNEL_CACHE=0)")
     parser.add_argument("--out", help="write the per-request JSONL here instead of stdout (line by line, flushed)")
 
 
@@ -266,6 +311,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(run, model_required=False)
     add_run_arguments(run)
     run.set_defaults(handler=_cmd_run)
+
+    compile_ = commands.add_parser("compile", help="fill the kernel cache for a plan's GPU, no GPU needed")
+    add_config_arguments(compile_)
+    add_compile_arguments(compile_)
+    compile_.set_defaults(handler=_cmd_compile)
+
+    cache = commands.add_parser("cache", help="show or empty the persistent kernel cache")
+    cache.add_argument("action", choices=("info", "clear"))
+    cache.set_defaults(handler=_cmd_cache)
     return parser
 
 

@@ -42,10 +42,16 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first, into one shared memory pool.
 
-        Each bucket first runs once eagerly on the capture stream (compiles the kernels, lets
-        cuBLAS pick and set up its GEMMs) with an all-padding step, then is recorded. Kernels
-        launch on torch's current stream (``device.current_stream()``), which inside
-        ``torch.cuda.graph`` is the capture stream.
+        Each bucket first runs once eagerly on the capture stream with an all-padding step (its
+        kernels' first launches, which load them from the kernel cache or compile them; cuBLAS
+        picks and sets up its GEMMs), then is recorded. Kernels launch on torch's current stream
+        (``device.current_stream()``), which inside ``torch.cuda.graph`` is the capture stream.
+
+        The buckets launch specializations that warm-up does not: the fused decode attention with
+        strided q/k/v views (one row is contiguous, two or more are not), its tensor-core shape for
+        many (row, kv head) pairs, the GEMV kernels of each batch up to decode_gemv_max_batch.
+        Compiled here, they were most of capture's cost; kernel discovery runs these same eager
+        passes (executor/kernel_discovery.py), so the start-up compile puts them in the cache first.
         """
         plan, device = self.arena.plan, self.arena.device
         empty = plan_step(plan, [])  # padded to a bucket: all padding

@@ -5,7 +5,7 @@ Tests run kernels in the Numba CUDA simulator, which replaces numba's compiler, 
 without NUMBA_ENABLE_CUDASIM. The body builds kernels and calls
 ``ptx(kernel, *argtypes)``, which compiles ``kernel`` for sm_90 and returns the
 PTX text, or ``vector_ptx(kernel, *argtypes)``, which also checks that a
-16-byte vector kernel (executor/kernels/vector.py) loads and stores 16 bytes at
+16-byte vector kernel (executor/kernels/primitives/vector.py) loads and stores 16 bytes at
 a time and keeps its chunk buffers out of local memory. The body also gets
 ``types`` (numba's), ``build_codec``, ``DTYPES`` and ``arr(dtype_name, ndim)``, the array type a kernel takes for that data
 (bfloat16 as int16 bits):

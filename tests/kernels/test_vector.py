@@ -1,4 +1,4 @@
-"""16-byte vector access (executor/kernels/vector.py): host alignment checks, lanes, the simulator's
+"""16-byte vector access (executor/kernels/primitives/vector.py): host alignment checks, lanes, the simulator's
 emulation, and the sm_90 intrinsics' PTX."""
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ case) it:
 
 - finds the compiled overload by a key of what Numba's typing depends on (dtype, rank and
   contiguity of each tensor, type of each scalar); a key's first launch asks Numba for the
-  types of the converted arguments and compiles them (``Dispatcher.compile``);
+  types of the converted arguments and loads that overload from the persistent kernel cache
+  (executor/kernel_compiler.py), or compiles it (``Dispatcher.compile``) and stores it there;
 - packs the arguments as Numba's ``_Kernel._prepare_args`` does: an array is (meminfo 0,
   parent 0, size, itemsize, data pointer, shape..., strides in bytes...), an integer or
   float scalar its ctypes value of the compiled type;
@@ -22,9 +23,10 @@ The packing and the overload lookup follow numba-cuda 0.30.4's ``_Kernel`` (``ar
 ``_codelibrary``; the project's pinned, maintenance-mode target); tests/kernels/test_launch.py
 holds both to Numba's own results on the GPU. bf16 tensors go in as their int16 bits (the
 kernels' bf16 codec). Other arguments (Numba device arrays, numpy arrays) take Numba's own
-path, unchanged. In the simulator every tensor becomes a wrapped numpy view of the same memory
-(not a copy: in-place kernels and strided views must see the caller's tensor) and Numba's
-simulator runs the kernel.
+path, unchanged. Tensors on torch's meta device launch nothing: their argument types are
+noted in ``discovered`` (executor/kernel_discovery.py). In the simulator every tensor becomes a
+wrapped numpy view of the same memory (not a copy: in-place kernels and strided views must see
+the caller's tensor) and Numba's simulator runs the kernel.
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ class Kernel:
         # key -> (cuda.core kernel, one packer per argument), or None: the key takes Numba's path.
         self._launches: dict[tuple, tuple[Any, tuple[Packer, ...]] | None] = {}
         self._streams: dict[int, tuple[Any, Any]] = {}  # id(stream) -> (stream, its cuda.core stream)
+        # The persistent kernel cache (executor/kernel_compiler.py): argument types -> "cache" (loaded) or
+        # "compiled" (here), and the argument types a discovery pass over meta tensors asked for.
+        self.origins: dict[tuple, str] = {}
+        self.discovered: dict[tuple, None] = {}
 
     def __getitem__(self, config: tuple) -> Callable[..., None]:
         """``kernel[grid, block]``, ``[grid, block, stream]`` or ``[grid, block, stream, shared_bytes]``."""
@@ -85,8 +91,13 @@ class Kernel:
         if entry is False:
             entry = self._launches[key] = self._compile(args)
         if entry is None:  # the simulator, an argument that is not a CUDA tensor or scalar, or an unpacked type
+            if key is None and not self.simulated and _on_meta(args):  # discovery: note the types, launch nothing
+                from executor.kernel_discovery import argument_types
+
+                self.discovered[argument_types(args)] = None
+                return
             if key is None and self.dynamic_shared_bytes and not self.simulated:
-                self._compile(args)  # opts the overload Numba launches in to the dynamic shared memory
+                self._compile(args, cached=False)  # opts the overload Numba launches in to the dynamic shared memory
             self.dispatcher[grid, block, stream, shared_bytes](*(_numba_argument(a, self.simulated) for a in args))
             return
         kernel, packers = entry
@@ -96,19 +107,30 @@ class Kernel:
         self._launch(self._core_stream(stream), self._config(grid=grid, block=block, shmem_size=shared_bytes), kernel,
                      *params)
 
-    def _compile(self, args: tuple) -> tuple[Any, tuple[Packer, ...]] | None:
-        """The overload Numba would launch for ``args`` (compiled now if new) and its packers."""
+    def _compile(self, args: tuple, cached: bool = True) -> tuple[Any, tuple[Packer, ...]] | None:
+        """The overload Numba would launch for ``args`` (from the kernel cache when ``cached`` and it has
+        it, else compiled now if new) and its packers."""
+        from executor.kernel_compiler import load_cached, store_compiled  # the persistent kernel cache
+
         converted = [_numba_argument(a, False) for a in args]
         argtypes = tuple(self.dispatcher.typeof_pyval(a) for a in converted)
+        function, cache_key = load_cached(self.dispatcher, argtypes) if cached else (None, None)
+        if function is not None:  # only launchable overloads are cached: the fast path takes it
+            self.origins[argtypes] = "cache"
+            if self.dynamic_shared_bytes:
+                _allow_dynamic_shared(function, self.dynamic_shared_bytes)
+            return function.kernel, tuple(_packer(t) for t in argtypes)
         overload = self.dispatcher.compile(argtypes)
+        self.origins[argtypes] = "compiled"
         if self.dynamic_shared_bytes:
-            _allow_dynamic_shared(overload, self.dynamic_shared_bytes)
+            _allow_dynamic_shared(overload._codelibrary.get_cufunc(), self.dynamic_shared_bytes)
         if overload.debug or overload.extensions or getattr(overload, "launch_config_sensitive", False):
             return None
         try:
             packers = tuple(_packer(t) for t in overload.argument_types)
         except NotImplementedError:
             return None
+        store_compiled(cache_key, overload)
         return overload._codelibrary.get_cufunc().kernel, packers
 
     def _core_stream(self, stream: Any) -> Any:
@@ -120,14 +142,19 @@ class Kernel:
         return entry[1]
 
 
-def _allow_dynamic_shared(overload: Any, shared_bytes: int) -> None:
-    """Let ``overload``'s launches take ``shared_bytes`` of dynamic shared memory (Numba's launch path
-    runs the same compiled function, so it is allowed too)."""
+def _allow_dynamic_shared(function: Any, shared_bytes: int) -> None:
+    """Let launches of ``function`` (a loaded overload: Numba's launch path runs the same one, so it is
+    allowed too) take ``shared_bytes`` of dynamic shared memory."""
     from numba.cuda.cudadrv.driver import binding, driver
 
-    function = overload._codelibrary.get_cufunc()
     attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     driver.cuKernelSetAttribute(attribute, int(shared_bytes), function.handle, function.device.id)
+
+
+def _on_meta(args: tuple) -> bool:
+    """Whether a launch is part of a discovery pass (executor/kernel_discovery.py: tensors on torch's
+    meta device, which have a layout and no data)."""
+    return any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
 
 
 def _launch_key(args: tuple) -> tuple | None:
