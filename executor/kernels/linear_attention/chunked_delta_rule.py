@@ -106,26 +106,24 @@ SIMULATOR_SHAPE = ChunkShape(chunk=16, dv_tile=16, warps=1, solve_block=8)
 @dataclass(frozen=True)
 class WarpTiles:
     """How a block's warps share one product's 16-row m-tiles and 8-column n-tiles: warp w takes
-    m-tiles ``w % groups + groups * u`` (u < per_warp) and the ``w // groups``-th run of
-    ``n_tiles`` n-tiles."""
+    m-tile ``w % m_tiles`` and the ``w // m_tiles``-th run of ``n_tiles`` n-tiles. One m-tile a warp
+    keeps every accumulator index a constant (a loop over several would put them in local memory)."""
 
-    groups: int
-    per_warp: int
+    m_tiles: int
     n_tiles: int
 
 
 def warp_tiles(rows: int, cols: int, warps: int) -> WarpTiles:
     """The split of a [rows, cols] product over ``warps`` warps (rows, cols multiples of 16)."""
     m_tiles = rows // 16
-    groups = min(warps, m_tiles)
-    if m_tiles % groups or warps % groups:
-        raise ValueError(f"chunked delta rule: {warps} warps cannot share {m_tiles} row tiles evenly")
-    parts = warps // groups
+    if warps % m_tiles:
+        raise ValueError(f"chunked delta rule: {warps} warps cannot take one of {m_tiles} row tiles each")
+    parts = warps // m_tiles
     n_tiles = cols // 8 // parts
     if n_tiles < 2 or n_tiles % 2 or n_tiles * parts * 8 != cols:
         raise ValueError(f"chunked delta rule: {cols} columns in {parts} parts is not a whole even number of "
                          f"8-column tiles a warp")
-    return WarpTiles(groups, m_tiles // groups, n_tiles)
+    return WarpTiles(m_tiles, n_tiles)
 
 
 @dataclass(frozen=True)
@@ -254,17 +252,14 @@ class _RowMath:
         def solve(af, tf, mf, tid):
             """tf <- (I + A)^-1 on and below the diagonal (A strictly lower in af), float32; mf is an
             [SB, C] scratch tile. Ends with a barrier."""
-            x = cuda.local.array(SB, float32)
-            for col in range(tid, C, NT):  # column col of its diagonal block's inverse
+            for col in range(tid, C, NT):  # column col of its diagonal block's inverse, in place in tf
                 base = (col // SB) * SB
                 c = col - base
-                for i in range(SB):
+                for i in range(SB):  # rows above c come out 0, row c 1
                     acc = float32(1.0) if i == c else float32(0.0)
                     for j in range(i):
-                        acc -= af[base + i, base + j] * x[j]
-                    x[i] = acc
-                for i in range(SB):
-                    tf[base + i, col] = x[i]
+                        acc -= af[base + i, base + j] * tf[base + j, col]
+                    tf[base + i, col] = acc
             cuda.syncthreads()
             for block in range(1, NB):  # T_ij = -T_ii sum_{j <= k < i} A_ik T_kj for block rows i > j
                 r0 = block * SB
@@ -454,15 +449,13 @@ def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles:
     load_a_x4 = build_a_fragment_load()
     copy_async, copy_async_wait_all = build_async_copy()
     shared_address = build_shared_address()
-    CM = C // 16  # 16-row tiles of a chunk: the k-steps of the products over C
     rows_c = warp_tiles(C, C, NW)  # the Gram products [C, C]
     rows_v = warp_tiles(C, DVT, NW)  # k S, q S, delta, the output [C, DVT]
     rows_s = warp_tiles(DK, DVT, NW)  # the state [dk, DVT]
-    GROUPS, PER_WARP = rows_c.groups, rows_c.per_warp  # the same m-tile split for every [C, *] product
-    NTC, NTO = rows_c.n_tiles, rows_v.n_tiles
-    S_GROUPS, S_PER_WARP, NTS = rows_s.groups, rows_s.per_warp, rows_s.n_tiles
-    O_VALUES = 4 * PER_WARP * NTO  # a lane's output accumulators
-    S_VALUES = 4 * S_PER_WARP * NTS  # a lane's state registers
+    NTC, NTO, NTS = rows_c.n_tiles, rows_v.n_tiles, rows_s.n_tiles
+    CM, DM = rows_c.m_tiles, rows_s.m_tiles  # CM: also the k-steps of the products over C
+    O_VALUES, X_VALUES = 4 * NTO, 4 * NTO  # a lane's output accumulators; of k S (or delta)
+    GRAM_VALUES, S_VALUES = 4 * NTC, 4 * NTS  # of a Gram product; its state registers
     QK_CHUNKS, V_CHUNKS = DK // 8, DVT // 8  # 16-byte chunks of a staged q or k row, of a v row
     QK_WORDS = DK // 2
     # Tiles that are zeros by the mask (above the diagonal, past the chunk's rows) are skipped. Where the
@@ -504,176 +497,161 @@ def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles:
     @cuda.jit(device=True, inline=True)
     def grams(qt, kt, q_lane, k_lane, sc, af, pt, kk, qk, n, warp, g, t):
         """k k^T and q k^T of the staged rows -> A (af) and P (pt)."""
-        group = warp % GROUPS
-        part = warp // GROUPS
-        for u in range(PER_WARP):
-            tm = group + GROUPS * u
-            m0 = 16 * tm
-            for x in range(4 * NTC):
-                kk[x] = float32(0.0)
-                qk[x] = float32(0.0)
-            for s in range(DK // 16):
-                ka0, ka1, ka2, ka3 = load_a_x4(kt, k_lane, m0, 8 * s)
-                qa0, qa1, qa2, qa3 = load_a_x4(qt, q_lane, m0, 8 * s)
-                for jn in range(0, NTC, 2):
-                    n0 = 8 * (part * NTC + jn)
-                    if WARP_SKIP and (n0 >= n or n0 > m0 + 15):
-                        continue  # columns past the chunk's rows, or wholly above the diagonal: zeros
-                    # k rows n0.. are n-tile jn, rows n0 + 8.. n-tile jn + 1: A's quarters are their b0, b1.
-                    b0, b0_next, b1, b1_next = load_a_x4(kt, k_lane, n0, 8 * s)
-                    mma4(ka0, ka1, ka2, ka3, b0, b1, kk, 4 * jn)
-                    mma4(ka0, ka1, ka2, ka3, b0_next, b1_next, kk, 4 * jn + 4)
-                    mma4(qa0, qa1, qa2, qa3, b0, b1, qk, 4 * jn)
-                    mma4(qa0, qa1, qa2, qa3, b0_next, b1_next, qk, 4 * jn + 4)
-            for jn in range(NTC):
+        tm = warp % CM
+        m0 = 16 * tm
+        part = warp // CM
+        for x in range(GRAM_VALUES):
+            kk[x] = float32(0.0)
+            qk[x] = float32(0.0)
+        for s in range(DK // 16):
+            ka0, ka1, ka2, ka3 = load_a_x4(kt, k_lane, m0, 8 * s)
+            qa0, qa1, qa2, qa3 = load_a_x4(qt, q_lane, m0, 8 * s)
+            for jn in range(0, NTC, 2):
                 n0 = 8 * (part * NTC + jn)
-                j = n0 + 2 * t
-                for half in range(2):
-                    i = m0 + g + 8 * half
-                    c = 4 * jn + 2 * half
-                    a0, p0 = gram_values(sc, i, j, kk[c], qk[c])
-                    a1, p1 = gram_values(sc, i, j + 1, kk[c + 1], qk[c + 1])
-                    af[i, j] = a0
-                    af[i, j + 1] = a1
-                    pt[i, (n0 >> 1) + t] = pack(p0, p1)
+                if WARP_SKIP and (n0 >= n or n0 > m0 + 15):
+                    continue  # columns past the chunk's rows, or wholly above the diagonal: zeros
+                # k rows n0.. are n-tile jn, rows n0 + 8.. n-tile jn + 1: A's quarters are their b0, b1.
+                b0, b0_next, b1, b1_next = load_a_x4(kt, k_lane, n0, 8 * s)
+                mma4(ka0, ka1, ka2, ka3, b0, b1, kk, 4 * jn)
+                mma4(ka0, ka1, ka2, ka3, b0_next, b1_next, kk, 4 * jn + 4)
+                mma4(qa0, qa1, qa2, qa3, b0, b1, qk, 4 * jn)
+                mma4(qa0, qa1, qa2, qa3, b0_next, b1_next, qk, 4 * jn + 4)
+        for jn in range(NTC):
+            n0 = 8 * (part * NTC + jn)
+            j = n0 + 2 * t
+            for half in range(2):
+                i = m0 + g + 8 * half
+                c = 4 * jn + 2 * half
+                a0, p0 = gram_values(sc, i, j, kk[c], qk[c])
+                a1, p1 = gram_values(sc, i, j + 1, kk[c + 1], qk[c + 1])
+                af[i, j] = a0
+                af[i, j + 1] = a1
+                pt[i, (n0 >> 1) + t] = pack(p0, p1)
 
     @cuda.jit(device=True, inline=True)
     def state_products(qt, kt, q_lane, k_lane, st, s_lane, vt, sc, rt, o, x, warp, g, t):
         """k S -> the residual beta (v - exp(gc) k S) (rt); q S -> o = exp(gc) q S."""
-        group = warp % GROUPS
-        part = warp // GROUPS
-        for u in range(PER_WARP):
-            m0 = 16 * (group + GROUPS * u)
-            first = 4 * u * NTO
-            for e in range(4 * NTO):
-                x[e] = float32(0.0)
-                o[first + e] = float32(0.0)
-            for s in range(DK // 16):
-                ka0, ka1, ka2, ka3 = load_a_x4(kt, k_lane, m0, 8 * s)
-                qa0, qa1, qa2, qa3 = load_a_x4(qt, q_lane, m0, 8 * s)
-                for jn in range(0, NTO, 2):
-                    n0 = 8 * (part * NTO + jn)
-                    b0, b1, b2, b3 = load_b_x4_trans(st, s_lane, 16 * s, n0 >> 1)
-                    mma4(ka0, ka1, ka2, ka3, b0, b1, x, 4 * jn)
-                    mma4(ka0, ka1, ka2, ka3, b2, b3, x, 4 * jn + 4)
-                    mma4(qa0, qa1, qa2, qa3, b0, b1, o, first + 4 * jn)
-                    mma4(qa0, qa1, qa2, qa3, b2, b3, o, first + 4 * jn + 4)
-            for jn in range(NTO):
-                w = (8 * (part * NTO + jn) >> 1) + t
-                for half in range(2):
-                    i = m0 + g + 8 * half
-                    c = 4 * jn + 2 * half
-                    word = vt[i, w]
-                    f = sc[EGC, i] * sc[KS, i]
-                    b = sc[BETA, i]
-                    rt[i, w] = pack(b * (load(word) - f * x[c]), b * (load(word >> 16) - f * x[c + 1]))
-                    f = sc[EGC, i] * sc[QS, i]
-                    o[first + c] *= f
-                    o[first + c + 1] *= f
+        m0 = 16 * (warp % CM)
+        part = warp // CM
+        for e in range(X_VALUES):
+            x[e] = float32(0.0)
+            o[e] = float32(0.0)
+        for s in range(DK // 16):
+            ka0, ka1, ka2, ka3 = load_a_x4(kt, k_lane, m0, 8 * s)
+            qa0, qa1, qa2, qa3 = load_a_x4(qt, q_lane, m0, 8 * s)
+            for jn in range(0, NTO, 2):
+                n0 = 8 * (part * NTO + jn)
+                b0, b1, b2, b3 = load_b_x4_trans(st, s_lane, 16 * s, n0 >> 1)
+                mma4(ka0, ka1, ka2, ka3, b0, b1, x, 4 * jn)
+                mma4(ka0, ka1, ka2, ka3, b2, b3, x, 4 * jn + 4)
+                mma4(qa0, qa1, qa2, qa3, b0, b1, o, 4 * jn)
+                mma4(qa0, qa1, qa2, qa3, b2, b3, o, 4 * jn + 4)
+        for jn in range(NTO):
+            w = ((8 * (part * NTO + jn)) >> 1) + t
+            for half in range(2):
+                i = m0 + g + 8 * half
+                c = 4 * jn + 2 * half
+                word = vt[i, w]
+                f = sc[EGC, i] * sc[KS, i]
+                b = sc[BETA, i]
+                rt[i, w] = pack(b * (load(word) - f * x[c]), b * (load(word >> 16) - f * x[c + 1]))
+                f = sc[EGC, i] * sc[QS, i]
+                o[c] *= f
+                o[c + 1] *= f
 
     @cuda.jit(device=True, inline=True)
     def transform(tt, t_lane, rt, r_lane, sc, nt, dt, x, n, warp, g, t):
         """delta = T residual -> nt (delta) and dt (exp(gl - gc) delta / |k|)."""
-        group = warp % GROUPS
-        part = warp // GROUPS
-        for u in range(PER_WARP):
-            tm = group + GROUPS * u
-            m0 = 16 * tm
-            for e in range(4 * NTO):
-                x[e] = float32(0.0)
-            for s in range(CM):
-                if 16 * s >= n or (WARP_SKIP and s > tm):
-                    continue  # T's columns past the chunk's rows, or above the diagonal: zeros
-                ta0, ta1, ta2, ta3 = load_a_x4(tt, t_lane, m0, 8 * s)
-                for jn in range(0, NTO, 2):
-                    n0 = 8 * (part * NTO + jn)
-                    b0, b1, b2, b3 = load_b_x4_trans(rt, r_lane, 16 * s, n0 >> 1)
-                    mma4(ta0, ta1, ta2, ta3, b0, b1, x, 4 * jn)
-                    mma4(ta0, ta1, ta2, ta3, b2, b3, x, 4 * jn + 4)
-            for jn in range(NTO):
-                w = (8 * (part * NTO + jn) >> 1) + t
-                for half in range(2):
-                    i = m0 + g + 8 * half
-                    c = 4 * jn + 2 * half
-                    nt[i, w] = pack(x[c], x[c + 1])
-                    f = sc[KS, i] * sc[DL, i]
-                    dt[i, w] = pack(f * x[c], f * x[c + 1])
+        tm = warp % CM
+        m0 = 16 * tm
+        part = warp // CM
+        for e in range(X_VALUES):
+            x[e] = float32(0.0)
+        for s in range(CM):
+            if 16 * s >= n or (WARP_SKIP and s > tm):
+                continue  # T's columns past the chunk's rows, or above the diagonal: zeros
+            ta0, ta1, ta2, ta3 = load_a_x4(tt, t_lane, m0, 8 * s)
+            for jn in range(0, NTO, 2):
+                n0 = 8 * (part * NTO + jn)
+                b0, b1, b2, b3 = load_b_x4_trans(rt, r_lane, 16 * s, n0 >> 1)
+                mma4(ta0, ta1, ta2, ta3, b0, b1, x, 4 * jn)
+                mma4(ta0, ta1, ta2, ta3, b2, b3, x, 4 * jn + 4)
+        for jn in range(NTO):
+            w = ((8 * (part * NTO + jn)) >> 1) + t
+            for half in range(2):
+                i = m0 + g + 8 * half
+                c = 4 * jn + 2 * half
+                nt[i, w] = pack(x[c], x[c + 1])
+                f = sc[KS, i] * sc[DL, i]
+                dt[i, w] = pack(f * x[c], f * x[c + 1])
 
     @cuda.jit(device=True, inline=True)
     def output(pt, p_lane, nt, n_lane, o, out, c0, n, h, j0, warp, g, t):
         """o += P delta; rows below n to out (bf16 pairs as words)."""
-        group = warp % GROUPS
-        part = warp // GROUPS
-        for u in range(PER_WARP):
-            tm = group + GROUPS * u
-            m0 = 16 * tm
-            first = 4 * u * NTO
-            for s in range(CM):
-                if 16 * s >= n or (WARP_SKIP and s > tm):
-                    continue
-                pa0, pa1, pa2, pa3 = load_a_x4(pt, p_lane, m0, 8 * s)
-                for jn in range(0, NTO, 2):
-                    n0 = 8 * (part * NTO + jn)
-                    b0, b1, b2, b3 = load_b_x4_trans(nt, n_lane, 16 * s, n0 >> 1)
-                    mma4(pa0, pa1, pa2, pa3, b0, b1, o, first + 4 * jn)
-                    mma4(pa0, pa1, pa2, pa3, b2, b3, o, first + 4 * jn + 4)
-            for jn in range(NTO):
-                w = ((j0 + 8 * (part * NTO + jn)) >> 1) + t
-                for half in range(2):
-                    i = m0 + g + 8 * half
-                    c = first + 4 * jn + 2 * half
-                    if i < n:
-                        out[c0 + i, h, w] = pack(o[c], o[c + 1])
+        tm = warp % CM
+        m0 = 16 * tm
+        part = warp // CM
+        for s in range(CM):
+            if 16 * s >= n or (WARP_SKIP and s > tm):
+                continue
+            pa0, pa1, pa2, pa3 = load_a_x4(pt, p_lane, m0, 8 * s)
+            for jn in range(0, NTO, 2):
+                n0 = 8 * (part * NTO + jn)
+                b0, b1, b2, b3 = load_b_x4_trans(nt, n_lane, 16 * s, n0 >> 1)
+                mma4(pa0, pa1, pa2, pa3, b0, b1, o, 4 * jn)
+                mma4(pa0, pa1, pa2, pa3, b2, b3, o, 4 * jn + 4)
+        for jn in range(NTO):
+            w = ((j0 + 8 * (part * NTO + jn)) >> 1) + t
+            for half in range(2):
+                i = m0 + g + 8 * half
+                c = 4 * jn + 2 * half
+                if i < n:
+                    out[c0 + i, h, w] = pack(o[c], o[c + 1])
 
     @cuda.jit(device=True, inline=True)
     def state_update(kt, k_lane, dt, d_lane, sacc, st, sc, n, warp, g, t):
         """S <- exp(gl) S + k^T dt in the registers, and its bf16 copy in st. k^T's A fragments are
         the transposed loads of the token-major k tile: matrices (tokens, dims) 0-7 x 0-7, 8-15 x 0-7,
         0-7 x 8-15, 8-15 x 8-15 are a0, a2, a1, a3."""
-        group = warp % S_GROUPS
-        part = warp // S_GROUPS
+        m0 = 16 * (warp % DM)
+        part = warp // DM
         carried = sc[EGC, C - 1]
-        for u in range(S_PER_WARP):
-            m0 = 16 * (group + S_GROUPS * u)
-            first = 4 * u * NTS
-            for e in range(4 * NTS):
-                sacc[first + e] *= carried
-            for s in range(CM):
-                if 16 * s >= n:
-                    continue  # dt's rows past the chunk's rows are zeros
-                a0, a2, a1, a3 = load_b_x4_trans(kt, k_lane, 16 * s, m0 >> 1)
-                for jn in range(0, NTS, 2):
-                    n0 = 8 * (part * NTS + jn)
-                    b0, b1, b2, b3 = load_b_x4_trans(dt, d_lane, 16 * s, n0 >> 1)
-                    mma4(a0, a1, a2, a3, b0, b1, sacc, first + 4 * jn)
-                    mma4(a0, a1, a2, a3, b2, b3, sacc, first + 4 * jn + 4)
-            for jn in range(NTS):
-                w = (8 * (part * NTS + jn) >> 1) + t
-                for half in range(2):
-                    c = first + 4 * jn + 2 * half
-                    st[m0 + g + 8 * half, w] = pack(sacc[c], sacc[c + 1])
+        for e in range(S_VALUES):
+            sacc[e] *= carried
+        for s in range(CM):
+            if 16 * s >= n:
+                continue  # dt's rows past the chunk's rows are zeros
+            a0, a2, a1, a3 = load_b_x4_trans(kt, k_lane, 16 * s, m0 >> 1)
+            for jn in range(0, NTS, 2):
+                n0 = 8 * (part * NTS + jn)
+                b0, b1, b2, b3 = load_b_x4_trans(dt, d_lane, 16 * s, n0 >> 1)
+                mma4(a0, a1, a2, a3, b0, b1, sacc, 4 * jn)
+                mma4(a0, a1, a2, a3, b2, b3, sacc, 4 * jn + 4)
+        for jn in range(NTS):
+            w = ((8 * (part * NTS + jn)) >> 1) + t
+            for half in range(2):
+                c = 4 * jn + 2 * half
+                st[m0 + g + 8 * half, w] = pack(sacc[c], sacc[c + 1])
 
     @cuda.jit(device=True, inline=True)
     def state_access(ssm_state, slot, h, j0, sacc, st, warp, g, t, write):
         """The state tile between ssm_state and this lane's registers (``write``: registers to
         ssm_state; else ssm_state to registers and their bf16 copy to st)."""
-        group = warp % S_GROUPS
-        part = warp // S_GROUPS
-        for u in range(S_PER_WARP):
-            m0 = 16 * (group + S_GROUPS * u)
-            for jn in range(NTS):
-                n0 = 8 * (part * NTS + jn)
-                col = j0 + n0 + 2 * t
-                for half in range(2):
-                    d = m0 + g + 8 * half
-                    c = 4 * (u * NTS + jn) + 2 * half
-                    if write:
-                        ssm_state[slot, h, d, col] = sacc[c]
-                        ssm_state[slot, h, d, col + 1] = sacc[c + 1]
-                    else:
-                        sacc[c] = ssm_state[slot, h, d, col]
-                        sacc[c + 1] = ssm_state[slot, h, d, col + 1]
-                        st[d, (n0 >> 1) + t] = pack(sacc[c], sacc[c + 1])
+        m0 = 16 * (warp % DM)
+        part = warp // DM
+        for jn in range(NTS):
+            n0 = 8 * (part * NTS + jn)
+            col = j0 + n0 + 2 * t
+            for half in range(2):
+                d = m0 + g + 8 * half
+                c = 4 * jn + 2 * half
+                if write:
+                    ssm_state[slot, h, d, col] = sacc[c]
+                    ssm_state[slot, h, d, col + 1] = sacc[c + 1]
+                else:
+                    sacc[c] = ssm_state[slot, h, d, col]
+                    sacc[c + 1] = ssm_state[slot, h, d, col + 1]
+                    st[d, (n0 >> 1) + t] = pack(sacc[c], sacc[c + 1])
 
     @cuda.jit(**launch_options)
     def chunked_delta_rule_mma(qkv, g, beta, ssm_state, q_indptr, slot_ids, out):
@@ -685,9 +663,9 @@ def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles:
         af, tf, mf, sc = a_tile(floats, A_OFF), tf_tile(floats, TF_OFF), m_tile(floats, M_OFF), \
             scalars_tile(floats, SC_OFF)
         o = cuda.local.array(O_VALUES, float32)
-        x = cuda.local.array(4 * NTO, float32)
-        kk = cuda.local.array(4 * NTC, float32)
-        qk = cuda.local.array(4 * NTC, float32)
+        x = cuda.local.array(X_VALUES, float32)
+        kk = cuda.local.array(GRAM_VALUES, float32)
+        qk = cuda.local.array(GRAM_VALUES, float32)
         sacc = cuda.local.array(S_VALUES, float32)
         tid = cuda.threadIdx.x
         warp = tid // WARP_THREADS
