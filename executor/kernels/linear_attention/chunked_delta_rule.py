@@ -95,10 +95,13 @@ class ChunkShape:
         return WARP_THREADS * self.warps
 
 
-#: The GPU's shape (tensor cores): 64-token chunks (fla's), 64 state columns and 8 warps a block
-#: (16 state registers a lane), 16-row diagonal blocks in the solve. Not yet swept on the H200
-#: (bench/delta_rule.py --shapes sweeps it).
+#: The GPU's tensor-core shape: 64-token chunks (fla's), 64 state columns and 8 warps a block (a
+#: warp owns one 16-row tile of the chunk and half its columns, one 16-row tile of the state: 32
+#: state registers a lane), 16-row diagonal blocks in the solve; about 146 KiB of shared memory,
+#: one block an SM. Unmeasured: bench/delta_rule.py --shapes times others beside it.
 GPU_SHAPE = ChunkShape(chunk=64, dv_tile=64, warps=8, solve_block=16)
+#: The GPU's float32 build (float32 storage): small tiles, every product a float32 loop (~46 KiB at dk 128).
+GPU_FLOAT32_SHAPE = ChunkShape(chunk=16, dv_tile=32, warps=4, solve_block=8)
 #: The simulator's: one warp, 16-token chunks, two diagonal blocks (the block merge runs).
 SIMULATOR_SHAPE = ChunkShape(chunk=16, dv_tile=16, warps=1, solve_block=8)
 
@@ -740,9 +743,11 @@ def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles:
     return chunked_delta_rule_mma
 
 
-def default_shape(simulated: bool | None = None) -> ChunkShape:
-    """GPU_SHAPE, or SIMULATOR_SHAPE in the simulator."""
-    return SIMULATOR_SHAPE if (simulator_enabled() if simulated is None else simulated) else GPU_SHAPE
+def default_shape(tensor_cores: bool) -> ChunkShape:
+    """SIMULATOR_SHAPE in the simulator; on the GPU, GPU_SHAPE (tensor cores) or GPU_FLOAT32_SHAPE."""
+    if simulator_enabled():
+        return SIMULATOR_SHAPE
+    return GPU_SHAPE if tensor_cores else GPU_FLOAT32_SHAPE
 
 
 class ChunkedGatedDeltaRule:
@@ -754,7 +759,7 @@ class ChunkedGatedDeltaRule:
     a request may be any number; no scratch beyond shared memory.
 
     bf16 storage runs the tensor-core build, any other the float32 build. ``shape`` (default
-    ``default_shape()``): the block's chunk, state columns, warps and solve block. The tensor-core
+    ``default_shape(...)``): the block's chunk, state columns, warps and solve block. The tensor-core
     build needs 16-byte aligned qkv rows and dv a multiple of the dv tile; a call whose qkv is not so
     aligned runs ``fallback`` (the recurrent launcher) instead, with identical semantics.
     """
@@ -763,7 +768,7 @@ class ChunkedGatedDeltaRule:
                  shape: ChunkShape | None = None) -> None:
         self.codec, self.head_k_dim = codec, head_k_dim
         self.tensor_cores = codec.torch_dtype_name == "bfloat16"
-        self.shape = shape or default_shape()
+        self.shape = shape or default_shape(self.tensor_cores)
         check_shape(head_k_dim, self.shape, self.tensor_cores)
         self.fallback = fallback
         self.kernels: dict[int, tuple[ChunkShape, Kernel, int]] = {}  # dv -> (shape, kernel, shared bytes)
