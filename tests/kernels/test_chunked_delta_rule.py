@@ -315,3 +315,22 @@ def test_gpu_bf16_against_fla(model):
                                      output_final_state=True, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
     assert_close_rel(ours.double(), theirs[0].double(), TOL["bfloat16"])
     assert_close_rel(ours_state.double(), theirs_state.double(), TOL["bfloat16"])
+
+
+@pytest.mark.gpu
+def test_gpu_float32_build_against_float64():
+    """float32 storage (the float32 build, GPU_FLOAT32_SHAPE) at Qwen3.5-9B heads: requests of 1, 17 and
+    300 rows from random states against the float64 recurrence."""
+    hk, hv = QWEN3_5_HEADS["9b"]
+    lengths, slots = [1, 17, 300], [2, 0, 1]
+    gen = torch.Generator(device="cuda").manual_seed(43)
+    qkv, g, beta, state = inputs(gen, sum(lengths), 3, "float32", hk, hv, GPU_DK, GPU_DV, device="cuda")
+    got_state = state.clone()
+    out = torch.full((qkv.shape[0], hv, GPU_DV), float("nan"), device="cuda")
+    ChunkedGatedDeltaRule(build_codec("float32"), GPU_DK)(
+        qkv, g, beta, got_state, torch.tensor(indptr(lengths), dtype=torch.int32, device="cuda"),
+        torch.tensor(slots, dtype=torch.int32, device="cuda"), out)
+    torch.cuda.synchronize()
+    ref, ref_state = recurrence(qkv, g, beta, state, indptr(lengths), slots, hk, hv, GPU_DK, GPU_DV)
+    assert_close_rel(out.double(), ref, 1e-4)
+    assert_close_rel(got_state.double(), ref_state, 1e-4)
