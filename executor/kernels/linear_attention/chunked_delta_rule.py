@@ -260,7 +260,7 @@ class _RowMath:
                 c = col - base
                 for i in range(SB):  # rows above c come out 0, row c 1
                     acc = float32(1.0) if i == c else float32(0.0)
-                    for j in range(i):
+                    for j in range(c, i):  # the column's rows above c are 0
                         acc -= af[base + i, base + j] * tf[base + j, col]
                     tf[base + i, col] = acc
             cuda.syncthreads()
@@ -462,9 +462,9 @@ def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles:
     QK_CHUNKS, V_CHUNKS = DK // 8, DVT // 8  # 16-byte chunks of a staged q or k row, of a v row
     QK_WORDS = DK // 2
     # Tiles that are zeros by the mask (above the diagonal, past the chunk's rows) are skipped. Where the
-    # skip depends on the warp, only on the GPU: the simulator's emulated mma needs every warp of a
-    # block to make the same calls, which a one-warp block does.
-    WARP_SKIP = not simulated or NW == 1
+    # skip depends on the warp, the simulator still makes the calls and drops their results: its emulated
+    # mma needs every warp of a block to make the same calls (and so the skips' conditions are checked).
+    DROP_SKIPPED = simulated
     # One block an SM (the tiles take most of its shared memory): all its registers are the block's.
     launch_options = launch_bounds((NT, 1))
 
@@ -493,9 +493,12 @@ def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles:
             copy_async(tile, address, (r, 4 * c), src, (first + r if valid else first, col + 8 * c), valid)
 
     @cuda.jit(device=True, inline=True)
-    def mma4(a0, a1, a2, a3, b0, b1, acc, c):
-        acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma(a0, a1, a2, a3, b0, b1, acc[c], acc[c + 1], acc[c + 2],
-                                                         acc[c + 3])
+    def mma4(a0, a1, a2, a3, b0, b1, acc, c, keep):
+        """acc[c .. c + 3] += A B (one m16n8k16 tile); ``keep`` false (a skipped tile, simulator only)
+        drops the result."""
+        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
+        if keep or not DROP_SKIPPED:
+            acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = d0, d1, d2, d3
 
     @cuda.jit(device=True, inline=True)
     def grams(qt, kt, q_lane, k_lane, sc, af, pt, kk, qk, n, warp, g, t):
@@ -511,14 +514,15 @@ def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles:
             qa0, qa1, qa2, qa3 = load_a_x4(qt, q_lane, m0, 8 * s)
             for jn in range(0, NTC, 2):
                 n0 = 8 * (part * NTC + jn)
-                if WARP_SKIP and (n0 >= n or n0 > m0 + 15):
-                    continue  # columns past the chunk's rows, or wholly above the diagonal: zeros
+                keep = n0 < n and n0 <= m0 + 15  # else columns past the chunk's rows or above the diagonal
+                if not keep and not DROP_SKIPPED:
+                    continue
                 # k rows n0.. are n-tile jn, rows n0 + 8.. n-tile jn + 1: A's quarters are their b0, b1.
                 b0, b0_next, b1, b1_next = load_a_x4(kt, k_lane, n0, 8 * s)
-                mma4(ka0, ka1, ka2, ka3, b0, b1, kk, 4 * jn)
-                mma4(ka0, ka1, ka2, ka3, b0_next, b1_next, kk, 4 * jn + 4)
-                mma4(qa0, qa1, qa2, qa3, b0, b1, qk, 4 * jn)
-                mma4(qa0, qa1, qa2, qa3, b0_next, b1_next, qk, 4 * jn + 4)
+                mma4(ka0, ka1, ka2, ka3, b0, b1, kk, 4 * jn, keep)
+                mma4(ka0, ka1, ka2, ka3, b0_next, b1_next, kk, 4 * jn + 4, keep)
+                mma4(qa0, qa1, qa2, qa3, b0, b1, qk, 4 * jn, keep)
+                mma4(qa0, qa1, qa2, qa3, b0_next, b1_next, qk, 4 * jn + 4, keep)
         for jn in range(NTC):
             n0 = 8 * (part * NTC + jn)
             j = n0 + 2 * t
@@ -545,10 +549,10 @@ def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles:
             for jn in range(0, NTO, 2):
                 n0 = 8 * (part * NTO + jn)
                 b0, b1, b2, b3 = load_b_x4_trans(st, s_lane, 16 * s, n0 >> 1)
-                mma4(ka0, ka1, ka2, ka3, b0, b1, x, 4 * jn)
-                mma4(ka0, ka1, ka2, ka3, b2, b3, x, 4 * jn + 4)
-                mma4(qa0, qa1, qa2, qa3, b0, b1, o, 4 * jn)
-                mma4(qa0, qa1, qa2, qa3, b2, b3, o, 4 * jn + 4)
+                mma4(ka0, ka1, ka2, ka3, b0, b1, x, 4 * jn, True)
+                mma4(ka0, ka1, ka2, ka3, b2, b3, x, 4 * jn + 4, True)
+                mma4(qa0, qa1, qa2, qa3, b0, b1, o, 4 * jn, True)
+                mma4(qa0, qa1, qa2, qa3, b2, b3, o, 4 * jn + 4, True)
         for jn in range(NTO):
             w = ((8 * (part * NTO + jn)) >> 1) + t
             for half in range(2):
@@ -571,14 +575,17 @@ def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles:
         for e in range(X_VALUES):
             x[e] = float32(0.0)
         for s in range(CM):
-            if 16 * s >= n or (WARP_SKIP and s > tm):
-                continue  # T's columns past the chunk's rows, or above the diagonal: zeros
+            if 16 * s >= n:
+                continue  # T's columns past the chunk's rows: zeros
+            keep = s <= tm  # else above the diagonal: zeros
+            if not keep and not DROP_SKIPPED:
+                continue
             ta0, ta1, ta2, ta3 = load_a_x4(tt, t_lane, m0, 8 * s)
             for jn in range(0, NTO, 2):
                 n0 = 8 * (part * NTO + jn)
                 b0, b1, b2, b3 = load_b_x4_trans(rt, r_lane, 16 * s, n0 >> 1)
-                mma4(ta0, ta1, ta2, ta3, b0, b1, x, 4 * jn)
-                mma4(ta0, ta1, ta2, ta3, b2, b3, x, 4 * jn + 4)
+                mma4(ta0, ta1, ta2, ta3, b0, b1, x, 4 * jn, keep)
+                mma4(ta0, ta1, ta2, ta3, b2, b3, x, 4 * jn + 4, keep)
         for jn in range(NTO):
             w = ((8 * (part * NTO + jn)) >> 1) + t
             for half in range(2):
@@ -595,14 +602,17 @@ def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles:
         m0 = 16 * tm
         part = warp // CM
         for s in range(CM):
-            if 16 * s >= n or (WARP_SKIP and s > tm):
+            if 16 * s >= n:
+                continue
+            keep = s <= tm
+            if not keep and not DROP_SKIPPED:
                 continue
             pa0, pa1, pa2, pa3 = load_a_x4(pt, p_lane, m0, 8 * s)
             for jn in range(0, NTO, 2):
                 n0 = 8 * (part * NTO + jn)
                 b0, b1, b2, b3 = load_b_x4_trans(nt, n_lane, 16 * s, n0 >> 1)
-                mma4(pa0, pa1, pa2, pa3, b0, b1, o, 4 * jn)
-                mma4(pa0, pa1, pa2, pa3, b2, b3, o, 4 * jn + 4)
+                mma4(pa0, pa1, pa2, pa3, b0, b1, o, 4 * jn, keep)
+                mma4(pa0, pa1, pa2, pa3, b2, b3, o, 4 * jn + 4, keep)
         for jn in range(NTO):
             w = ((j0 + 8 * (part * NTO + jn)) >> 1) + t
             for half in range(2):
@@ -628,8 +638,8 @@ def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles:
             for jn in range(0, NTS, 2):
                 n0 = 8 * (part * NTS + jn)
                 b0, b1, b2, b3 = load_b_x4_trans(dt, d_lane, 16 * s, n0 >> 1)
-                mma4(a0, a1, a2, a3, b0, b1, sacc, 4 * jn)
-                mma4(a0, a1, a2, a3, b2, b3, sacc, 4 * jn + 4)
+                mma4(a0, a1, a2, a3, b0, b1, sacc, 4 * jn, True)
+                mma4(a0, a1, a2, a3, b2, b3, sacc, 4 * jn + 4, True)
         for jn in range(NTS):
             w = ((8 * (part * NTS + jn)) >> 1) + t
             for half in range(2):
