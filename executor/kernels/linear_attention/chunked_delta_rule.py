@@ -43,12 +43,12 @@ Two builds of the same kernel:
 - tensor cores (bf16 storage): every product is ``mma.sync`` m16n8k16 with float32 accumulation
   (primitives/mma.py): operands bf16 in shared memory read by ``ldmatrix`` (k^T's fragments by its
   transposed form, so no transposed copy exists), the state in float32 registers (each warp owns
-  16-row tiles of it) and, rounded to bf16, in shared memory as the B operand of k S and q S. q, k
+  one 16-row tile of it) and, rounded to bf16, in shared memory as the B operand of k S and q S. q, k
   and v arrive by ``cp.async``; the next chunk's q and v are copied while the current chunk's
   delta, output and state update run. A, T and the solve stay float32; T, P, the residual and
   delta are rounded to bf16 as operands (as fla rounds its w, u, T and h).
-- float32 (the simulator's reference build, any storage codec): the same phases and the same
-  solve with every product a float32 loop over shared tiles, the state in shared memory.
+- float32 (any other storage: the simulator's tests, float32 models): the same phases and the
+  same solve with every product a float32 loop over shared tiles, the state in shared memory.
 
 In the simulator the tensor-core build runs too: primitives/mma.py emulates mma.sync and ldmatrix.
 """
