@@ -46,6 +46,14 @@ FEW_BLOCKS_PER_SM = 2
 #: save (0.7 us at batch 1), where batch 64's 16 MiB made the merge 3.8 us slower (H200).
 MERGE_SPECULATE_MAX_ROWS = 4
 
+#: Prefill steps of at least this many rows run the chunked gated delta rule
+#: (linear_attention/chunked_delta_rule.py: chunks of 64 tokens as matrix products on tensor cores),
+#: shorter ones the recurrent kernel; None sends every prefill step to the recurrent kernel. None: the
+#: chunked kernel's bf16 build is checked in the simulator's mma emulation and compiled for sm_90, and
+#: runs by default once tests/kernels/test_chunked_delta_rule.py's GPU tests pass on the H200 and
+#: bench/delta_rule.py gives the row count where it overtakes the recurrent kernel.
+CHUNKED_DELTA_RULE_MIN_ROWS: int | None = None
+
 
 @dataclass(frozen=True)
 class Route:
@@ -97,7 +105,10 @@ ROUTES: tuple[Route, ...] = (
           "the path for dtypes the flash kernel does not take"),
     Route("prefill", "conv1d, gates, gated norm (Qwen3.5)", "always",
           "linear_attention/conv1d.py, delta_rule.py GdnGates, rows/gated_norm.py", "one launch each"),
-    Route("prefill", "gated delta rule (Qwen3.5)", "always", "linear_attention/delta_rule.py GatedDeltaRule",
+    Route("prefill", "gated delta rule (Qwen3.5)", "rows >= CHUNKED_DELTA_RULE_MIN_ROWS (None: never)",
+          "linear_attention/chunked_delta_rule.py ChunkedGatedDeltaRule (tensor cores for bf16, float32 loops "
+          "otherwise)", "a chunk's rows as matrix products; the state carried once a chunk"),
+    Route("prefill", "gated delta rule (Qwen3.5)", "otherwise", "linear_attention/delta_rule.py GatedDeltaRule",
           "recurrent over a chunk's tokens"),
     Route("decode", "gated delta rule (Qwen3.5)", "state rows 16-byte aligned",
           "linear_attention/delta_rule_decode.py", "bound by moving the state once"),
@@ -110,7 +121,8 @@ ROUTES: tuple[Route, ...] = (
 def render_markdown() -> str:
     """``docs/kernels.md``: the thresholds and the table, for readers."""
     names = ("PREFILL_ROWS_PER_TILE", "FUSED_ROPE_KV_MAX_ROWS", "SPECIALIZED_ROPE_MIN_ROWS",
-             "TENSOR_CORE_DECODE_MAX_HEAD_DIM", "FEW_BLOCKS_PER_SM", "MERGE_SPECULATE_MAX_ROWS")
+             "TENSOR_CORE_DECODE_MAX_HEAD_DIM", "FEW_BLOCKS_PER_SM", "MERGE_SPECULATE_MAX_ROWS",
+             "CHUNKED_DELTA_RULE_MIN_ROWS")
     module = sys.modules[__name__]
     lines = ["# Kernels: which one serves which step", "",
              "Rendered from `executor/routing.py` (`python3 -m executor.routing > docs/kernels.md`); "

@@ -13,6 +13,7 @@ from executor.kernels.primitives.codec import build_codec
 from executor.kernels.linear_attention.conv1d import CausalConv1d
 from executor.kernels.attention.decode import DecodeAttention
 from executor.kernels.attention.decode_rope import DecodeRopeAttention
+from executor.kernels.linear_attention.chunked_delta_rule import ChunkedGatedDeltaRule
 from executor.kernels.linear_attention.delta_rule import GatedDeltaRule, GdnGates
 from executor.kernels.linear_attention.delta_rule_decode import GatedDeltaRuleDecode
 from executor.kernels.rows.embedding import Embedding
@@ -25,6 +26,7 @@ from executor.kernels.rows.output_gate import SigmoidMulInplace
 from executor.kernels.rope.fused_kv_write import QkNormRopeWriteKv
 from executor.kernels.sampling.sampler import Sample
 from executor.numba_cuda import simulator_enabled
+from executor import routing
 from executor.routing import PREFILL_ROWS_PER_TILE
 from planner.geometry import Geometry
 
@@ -63,6 +65,9 @@ class Kernels:
     gdn_gates: GdnGates | None = None
     delta_rule: GatedDeltaRule | None = None  # prefill steps (any rows per request)
     delta_rule_decode: GatedDeltaRuleDecode | None = None  # decode steps (one row per request)
+    # Prefill steps of at least chunked_delta_rule_min_rows rows (routing.CHUNKED_DELTA_RULE_MIN_ROWS; None: none).
+    delta_rule_chunked: ChunkedGatedDeltaRule | None = None
+    chunked_delta_rule_min_rows: int | None = None
     gated_norm: GatedRmsNorm | None = None
 
 
@@ -84,6 +89,10 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle, nu
             delta_rule_decode=GatedDeltaRuleDecode(codec, geometry.linear_key_head_dim, delta_rule),
             gated_norm=GatedRmsNorm(codec),
         )
+        min_rows = routing.CHUNKED_DELTA_RULE_MIN_ROWS
+        if min_rows is not None:
+            linear.update(delta_rule_chunked=ChunkedGatedDeltaRule(codec, geometry.linear_key_head_dim, delta_rule),
+                          chunked_delta_rule_min_rows=min_rows)
     attention = PagedAttention(codec, geometry.head_dim, geometry.gqa_group, rows_per_tile=PREFILL_ROWS_PER_TILE,
                                threads=32 if simulated else 128)
     qk_norm_rope_write_kv = QkNormRopeWriteKv(codec, norm.round_before_weight)

@@ -21,7 +21,8 @@ Formulas, checked against HF's ``Qwen3_5GatedDeltaNet`` and
   tokens must start from a zeroed slot: the caller zeroes ``ssm_state[slot]``
   (and the conv state) on admission.
 
-The recurrent form serves prefill too (sequential over a request's rows); no
+The recurrent form serves prefill too (sequential over a request's rows) where executor/routing.py
+does not send a step to chunked_delta_rule.py, and is the reference the other forms are held to; no
 scratch beyond the state and the output (shared memory only, about
 (rows_per_stage * (2 * dk + 132) + 256 * dk_split) * 4 bytes per block).
 """

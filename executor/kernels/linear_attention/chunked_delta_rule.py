@@ -1,0 +1,817 @@
+"""The gated delta rule in chunked (WY / UT) form, for prefill chunks: small matrix products per
+chunk of C tokens instead of one token after another.
+
+The recurrence is delta_rule.py's (its docstring: HF's ``torch_recurrent_gated_delta_rule``). For
+one request and value head, split the request's rows of this step into chunks of C rows from its
+first row (a step's rows may start at any cached length: the chunking is relative to the step,
+and the state carries across steps). Within a chunk, with S the state [dk, dv] before it, k and q
+L2-normalised (q also scaled by dk^-0.5), gc the inclusive cumulative sum of g within the chunk and
+gl = gc[C - 1]::
+
+    A[i, j] = beta_i exp(gc_i - gc_j) k_i . k_j     for j < i, else 0
+    T = (I + A)^-1                                  (unit lower triangular)
+    delta = T (beta * (v - exp(gc) * (k S)))        the chunk's delta rows (v_new), all at once
+    o = exp(gc) * (q S) + P delta,  P[i, j] = exp(gc_i - gc_j) q_i . k_j for j <= i, else 0
+    S <- exp(gl) S + k^T (exp(gl - gc) * delta)
+
+which is the recurrence exactly: delta_i = beta_i (v_i - S_{i-1}^T k_i) solves (I + A) delta =
+beta (v - exp(gc) k S) row by row (Gated DeltaNet's WY representation, as flash-linear-attention's
+chunk_gated_delta_rule computes it with w = T (beta exp(gc) k) and u = T (beta v); here
+delta = T (beta (v - exp(gc) k S)) takes one product less and never forms w). Every exponent is
+<= 0: no decay overflows.
+
+The norms are not applied to the staged q and k: the products run on the stored rows and the
+scales (1 / |k_i|, dk^-0.5 / |q_i|) multiply their results, so the tensor cores read the
+activations as they are stored.
+
+Layout: one block per (dv tile, value head, request), grid (dv / DVT, Hv, B), walking the
+request's chunks in order with the state tile [dk, DVT] carried on chip: no global scratch. Every
+per-chunk intermediate (A, T, P, the residual, delta) lives in dynamic shared memory. Per chunk:
+
+1. stage q, k (the value head's key head, h // (Hv // Hk)) and v rows, zeros past the request's
+   rows; g and beta (0 past them: such rows change nothing);
+2. per row: the two norms, gc, exp(gc), exp(gl - gc);
+3. the Gram products k k^T and q k^T (C x C, over dk) -> A (float32) and P;
+4. T = (I + A)^-1 in float32: forward substitution within diagonal blocks of ``solve_block``
+   rows, then block forward substitution (T_ij = -T_ii sum_k A_ik T_kj) over the block rows;
+5. k S and q S (C x DVT, over dk) -> the residual beta (v - exp(gc) k S) and exp(gc) q S;
+6. delta = T residual (C x DVT, over C);
+7. o += P delta (written out), and S <- exp(gl) S + k^T (exp(gl - gc) delta) (dk x DVT, over C).
+
+Two builds of the same kernel:
+
+- tensor cores (bf16 storage): every product is ``mma.sync`` m16n8k16 with float32 accumulation
+  (primitives/mma.py): operands bf16 in shared memory read by ``ldmatrix`` (k^T's fragments by its
+  transposed form, so no transposed copy exists), the state in float32 registers (each warp owns
+  one 16-row tile of it) and, rounded to bf16, in shared memory as the B operand of k S and q S. q, k
+  and v arrive by ``cp.async``; the next chunk's q and v are copied while the current chunk's
+  delta, output and state update run. A, T and the solve stay float32; T, P, the residual and
+  delta are rounded to bf16 as operands (as fla rounds its w, u, T and h).
+- float32 (any other storage: the simulator's tests, float32 models): the same phases and the
+  same solve with every product a float32 loop over shared tiles, the state in shared memory.
+
+In the simulator the tensor-core build runs too: primitives/mma.py emulates mma.sync and ldmatrix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from executor.kernels.linear_attention.delta_rule import L2_EPS, GatedDeltaRule, check_delta_rule_shapes, qkv_columns
+from executor.kernels.primitives.async_copy import build_async_copy, build_shared_address
+from executor.kernels.primitives.codec import Codec
+from executor.kernels.primitives.launch import BLOCK_THREADS, WARP_THREADS, Kernel
+from executor.kernels.primitives.mma import build_a_fragment_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
+from executor.kernels.primitives.shared_tile import build_shared_tile
+from executor.kernels.primitives.vector import as_words, vector_aligned
+from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
+
+cuda = load_cuda()
+from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
+
+#: sm_90's most shared memory a block may take (static and dynamic, after opting in).
+MAX_SHARED_BYTES = 227 * 1024
+PAD_WORDS = 4  # per bf16 operand row: shifts consecutive rows by 4 banks, rows stay 16-byte aligned
+FLOAT_PAD = 4  # per float32 row of A and T
+# Rows of the per-row scalars tile.
+G, GC, BETA, QS, KS, EGC, DL = range(7)
+SCALARS = 7
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    """A block's work: ``chunk`` token rows a round (C), ``dv_tile`` state columns (DVT),
+    ``warps`` warps, and the solve's diagonal blocks of ``solve_block`` rows."""
+
+    chunk: int
+    dv_tile: int
+    warps: int
+    solve_block: int
+
+    @property
+    def threads(self) -> int:
+        return WARP_THREADS * self.warps
+
+
+#: The GPU's tensor-core shape: 64-token chunks (fla's), 64 state columns and 8 warps a block (a
+#: warp owns one 16-row tile of the chunk and half its columns, one 16-row tile of the state: 32
+#: state registers a lane), 16-row diagonal blocks in the solve; about 146 KiB of shared memory,
+#: one block an SM. Unmeasured: bench/delta_rule.py --shapes times others beside it.
+GPU_SHAPE = ChunkShape(chunk=64, dv_tile=64, warps=8, solve_block=16)
+#: The GPU's float32 build (float32 storage): small tiles, every product a float32 loop (~46 KiB at dk 128).
+GPU_FLOAT32_SHAPE = ChunkShape(chunk=16, dv_tile=32, warps=4, solve_block=8)
+#: The simulator's: one warp, 16-token chunks, two diagonal blocks (the block merge runs).
+SIMULATOR_SHAPE = ChunkShape(chunk=16, dv_tile=16, warps=1, solve_block=8)
+
+
+@dataclass(frozen=True)
+class WarpTiles:
+    """How a block's warps share one product's 16-row m-tiles and 8-column n-tiles: warp w takes
+    m-tile ``w % m_tiles`` and the ``w // m_tiles``-th run of ``n_tiles`` n-tiles. One m-tile a warp
+    keeps every accumulator index a constant (a loop over several would put them in local memory)."""
+
+    m_tiles: int
+    n_tiles: int
+
+
+def warp_tiles(rows: int, cols: int, warps: int) -> WarpTiles:
+    """The split of a [rows, cols] product over ``warps`` warps (rows, cols multiples of 16)."""
+    m_tiles = rows // 16
+    if warps % m_tiles:
+        raise ValueError(f"chunked delta rule: {warps} warps cannot take one of {m_tiles} row tiles each")
+    parts = warps // m_tiles
+    n_tiles = cols // 8 // parts
+    if n_tiles < 2 or n_tiles % 2 or n_tiles * parts * 8 != cols:
+        raise ValueError(f"chunked delta rule: {cols} columns in {parts} parts is not a whole even number of "
+                         f"8-column tiles a warp")
+    return WarpTiles(m_tiles, n_tiles)
+
+
+@dataclass(frozen=True)
+class SharedLayout:
+    """Offsets (in 4-byte words) of a block's tiles in dynamic shared memory, and their shapes."""
+
+    tiles: dict[str, tuple[int, int, int]]  # name -> (offset, rows, words)
+    words: int
+
+    @property
+    def bytes(self) -> int:
+        return 4 * self.words
+
+
+def shared_layout(head_k_dim: int, shape: ChunkShape, tensor_cores: bool) -> SharedLayout:
+    """The tiles a block stages. Tensor cores: bf16 operands as int32 words (two a word) in rows
+    padded by PAD_WORDS; float32: every tile float32. Each tile starts 16-byte aligned."""
+    C, DK, DVT, SB = shape.chunk, head_k_dim, shape.dv_tile, shape.solve_block
+    if tensor_cores:
+        def operand(cols: int) -> int:
+            return cols // 2 + PAD_WORDS
+    else:
+        def operand(cols: int) -> int:
+            return cols
+    pad = FLOAT_PAD if tensor_cores else 0
+    shapes = {
+        "q": (C, operand(DK)), "k": (C, operand(DK)), "v": (C, operand(DVT)), "s": (DK, operand(DVT)),
+        "t": (C, operand(C)), "p": (C, operand(C)), "r": (C, operand(DVT)), "n": (C, operand(DVT)),
+        "d": (C, operand(DVT)), "o": (C, DVT) if not tensor_cores else (1, 4),
+        "a": (C, C + pad), "tf": (C, C + pad), "m": (SB, C), "scalars": (SCALARS, C),
+    }
+    tiles, offset = {}, 0
+    for name, (rows, words) in shapes.items():
+        tiles[name] = (offset, rows, words)
+        offset += -(-rows * words // 4) * 4
+    return SharedLayout(tiles, offset)
+
+
+def check_shape(head_k_dim: int, shape: ChunkShape, tensor_cores: bool) -> None:
+    """Raise ValueError unless the kernel can be built for this shape."""
+    C, SB = shape.chunk, shape.solve_block
+    if C < 1 or SB < 1 or C % SB:
+        raise ValueError(f"chunked delta rule: solve_block {SB} must divide chunk {C}")
+    if shape.dv_tile < 1 or shape.warps < 1 or shape.threads > BLOCK_THREADS:
+        raise ValueError(f"chunked delta rule: need dv_tile >= 1 and 1..{BLOCK_THREADS // WARP_THREADS} warps, got "
+                         f"{shape}")
+    if tensor_cores:
+        for name, value in (("chunk", C), ("head_k_dim", head_k_dim), ("dv_tile", shape.dv_tile)):
+            if value % 16:
+                raise ValueError(f"chunked delta rule: {name} {value} must be a multiple of 16 on tensor cores")
+        warp_tiles(C, C, shape.warps)
+        warp_tiles(C, shape.dv_tile, shape.warps)
+        warp_tiles(head_k_dim, shape.dv_tile, shape.warps)
+    layout = shared_layout(head_k_dim, shape, tensor_cores)
+    if layout.bytes > MAX_SHARED_BYTES:
+        raise ValueError(f"chunked delta rule: {shape} at head_k_dim {head_k_dim} stages {layout.bytes} bytes of "
+                         f"shared memory, more than the {MAX_SHARED_BYTES} a block may take")
+
+
+def build_chunked_delta_rule(codec: Codec, head_k_dim: int, shape: ChunkShape, tensor_cores: bool) -> Any:
+    """Kernel ``(qkv, g, beta, ssm_state, q_indptr, slot_ids, out)``; grid (dv / DVT, Hv, B) (ceil for
+    float32), ``shape.threads`` threads, ``shared_layout(...).bytes`` of dynamic shared memory.
+
+    qkv [T, 2 Hk dk + Hv dv] in ``codec``'s storage; g, beta [T, Hv] float32; ssm_state [slots, Hv,
+    dk, dv] float32, updated in place; q_indptr [B + 1], slot_ids [B] int32 (slot -1 or an empty
+    request: skipped). out: [T, Hv, dv] in ``codec``'s storage (float32 build), or as int32 words
+    [T, Hv, dv / 2] of bf16 pairs (tensor cores, whose qkv rows are then 16-byte aligned and dv a
+    multiple of DVT).
+    """
+    check_shape(head_k_dim, shape, tensor_cores)
+    build = _tensor_core_kernel if tensor_cores else _float32_kernel
+    return build(codec, head_k_dim, shape, _Tiles(shared_layout(head_k_dim, shape, tensor_cores)),
+                 _RowMath(shape))
+
+
+class _Tiles:
+    """Each tile of a SharedLayout as (offset, device function ``tile(dynamic, offset) -> 2-D view``)."""
+
+    def __init__(self, layout: SharedLayout) -> None:
+        self.views = {name: (offset, build_shared_tile(rows, words))
+                      for name, (offset, rows, words) in layout.tiles.items()}
+
+    def __getitem__(self, name: str) -> tuple[int, Any]:
+        return self.views[name]
+
+
+class _RowMath:
+    """The device functions both builds share: the per-row scalars, the Gram epilogue and the solve."""
+
+    def __init__(self, shape: ChunkShape) -> None:
+        C, SB, NT = shape.chunk, shape.solve_block, shape.threads
+        NB = C // SB  # diagonal blocks of the solve
+
+        @cuda.jit(device=True, inline=True)
+        def decay(sc, i, j):
+            """exp(gc_i - gc_j), clamped at exponent 0 (the masked j > i would overflow)."""
+            return float32(math.exp(min(sc[GC, i] - sc[GC, j], float32(0.0))))
+
+        @cuda.jit(device=True, inline=True)
+        def gram_values(sc, i, j, kk, qk):
+            """(A[i, j], P[i, j]) from the stored rows' dots k_i . k_j and q_i . k_j."""
+            a = float32(0.0)
+            p = float32(0.0)
+            if j <= i:
+                f = decay(sc, i, j) * sc[KS, j]
+                p = f * sc[QS, i] * qk
+                if j < i:
+                    a = f * sc[BETA, i] * sc[KS, i] * kk
+            return a, p
+
+        @cuda.jit(device=True, inline=True)
+        def cumulative_decay(sc, r):
+            """gc[r], exp(gc[r]) and exp(gl - gc[r]) into the scalars tile (g staged in sc[G])."""
+            partial = float32(0.0)
+            total = float32(0.0)
+            for j in range(C):  # the same order in every thread: gc[C - 1] equals total bit for bit
+                x = sc[G, j]
+                total += x
+                if j <= r:
+                    partial += x
+            sc[GC, r] = partial
+            sc[EGC, r] = float32(math.exp(partial))
+            sc[DL, r] = float32(math.exp(total - partial))
+
+        @cuda.jit(device=True, inline=True)
+        def solve(af, tf, mf, tid):
+            """tf <- (I + A)^-1 on and below the diagonal (A strictly lower in af), float32; mf is an
+            [SB, C] scratch tile. Ends with a barrier."""
+            for col in range(tid, C, NT):  # column col of its diagonal block's inverse, in place in tf
+                base = (col // SB) * SB
+                c = col - base
+                for i in range(SB):  # rows above c come out 0, row c 1
+                    acc = float32(1.0) if i == c else float32(0.0)
+                    for j in range(c, i):  # the column's rows above c are 0
+                        acc -= af[base + i, base + j] * tf[base + j, col]
+                    tf[base + i, col] = acc
+            cuda.syncthreads()
+            for block in range(1, NB):  # T_ij = -T_ii sum_{j <= k < i} A_ik T_kj for block rows i > j
+                r0 = block * SB
+                for e in range(tid, SB * r0, NT):
+                    r = e // r0
+                    col = e - r * r0
+                    acc = float32(0.0)
+                    for y in range(col, r0):
+                        acc += af[r0 + r, y] * tf[y, col]
+                    mf[r, col] = acc
+                cuda.syncthreads()
+                for e in range(tid, SB * r0, NT):
+                    r = e // r0
+                    col = e - r * r0
+                    acc = float32(0.0)
+                    for u in range(r + 1):
+                        acc += tf[r0 + r, r0 + u] * mf[u, col]
+                    tf[r0 + r, col] = -acc
+                cuda.syncthreads()
+
+        self.gram_values, self.cumulative_decay, self.solve = gram_values, cumulative_decay, solve
+
+
+def _float32_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles: _Tiles, rows: _RowMath) -> Any:
+    """The float32 build (module docstring)."""
+    C, DK, DVT, NT = shape.chunk, head_k_dim, shape.dv_tile, shape.threads
+    scale = float(DK) ** -0.5
+    load, store = codec.load, codec.store
+    gram_values, cumulative_decay, solve = rows.gram_values, rows.cumulative_decay, rows.solve
+    Q_OFF, q_tile = tiles["q"]
+    K_OFF, k_tile = tiles["k"]
+    V_OFF, v_tile = tiles["v"]
+    S_OFF, s_tile = tiles["s"]
+    T_OFF, t_tile = tiles["t"]
+    P_OFF, p_tile = tiles["p"]
+    R_OFF, r_tile = tiles["r"]
+    N_OFF, n_tile = tiles["n"]
+    D_OFF, d_tile = tiles["d"]
+    O_OFF, o_tile = tiles["o"]
+    A_OFF, a_tile = tiles["a"]
+    TF_OFF, tf_tile = tiles["tf"]
+    M_OFF, m_tile = tiles["m"]
+    SC_OFF, scalars_tile = tiles["scalars"]
+    ALIGNMENT = None if simulator_enabled() else 16
+    @cuda.jit(device=True, inline=True)
+    def sum_squares(tile, r):
+        acc = float32(0.0)
+        for i in range(DK):
+            acc += tile[r, i] * tile[r, i]
+        return acc
+
+    @cuda.jit
+    def chunked_delta_rule_f32(qkv, g, beta, ssm_state, q_indptr, slot_ids, out):
+        dyn = cuda.shared.array(0, float32, alignment=ALIGNMENT)
+        qt, kt, vt, st = q_tile(dyn, Q_OFF), k_tile(dyn, K_OFF), v_tile(dyn, V_OFF), s_tile(dyn, S_OFF)
+        tt, pt, rt, nt = t_tile(dyn, T_OFF), p_tile(dyn, P_OFF), r_tile(dyn, R_OFF), n_tile(dyn, N_OFF)
+        dt, ot, af, tf = d_tile(dyn, D_OFF), o_tile(dyn, O_OFF), a_tile(dyn, A_OFF), tf_tile(dyn, TF_OFF)
+        mf, sc = m_tile(dyn, M_OFF), scalars_tile(dyn, SC_OFF)
+        tid = cuda.threadIdx.x
+        j0 = cuda.blockIdx.x * DVT
+        h = cuda.blockIdx.y
+        req = cuda.blockIdx.z
+        start = q_indptr[req]
+        end = q_indptr[req + 1]
+        slot = slot_ids[req]
+        if end == start or slot < 0:  # uniform over the block: nobody waits at a barrier
+            return
+        v_heads = ssm_state.shape[1]
+        dv = ssm_state.shape[3]
+        q_col, k_col, v_col = qkv_columns(qkv.shape[1], v_heads, DK, dv, h)
+        for e in range(tid, DK * DVT, NT):
+            d = e // DVT
+            c = e - d * DVT
+            st[d, c] = ssm_state[slot, h, d, j0 + c] if j0 + c < dv else float32(0.0)
+        for c0 in range(start, end, C):
+            n = min(C, end - c0)
+            for e in range(tid, C * DK, NT):
+                r = e // DK
+                i = e - r * DK
+                qt[r, i] = load(qkv[c0 + r, q_col + i]) if r < n else float32(0.0)
+                kt[r, i] = load(qkv[c0 + r, k_col + i]) if r < n else float32(0.0)
+            for e in range(tid, C * DVT, NT):
+                r = e // DVT
+                c = e - r * DVT
+                vt[r, c] = load(qkv[c0 + r, v_col + j0 + c]) if r < n and j0 + c < dv else float32(0.0)
+            for r in range(tid, C, NT):
+                sc[G, r] = g[c0 + r, h] if r < n else float32(0.0)
+                sc[BETA, r] = beta[c0 + r, h] if r < n else float32(0.0)
+            cuda.syncthreads()
+            for e in range(tid, 3 * C, NT):  # per row: gc and its exponents, then the q and k norms
+                if e < C:
+                    cumulative_decay(sc, e)
+                else:
+                    r = (e - C) // 2
+                    if (e - C) % 2 == 0:
+                        ss = sum_squares(qt, r)
+                        sc[QS, r] = float32(scale) / float32(math.sqrt(ss + float32(L2_EPS))) if r < n else float32(0.0)
+                    else:
+                        ss = sum_squares(kt, r)
+                        sc[KS, r] = float32(1.0) / float32(math.sqrt(ss + float32(L2_EPS))) if r < n else float32(0.0)
+            cuda.syncthreads()
+            for e in range(tid, C * C, NT):  # the Gram products
+                i = e // C
+                j = e - i * C
+                kk = float32(0.0)
+                qk = float32(0.0)
+                for d in range(DK):
+                    kk += kt[i, d] * kt[j, d]
+                    qk += qt[i, d] * kt[j, d]
+                af[i, j], pt[i, j] = gram_values(sc, i, j, kk, qk)
+            cuda.syncthreads()
+            solve(af, tf, mf, tid)
+            for e in range(tid, C * C, NT):
+                i = e // C
+                j = e - i * C
+                tt[i, j] = tf[i, j] if j <= i else float32(0.0)
+            for e in range(tid, C * DVT, NT):  # k S, q S -> the residual and exp(gc) q S
+                i = e // DVT
+                c = e - i * DVT
+                ks = float32(0.0)
+                qs = float32(0.0)
+                for d in range(DK):
+                    ks += kt[i, d] * st[d, c]
+                    qs += qt[i, d] * st[d, c]
+                rt[i, c] = sc[BETA, i] * (vt[i, c] - sc[EGC, i] * sc[KS, i] * ks)
+                ot[i, c] = sc[EGC, i] * sc[QS, i] * qs
+            cuda.syncthreads()
+            for e in range(tid, C * DVT, NT):  # delta = T residual
+                i = e // DVT
+                c = e - i * DVT
+                x = float32(0.0)
+                for j in range(i + 1):
+                    x += tt[i, j] * rt[j, c]
+                nt[i, c] = x
+                dt[i, c] = sc[KS, i] * sc[DL, i] * x
+            cuda.syncthreads()
+            for e in range(tid, C * DVT, NT):  # o += P delta
+                i = e // DVT
+                c = e - i * DVT
+                o = ot[i, c]
+                for j in range(i + 1):
+                    o += pt[i, j] * nt[j, c]
+                if i < n and j0 + c < dv:
+                    out[c0 + i, h, j0 + c] = store(o)
+            carried = sc[EGC, C - 1]
+            for e in range(tid, DK * DVT, NT):  # S <- exp(gl) S + k^T (exp(gl - gc) delta), in place
+                d = e // DVT
+                c = e - d * DVT
+                x = carried * st[d, c]
+                for j in range(C):
+                    x += kt[j, d] * dt[j, c]
+                st[d, c] = x
+            cuda.syncthreads()
+        for e in range(tid, DK * DVT, NT):
+            d = e // DVT
+            c = e - d * DVT
+            if j0 + c < dv:
+                ssm_state[slot, h, d, j0 + c] = st[d, c]
+
+    return chunked_delta_rule_f32
+
+
+def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles: _Tiles, rows: _RowMath) -> Any:
+    """The tensor-core build (module docstring)."""
+    C, DK, DVT, NW, NT = shape.chunk, head_k_dim, shape.dv_tile, shape.warps, shape.threads
+    scale = float(DK) ** -0.5
+    load = codec.load
+    gram_values, cumulative_decay, solve = rows.gram_values, rows.cumulative_decay, rows.solve
+    Q_OFF, q_tile = tiles["q"]
+    K_OFF, k_tile = tiles["k"]
+    V_OFF, v_tile = tiles["v"]
+    S_OFF, s_tile = tiles["s"]
+    T_OFF, t_tile = tiles["t"]
+    P_OFF, p_tile = tiles["p"]
+    R_OFF, r_tile = tiles["r"]
+    N_OFF, n_tile = tiles["n"]
+    D_OFF, d_tile = tiles["d"]
+    A_OFF, a_tile = tiles["a"]
+    TF_OFF, tf_tile = tiles["tf"]
+    M_OFF, m_tile = tiles["m"]
+    SC_OFF, scalars_tile = tiles["scalars"]
+    simulated = simulator_enabled()
+    ALIGNMENT = None if simulated else 16
+    mma = build_mma_bf16()
+    pack = build_pack_bf16x2()
+    lane_address, _, load_b_x4_trans = build_fragment_loads()
+    load_a_x4 = build_a_fragment_load()
+    copy_async, copy_async_wait_all = build_async_copy()
+    shared_address = build_shared_address()
+    rows_c = warp_tiles(C, C, NW)  # the Gram products [C, C]
+    rows_v = warp_tiles(C, DVT, NW)  # k S, q S, delta, the output [C, DVT]
+    rows_s = warp_tiles(DK, DVT, NW)  # the state [dk, DVT]
+    NTC, NTO, NTS = rows_c.n_tiles, rows_v.n_tiles, rows_s.n_tiles
+    CM, DM = rows_c.m_tiles, rows_s.m_tiles  # CM: also the k-steps of the products over C
+    O_VALUES, X_VALUES = 4 * NTO, 4 * NTO  # a lane's output accumulators; of k S (or delta)
+    GRAM_VALUES, S_VALUES = 4 * NTC, 4 * NTS  # of a Gram product; its state registers
+    QK_CHUNKS, V_CHUNKS = DK // 8, DVT // 8  # 16-byte chunks of a staged q or k row, of a v row
+    QK_WORDS = DK // 2
+    # Tiles that are zeros by the mask (above the diagonal, past the chunk's rows) are skipped. Where the
+    # skip depends on the warp, the simulator still makes the calls and drops their results: its emulated
+    # mma needs every warp of a block to make the same calls (and so the skips' conditions are checked).
+    DROP_SKIPPED = simulated
+    # One block an SM (the tiles take most of its shared memory): all its registers are the block's.
+    launch_options = launch_bounds((NT, 1))
+
+    @cuda.jit(device=True, inline=True)
+    def sum_squares(tile, r):
+        """sum over a staged bf16 row's dk values squared; each row starts at its own word (r + w), so
+        the 32 rows a warp sums at once read 32 banks."""
+        even = float32(0.0)
+        odd = float32(0.0)
+        for w in range(QK_WORDS):
+            word = tile[r, (w + r) % QK_WORDS]
+            lo = load(word)
+            hi = load(word >> 16)
+            even += lo * lo
+            odd += hi * hi
+        return even + odd
+
+    @cuda.jit(device=True, inline=True)
+    def stage(tile, address, src, first, n, col, chunks, tid):
+        """Start copying rows first.. first + C - 1 of src's columns col.. (``chunks`` 16-byte chunks a
+        row) into tile; zeros from row n on."""
+        for e in range(tid, C * chunks, NT):
+            r = e // chunks
+            c = e - r * chunks
+            valid = r < n
+            copy_async(tile, address, (r, 4 * c), src, (first + r if valid else first, col + 8 * c), valid)
+
+    @cuda.jit(device=True, inline=True)
+    def mma4(a0, a1, a2, a3, b0, b1, acc, c, keep):
+        """acc[c .. c + 3] += A B (one m16n8k16 tile); ``keep`` false (a skipped tile, simulator only)
+        drops the result."""
+        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
+        if keep or not DROP_SKIPPED:
+            acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = d0, d1, d2, d3
+
+    @cuda.jit(device=True, inline=True)
+    def grams(qt, kt, q_lane, k_lane, sc, af, pt, kk, qk, n, warp, g, t):
+        """k k^T and q k^T of the staged rows -> A (af) and P (pt)."""
+        tm = warp % CM
+        m0 = 16 * tm
+        part = warp // CM
+        for x in range(GRAM_VALUES):
+            kk[x] = float32(0.0)
+            qk[x] = float32(0.0)
+        for s in range(DK // 16):
+            ka0, ka1, ka2, ka3 = load_a_x4(kt, k_lane, m0, 8 * s)
+            qa0, qa1, qa2, qa3 = load_a_x4(qt, q_lane, m0, 8 * s)
+            for jn in range(0, NTC, 2):
+                n0 = 8 * (part * NTC + jn)
+                keep = n0 < n and n0 <= m0 + 15  # else columns past the chunk's rows or above the diagonal
+                if not keep and not DROP_SKIPPED:
+                    continue
+                # k rows n0.. are n-tile jn, rows n0 + 8.. n-tile jn + 1: A's quarters are their b0, b1.
+                b0, b0_next, b1, b1_next = load_a_x4(kt, k_lane, n0, 8 * s)
+                mma4(ka0, ka1, ka2, ka3, b0, b1, kk, 4 * jn, keep)
+                mma4(ka0, ka1, ka2, ka3, b0_next, b1_next, kk, 4 * jn + 4, keep)
+                mma4(qa0, qa1, qa2, qa3, b0, b1, qk, 4 * jn, keep)
+                mma4(qa0, qa1, qa2, qa3, b0_next, b1_next, qk, 4 * jn + 4, keep)
+        for jn in range(NTC):
+            n0 = 8 * (part * NTC + jn)
+            j = n0 + 2 * t
+            for half in range(2):
+                i = m0 + g + 8 * half
+                c = 4 * jn + 2 * half
+                a0, p0 = gram_values(sc, i, j, kk[c], qk[c])
+                a1, p1 = gram_values(sc, i, j + 1, kk[c + 1], qk[c + 1])
+                af[i, j] = a0
+                af[i, j + 1] = a1
+                pt[i, (n0 >> 1) + t] = pack(p0, p1)
+
+    @cuda.jit(device=True, inline=True)
+    def state_products(qt, kt, q_lane, k_lane, st, s_lane, vt, sc, rt, o, x, warp, g, t):
+        """k S -> the residual beta (v - exp(gc) k S) (rt); q S -> o = exp(gc) q S."""
+        m0 = 16 * (warp % CM)
+        part = warp // CM
+        for e in range(X_VALUES):
+            x[e] = float32(0.0)
+            o[e] = float32(0.0)
+        for s in range(DK // 16):
+            ka0, ka1, ka2, ka3 = load_a_x4(kt, k_lane, m0, 8 * s)
+            qa0, qa1, qa2, qa3 = load_a_x4(qt, q_lane, m0, 8 * s)
+            for jn in range(0, NTO, 2):
+                n0 = 8 * (part * NTO + jn)
+                b0, b1, b2, b3 = load_b_x4_trans(st, s_lane, 16 * s, n0 >> 1)
+                mma4(ka0, ka1, ka2, ka3, b0, b1, x, 4 * jn, True)
+                mma4(ka0, ka1, ka2, ka3, b2, b3, x, 4 * jn + 4, True)
+                mma4(qa0, qa1, qa2, qa3, b0, b1, o, 4 * jn, True)
+                mma4(qa0, qa1, qa2, qa3, b2, b3, o, 4 * jn + 4, True)
+        for jn in range(NTO):
+            w = ((8 * (part * NTO + jn)) >> 1) + t
+            for half in range(2):
+                i = m0 + g + 8 * half
+                c = 4 * jn + 2 * half
+                word = vt[i, w]
+                f = sc[EGC, i] * sc[KS, i]
+                b = sc[BETA, i]
+                rt[i, w] = pack(b * (load(word) - f * x[c]), b * (load(word >> 16) - f * x[c + 1]))
+                f = sc[EGC, i] * sc[QS, i]
+                o[c] *= f
+                o[c + 1] *= f
+
+    @cuda.jit(device=True, inline=True)
+    def transform(tt, t_lane, rt, r_lane, sc, nt, dt, x, n, warp, g, t):
+        """delta = T residual -> nt (delta) and dt (exp(gl - gc) delta / |k|)."""
+        tm = warp % CM
+        m0 = 16 * tm
+        part = warp // CM
+        for e in range(X_VALUES):
+            x[e] = float32(0.0)
+        for s in range(CM):
+            if 16 * s >= n:
+                continue  # T's columns past the chunk's rows: zeros
+            keep = s <= tm  # else above the diagonal: zeros
+            if not keep and not DROP_SKIPPED:
+                continue
+            ta0, ta1, ta2, ta3 = load_a_x4(tt, t_lane, m0, 8 * s)
+            for jn in range(0, NTO, 2):
+                n0 = 8 * (part * NTO + jn)
+                b0, b1, b2, b3 = load_b_x4_trans(rt, r_lane, 16 * s, n0 >> 1)
+                mma4(ta0, ta1, ta2, ta3, b0, b1, x, 4 * jn, keep)
+                mma4(ta0, ta1, ta2, ta3, b2, b3, x, 4 * jn + 4, keep)
+        for jn in range(NTO):
+            w = ((8 * (part * NTO + jn)) >> 1) + t
+            for half in range(2):
+                i = m0 + g + 8 * half
+                c = 4 * jn + 2 * half
+                nt[i, w] = pack(x[c], x[c + 1])
+                f = sc[KS, i] * sc[DL, i]
+                dt[i, w] = pack(f * x[c], f * x[c + 1])
+
+    @cuda.jit(device=True, inline=True)
+    def output(pt, p_lane, nt, n_lane, o, out, c0, n, h, j0, warp, g, t):
+        """o += P delta; rows below n to out (bf16 pairs as words)."""
+        tm = warp % CM
+        m0 = 16 * tm
+        part = warp // CM
+        for s in range(CM):
+            if 16 * s >= n:
+                continue
+            keep = s <= tm
+            if not keep and not DROP_SKIPPED:
+                continue
+            pa0, pa1, pa2, pa3 = load_a_x4(pt, p_lane, m0, 8 * s)
+            for jn in range(0, NTO, 2):
+                n0 = 8 * (part * NTO + jn)
+                b0, b1, b2, b3 = load_b_x4_trans(nt, n_lane, 16 * s, n0 >> 1)
+                mma4(pa0, pa1, pa2, pa3, b0, b1, o, 4 * jn, keep)
+                mma4(pa0, pa1, pa2, pa3, b2, b3, o, 4 * jn + 4, keep)
+        for jn in range(NTO):
+            w = ((j0 + 8 * (part * NTO + jn)) >> 1) + t
+            for half in range(2):
+                i = m0 + g + 8 * half
+                c = 4 * jn + 2 * half
+                if i < n:
+                    out[c0 + i, h, w] = pack(o[c], o[c + 1])
+
+    @cuda.jit(device=True, inline=True)
+    def state_update(kt, k_lane, dt, d_lane, sacc, st, sc, n, warp, g, t):
+        """S <- exp(gl) S + k^T dt in the registers, and its bf16 copy in st. k^T's A fragments are
+        the transposed loads of the token-major k tile: matrices (tokens, dims) 0-7 x 0-7, 8-15 x 0-7,
+        0-7 x 8-15, 8-15 x 8-15 are a0, a2, a1, a3."""
+        m0 = 16 * (warp % DM)
+        part = warp // DM
+        carried = sc[EGC, C - 1]
+        for e in range(S_VALUES):
+            sacc[e] *= carried
+        for s in range(CM):
+            if 16 * s >= n:
+                continue  # dt's rows past the chunk's rows are zeros
+            a0, a2, a1, a3 = load_b_x4_trans(kt, k_lane, 16 * s, m0 >> 1)
+            for jn in range(0, NTS, 2):
+                n0 = 8 * (part * NTS + jn)
+                b0, b1, b2, b3 = load_b_x4_trans(dt, d_lane, 16 * s, n0 >> 1)
+                mma4(a0, a1, a2, a3, b0, b1, sacc, 4 * jn, True)
+                mma4(a0, a1, a2, a3, b2, b3, sacc, 4 * jn + 4, True)
+        for jn in range(NTS):
+            w = ((8 * (part * NTS + jn)) >> 1) + t
+            for half in range(2):
+                c = 4 * jn + 2 * half
+                st[m0 + g + 8 * half, w] = pack(sacc[c], sacc[c + 1])
+
+    @cuda.jit(device=True, inline=True)
+    def state_access(ssm_state, slot, h, j0, sacc, st, warp, g, t, write):
+        """The state tile between ssm_state and this lane's registers (``write``: registers to
+        ssm_state; else ssm_state to registers and their bf16 copy to st)."""
+        m0 = 16 * (warp % DM)
+        part = warp // DM
+        for jn in range(NTS):
+            n0 = 8 * (part * NTS + jn)
+            col = j0 + n0 + 2 * t
+            for half in range(2):
+                d = m0 + g + 8 * half
+                c = 4 * jn + 2 * half
+                if write:
+                    ssm_state[slot, h, d, col] = sacc[c]
+                    ssm_state[slot, h, d, col + 1] = sacc[c + 1]
+                else:
+                    sacc[c] = ssm_state[slot, h, d, col]
+                    sacc[c + 1] = ssm_state[slot, h, d, col + 1]
+                    st[d, (n0 >> 1) + t] = pack(sacc[c], sacc[c + 1])
+
+    @cuda.jit(**launch_options)
+    def chunked_delta_rule_mma(qkv, g, beta, ssm_state, q_indptr, slot_ids, out):
+        words = cuda.shared.array(0, int32, alignment=ALIGNMENT)
+        floats = cuda.shared.array(0, float32, alignment=ALIGNMENT)  # the same bytes (dynamic arrays alias)
+        qt, kt, vt, st = q_tile(words, Q_OFF), k_tile(words, K_OFF), v_tile(words, V_OFF), s_tile(words, S_OFF)
+        tt, pt, rt, nt = t_tile(words, T_OFF), p_tile(words, P_OFF), r_tile(words, R_OFF), n_tile(words, N_OFF)
+        dt = d_tile(words, D_OFF)
+        af, tf, mf, sc = a_tile(floats, A_OFF), tf_tile(floats, TF_OFF), m_tile(floats, M_OFF), \
+            scalars_tile(floats, SC_OFF)
+        o = cuda.local.array(O_VALUES, float32)
+        x = cuda.local.array(X_VALUES, float32)
+        kk = cuda.local.array(GRAM_VALUES, float32)
+        qk = cuda.local.array(GRAM_VALUES, float32)
+        sacc = cuda.local.array(S_VALUES, float32)
+        tid = cuda.threadIdx.x
+        warp = tid // WARP_THREADS
+        lane = tid % WARP_THREADS
+        g4 = lane // 4
+        t4 = lane % 4
+        j0 = cuda.blockIdx.x * DVT
+        h = cuda.blockIdx.y
+        req = cuda.blockIdx.z
+        start = q_indptr[req]
+        end = q_indptr[req + 1]
+        slot = slot_ids[req]
+        if end == start or slot < 0:  # uniform over the block: nobody waits at a barrier
+            return
+        v_heads = ssm_state.shape[1]
+        dv = ssm_state.shape[3]
+        q_col, k_col, v_col = qkv_columns(qkv.shape[1], v_heads, DK, dv, h)
+        q_address, k_address, v_address = shared_address(qt, (0, 0)), shared_address(kt, (0, 0)), \
+            shared_address(vt, (0, 0))
+        q_lane, k_lane, s_lane = lane_address(qt, True), lane_address(kt, True), lane_address(st, True)
+        t_lane, p_lane, r_lane = lane_address(tt, True), lane_address(pt, True), lane_address(rt, True)
+        n_lane, d_lane = lane_address(nt, True), lane_address(dt, True)
+        n = min(C, end - start)
+        stage(qt, q_address, qkv, start, n, q_col, QK_CHUNKS, tid)
+        stage(kt, k_address, qkv, start, n, k_col, QK_CHUNKS, tid)
+        stage(vt, v_address, qkv, start, n, v_col + j0, V_CHUNKS, tid)
+        state_access(ssm_state, slot, h, j0, sacc, st, warp, g4, t4, False)
+        for c0 in range(start, end, C):
+            n = min(C, end - c0)
+            for r in range(tid, C, NT):
+                sc[G, r] = g[c0 + r, h] if r < n else float32(0.0)
+                sc[BETA, r] = beta[c0 + r, h] if r < n else float32(0.0)
+            copy_async_wait_all()
+            cuda.syncthreads()  # this chunk's q, k, v, g, beta (and, first, the state tile) are in
+            for e in range(tid, 3 * C, NT):  # per row: gc and its exponents, then the q and k norms
+                if e < C:
+                    cumulative_decay(sc, e)
+                else:
+                    r = (e - C) // 2
+                    if (e - C) % 2 == 0:
+                        ss = sum_squares(qt, r)
+                        sc[QS, r] = float32(scale) / float32(math.sqrt(ss + float32(L2_EPS))) if r < n else float32(0.0)
+                    else:
+                        ss = sum_squares(kt, r)
+                        sc[KS, r] = float32(1.0) / float32(math.sqrt(ss + float32(L2_EPS))) if r < n else float32(0.0)
+            cuda.syncthreads()
+            grams(qt, kt, q_lane, k_lane, sc, af, pt, kk, qk, n, warp, g4, t4)
+            cuda.syncthreads()
+            solve(af, tf, mf, tid)
+            for e in range(tid, C * (C // 2), NT):  # T as bf16 operand words, zeros above the diagonal
+                i = e // (C // 2)
+                j = 2 * (e - i * (C // 2))
+                lo = tf[i, j] if j <= i else float32(0.0)
+                hi = tf[i, j + 1] if j + 1 <= i else float32(0.0)
+                tt[i, j >> 1] = pack(lo, hi)
+            state_products(qt, kt, q_lane, k_lane, st, s_lane, vt, sc, rt, o, x, warp, g4, t4)
+            cuda.syncthreads()  # q, v and st are read: the next chunk's q and v may land now
+            c_next = c0 + C
+            if c_next < end:
+                n_next = min(C, end - c_next)
+                stage(qt, q_address, qkv, c_next, n_next, q_col, QK_CHUNKS, tid)
+                stage(vt, v_address, qkv, c_next, n_next, v_col + j0, V_CHUNKS, tid)
+            transform(tt, t_lane, rt, r_lane, sc, nt, dt, x, n, warp, g4, t4)
+            cuda.syncthreads()
+            output(pt, p_lane, nt, n_lane, o, out, c0, n, h, j0, warp, g4, t4)
+            state_update(kt, k_lane, dt, d_lane, sacc, st, sc, n, warp, g4, t4)
+            cuda.syncthreads()  # k, P, delta read; st holds the new state
+            if c_next < end:
+                stage(kt, k_address, qkv, c_next, min(C, end - c_next), k_col, QK_CHUNKS, tid)
+        state_access(ssm_state, slot, h, j0, sacc, st, warp, g4, t4, True)
+
+    return chunked_delta_rule_mma
+
+
+def default_shape(tensor_cores: bool) -> ChunkShape:
+    """SIMULATOR_SHAPE in the simulator; on the GPU, GPU_SHAPE (tensor cores) or GPU_FLOAT32_SHAPE."""
+    if simulator_enabled():
+        return SIMULATOR_SHAPE
+    return GPU_SHAPE if tensor_cores else GPU_FLOAT32_SHAPE
+
+
+class ChunkedGatedDeltaRule:
+    """Launcher of the chunked gated delta rule; ``ssm_state`` is updated in place.
+
+    Same arguments as ``GatedDeltaRule.__call__`` (delta_rule.py): qkv [T, 2 Hk dk + Hv dv] storage
+    dtype; g, beta [T, Hv] float32; ssm_state [slots, Hv, dk, dv] float32; q_indptr [B + 1], slot_ids
+    [B] int32 (slots distinct; -1 skipped); out [T, Hv, dv] storage dtype, not aliasing qkv. Rows of
+    a request may be any number; no scratch beyond shared memory.
+
+    bf16 storage runs the tensor-core build, any other the float32 build. ``shape`` (default
+    ``default_shape(...)``): the block's chunk, state columns, warps and solve block. The tensor-core
+    build needs 16-byte aligned qkv rows and dv a multiple of the dv tile; a call whose qkv is not so
+    aligned runs ``fallback`` (the recurrent launcher) instead, with identical semantics.
+    """
+
+    def __init__(self, codec: Codec, head_k_dim: int, fallback: GatedDeltaRule | None = None,
+                 shape: ChunkShape | None = None) -> None:
+        self.codec, self.head_k_dim = codec, head_k_dim
+        self.tensor_cores = codec.torch_dtype_name == "bfloat16"
+        self.shape = shape or default_shape(self.tensor_cores)
+        check_shape(head_k_dim, self.shape, self.tensor_cores)
+        self.fallback = fallback
+        self.kernels: dict[int, tuple[ChunkShape, Kernel, int]] = {}  # dv -> (shape, kernel, shared bytes)
+
+    def kernel(self, dv: int) -> tuple[ChunkShape, Kernel, int]:
+        """The block shape, kernel and dynamic shared bytes for value heads of ``dv`` (built once)."""
+        entry = self.kernels.get(dv)
+        if entry is None:
+            shape = self.shape
+            if shape.dv_tile > dv:  # one tile covers the head
+                shape = ChunkShape(shape.chunk, dv, shape.warps, shape.solve_block)
+            if self.tensor_cores and dv % shape.dv_tile:
+                raise ValueError(f"chunked delta rule: dv {dv} must be a multiple of the dv tile {shape.dv_tile}")
+            check_shape(self.head_k_dim, shape, self.tensor_cores)
+            shared = shared_layout(self.head_k_dim, shape, self.tensor_cores).bytes
+            kernel = Kernel(build_chunked_delta_rule(self.codec, self.head_k_dim, shape, self.tensor_cores),
+                            dynamic_shared_bytes=shared)
+            entry = self.kernels[dv] = (shape, kernel, shared)
+        return entry
+
+    def __call__(self, qkv: Any, g: Any, beta: Any, ssm_state: Any, q_indptr: Any, slot_ids: Any, out: Any,
+                 stream: Any = 0) -> None:
+        v_heads, dv, requests = check_delta_rule_shapes(qkv, g, beta, ssm_state, q_indptr, slot_ids, out,
+                                                        self.head_k_dim)
+        if requests == 0 or int(qkv.shape[0]) == 0:
+            return
+        if self.tensor_cores and not vector_aligned(qkv):
+            if self.fallback is None:
+                raise ValueError("chunked delta rule: qkv rows must be 16-byte aligned and contiguous")
+            self.fallback(qkv, g, beta, ssm_state, q_indptr, slot_ids, out, stream=stream)
+            return
+        shape, kernel, shared = self.kernel(dv)
+        grid = (-(-dv // shape.dv_tile), v_heads, requests)
+        kernel[grid, shape.threads, stream, shared](qkv, g, beta, ssm_state, q_indptr, slot_ids,
+                                                    as_words(out) if self.tensor_cores else out)
+
