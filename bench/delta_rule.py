@@ -88,7 +88,10 @@ def kernel_registers(kernel: Any) -> str:
     """``registers / local bytes`` a thread of the compiled kernel holds (n/a in the simulator)."""
     if kernel.simulated:
         return "n/a"
-    attributes = next(iter(kernel.dispatcher.overloads.values()))._codelibrary.get_cufunc().attrs
+    overloads = list(kernel.dispatcher.overloads.values())
+    if not overloads:  # loaded from the kernel cache: no Numba overload holds its attributes
+        return "n/a (cached)"
+    attributes = overloads[0]._codelibrary.get_cufunc().attrs
     return f"{attributes.regs} / {attributes.local}"
 
 
