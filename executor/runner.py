@@ -8,11 +8,16 @@ allocator's view (CUDA), requests and tokens/s, TTFT and TPOT p50/p99, the prefi
 pages and recurrent slots vs the plan, preemptions and allocations after warm-up (CUDA).
 
 A request the plan can never hold (prompt + max_new_tokens over max_context, more KV pages than the pool,
-an empty prompt) is rejected by the scheduler, one with an id outside the vocabulary here; either way only
-that request's line says so (``finish_reason`` "rejected", ``error``) and the run goes on.
+an empty prompt) is rejected by the scheduler, one with a value the plan or the kernels cannot serve (an id
+outside the vocabulary, a seed outside u64, top_k over the vocabulary: executor.workload) here; either way
+only that request's line says so (``finish_reason`` "rejected", ``error``) and the run goes on.
 
-Exit codes: 0 ok (rejected requests included); 2 a bad config, plan file, checkpoint or request file (one
-line naming the file and line); 3 the plan does not fit (raised to planner.cli.main, which maps
+Every input is checked before the device is touched: ``--out`` (planner.output_file: its folder exists, it
+is no directory and no input; the result is written atomically at the end), the plan, the request files and
+flags, the checkpoint's safetensors headers (executor.checkpoint_checks).
+
+Exit codes: 0 ok (rejected requests included); 2 a bad config, plan file, checkpoint, request file or flag
+(one line naming the file and line); 3 the plan does not fit (raised to planner.cli.main, which maps
 ConfigError / PlanDoesNotFit / CheckedOverflowError).
 
 torch and numba are imported inside ``run``, after the simulator is chosen:
@@ -28,9 +33,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from executor.checkpoint_checks import CheckpointError, check_checkpoint_dir
 from executor.run_report import GraphCapture, materialized_bytes, summary
-from executor.workload import RequestFileError, RequestSpec, RunError, read_requests, write_outputs
-from planner.errors import ConfigError
+from executor.workload import (
+    RequestFileError, RequestLimits, RequestSpec, RunError, engine_seed, read_requests, write_outputs)
 
 if TYPE_CHECKING:
     from executor.arena import Arena
@@ -54,13 +60,16 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     from executor.step import CapacityError
     from executor.weights import WeightsError
 
+    from planner.errors import one_line
+
     labels = ((CapacityError, "capacity error"), (WeightsError, "weights error"),
-              (RequestFileError, "request error"), (DeviceError, "device error"), (RunError, "error"))
+              (CheckpointError, "checkpoint error"), (RequestFileError, "request error"),
+              (DeviceError, "device error"), (RunError, "error"))
     try:
         return _run(args, overrides)
     except tuple(kind for kind, _ in labels) as error:
         label = next(text for kind, text in labels if isinstance(error, kind))
-        print(f"memplan: {label}: {error}", file=sys.stderr)
+        print(f"memplan: {label}: {one_line(str(error))}", file=sys.stderr)
         return EXIT_ERROR
 
 
@@ -81,10 +90,12 @@ def _run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     from executor.engine import Engine, warm_up
     from executor.models import build_model
 
+    out = _check_out(args)  # before any work
     plan = load_plan(args, overrides)
     device = open_device(args.device)
     _check_fits_device(plan, device.is_sim)
-    specs = read_requests(args, plan.model.vocab_size)  # before anything is allocated
+    specs = read_requests(args, RequestLimits(plan.model.vocab_size, plan.capacity.max_context))
+    _check_weight_source(args)  # before anything is allocated
     try:
         arena = materialize(plan, device)
     except ValueError as error:  # e.g. tensor_parallel_size != 1
@@ -103,7 +114,7 @@ def _run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     progress = _Progress(requests, len(specs), sys.stderr)
     report = engine.run(requests, [specs[index].arrival_step for index in runnable], on_step=progress.after_step)
     progress.print_line(report.steps, final=True)
-    write_outputs(specs, dict(zip(runnable, report.results)), args.out)
+    write_outputs(specs, dict(zip(runnable, report.results)), out)
     print(summary(plan, arena, report, specs, args.no_prefix_caching, graphs, warm_up_s), file=sys.stderr)
     return EXIT_OK
 
@@ -123,7 +134,8 @@ def _engine_request(index: int, spec: RequestSpec):
     from executor.scheduler import Request
 
     return Request(request_id=index, prompt_ids=spec.prompt_ids, max_new_tokens=spec.max_new_tokens,
-                   stop_ids=spec.stop_ids, temperature=spec.temperature, top_k=spec.top_k, seed=spec.seed)
+                   stop_ids=spec.stop_ids, temperature=spec.temperature, top_k=spec.top_k,
+                   seed=engine_seed(spec.seed))
 
 
 class _Progress:
@@ -162,6 +174,8 @@ def load_plan(args: argparse.Namespace, overrides: dict[str, object]) -> MemoryP
     model = args.model if args.model is not None else args.checkpoint
     if model is None:
         raise RunError("give --model, --checkpoint DIR (its config.json) or --plan FILE")
+    if args.model is None:
+        _checkpoint_folder(args.checkpoint)
     serving = args.serving
     if serving is None:
         serving = SIM_SERVING if _hardware_name(args.hardware) == SIM_HARDWARE else "default"
@@ -170,25 +184,50 @@ def load_plan(args: argparse.Namespace, overrides: dict[str, object]) -> MemoryP
 
 def read_plan_file(path: Path) -> MemoryPlan:
     """A plan JSON file, validated and equal to what this planner builds from its own configs."""
-    from pydantic import ValidationError
+    from planner.validate import load_plan_file
 
-    from planner.plan import MemoryPlan
-    from planner.validate import plan_difference
+    return load_plan_file(path)
 
+
+def _check_out(args: argparse.Namespace) -> Path | None:
+    """--out checked against the run's inputs (planner.output_file), or None for stdout."""
+    if not args.out:
+        return None
+    from planner.output_file import check_out_path, config_inputs
+
+    inputs = [(flag, Path(value)) for flag, value in (("--requests", args.requests),
+                                                       ("--prompt-ids", args.prompt_ids), ("--plan", args.plan))
+              if value]
+    inputs += config_inputs(args.model, args.hardware, args.serving)
+    if args.checkpoint and _is_dir(Path(args.checkpoint)):
+        inputs += [("--checkpoint", path) for path in sorted(Path(args.checkpoint).iterdir())]
+    return check_out_path(args.out, inputs)
+
+
+def _is_dir(path: Path) -> bool:
     try:
-        plan = MemoryPlan.model_validate_json(path.read_text())
-    except OSError as error:
-        raise ConfigError(str(path), "", "", f"cannot read: {error.strerror}") from None
-    except ValidationError as error:
-        first = error.errors()[0]
-        field = ".".join(str(part) for part in first["loc"])
-        raise ConfigError(str(path), field, first.get("input"), first["msg"]) from None
-    difference = plan_difference(plan)
-    if difference is not None:
-        where, value, expected = difference
-        raise ConfigError(str(path), where.lstrip("."), value,
-                          f"differs from the plan this planner builds from the file's configs ({expected!r}); re-plan")
-    return plan
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
+
+
+def _checkpoint_folder(checkpoint: str) -> None:
+    if not _is_dir(Path(checkpoint)):
+        raise CheckpointError(f"--checkpoint {checkpoint}: not a directory (an HF checkpoint directory holds "
+                              "config.json and *.safetensors)")
+
+
+def _check_weight_source(args: argparse.Namespace) -> None:
+    """Exactly one weight source, and a checkpoint whose safetensors headers are sound."""
+    from executor.weights import WeightsError
+
+    if args.checkpoint and args.random_weights:
+        raise RunError("give --checkpoint DIR or --random-weights, not both")
+    if not args.checkpoint and not args.random_weights:
+        raise WeightsError("no weights: give --checkpoint DIR or --random-weights")
+    if args.checkpoint:
+        _checkpoint_folder(args.checkpoint)
+        check_checkpoint_dir(Path(args.checkpoint))
 
 
 def _hardware_name(spec: str) -> str:
@@ -206,13 +245,9 @@ def _check_fits_device(plan: MemoryPlan, simulator: bool) -> None:
 
 
 def _load_weights(arena: Arena, args: argparse.Namespace) -> None:
-    from executor.weights import WeightsError, fill_random, load_checkpoint
+    from executor.weights import fill_random, load_checkpoint
 
-    if args.checkpoint and args.random_weights:
-        raise RunError("give --checkpoint DIR or --random-weights, not both")
     if args.checkpoint:
         load_checkpoint(arena, args.checkpoint)
-    elif args.random_weights:
-        fill_random(arena, args.seed)
     else:
-        raise WeightsError("no weights: give --checkpoint DIR or --random-weights")
+        fill_random(arena, args.seed)

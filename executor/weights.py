@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from executor.arena import Arena
+from executor.checkpoint_checks import check_checkpoint_files
 
 #: Checkpoint prefixes mapped to the plan's names (Qwen3.5's multimodal wrapper
 #: keeps the text stack under model.language_model).
@@ -35,6 +36,7 @@ def load_checkpoint(arena: Arena, checkpoint: str | Path) -> int:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise WeightsError(f"{directory}: no *.safetensors files")
+    check_checkpoint_files(files)  # CheckpointError: a corrupt file, a non-float dtype, a tensor in two files
     handles = [safe_open(str(path), framework="pt") for path in files]
     readers: dict[str, Callable[[], torch.Tensor]] = {}
     shapes: dict[str, tuple[int, ...]] = {}

@@ -1,6 +1,6 @@
 """``memplan``: the one command-line module (plan, validate, run); ``memplan --help`` needs no torch.
 
-Exit codes: 0 the plan fits (or validates); 2 a bad config or plan file (one
+Exit codes: 0 the plan fits (or validates); 2 a bad config, plan file or flag (one
 line naming the file, field, value and rule; no traceback); 3 the plan does not
 fit (biggest consumers and the serving knob that would fit).
 """
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from planner.checked import CheckedOverflowError
-from planner.errors import ConfigError, PlanDoesNotFit
+from planner.errors import ConfigError, PlanDoesNotFit, one_line
 
 EXIT_OK, EXIT_BAD_CONFIG, EXIT_DOES_NOT_FIT = 0, 2, 3
 
@@ -51,14 +51,16 @@ def serving_overrides(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from planner.loader import plan_from_configs
+    from planner.output_file import check_out_path, config_inputs, write_atomically
     from planner.report import format_table
 
-    from planner.loader import plan_from_configs
-
-    plan = plan_from_configs(args.model, args.hardware, args.serving or "default", serving_overrides(args))
+    serving = args.serving or "default"
+    out = check_out_path(args.out, config_inputs(args.model, args.hardware, serving)) if args.out else None
+    plan = plan_from_configs(args.model, args.hardware, serving, serving_overrides(args))
     text = format_table(plan) if args.format == "table" else plan.model_dump_json(indent=1)
-    if args.out:
-        Path(args.out).write_text(plan.model_dump_json(indent=1) + "\n")
+    if out is not None:
+        write_atomically(out, plan.model_dump_json(indent=1) + "\n")
     if args.format == "table" or not args.out:
         print(text)
     return EXIT_OK
@@ -156,8 +158,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="write the per-request JSONL here instead of stdout")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line usage error (exit 2), like every other bad input."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_BAD_CONFIG, f"{self.prog}: error: {one_line(message)}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="memplan", description="Plan and run LLM inference memory, byte for byte.")
+    parser = _Parser(prog="memplan", description="Plan and run LLM inference memory, byte for byte.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     plan = commands.add_parser("plan", help="build a memory plan and print its budget")
@@ -178,14 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; every bad input ends here as exit 2 (or 3: does not fit) and one stderr line."""
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except ConfigError as error:
-        print(f"memplan: config error: {error}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    except CheckedOverflowError as error:
-        print(f"memplan: config error: {error}", file=sys.stderr)
+    except (ConfigError, CheckedOverflowError) as error:
+        print(f"memplan: config error: {one_line(str(error))}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     except PlanDoesNotFit as error:
         print(f"memplan: does not fit: {error}", file=sys.stderr)

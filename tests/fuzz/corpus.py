@@ -32,6 +32,7 @@ import signal
 import struct
 import sys
 import tempfile
+import threading
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -59,7 +60,7 @@ class Case:
     """One input. ``build(folder)`` writes the case's files and returns the argv of ``memplan``.
 
     expect: "refused" (exit 2), "rejected" (exit 0, every output line rejected), "refused_or_rejected",
-    "ok" (exit 0), "ok_or_refused", "fits_or_not" (exit 0 or 3).
+    "ok" (exit 0), "runs" (exit 0, no output line rejected), "ok_or_refused", "fits_or_not" (exit 0 or 3).
     names: words (case-insensitive) the refusal or the rejected line's error must hold; "a|b" is either.
     """
 
@@ -222,7 +223,7 @@ _RUN = ["run", "--model", "tiny-qwen3", *SIM, "--random-weights"]
 
 #: (field, JSON text of the bad value): each becomes one --requests line of its own.
 _BAD_REQUEST_VALUES = [
-    ("seed", str(2**63)), ("seed", str(2**64)), ("seed", str(2**70)), ("seed", "-1"), ("seed", str(-(2**63) - 1)),
+    ("seed", str(2**64)), ("seed", str(2**70)), ("seed", "-1"), ("seed", str(-(2**63) - 1)),
     ("seed", "1.5"), ("seed", '"7"'), ("seed", "true"), ("seed", "null"),
     ("top_k", str(2**63)), ("top_k", str(2**32 + 1)), ("top_k", str(2**31)), ("top_k", str(VOCAB + 1)),
     ("top_k", "-1"), ("top_k", "1.5"), ("top_k", '"3"'), ("top_k", "true"), ("top_k", str(10**30)),
@@ -251,6 +252,9 @@ def _class2() -> list[Case]:
     for key, value in _BAD_REQUEST_VALUES:
         cases.append(_request_line_case(2, f"request {key}={value[:24]}", f'{{"prompt_ids": [1, 2], "{key}": {value}}}',
                                         (key,)))
+    for value in (2**63, 2**64 - 1):  # u64 seeds: the sampler's key is their 64 bits
+        case = _request_line_case(2, f"request seed={value}", f'{{"prompt_ids": [1, 2], "seed": {value}}}', ())
+        cases.append(Case(2, case.name, case.build, expect="runs", sim=True, bad=False))
     for value in _BAD_PROMPT_LENS:
         cases.append(_request_line_case(2, f"request prompt_len={value[:24]}", f'{{"prompt_len": {value}}}',
                                         ("prompt_len",)))
@@ -880,8 +884,12 @@ def _class7() -> list[Case]:
              names=("model.yaml", "name")),
         Case(7, "hardware name a YAML date", plan_with("hardware", base_hw.replace("name: cpu-sim", "name: 2020-02-02")),
              names=("hardware.yaml", "name")),
-        Case(7, "hardware runtime line a date", plan_with("hardware", base_hw.replace("bytes: 0", "bytes: 2020-02-02", 1)),
-             names=("hardware.yaml", "runtime_reserve")),
+        Case(7, "hardware cuda_graph_bytes a date",
+             plan_with("hardware", base_hw.replace("cuda_graph_bytes: 0", "cuda_graph_bytes: 2020-02-02")),
+             names=("hardware.yaml", "cuda_graph_bytes", "date")),
+        Case(7, "hardware runtime line bytes a date",
+             plan_with("hardware", base_hw.replace("  bytes: 0", "  bytes: 2020-02-02", 1)),
+             names=("hardware.yaml", "runtime_reserve[0].bytes", "date")),
         Case(7, "serving buckets a !!set",
              plan_with("serving", base_serving.replace("decode_graph_batch_sizes: [1, 2, 4]",
                                                        "decode_graph_batch_sizes: !!set {1, 2, 4}")),
@@ -1024,6 +1032,15 @@ def _on_alarm(signum: int, frame: Any) -> None:
     raise _Timeout()
 
 
+def _unblock_fifos(folder: Path) -> None:
+    """Open every FIFO of ``folder`` for writing and close it: a reader blocked in open() gets EOF."""
+    threading.current_thread().fired = True  # type: ignore[attr-defined]
+    for path in folder.rglob("*"):
+        if path.is_fifo():
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
 def run_case(case: Case, folder: Path, timeout_s: int = CASE_TIMEOUT_S) -> Outcome:
     """Build ``case`` in ``folder`` (empty), run it through ``planner.cli.main`` and judge the result."""
     from planner.cli import main
@@ -1034,6 +1051,8 @@ def run_case(case: Case, folder: Path, timeout_s: int = CASE_TIMEOUT_S) -> Outco
     cwd = os.getcwd()
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     signal.alarm(timeout_s)
+    watchdog = threading.Timer(timeout_s + 1, _unblock_fifos, (folder,))  # a read blocked outside Python
+    watchdog.start()
     try:
         if case.cwd:
             os.chdir(folder / case.cwd)
@@ -1050,7 +1069,10 @@ def run_case(case: Case, folder: Path, timeout_s: int = CASE_TIMEOUT_S) -> Outco
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+        watchdog.cancel()
         os.chdir(cwd)
+    if watchdog.finished.is_set() and getattr(watchdog, "fired", False):
+        return Outcome("hang", f"blocked past {timeout_s} s")
     return judge(case, code, stdout.getvalue(), stderr.getvalue(), before, _snapshot(folder), folder, argv)
 
 
@@ -1065,9 +1087,14 @@ def judge(case: Case, code: int, out: str, err: str, before: dict[str, str], aft
     if case.expect == "fits_or_not":
         return Outcome("ok", code=code) if code in (0, 3) else Outcome("accepted" if code == 0 else "unclear",
                                                                         message[:160], code)
-    if case.expect == "ok":
-        return Outcome("ok", code=code) if code == 0 else Outcome("unclear", f"refused a good input: {message[:160]}",
-                                                                   code)
+    if case.expect in ("ok", "runs"):
+        if code != 0:
+            return Outcome("unclear", f"refused a good input: {message[:160]}", code)
+        lines = _output_lines(out, folder, argv) if case.expect == "runs" else []
+        rejected = [line for line in lines or [] if line.get("finish_reason") == "rejected"]
+        if lines is None or rejected:
+            return Outcome("unclear", f"rejected a good request: {rejected[:1]}", code)
+        return Outcome("ok", code=code)
     if code == 3:
         return Outcome("unclear", f"does not fit instead of bad input: {message[:160]}", code)
     if code == 2:
