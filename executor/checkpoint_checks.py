@@ -3,8 +3,8 @@
 A safetensors file is an 8-byte little-endian header length N, N bytes of JSON header, then the tensor data.
 The header maps each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets into the
 data) and may hold a ``"__metadata__"`` mapping of strings. Every file is checked to be a regular file whose
-header parses (through planner.inputs: UTF-8, no duplicate keys, bounded nesting), whose tensors lie inside
-its data without overlapping and hold exactly ``prod(shape) x itemsize`` bytes, and whose dtypes are floating
+header parses (through planner.inputs: UTF-8, no duplicate keys, bounded nesting), whose tensors tile its
+data exactly (no overlap, no hole), each ``prod(shape) x itemsize`` bytes, and whose dtypes are floating
 point (an integer or bool tensor would be cast silently into a float weight view). A tensor name given by two
 files is refused instead of one silently winning. Every problem is a ``CheckpointError`` naming the file,
 the tensor and the rule.
@@ -132,7 +132,7 @@ def _entry(path: Path, name: str, value: Any) -> TensorEntry:
     if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data_offsets"}:
         raise bad("expected {\"dtype\", \"shape\", \"data_offsets\"}")
     dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
-    if dtype not in DTYPE_BYTES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise bad(f"dtype {dtype!r} is not a safetensors dtype ({', '.join(DTYPE_BYTES)})")
     if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
         raise bad(f"shape {shape!r} is not a list of ints >= 0")
@@ -147,16 +147,23 @@ def _entry(path: Path, name: str, value: Any) -> TensorEntry:
 
 
 def _check_ranges(path: Path, entries: Iterable[TensorEntry], data_bytes: int) -> None:
-    """Tensors lie inside the file's data and do not overlap."""
-    previous: TensorEntry | None = None
+    """The tensors tile the file's data exactly, as the format requires: no overlap, no hole, nothing past
+    the end and nothing after the last tensor."""
+    cursor, previous = 0, None
     for entry in sorted(entries, key=lambda e: (e.begin, e.end)):
         if entry.end > data_bytes:
             raise CheckpointError(f"{path}: tensor {entry.name} ends at data byte {entry.end:,}, the file holds "
                                   f"{data_bytes:,} data bytes: truncated or corrupt (data_offsets)")
-        if previous is not None and entry.begin < previous.end:
+        if entry.begin < cursor:
             raise CheckpointError(f"{path}: tensors {previous.name} and {entry.name} overlap (data_offsets "
                                   f"[{previous.begin}, {previous.end}] and [{entry.begin}, {entry.end}])")
-        previous = entry
+        if entry.begin > cursor:
+            raise CheckpointError(f"{path}: data bytes {cursor:,}..{entry.begin:,} before tensor {entry.name} belong "
+                                  "to no tensor (data_offsets): corrupt")
+        cursor, previous = entry.end, entry
+    if cursor != data_bytes:
+        raise CheckpointError(f"{path}: the file holds {data_bytes:,} data bytes, its tensors {cursor:,} "
+                              "(data_offsets): corrupt, or a header that does not belong to the data")
 
 
 def _is_int(value: Any) -> bool:

@@ -121,6 +121,8 @@ def _rejection(spec: RequestSpec, limits: RequestLimits) -> str | None:
     """Why the plan or the kernels cannot serve ``spec`` (None: they can). The scheduler adds the rules that
     involve the plan's pools (prompt + max_new_tokens over max_context, KV pages)."""
     vocab, context = limits.vocab_size, limits.max_context
+    if not spec.prompt_ids:
+        return "prompt_ids: empty"
     if len(spec.prompt_ids) > context:
         return f"prompt_ids: {len(spec.prompt_ids)} ids, over the plan's max_context {context}"
     bad = next(((i, t) for i, t in enumerate(spec.prompt_ids) if not 0 <= t < vocab), None)
@@ -235,6 +237,8 @@ def read_request_file(path: Path, max_new_tokens: int, limits: RequestLimits, se
         else:
             spec.prompt_ids = np.random.default_rng((request_seed, number)).integers(
                 0, limits.vocab_size, record["prompt_len"]).tolist()
+        if spec.error is None:
+            spec.error = _rejection(spec, limits)
         specs.append(spec)
         if len(specs) > MAX_REQUESTS:
             raise bad(f"more than {MAX_REQUESTS:,} requests in one run")

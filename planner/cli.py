@@ -71,7 +71,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     problems, checked_count = validate_paths([Path(p) for p in args.paths])
     for problem in problems:
-        print(problem, file=sys.stderr)
+        print(one_line(problem), file=sys.stderr)
     print(f"validated {checked_count} file(s): {len(problems)} problem(s)")
     return EXIT_BAD_CONFIG if problems else EXIT_OK
 

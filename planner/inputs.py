@@ -31,7 +31,7 @@ MAX_DEPTH = 64
 #: Integers beyond this many bits are refused where they are read (seeds are 64 bits, sizes less).
 MAX_INT_BITS = 128
 #: Values a YAML document may expand to through its aliases.
-MAX_YAML_VALUES = 1_000_000
+MAX_YAML_VALUES = 100_000
 #: Longest run of digits json parses into an integer (Python's own limit is 4300).
 _MAX_INT_DIGITS = 64
 _BOM = "\ufeff"
@@ -86,6 +86,7 @@ def load_json(path: Path) -> dict[str, Any]:
 
 def parse_yaml(text: str, source: str) -> Any:
     """One YAML document as plain JSON values (checked as the module docstring says)."""
+    _check_flow_depth(text, source)
     try:
         _check_yaml_depth(text, source)
         loader = _Loader(text)
@@ -101,6 +102,8 @@ def parse_yaml(text: str, source: str) -> Any:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(source, where, "", f"malformed YAML: {getattr(error, 'problem', None) or error}") from None
+    except ConfigError:
+        raise
     except ValueError as error:  # int() of a number with more digits than Python converts
         raise ConfigError(source, "", "", f"malformed YAML: {error}") from None
     return check_values(data, source, max_values=MAX_YAML_VALUES)
@@ -128,7 +131,8 @@ def check_values(data: Any, source: str, field: str = "", max_values: int | None
         if max_values is not None and seen > max_values:
             raise ConfigError(source, where, "", f"expands to more than {max_values:,} values (YAML aliases)")
         if depth > MAX_DEPTH:
-            raise ConfigError(source, where, "", f"nested deeper than {MAX_DEPTH} levels")
+            shown = where if len(where) <= 60 else where[:57] + "..."
+            raise ConfigError(source, shown, "", f"nested deeper than {MAX_DEPTH} levels")
         if isinstance(value, dict):
             duplicate = getattr(value, "duplicate", None)
             if duplicate is not None:
@@ -189,6 +193,57 @@ def _parse_int(text: str) -> int | _TooManyDigits:
 
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader; duplicate keys are found on the composed nodes before construction."""
+
+
+def _check_flow_depth(text: str, source: str) -> None:
+    """Refuse flow collections (``[``, ``{``) nested past MAX_DEPTH before PyYAML scans them: its scanner
+    keeps a possible key per open flow level and takes time quadratic in their depth. A bracket opens a
+    collection where a YAML node can start (after ``[ { , : - ?`` or at a line's start); quoted scalars,
+    which start there too, and comments are skipped."""
+    depth, line, index, size = 0, 1, 0, len(text)
+    previous = "\n"  # the last character that is not a space
+    while index < size:
+        char = text[index]
+        node_start = previous in _NODE_START
+        if char in "\"'" and node_start:
+            end = _after_quoted(text, index)
+            line += text.count("\n", index, end)
+            index, previous = end, char
+            continue
+        if char == "#" and (index == 0 or text[index - 1] in " \t\n"):
+            index = text.find("\n", index)
+            index = size if index < 0 else index
+            continue
+        if char in "[{" and node_start:
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ConfigError(source, f"line {line}", "", f"nested deeper than {MAX_DEPTH} levels")
+        elif char in "]}":
+            depth = max(depth - 1, 0)
+        if char == "\n":
+            line += 1
+        if char not in " \t":
+            previous = char
+        index += 1
+
+
+_NODE_START = "[{,:-?\n"
+
+
+def _after_quoted(text: str, start: int) -> int:
+    """The index after the quoted scalar that starts at ``start`` (the end of the text when unclosed)."""
+    quote, index = text[start], start + 1
+    while index < len(text):
+        if quote == '"' and text[index] == "\\":
+            index += 2
+            continue
+        if text[index] == quote:
+            if quote == "'" and text[index + 1 : index + 2] == "'":
+                index += 2
+                continue
+            return index + 1
+        index += 1
+    return len(text)
 
 
 def _check_yaml_depth(text: str, source: str) -> None:

@@ -1,13 +1,15 @@
 """Hypothesis over untrusted input: whatever a config, plan file, request line, raw file or safetensors
 file holds, the command ends with exit 0/2/3 and one line naming the file (never a traceback), a reader
 returns plain JSON values or a ConfigError, and a request that reaches the engine is inside every bound the
-kernels rely on. Cheap: in-process, planner and readers only (no simulator)."""
+kernels rely on. Cheap: in-process, planner and readers only (no simulator); FUZZ_EXAMPLES=N runs N
+examples per test instead of CI's few."""
 
 from __future__ import annotations
 
 import io
 import json
 import math
+import os
 import struct
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -26,7 +28,8 @@ from planner.inputs import MAX_DEPTH, parse_json, parse_yaml
 from tests.fuzz.strategies import mutated, raw_documents, request_lines, safetensors_corruptions
 
 ROOT = Path(__file__).resolve().parents[2]
-CASES = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "40"))
+CASES = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                          HealthCheck.too_slow])
 LIMITS = RequestLimits(vocab_size=256, max_context=64)
 
@@ -131,7 +134,7 @@ def _plain(value, depth: int = 0) -> bool:
     return value is None or isinstance(value, (str, int, bool))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=4 * EXAMPLES, deadline=None)
 @given(raw=raw_documents())
 def test_the_readers_return_plain_json_values_or_a_config_error(raw):
     for parse in (parse_yaml, parse_json):
