@@ -97,9 +97,12 @@ order; with none of them, --batch prompts of --prompt-len random ids.
 A --requests line is a JSON object: "prompt_ids" [int, ...] or "prompt_len"
 int (random ids), and optionally "max_new_tokens" (default --max-new-tokens),
 "stop_ids", "temperature", "top_k", "seed".
-A request the plan can never hold (prompt + max_new_tokens over max_context,
-more KV pages than the pool) or with an id outside the vocabulary is rejected
-in its own output line; the others still run.
+--prompt-ids lines are the same objects with "prompt_ids" required.
+A request the plan or the kernels cannot serve (prompt + max_new_tokens over
+max_context, more KV pages than the pool, an id outside the vocabulary, a seed
+outside [0, 2**64), top_k over the vocabulary, a negative temperature) is
+rejected in its own output line; the others still run. A line that is not a
+request (not JSON, an unknown key, a wrong type) is exit 2 before any work.
 
 --checkpoint DIR without --model plans the model of DIR/config.json.
 --serving defaults to configs/serving/default.yaml, or to the tiny
@@ -129,13 +132,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", help="HF checkpoint directory (config.json + *.safetensors); "
                                              "implies --model DIR when --model is absent")
     parser.add_argument("--random-weights", action="store_true", help="fill the weight pool from --seed")
-    parser.add_argument("--seed", type=int, default=0, help="seed of --random-weights and synthetic prompts")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of --random-weights and synthetic prompts, in [0, 2**64)")
     parser.add_argument("--device", choices=("auto", "cuda", "sim"), default="auto",
                         help="cuda, or the Numba CUDA simulator (tiny configs); auto: cuda when present")
     parser.add_argument("--requests", metavar="FILE",
                         help="JSONL requests: {\"prompt_ids\": [...]} or {\"prompt_len\": N}, optional "
                              "max_new_tokens, stop_ids, temperature, top_k, seed")
-    parser.add_argument("--prompt-ids", metavar="FILE", help="JSONL file, one {\"prompt_ids\": [...]} per line")
+    parser.add_argument("--prompt-ids", metavar="FILE",
+                        help="JSONL file, one {\"prompt_ids\": [...]} per line (optionally the --requests keys)")
     parser.add_argument("--num-requests", type=int, metavar="N",
                         help="synthetic workload: N requests of --input-len random ids")
     parser.add_argument("--input-len", type=int, metavar="L", help="synthetic prompt length (default --prompt-len)")
@@ -155,7 +160,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "launch the next step first, one step in flight)")
     parser.add_argument("--eager", action="store_true",
                         help="run decode steps eagerly instead of replaying the captured CUDA graphs")
-    parser.add_argument("--out", help="write the per-request JSONL here instead of stdout")
+    parser.add_argument("--out", help="write the per-request JSONL here instead of stdout (checked before the run, "
+                                      "written atomically at its end; never one of the inputs)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -172,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="build a memory plan and print its budget")
     add_config_arguments(plan)
     plan.add_argument("--format", choices=("json", "table"), default="json")
-    plan.add_argument("--out", help="write the plan JSON here")
+    plan.add_argument("--out", help="write the plan JSON here (atomically; never one of the inputs)")
     plan.set_defaults(handler=_cmd_plan)
 
     validate = commands.add_parser("validate", help="check configs and plans against the schemas and the planner")
