@@ -59,7 +59,6 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     from executor.device import DeviceError
     from executor.step import CapacityError
     from executor.weights import WeightsError
-
     from planner.errors import one_line
 
     labels = ((CapacityError, "capacity error"), (WeightsError, "weights error"),

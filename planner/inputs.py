@@ -22,8 +22,10 @@ import yaml
 
 from planner.errors import ConfigError
 
-#: Largest config or plan file read (bytes); a plan of the largest shipped model is well under 1 MiB.
+#: Largest JSON config or plan file read (bytes); a plan of the largest shipped model is well under 1 MiB.
 MAX_DOCUMENT_BYTES = 64 << 20
+#: Largest YAML config read (bytes): a shipped config is under 2 KiB, and PyYAML parses about 1 MB/s.
+MAX_YAML_BYTES = 4 << 20
 #: Largest request or prompt file read (bytes).
 MAX_REQUEST_FILE_BYTES = 1 << 30
 #: Deepest nesting of mappings and lists; the deepest config (a plan) nests 6.
@@ -73,7 +75,7 @@ def decode_utf8(data: bytes, source: str) -> str:
 
 def load_yaml(path: Path) -> dict[str, Any]:
     """A YAML file whose top level is a mapping, as plain JSON values."""
-    return _mapping(parse_yaml(read_text(path), str(path)), str(path))
+    return _mapping(parse_yaml(read_text(path, MAX_YAML_BYTES), str(path)), str(path))
 
 
 def load_json(path: Path) -> dict[str, Any]:
