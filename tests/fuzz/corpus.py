@@ -31,8 +31,8 @@ import resource
 import signal
 import struct
 import sys
+import subprocess
 import tempfile
-import threading
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -1032,13 +1032,15 @@ def _on_alarm(signum: int, frame: Any) -> None:
     raise _Timeout()
 
 
-def _unblock_fifos(folder: Path) -> None:
-    """Open every FIFO of ``folder`` for writing and close it: a reader blocked in open() gets EOF."""
-    threading.current_thread().fired = True  # type: ignore[attr-defined]
-    for path in folder.rglob("*"):
-        if path.is_fifo():
-            with contextlib.suppress(OSError):
-                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+def _fifo_watchdog(folder: Path, after_s: int) -> subprocess.Popen | None:
+    """For a case with FIFOs: a process that, after ``after_s``, opens each for writing and closes it, so a
+    reader blocked in open() (in native code that holds the GIL, where no signal or thread gets through)
+    reads EOF. It exits then; it is still running when nothing blocked."""
+    fifos = [str(path) for path in folder.rglob("*") if path.is_fifo()]
+    if not fifos:
+        return None
+    script = 'sleep "$0"; for f in "$@"; do timeout 1 sh -c \': > "$0"\' "$f"; done'
+    return subprocess.Popen(["sh", "-c", script, str(after_s), *fifos])
 
 
 def run_case(case: Case, folder: Path, timeout_s: int = CASE_TIMEOUT_S) -> Outcome:
@@ -1051,8 +1053,7 @@ def run_case(case: Case, folder: Path, timeout_s: int = CASE_TIMEOUT_S) -> Outco
     cwd = os.getcwd()
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     signal.alarm(timeout_s)
-    watchdog = threading.Timer(timeout_s + 1, _unblock_fifos, (folder,))  # a read blocked outside Python
-    watchdog.start()
+    watchdog = _fifo_watchdog(folder, timeout_s + 1)
     try:
         if case.cwd:
             os.chdir(folder / case.cwd)
@@ -1069,10 +1070,13 @@ def run_case(case: Case, folder: Path, timeout_s: int = CASE_TIMEOUT_S) -> Outco
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
-        watchdog.cancel()
         os.chdir(cwd)
-    if watchdog.finished.is_set() and getattr(watchdog, "fired", False):
-        return Outcome("hang", f"blocked past {timeout_s} s")
+        if watchdog is not None:
+            fired = watchdog.poll() is not None
+            watchdog.kill()
+            watchdog.wait()
+    if watchdog is not None and fired:
+        return Outcome("hang", f"blocked past {timeout_s} s in a read of a FIFO")
     return judge(case, code, stdout.getvalue(), stderr.getvalue(), before, _snapshot(folder), folder, argv)
 
 
