@@ -231,7 +231,8 @@ def read_request_file(path: Path, max_new_tokens: int, limits: RequestLimits, se
         if "prompt_ids" in record:
             spec.prompt_ids = list(record["prompt_ids"])
         elif not 1 <= record["prompt_len"] <= limits.max_context:
-            spec.error = f"prompt_len = {record['prompt_len']}: must be in [1, {limits.max_context}] (the plan's max_context)"
+            spec.error = (f"prompt_len = {record['prompt_len']}: must be in [1, {limits.max_context}] (the plan's "
+                          "max_context)")
         elif not 0 <= request_seed < SEED_LIMIT:
             spec.error = f"seed = {request_seed}: must be in [0, 2**64) (an unsigned 64-bit RNG key)"
         else:

@@ -116,7 +116,8 @@ def parse_json(text: str, source: str, field: str = "") -> Any:
     try:
         data = json.loads(text, object_pairs_hook=_Object, parse_int=_parse_int)
     except json.JSONDecodeError as error:
-        raise ConfigError(source, f"line {error.lineno}, column {error.colno}", "", f"malformed JSON: {error.msg}") from None
+        where = f"line {error.lineno}, column {error.colno}"
+        raise ConfigError(source, where, "", f"malformed JSON: {error.msg}") from None
     except RecursionError:
         raise ConfigError(source, field, "", f"nested deeper than {MAX_DEPTH} levels") from None
     return check_values(data, source, field)

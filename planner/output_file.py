@@ -18,6 +18,8 @@ from planner.errors import ConfigError
 from planner.inputs import reason
 
 OUT_FLAG = "--out"
+#: What the errors about --out name as their source.
+COMMAND_LINE = "command line"
 
 
 def check_out_path(out: str, inputs: Iterable[tuple[str, Path | None]]) -> Path:
@@ -31,24 +33,27 @@ def check_out_path(out: str, inputs: Iterable[tuple[str, Path | None]]) -> Path:
     except FileNotFoundError:
         info = None
     except (OSError, ValueError) as error:
-        raise ConfigError(OUT_FLAG, "", out, f"cannot write there: {reason(error)}") from None
+        raise ConfigError(COMMAND_LINE, OUT_FLAG, out, f"cannot write there: {reason(error)}") from None
     if info is not None and stat.S_ISDIR(info.st_mode):
-        raise ConfigError(OUT_FLAG, "", out, "is a directory; give a file path")
+        raise ConfigError(COMMAND_LINE, OUT_FLAG, out, "is a directory; give a file path")
     if info is not None and not stat.S_ISREG(info.st_mode):
-        raise ConfigError(OUT_FLAG, "", out, "is not a regular file (a device, FIFO or socket); give a file path")
+        raise ConfigError(COMMAND_LINE, OUT_FLAG, out,
+                          "is not a regular file (a device, FIFO or socket); give a file path")
     folder = path.parent
     try:
         folder_info = os.stat(folder)
     except (OSError, ValueError) as error:
-        raise ConfigError(OUT_FLAG, "", out, f"its folder {str(folder)!r} cannot be used: {reason(error)}") from None
+        raise ConfigError(COMMAND_LINE, OUT_FLAG, out,
+                          f"its folder {str(folder)!r} cannot be used: {reason(error)}") from None
     if not stat.S_ISDIR(folder_info.st_mode):
-        raise ConfigError(OUT_FLAG, "", out, f"{str(folder)!r} is not a folder")
+        raise ConfigError(COMMAND_LINE, OUT_FLAG, out, f"{str(folder)!r} is not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(OUT_FLAG, "", out, f"the folder {str(folder)!r} is not writable")
+        raise ConfigError(COMMAND_LINE, OUT_FLAG, out, f"the folder {str(folder)!r} is not writable")
     if info is not None:
         for flag, source in inputs:
             if source is not None and _same_file(path, source):
-                raise ConfigError(OUT_FLAG, "", out, f"is the {flag} input; writing it would overwrite that input")
+                raise ConfigError(COMMAND_LINE, OUT_FLAG, out,
+                                  f"is the {flag} input; writing it would overwrite that input")
     return path
 
 
@@ -73,7 +78,7 @@ def write_atomically(path: Path, text: str) -> None:
         os.replace(temporary, path)
     except OSError as error:
         Path(temporary).unlink(missing_ok=True)
-        raise ConfigError(OUT_FLAG, "", str(path), f"cannot write: {reason(error)}") from None
+        raise ConfigError(COMMAND_LINE, OUT_FLAG, str(path), f"cannot write: {reason(error)}") from None
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise

@@ -148,7 +148,8 @@ def check_plan(data: dict[str, Any], source: str) -> MemoryPlan:
     except CheckedOverflowError as error:
         raise overflow_error(source, error) from None
     except PlanDoesNotFit as error:
-        raise ConfigError(source, "serving", "", f"the plan's configs do not fit: {str(error).splitlines()[0]}") from None
+        first_line = str(error).splitlines()[0]
+        raise ConfigError(source, "serving", "", f"the plan's configs do not fit: {first_line}") from None
     if difference is not None:
         where, found, expected = difference
         raise ConfigError(source, where.lstrip("."), found,

@@ -36,7 +36,7 @@ import tempfile
 import warnings
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -276,7 +276,8 @@ def _class2() -> list[Case]:
     for name, line, names in structural:
         cases.append(_request_line_case(2, f"request {name}", line, names))
     prompt_id_lines = [
-        ("max_new_tokens over max_context", '{"prompt_ids": [1, 2], "max_new_tokens": 1000000}', ("max_new_tokens|max_context",)),
+        ("max_new_tokens over max_context", '{"prompt_ids": [1, 2], "max_new_tokens": 1000000}',
+         ("max_new_tokens|max_context",)),
         ("seed 2**64", f'{{"prompt_ids": [1], "seed": {2**64}}}', ("seed",)),
         ("top_k -1", '{"prompt_ids": [1], "top_k": -1}', ("top_k",)),
         ("unknown key", '{"prompt_ids": [1], "bogus": 1}', ("bogus",)),
@@ -793,7 +794,8 @@ def _class6() -> list[Case]:
              lambda d: [*plan, "--model", str(_write(d / "ckpt" / "config.json", json.dumps(
                  {**{k: v for k, v in _hf_qwen3().items() if k != "rope_parameters"}, "rope_theta": float("nan")})))],
              names=("rope_theta",)),
-        Case(6, "model yaml rope_theta .inf", model_yaml(base_model.replace("rope_theta: 1000000.0", "rope_theta: .inf")),
+        Case(6, "model yaml rope_theta .inf",
+             model_yaml(base_model.replace("rope_theta: 1000000.0", "rope_theta: .inf")),
              names=("rope_theta",)),
         Case(6, "model yaml rms_norm_eps .nan",
              model_yaml(base_model.replace("rms_norm_eps: 1.0e-06", "rms_norm_eps: .nan")), names=("rms_norm_eps",)),
@@ -818,7 +820,8 @@ def _class6() -> list[Case]:
              names=("model.yaml", "num_key_heads", "duplicate")),
         Case(6, "hardware yaml duplicate key",
              lambda d: ["plan", "--model", "tiny-qwen3", "--serving", "sim", "--hardware",
-                        str(_write(d / "hw.yaml", base_hw + "num_sms: 2\n"))], names=("hw.yaml", "num_sms", "duplicate")),
+                        str(_write(d / "hw.yaml", base_hw + "num_sms: 2\n"))],
+             names=("hw.yaml", "num_sms", "duplicate")),
         Case(6, "serving yaml duplicate key",
              lambda d: ["plan", "--model", "tiny-qwen3", "--hardware", "cpu-sim", "--serving",
                         str(_write(d / "s.yaml", base_serving + "max_batch: 2\n"))],
@@ -874,7 +877,8 @@ def _class7() -> list[Case]:
         return build
 
     cases = [
-        Case(7, "model name a YAML date", plan_with("model", base_model.replace("name: tiny-qwen3", "name: 2024-01-01")),
+        Case(7, "model name a YAML date",
+             plan_with("model", base_model.replace("name: tiny-qwen3", "name: 2024-01-01")),
              names=("model.yaml", "name", "date")),
         Case(7, "model hidden_size a YAML date",
              plan_with("model", base_model.replace("hidden_size: 64", "hidden_size: 2024-01-01")),
@@ -882,7 +886,8 @@ def _class7() -> list[Case]:
         Case(7, "model name a YAML timestamp",
              plan_with("model", base_model.replace("name: tiny-qwen3", "name: 2001-12-14t21:59:43.10-05:00")),
              names=("model.yaml", "name")),
-        Case(7, "hardware name a YAML date", plan_with("hardware", base_hw.replace("name: cpu-sim", "name: 2020-02-02")),
+        Case(7, "hardware name a YAML date",
+             plan_with("hardware", base_hw.replace("name: cpu-sim", "name: 2020-02-02")),
              names=("hardware.yaml", "name")),
         Case(7, "hardware cuda_graph_bytes a date",
              plan_with("hardware", base_hw.replace("cuda_graph_bytes: 0", "cuda_graph_bytes: 2020-02-02")),

@@ -27,7 +27,7 @@ def test_an_unwritable_or_input_path_is_refused_naming_out(tmp_path, target, rul
     (tmp_path / "link.yaml").symlink_to(tmp_path / "input.yaml")
     with pytest.raises(ConfigError, match=rule) as error:
         check_out_path(str(tmp_path / target), [("--model", tmp_path / "input.yaml"), ("--serving", None)])
-    assert error.value.source == "--out"
+    assert (error.value.source, error.value.field) == ("command line", "--out")
 
 
 def test_a_device_is_refused(tmp_path):
