@@ -17,11 +17,18 @@ sampling defaults, TTFT and TPOT p50/p99, the prefix-cache hit rate, peak KV pag
 vs the plan, preemptions and allocations after warm-up (CUDA).
 
 A request the plan can never hold (prompt + max_new_tokens over max_context, more KV pages than the pool,
-an empty prompt) is rejected by the scheduler, one with an id outside the vocabulary here; either way only
-that request's line says so (``finish_reason`` "rejected", ``error``) and the run goes on.
+an empty prompt) is rejected by the scheduler, one with a value the plan or the kernels cannot serve (an id
+outside the vocabulary, a seed outside u64, top_k over the vocabulary: executor.workload) here; either way
+only that request's line says so (``finish_reason`` "rejected", ``error``) and the run goes on.
 
-Exit codes: 0 ok (rejected requests included); 2 a bad config, plan file, checkpoint, tokenizer or request
-file (one line naming the file and line); 3 the plan does not fit (raised to planner.cli.main, which maps
+Every input is checked before the device is touched: ``--out`` (planner.output_file: its folder exists, it
+is no directory and no input, nor is ``OUT.partial``), the plan, the request files and flags (executor.workload).
+The checkpoint's safetensors headers are checked (executor.checkpoint_checks) before any tensor is read.
+With ``--out`` the lines go to ``OUT.partial`` as requests finish, renamed to ``OUT`` when the run ends; a run
+that fails leaves ``OUT`` untouched and what finished in ``OUT.partial``.
+
+Exit codes: 0 ok (rejected requests included); 2 a bad config, plan file, checkpoint, tokenizer, request
+file or flag (one line naming the file and line); 3 the plan does not fit (raised to planner.cli.main, which maps
 ConfigError / PlanDoesNotFit / CheckedOverflowError).
 
 torch and numba are imported inside ``run``, after the simulator is chosen:
@@ -38,9 +45,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from executor.checkpoint_checks import CheckpointError
 from executor.serving import RANDOM_WEIGHTS, choose_simulator
-from executor.workload import OutputWriter, RequestFileError, RunError, output_record, read_requests
-from planner.errors import ConfigError
+from executor.workload import (
+    OutputWriter, RequestFileError, RequestLimits, RunError, output_record, partial_path, read_requests)
 
 if TYPE_CHECKING:
     from executor.tokenizer import Tokenizer
@@ -62,15 +70,17 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     from executor.step import CapacityError
     from executor.tokenizer import TokenizerError
     from executor.weights import WeightsError
+    from planner.errors import one_line
 
     labels = ((CapacityError, "capacity error"), (WeightsError, "weights error"),
-              (TokenizerError, "tokenizer error"), (RequestFileError, "request error"),
+              (CheckpointError, "checkpoint error"), (TokenizerError, "tokenizer error"),
+              (RequestFileError, "request error"),
               (DeviceError, "device error"), (RunError, "error"))
     try:
         return _run(args, overrides)
     except tuple(kind for kind, _ in labels) as error:
         label = next(text for kind, text in labels if isinstance(error, kind))
-        print(f"memplan: {label}: {error}", file=sys.stderr)
+        print(f"memplan: {label}: {one_line(str(error))}", file=sys.stderr)
         return EXIT_ERROR
 
 
@@ -80,6 +90,7 @@ def _run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     from executor.startup import StartupClock
 
     clock = StartupClock()
+    out = _check_out(args)  # before any work
     plan = load_plan(args, overrides)
     weights = weights_source(args)
     directory = None if weights == RANDOM_WEIGHTS else weights
@@ -88,10 +99,11 @@ def _run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     sampling = resolve_sampling(generation.sampling, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k)
     generation = replace(generation, sampling=sampling)
-    specs = read_requests(args, plan.model.vocab_size, tokenizer, sampling)  # before anything is allocated
+    limits = RequestLimits(plan.model.vocab_size, plan.capacity.max_context)
+    specs = read_requests(args, limits, tokenizer, sampling)  # before anything is allocated
     clock.mark("plan")
     streaming = len(args.prompt or []) == 1 and len(specs) == 1  # a single --prompt: its text on the terminal
-    writer = OutputWriter(args.out, None if streaming else sys.stdout)
+    writer = OutputWriter(out, None if streaming else sys.stdout)
     try:
         served = ServedModel.open(plan, args.device, weights=weights, seed=args.seed, tokenizer=tokenizer,
                                   generation=generation, eager=args.eager, clock=clock, log=sys.stderr)
@@ -113,6 +125,7 @@ def _run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
         report = served.run(specs, on_output=on_output, stream=stream, ignore_eos=args.ignore_eos,
                             prefix_caching=not args.no_prefix_caching, overlap=not args.no_overlap,
                             progress=make_progress)
+        writer.commit()  # OUT.partial becomes OUT; on an error above, OUT stays as it was
     finally:
         writer.close()
     if streaming:
@@ -137,6 +150,7 @@ def weights_source(args: argparse.Namespace) -> str | Path:
     if args.checkpoint and args.random_weights:
         raise RunError("give --checkpoint DIR or --random-weights, not both")
     if args.checkpoint:
+        _checkpoint_folder(args.checkpoint)
         return Path(args.checkpoint)
     if args.random_weights:
         return RANDOM_WEIGHTS
@@ -209,29 +223,45 @@ def load_plan(args: argparse.Namespace, overrides: dict[str, object]) -> MemoryP
     model = args.model if args.model is not None else args.checkpoint
     if model is None:
         raise RunError("give --model, --checkpoint DIR (its config.json) or --plan FILE")
+    if args.model is None:
+        _checkpoint_folder(args.checkpoint)
     return plan_from_configs(model, args.hardware, args.serving, overrides)  # None: the hardware's default_serving
 
 
 def read_plan_file(path: Path) -> MemoryPlan:
     """A plan JSON file, validated and equal to what this planner builds from its own configs."""
-    from pydantic import ValidationError
+    from planner.validate import load_plan_file
 
-    from planner.plan import MemoryPlan
-    from planner.validate import plan_difference
+    return load_plan_file(path)
 
+
+def _check_out(args: argparse.Namespace) -> Path | None:
+    """--out checked against the run's inputs (planner.output_file), and so is the ``OUT.partial`` its lines go
+    to until the run ends; None for stdout."""
+    if not args.out:
+        return None
+    from planner.output_file import check_out_path, config_inputs
+
+    inputs = [(flag, Path(value)) for flag, value in (("--requests", args.requests),
+                                                       ("--prompt-ids", args.prompt_ids), ("--plan", args.plan))
+              if value]
+    inputs += config_inputs(args.model, args.hardware, args.serving)
+    for flag, folder in (("--checkpoint", args.checkpoint), ("--model", args.model), ("--tokenizer", args.tokenizer)):
+        if folder and _is_dir(Path(folder)):
+            inputs += [(flag, path) for path in sorted(Path(folder).iterdir())]
+    out = check_out_path(args.out, inputs)
+    check_out_path(str(partial_path(out)), inputs)
+    return out
+
+
+def _is_dir(path: Path) -> bool:
     try:
-        plan = MemoryPlan.model_validate_json(path.read_text())
-    except OSError as error:
-        raise ConfigError(str(path), "", "", f"cannot read: {error.strerror}") from None
-    except ValidationError as error:
-        first = error.errors()[0]
-        field = ".".join(str(part) for part in first["loc"])
-        raise ConfigError(str(path), field, first.get("input"), first["msg"]) from None
-    difference = plan_difference(plan)
-    if difference is not None:
-        where, value, expected = difference
-        raise ConfigError(str(path), where.lstrip("."), value,
-                          f"differs from the plan this planner builds from the file's configs ({expected!r}); re-plan")
-    return plan
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
 
 
+def _checkpoint_folder(checkpoint: str) -> None:
+    if not _is_dir(Path(checkpoint)):
+        raise CheckpointError(f"--checkpoint {checkpoint}: not a directory (an HF checkpoint directory holds "
+                              "config.json and *.safetensors)")

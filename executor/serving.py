@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from executor.generation import GenerationDefaults, RequestText, finished_text, read_generation_defaults
 from executor.run_report import GraphCapture, materialized_bytes, summary
-from executor.workload import RequestSpec, RunError, add_eos
+from executor.workload import RequestSpec, RunError, add_eos, engine_seed
 
 if TYPE_CHECKING:
     from executor.arena import Arena
@@ -180,7 +180,7 @@ class ServedModel:
         requests = [Request(request_id=index, prompt_ids=specs[index].prompt_ids,
                             max_new_tokens=specs[index].max_new_tokens, stop_ids=specs[index].stop_ids,
                             temperature=specs[index].temperature, top_k=specs[index].top_k,
-                            seed=specs[index].seed, top_p=specs[index].top_p) for index in runnable]
+                            seed=engine_seed(specs[index].seed), top_p=specs[index].top_p) for index in runnable]
         texts = {index: RequestText(self.tokenizer, specs[index].stop, stream) for index in runnable
                  if self.tokenizer is not None and (specs[index].stop or stream is not None)}
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from executor.arena import Arena
+from executor.checkpoint_checks import check_checkpoint_files
 
 #: Checkpoint prefixes mapped to the plan's names (Qwen3.5's multimodal wrapper
 #: keeps the text stack under model.language_model).
@@ -55,9 +56,14 @@ def has_weights(directory: str | Path) -> bool:
 def load_checkpoint(arena: Arena, checkpoint: str | Path) -> int:
     """Copy every tensor of an HF checkpoint directory into the arena; return bytes loaded."""
     directory = Path(checkpoint)
+    index = directory / INDEX_FILE
+    files = (sorted({directory / file for file in _read_weight_map(index).values()}) if index.is_file()
+             else sorted(directory.glob("*.safetensors")))
+    check_checkpoint_files(files)  # CheckpointError: a corrupt file, a non-float dtype, a tensor in two files
+    tensors = checkpoint_tensors(directory)
     readers: dict[str, Callable[[], torch.Tensor]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    for name, (shard, entry) in checkpoint_tensors(directory).items():
+    for name, (shard, entry) in tensors.items():
         readers[name] = lambda s=shard, n=name: s.tensor(n)
         shapes[name] = entry.shape
     return _load(arena, readers, shapes, str(directory))

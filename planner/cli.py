@@ -1,7 +1,7 @@
 """``memplan``: the one command-line module (plan, validate, run, compile, cache); ``memplan --help``
 needs no torch.
 
-Exit codes: 0 the plan fits (or validates); 2 a bad config or plan file, or a
+Exit codes: 0 the plan fits (or validates); 2 a bad config, plan file or flag, or a
 missing executor package (one line naming the file, field, value and rule, or
 what to install; no traceback); 3 the plan does not fit (one request of
 max_context does not fit the KV pool: the largest max_context and the
@@ -21,7 +21,7 @@ from pathlib import Path
 from planner import __version__
 from planner.checked import CheckedOverflowError
 from planner.config import parse_token_count
-from planner.errors import ConfigError, PlanDoesNotFit
+from planner.errors import ConfigError, PlanDoesNotFit, one_line
 
 EXIT_OK, EXIT_BAD_CONFIG, EXIT_DOES_NOT_FIT = 0, 2, 3
 
@@ -87,6 +87,7 @@ def serving_overrides(args: argparse.Namespace) -> dict[str, object]:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from planner.loader import plan_from_configs
+    from planner.output_file import check_out_path, config_inputs, write_atomically
     from planner.report import floor_hundredths, format_table
 
     if args.format:
@@ -95,6 +96,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         shown = None  # the JSON goes to the file
     else:
         shown = "table" if sys.stdout.isatty() else "json"
+    out = check_out_path(args.out, config_inputs(args.model, args.hardware, args.serving or "default")) if args.out \
+        else None
     try:
         plan = plan_from_configs(args.model, args.hardware, args.serving, serving_overrides(args))
     except PlanDoesNotFit as error:
@@ -102,8 +105,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             print(json.dumps({"fits": False, "reason": str(error), "required_bytes": error.required_bytes,
                               "usable_bytes": error.usable_bytes, "advice": error.advice}, indent=1))
         raise
-    if args.out:
-        Path(args.out).write_text(plan.model_dump_json(indent=1) + "\n")
+    if out is not None:
+        write_atomically(out, plan.model_dump_json(indent=1) + "\n")
     if shown == "table":
         print(format_table(plan))
     elif shown == "json":
@@ -121,7 +124,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     problems, checked_count = validate_paths([Path(p) for p in args.paths])
     for problem in problems:
-        print(problem, file=sys.stderr)
+        print(one_line(problem), file=sys.stderr)
     print(f"validated {checked_count} file(s): {len(problems)} problem(s)")
     return EXIT_BAD_CONFIG if problems else EXIT_OK
 
@@ -211,9 +214,12 @@ says which applied.
 Output lines (JSONL, stdout or --out) are written as requests finish, each
 naming its input index ("request"), with "text" beside "output_ids" when there
 is a tokenizer. A single --prompt streams its text to stdout instead.
-A request the plan can never hold (prompt + max_new_tokens over max_context,
-more KV pages than the pool) or with an id outside the vocabulary is rejected
-in its own output line; the others still run.
+--prompt-ids lines are the same objects with "prompt_ids" required.
+A request the plan or the kernels cannot serve (prompt + max_new_tokens over
+max_context, more KV pages than the pool, an id outside the vocabulary, a seed
+outside [0, 2**64), top_k over the vocabulary, a negative temperature) is
+rejected in its own output line; the others still run. A line that is not a
+request (not JSON, an unknown key, a wrong type) is exit 2 before any work.
 
 --checkpoint DIR without --model plans the model of DIR/config.json.
 --serving defaults to the hardware's default_serving, as for memplan plan:
@@ -248,7 +254,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-weights", action="store_true", help="fill the weight pool from --seed")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of --random-weights, of synthetic prompts and the sampling seed of requests "
-                             "that set none")
+                             "that set none, in [0, 2**64)")
     parser.add_argument("--prompt", action="append", metavar="TEXT",
                         help="a text prompt (repeatable); a single one streams its text to stdout")
     parser.add_argument("--temperature", type=float, default=None,
@@ -264,7 +270,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSONL requests: {\"prompt_ids\": [...]}, {\"prompt_len\": N}, {\"prompt\": text} or "
                              "{\"messages\": [...]}, optional max_new_tokens, stop_ids, stop, temperature, top_p, "
                              "top_k, seed, ignore_eos")
-    parser.add_argument("--prompt-ids", metavar="FILE", help="JSONL file, one {\"prompt_ids\": [...]} per line")
+    parser.add_argument("--prompt-ids", metavar="FILE",
+                        help="JSONL file, one {\"prompt_ids\": [...]} per line (optionally the --requests keys)")
     parser.add_argument("--num-requests", type=int, metavar="N",
                         help="synthetic workload: N requests of --input-len random ids")
     parser.add_argument("--input-len", type=int, metavar="L", help="synthetic prompt length (default --prompt-len)")
@@ -287,11 +294,20 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-kernel-cache", action="store_true",
                         help="neither load compiled kernels from the persistent cache nor store them (the same as "
                              "MEMPLAN_KERNEL_CACHE=0)")
-    parser.add_argument("--out", help="write the per-request JSONL here instead of stdout (line by line, flushed)")
+    parser.add_argument("--out", help="write the per-request JSONL here instead of stdout (checked before the run; "
+                                      "lines flushed to OUT.partial as requests finish, renamed to OUT at the end; "
+                                      "never one of the inputs)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line usage error (exit 2), like every other bad input."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_BAD_CONFIG, f"{self.prog}: error: {one_line(message)}; see {self.prog} --help\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="memplan", description="Plan and run LLM inference memory, byte for byte.")
+    parser = _Parser(prog="memplan", description="Plan and run LLM inference memory, byte for byte.")
     parser.add_argument("--version", action="version", version=f"memplan {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -300,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--format", choices=("json", "table"), default=None,
                       help="stdout: the budget table or the plan JSON (default: the table on a terminal, JSON when "
                            "stdout is piped, nothing beside --out)")
-    plan.add_argument("--out", help="write the plan JSON here")
+    plan.add_argument("--out", help="write the plan JSON here (atomically; never one of the inputs)")
     plan.set_defaults(handler=_cmd_plan)
 
     validate = commands.add_parser("validate", help="check configs and plans against the schemas and the planner")
@@ -324,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; every bad input ends here as exit 2 (or 3: does not fit) and one stderr line."""
     args = build_parser().parse_args(argv)
     try:
         code = _dispatch(args)
@@ -338,7 +355,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     try:
         return args.handler(args)
     except (ConfigError, CheckedOverflowError) as error:
-        print(f"memplan: config error: {error}", file=sys.stderr)
+        print(f"memplan: config error: {one_line(str(error))}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     except PlanDoesNotFit as error:
         print(f"memplan: does not fit: {error}", file=sys.stderr)

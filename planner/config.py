@@ -30,7 +30,7 @@ _DIM = Annotated[int, Field(ge=1, le=1 << 20)]
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class LinearAttentionConfig(_Frozen):
@@ -403,6 +403,19 @@ def check_compatible(model: ModelConfig, serving: ServingConfig, source: str = "
         )
     if serving.prefill_attention == "flash":
         _check_flash_attention(model, serving, source)
+    _check_kv_cache_dtype(model, serving, source)
+
+
+def _check_kv_cache_dtype(model: ModelConfig, serving: ServingConfig, source: str) -> None:
+    """The executor's kernels read and write the KV cache in the activation dtype: refuse another one."""
+    activations, kv_cache = resolved_dtypes(model, serving)
+    if kv_cache != activations:
+        raise ConfigError(
+            source, "kv_cache_dtype", serving.kv_cache_dtype,
+            f"must equal the activation dtype (the executor keeps the KV cache in it): dtype {serving.dtype!r} over "
+            f"model {model.name} ({model.dtype}) gives {activations} activations; set kv_cache_dtype: auto or "
+            f"{activations}",
+        )
 
 
 def resolve_prefill_attention(model: ModelConfig, serving: ServingConfig) -> PrefillAttention:

@@ -17,6 +17,12 @@ class ConfigError(ValueError):
         super().__init__(f"{source}: {field or '<root>'} = {shown}: {rule}")
 
 
+def one_line(text: str) -> str:
+    """``text`` on one line, as the CLI prints an error: line breaks and other control characters
+    (from a file name or a value) written as escapes."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text.strip())
+
+
 class PlanDoesNotFit(RuntimeError):
     """The plan needs more device memory than the serving config allows."""
 

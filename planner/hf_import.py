@@ -36,6 +36,8 @@ def model_from_hf_config(config: dict[str, Any], name: str) -> ModelConfig:
     from planner.loader import validate  # local: loader imports this module
 
     source = "config.json"
+    if not isinstance(config, dict):
+        raise ConfigError(source, "", config, "expected a JSON object of fields at the top level")
     return validate(ModelConfig, _model_fields(config, source, name), source)
 
 
@@ -119,7 +121,11 @@ def vision_tower_parameters(vision: dict[str, Any], source: str = "config.json")
 def _common_fields(config: dict[str, Any], source: str, name: str) -> dict[str, Any]:
     if "head_dim" not in config:
         raise ConfigError(source, "head_dim", None, "must be given explicitly (never derived from hidden/heads)")
-    rope = config.get("rope_parameters") or {}
+    rope = config.get("rope_parameters")
+    if rope is None:
+        rope = {}
+    elif not isinstance(rope, dict):
+        raise ConfigError(source, "rope_parameters", rope, "expected a mapping (rope_theta, partial_rotary_factor)")
     fields = {
         "name": name,
         "hidden_size": config.get("hidden_size"),
@@ -144,6 +150,9 @@ def _qwen3_5_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
     layer_types = config.get("layer_types")
     if layer_types is None and isinstance(num_layers, int):
         interval = config.get("full_attention_interval", 4)
+        if not (isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1):
+            raise ConfigError(source, "full_attention_interval", interval,
+                              "expected an int >= 1 (every n-th layer is full attention)")
         layer_types = [
             "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)
         ]

@@ -11,9 +11,10 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
+from planner import inputs
+from planner.checked import CheckedOverflowError
 from planner.config import (
     HardwareConfig, ModelConfig, ServingConfig, graph_buckets_for_batch, vllm_name_clash, with_memplan_names)
 from planner.errors import ConfigError
@@ -30,16 +31,32 @@ T = TypeVar("T", bound=BaseModel)
 
 def load_model(spec: str) -> ModelConfig:
     """A model from a YAML path, a shipped name (``qwen3-8b``), an HF config.json or checkpoint dir."""
-    path = _resolve(spec, "models")
-    if path.is_dir():
-        path = path / "config.json"
+    path = model_path(spec)
     if path.suffix == ".json":
         data = _read_json(path)
         try:
-            return model_from_hf_config(data, name=path.parent.name or path.stem)
+            return model_from_hf_config(data, name=hf_model_name(path))
         except ConfigError as error:
             raise ConfigError(str(path), error.field, error.value, error.rule) from None
     return validate(ModelConfig, _read_yaml(path), str(path))
+
+
+def model_path(spec: str) -> Path:
+    """The file ``load_model(spec)`` reads: a YAML file, a shipped name's YAML, or an HF config.json (of a
+    checkpoint directory)."""
+    path = _resolve(spec, "models")
+    if _is_dir(path):
+        if not _is_file(path / "config.json"):
+            raise ConfigError(str(path), "", "", "is a directory without a config.json (an HF checkpoint directory "
+                                                 "holds config.json and *.safetensors)")
+        return path / "config.json"
+    return path
+
+
+def hf_model_name(path: Path) -> str:
+    """The model name of an HF config.json: its folder's name (``config.json`` of the working directory
+    included), else the file's stem."""
+    return path.absolute().parent.name or path.stem
 
 
 def load_hardware(spec: str) -> HardwareConfig:
@@ -49,8 +66,17 @@ def load_hardware(spec: str) -> HardwareConfig:
 
 
 def load_serving(spec: str | None, overrides: dict[str, Any] | None = None) -> ServingConfig:
-    """Serving from a YAML path or shipped name (defaults when None), with flag overrides applied."""
-    return validate(ServingConfig, _serving_data(spec, overrides), serving_source(spec, overrides))
+    """Serving from a YAML path or shipped name (defaults when None), with flag overrides applied.
+    A bad field of the file is named with the file even when a flag replaces it; only the rules between
+    fields are left to the merged config (a flag may be what satisfies them)."""
+    data = {} if spec is None else _memplan_names(_read_yaml(_resolve(spec, "serving")), serving_source(spec))
+    if _given(overrides):
+        try:
+            validate(ServingConfig, data, serving_source(spec))
+        except ConfigError as error:
+            if error.field:  # a field of its own, not a rule between fields
+                raise
+    return validate(ServingConfig, _merged_serving(data, overrides), serving_source(spec, overrides))
 
 
 def serving_source(spec: str | None, overrides: dict[str, Any] | None = None) -> str:
@@ -65,35 +91,63 @@ def _given(overrides: dict[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (overrides or {}).items() if v is not None}
 
 
-def _serving_data(spec: str | None, overrides: dict[str, Any] | None) -> Any:
-    data: Any = {} if spec is None else _read_yaml(_resolve(spec, "serving"))
+def _memplan_names(data: Any, source: str) -> Any:
+    """A serving mapping with vLLM's key names replaced by memplan's (a name given both ways is an error)."""
     if not isinstance(data, dict):
         return data  # validate names the rule
     clash = vllm_name_clash(data)
     if clash:
-        raise ConfigError(serving_source(spec), clash[0], data[clash[0]],
-                          f"vLLM's name of {clash[1]}, which is given too; give one of them")
-    data = with_memplan_names(data)
+        raise ConfigError(source, clash[0], data[clash[0]], f"vLLM's name of {clash[1]}, which is given too; "
+                                                            "give one of them")
+    return with_memplan_names(data)
+
+
+def _merged_serving(data: Any, overrides: dict[str, Any] | None) -> Any:
+    """The serving file's fields with the flags given over them. Default graph buckets follow a new
+    max_batch and given ones lose those above it; buckets that are not a list of ints stay as given,
+    for the validation to name."""
     given = _given(overrides)
-    if "max_batch" in given and "decode_graph_batch_sizes" not in given:
+    if not given or not isinstance(data, dict):
+        return data
+    data = dict(data)
+    if "max_batch" in given and "decode_graph_batch_sizes" not in given and _is_int(given["max_batch"]):
         buckets = data.get("decode_graph_batch_sizes")
-        if isinstance(buckets, list) and all(isinstance(b, int) for b in buckets):
+        if isinstance(buckets, list) and all(_is_int(b) for b in buckets):
             old_batch = data.get("max_batch", 64)
             data["decode_graph_batch_sizes"] = list(graph_buckets_for_batch(
-                tuple(buckets), old_batch if isinstance(old_batch, int) else 64, given["max_batch"]))
+                tuple(buckets), old_batch if _is_int(old_batch) else 64, given["max_batch"]))
     return {**data, **given}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def plan_from_configs(model: str, hardware: str, serving: str | None,
                       overrides: dict[str, Any] | None = None) -> MemoryPlan:
     """Load the model, hardware and serving configs (with flag overrides) and build their plan. ``serving``
-    None: the hardware's default_serving (the same for ``memplan plan`` and ``memplan run``)."""
+    None: the hardware's default_serving (the same for ``memplan plan`` and ``memplan run``). A quantity
+    that leaves its checked width is a ConfigError naming the three configs."""
     from planner.plan import build_plan
 
     hardware_config = load_hardware(hardware)
     serving = hardware_config.default_serving if serving is None else serving
-    return build_plan(load_model(model), hardware_config, load_serving(serving, overrides),
-                      serving_source=serving_source(serving, overrides))
+    configs = load_model(model), hardware_config, load_serving(serving, overrides)
+    source = serving_source(serving, overrides)
+    try:
+        return build_plan(*configs, serving_source=source)
+    except CheckedOverflowError as error:
+        names = f"{model_path(model)} + {_resolve(hardware, 'hardware')} + {source}"
+        raise overflow_error(names, error) from None
+
+
+def overflow_error(source: str, error: CheckedOverflowError) -> ConfigError:
+    """A checked-width overflow of the planner as a ConfigError naming ``source`` (the configs) and the
+    quantity: these configs give a count the kernels or the byte accounting cannot hold."""
+    return ConfigError(source, error.quantity, error.result,
+                       f"{error.operation} overflows {error.width.label} (allowed {error.width.min:,}.."
+                       f"{error.width.max:,}): these configs give more than the planner can index; use a smaller "
+                       "device, batch, context or memory share, or larger pages")
 
 
 def validate(model_type: type[T], data: Any, source: str) -> T:
@@ -106,8 +160,8 @@ def validate(model_type: type[T], data: Any, source: str) -> T:
         first = error.errors()[0]
         field = ".".join(str(part) for part in first["loc"])
         raise ConfigError(source, field, first.get("input"), _rule(first)) from None
-    except (TypeError, ValueError) as error:  # json.dumps of YAML oddities (dates, sets)
-        raise ConfigError(source, "", data, str(error)) from None
+    except (TypeError, ValueError) as error:  # a value that skipped planner.inputs (a caller's own dict)
+        raise ConfigError(source, "", "", f"not plain JSON values: {error}") from None
 
 
 def _rule(error: dict[str, Any]) -> str:
@@ -126,13 +180,13 @@ ALIASES = {
 
 def _resolve(spec: str, kind: str) -> Path:
     path = Path(spec)
-    if path.exists():
+    if _exists(path, spec):
         return path
     folder = CONFIG_ROOT / kind
     name = spec.lower()
     name = ALIASES.get(kind, {}).get(name, name)
     shipped = folder / f"{name}.yaml"
-    if shipped.exists():
+    if _exists(shipped, spec):
         return shipped
     names = sorted(p.stem for p in folder.glob("*.yaml"))
     close = difflib.get_close_matches(name, [*names, *ALIASES.get(kind, {})], n=3, cutoff=0.6)
@@ -142,21 +196,40 @@ def _resolve(spec: str, kind: str) -> Path:
                                       f"({', '.join(names)}){suggestion}")
 
 
-def _read_yaml(path: Path) -> Any:
+def resolve_config(spec: str, kind: str) -> Path | None:
+    """The file a config spec names (``kind``: models, hardware, serving), or None when it names none."""
     try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(str(path), where, "", f"malformed YAML: {getattr(error, 'problem', error)}") from None
-    except OSError as error:
-        raise ConfigError(str(path), "", "", f"cannot read: {error.strerror}") from None
+        return model_path(spec) if kind == "models" else _resolve(spec, kind)
+    except ConfigError:
+        return None
 
 
-def _read_json(path: Path) -> Any:
+def _exists(path: Path, spec: str) -> bool:
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ConfigError(str(path), f"line {error.lineno}", "", f"malformed JSON: {error.msg}") from None
-    except OSError as error:
-        raise ConfigError(str(path), "", "", f"cannot read: {error.strerror}") from None
+        return path.exists()
+    except (OSError, ValueError) as error:  # a name too long, a NUL byte
+        raise ConfigError(spec, "", "", f"cannot read: {inputs.reason(error)}") from None
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML config through the untrusted-input boundary (planner.inputs): a mapping of plain values."""
+    return inputs.load_yaml(path)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON config or plan through the untrusted-input boundary (planner.inputs): an object of plain values."""
+    return inputs.load_json(path)

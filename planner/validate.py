@@ -9,27 +9,58 @@ fails, naming the first field that differs.
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
 
-from planner.errors import ConfigError
+from planner.checked import CheckedOverflowError
+from planner.errors import ConfigError, PlanDoesNotFit
+
+if TYPE_CHECKING:
+    from planner.plan import MemoryPlan
 
 CONFIG_KINDS = {"models": "model", "hardware": "hardware", "serving": "serving"}
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 def validate_paths(paths: list[Path]) -> tuple[list[str], int]:
     """Validate every config/plan file under ``paths``; return (problems, files checked)."""
     files: list[Path] = []
+    problems: list[str] = []
     for path in paths:
-        if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.suffix in (".yaml", ".yml", ".json"))
+        if _is_dir(path):
+            found, unreadable = _config_files(path)
+            files += found
+            problems += unreadable
+            if not found and not unreadable:
+                problems.append(f"{path}: a directory without {', '.join(CONFIG_SUFFIXES)} files to validate")
         else:
             files.append(path)
-    problems = [problem for file in files for problem in validate_file(file)]
+    problems += [problem for file in files for problem in validate_file(file)]
     return problems, len(files)
+
+
+def _config_files(folder: Path) -> tuple[list[Path], list[str]]:
+    """The config-suffixed files under ``folder`` (links to folders not followed) and the folders that
+    could not be listed."""
+    files, problems = [], []
+
+    def unreadable(error: OSError) -> None:
+        problems.append(f"{error.filename}: cannot list: {error.strerror}")
+
+    for root, folders, names in os.walk(folder, onerror=unreadable):
+        folders.sort()
+        files += [Path(root) / name for name in sorted(names) if Path(name).suffix in CONFIG_SUFFIXES]
+    return files, problems
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
 
 
 def validate_file(path: Path) -> list[str]:
@@ -41,20 +72,16 @@ def validate_file(path: Path) -> list[str]:
     except ConfigError as error:
         return [str(error)]
     kind = _kind(path, data)
-    if kind is None:
-        return [f"{path}: cannot tell whether this is a model, hardware, serving config or a plan"]
     if kind == "hf_config":
         return _semantic(path, "model", data)
     problems = _against_schema(path, kind, data)
     return problems or _semantic(path, kind, data)
 
 
-def _kind(path: Path, data: Any) -> str | None:
-    if not isinstance(data, dict):
-        return None
+def _kind(path: Path, data: dict[str, Any]) -> str:
     if "schema_version" in data:
         return "plan"
-    if "model_type" in data:
+    if _is_hf_config(path, data):
         return "hf_config"
     if path.parent.name in CONFIG_KINDS:
         return CONFIG_KINDS[path.parent.name]
@@ -63,6 +90,10 @@ def _kind(path: Path, data: Any) -> str | None:
     if "device_memory_bytes" in data:
         return "hardware"
     return "serving"
+
+
+def _is_hf_config(path: Path, data: dict[str, Any]) -> bool:
+    return "model_type" in data or path.name == "config.json"
 
 
 def _against_schema(path: Path, kind: str, data: Any) -> list[str]:
@@ -79,13 +110,14 @@ def _against_schema(path: Path, kind: str, data: Any) -> list[str]:
 def _semantic(path: Path, kind: str, data: Any) -> list[str]:
     from planner.config import HardwareConfig, ModelConfig, ServingConfig
     from planner.hf_import import model_from_hf_config
-    from planner.loader import validate
+    from planner.loader import hf_model_name, validate
 
     try:
         if kind == "plan":
-            return _plan_matches_planner(path, data)
-        if kind == "model" and "model_type" in data:
-            model_from_hf_config(data, name=path.parent.name)
+            check_plan(data, str(path))
+            return []
+        if kind == "model" and _is_hf_config(path, data):
+            model_from_hf_config(data, name=hf_model_name(path))
         else:
             validate({"model": ModelConfig, "hardware": HardwareConfig, "serving": ServingConfig}[kind], data, str(path))
     except ConfigError as error:
@@ -93,19 +125,36 @@ def _semantic(path: Path, kind: str, data: Any) -> list[str]:
     return []
 
 
-def _plan_matches_planner(path: Path, data: dict[str, Any]) -> list[str]:
-    from planner.errors import PlanDoesNotFit
+def load_plan_file(path: Path) -> MemoryPlan:
+    """A plan JSON file, validated and equal to what this planner builds from its own configs; every
+    problem a ConfigError naming the file and the field."""
+    from planner.loader import _read_json
+
+    return check_plan(_read_json(path), str(path))
+
+
+def check_plan(data: dict[str, Any], source: str) -> MemoryPlan:
+    """``data`` (plain JSON values) as a MemoryPlan equal to the one the planner builds from the plan's own
+    model, hardware and serving configs; ConfigError naming ``source`` and the first wrong field."""
+    from planner.loader import overflow_error, validate
     from planner.plan import MemoryPlan
 
+    plan = validate(MemoryPlan, data, source)
     try:
-        difference = plan_difference(MemoryPlan.model_validate_json(json.dumps(data)))
-    except (ValueError, PlanDoesNotFit) as error:
-        return [f"{path}: {str(error).splitlines()[0]}"]
-    if difference is None:
-        return []
-    where, found, expected = difference
-    return [f"{path}: differs from the plan the planner builds for its configs: {where} = {found!r}, "
-            f"planner has {expected!r}"]
+        difference = plan_difference(plan)
+    except ConfigError as error:  # a rule between the plan's configs (check_compatible names serving fields)
+        field = f"serving.{error.field}" if error.source == "serving" else error.field
+        raise ConfigError(source, field, error.value, error.rule) from None
+    except CheckedOverflowError as error:
+        raise overflow_error(source, error) from None
+    except PlanDoesNotFit as error:
+        first_line = str(error).splitlines()[0]
+        raise ConfigError(source, "serving", "", f"the plan's configs do not fit: {first_line}") from None
+    if difference is not None:
+        where, found, expected = difference
+        raise ConfigError(source, where.lstrip("."), found,
+                          f"differs from the plan this planner builds from the file's configs ({expected!r}); re-plan")
+    return plan
 
 
 def plan_difference(plan: Any) -> tuple[str, Any, Any] | None:
