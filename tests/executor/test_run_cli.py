@@ -86,6 +86,29 @@ def test_checkpoint_generates_hf_greedy_ids(checkpoint, tmp_path, capsys):
     lines = _outputs(out_file.read_text())
     assert [line["prompt_len"] for line in lines] == [len(p) for p in PROMPTS]
     assert [line["output_ids"] for line in lines] == [_hf_greedy(hf, p, 2) for p in PROMPTS]
+    assert not (tmp_path / "out.jsonl.partial").exists()  # renamed to --out at the end
+
+
+def test_a_run_that_fails_midway_leaves_out_untouched_and_the_finished_lines_in_out_partial(
+        tmp_path, capsys, monkeypatch):
+    from executor.serving import ServedModel
+    from executor.workload import RunError
+
+    def fail_after_one(self, specs, *, on_output=None, **kwargs):
+        on_output(0, specs[0], None, None)
+        raise RunError("stopped midway")
+
+    monkeypatch.setattr(ServedModel, "run", fail_after_one)
+    prompts = _prompt_file(tmp_path / "prompts.jsonl", [[1, 300]])  # 300: outside the vocabulary, rejected here
+    out_file = tmp_path / "out.jsonl"
+    out_file.write_text("old\n")
+    code = main(["run", "--model", "tiny-qwen3", *SIM, "--random-weights", "--prompt-ids", str(prompts),
+                 "--out", str(out_file)])
+    err = capsys.readouterr().err
+    assert code == 2 and "stopped midway" in err
+    assert out_file.read_text() == "old\n"
+    (line,) = _outputs((tmp_path / "out.jsonl.partial").read_text())
+    assert line["request"] == 0 and line["finish_reason"] == "rejected"
 
 
 def test_requests_the_plan_cannot_hold_are_rejected_in_their_line_and_the_rest_runs(tmp_path, capsys):

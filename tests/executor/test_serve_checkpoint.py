@@ -180,11 +180,20 @@ def test_bad_sampling_flags_and_request_fields_are_one_line(sharded, tmp_path, c
     err = capsys.readouterr().err
     assert code == 2 and "top_p" in err and "(0, 1]" in err and len(err.strip().splitlines()) == 1
     requests = tmp_path / "requests.jsonl"
-    for line, field in (({"prompt": PROMPT, "top_p": 0}, "top_p"), ({"prompt": PROMPT, "stop": [""]}, "stop"),
-                        ({"prompt": 3}, "prompt"), ({"messages": [{"content": "x"}]}, "messages"),
+    for line, field in (({"prompt": 3}, "prompt"), ({"messages": [{"content": "x"}]}, "messages"),
                         ({"prompt": PROMPT, "prompt_ids": [1]}, "exactly one of"),
-                        ({"prompt": PROMPT, "ignore_eos": 1}, "ignore_eos")):
+                        ({"prompt": PROMPT, "ignore_eos": 1}, "ignore_eos"),
+                        ({"prompt": PROMPT, "top_p": "1"}, "top_p")):
         requests.write_text(json.dumps(line) + "\n")
         code = main(["run", "--model", str(directory), *SIM, "--requests", str(requests)])
         err = capsys.readouterr().err
         assert code == 2 and f"{requests} line 1" in err and field in err, (line, err)
+    # well-typed values the kernels cannot serve: that request's line is rejected, naming the field; the other runs
+    lines = [{"prompt": PROMPT, "top_p": 0}, {"prompt": PROMPT, "stop": [""]}, {"prompt": PROMPT, "max_new_tokens": 1}]
+    requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code = main(["run", "--model", str(directory), *SIM, "--requests", str(requests)])
+    records = {record["request"]: record for record in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert code == 0 and sorted(records) == [0, 1, 2]
+    for index, field in ((0, "top_p"), (1, "stop")):
+        assert records[index]["finish_reason"] == "rejected" and records[index]["error"].startswith(field)
+    assert records[2]["finish_reason"] != "rejected"

@@ -176,9 +176,24 @@ def test_missing_chat_template_and_bad_messages_are_tokenizer_errors(tmp_path):
 
 def test_output_lines_are_flushed_as_they_are_written(tmp_path):
     out = tmp_path / "out.jsonl"
-    writer = OutputWriter(str(out), None)
+    out.write_text("old\n")
+    out.chmod(0o640)
+    partial = tmp_path / "out.jsonl.partial"
+    writer = OutputWriter(out, None)
     writer.write({"request": 3})
-    assert json.loads(out.read_text()) == {"request": 3}  # on disk before the next line, file still open
+    assert json.loads(partial.read_text()) == {"request": 3}  # on disk before the next line, file still open
+    assert out.read_text() == "old\n"  # OUT untouched until the run ends
     writer.write({"request": 0})
-    writer.close()
+    writer.commit()
     assert [json.loads(line)["request"] for line in out.read_text().splitlines()] == [3, 0]
+    assert not partial.exists() and out.stat().st_mode & 0o777 == 0o640
+
+
+def test_an_unfinished_output_leaves_out_untouched_and_keeps_the_partial_lines(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text("old\n")
+    writer = OutputWriter(out, None)
+    writer.write({"request": 1})
+    writer.close()  # the run failed before commit()
+    assert out.read_text() == "old\n"
+    assert json.loads((tmp_path / "out.jsonl.partial").read_text()) == {"request": 1}

@@ -120,6 +120,19 @@ def test_a_request_line_is_refused_rejected_or_inside_every_bound(tmp_path_facto
     assert 0 <= spec.seed < SEED_LIMIT
     assert 0 <= spec.top_k <= LIMITS.vocab_size
     assert math.isfinite(spec.temperature) and 0 <= spec.temperature <= FLOAT32_MAX
+    assert 0 < spec.top_p <= 1 and all(spec.stop)
+
+
+def test_the_run_sampling_defaults_are_checked_like_the_request_s_own(tmp_path):
+    """A default the kernels cannot serve (top_k over the vocabulary) rejects the lines that take it, naming
+    the field; a line that sets its own top_k keeps it."""
+    from executor.generation import Sampling
+
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 2], "top_k": 5}\n')
+    defaulted, own = read_request_file(path, 4, LIMITS, seed=0, sampling=Sampling(top_k=LIMITS.vocab_size + 1))
+    assert defaulted.error is not None and defaulted.error.startswith("top_k")
+    assert own.error is None and own.top_k == 5
 
 
 def _plain(value, depth: int = 0) -> bool:
