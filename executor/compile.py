@@ -144,6 +144,16 @@ def manifest_digest(plan: MemoryPlan, target: Target) -> str:
     return digest.hexdigest()
 
 
+def answered_by_manifest(plan: MemoryPlan, cache: KernelCache, target: Target,
+                         digest: str | None = None) -> CompileReport | None:
+    """The report of a start whose start-up manifest lists keys that are all in ``cache`` (nothing to
+    compile, no discovery); None when there is no such manifest."""
+    keys = cache.load_manifest(digest or manifest_digest(plan, target))
+    if keys is None or not all(cache.contains(key) for key in keys):
+        return None
+    return CompileReport(needed=len(keys), cached=len(keys), from_manifest=True)
+
+
 # -- compiling ----------------------------------------------------------------------------------------------------
 
 
@@ -169,10 +179,9 @@ def prepare_compile(plan: MemoryPlan, cache: KernelCache, target: Target, *,
     start = time.perf_counter()
     digest = manifest_digest(plan, target) if use_manifest and select is None else None
     if digest is not None:
-        keys = cache.load_manifest(digest)
-        if keys is not None and all(cache.contains(key) for key in keys):
-            report = CompileReport(needed=len(keys), cached=len(keys), from_manifest=True)
-            return CompileJob(report, [], [], None, start)
+        answered = answered_by_manifest(plan, cache, target, digest)
+        if answered is not None:
+            return CompileJob(answered, [], [], None, start)
     planned, uncacheable, sources = planned_kernels(plan, target)
     if select is not None:
         planned = [kernel for kernel in planned if select(kernel)]
@@ -184,14 +193,17 @@ def prepare_compile(plan: MemoryPlan, cache: KernelCache, target: Target, *,
 
 def run_compile(job: CompileJob, plan: MemoryPlan, cache: KernelCache, target: Target, *, jobs: int,
                 progress: TextIO | None = None, compile_function: CompileFunction | None = None,
-                in_process: bool = False) -> CompileReport:
-    """Compile ``job``'s missing kernels into ``cache``: in ``jobs`` processes, or here (``in_process``:
-    this process must be inside ``target_device``). ``compile_function`` (default
-    ``kernel_compiler.compile_image``) compiles one kernel (a module-level function: processes get it
-    by name). Writes the start-up manifest when nothing failed. Progress goes to ``progress``."""
+                in_process: bool = False, pool: CompilePool | None = None) -> CompileReport:
+    """Compile ``job``'s missing kernels into ``cache``: in ``jobs`` processes (``pool``'s, when given,
+    started early), or here (``in_process``: this process must be inside ``target_device``).
+    ``compile_function`` (default ``kernel_compiler.compile_image``) compiles one kernel (a module-level
+    function: processes get it by name). Writes the start-up manifest when nothing failed. Progress goes
+    to ``progress``."""
     report = job.report
     if job.missing:
-        _compile_missing(plan, cache, target, job, jobs, progress, compile_function, in_process)
+        _compile_missing(plan, cache, target, job, jobs, progress, compile_function, in_process, pool)
+    elif pool is not None:
+        pool.close()
     if job.manifest is not None and not report.failed:
         cache.store_manifest(job.manifest, [kernel.key for kernel in job.planned])
     report.seconds = time.perf_counter() - job.start
@@ -199,7 +211,8 @@ def run_compile(job: CompileJob, plan: MemoryPlan, cache: KernelCache, target: T
 
 
 def _compile_missing(plan: MemoryPlan, cache: KernelCache, target: Target, job: CompileJob, jobs: int,
-                     progress: TextIO | None, compile_function: CompileFunction | None, in_process: bool) -> None:
+                     progress: TextIO | None, compile_function: CompileFunction | None, in_process: bool,
+                     pool: CompilePool | None) -> None:
     report, missing = job.report, job.missing
     bar = Progress(len(missing), progress)
     names = {kernel.key: kernel.name for kernel in missing}
@@ -222,11 +235,10 @@ def _compile_missing(plan: MemoryPlan, cache: KernelCache, target: Target, job: 
                 done(kernel.key, *_compile_into(cache, kernel.key, *job.sources[kernel.key], target.arch,
                                                 compile_function))
             return
-        report.processes = max(1, min(jobs, len(missing)))
-        context = multiprocessing.get_context("spawn")  # no fork after CUDA (or numba) initialized here
-        with concurrent.futures.ProcessPoolExecutor(report.processes, mp_context=context,
-                                                    initializer=isolate_compile_process) as pool:
-            futures = {pool.submit(task, kernel.key): kernel.key for kernel in missing}
+        pool = pool or CompilePool(plan, target, min(jobs, len(missing)))
+        report.processes = pool.processes
+        with pool:
+            futures = {pool.executor.submit(task, kernel.key): kernel.key for kernel in missing}
             for future in concurrent.futures.as_completed(futures):
                 try:
                     done(*future.result())
@@ -234,6 +246,48 @@ def _compile_missing(plan: MemoryPlan, cache: KernelCache, target: Target, job: 
                     done(futures[future], 0.0, f"{type(error).__name__}: {error}")
     finally:
         bar.finish()
+
+
+class CompilePool:
+    """``processes`` compile processes (spawned, no GPU), started at once: each imports the executor
+    and discovers ``plan``'s kernels for ``target`` as it starts, so a pool started before this
+    process's own discovery has its processes ready when the first keys arrive."""
+
+    def __init__(self, plan: MemoryPlan, target: Target, processes: int) -> None:
+        self.processes = max(1, processes)
+        context = multiprocessing.get_context("spawn")  # no fork after CUDA (or numba) initialized here
+        self.executor = concurrent.futures.ProcessPoolExecutor(
+            self.processes, mp_context=context, initializer=prepare_compile_process,
+            initargs=(plan.model_dump_json(), target.arch.major, target.arch.minor, target.num_sms))
+        for _ in range(self.processes):  # the executor spawns a process per submitted task, up to its size
+            self.executor.submit(_ready)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> CompilePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.executor.shutdown(wait=True)
+
+
+def _ready() -> None:
+    """The task that makes a pool spawn its processes."""
+
+
+def prepare_compile_process(plan_json: str, major: int, minor: int, num_sms: int) -> None:
+    """A compile process's start: no GPU (``isolate_compile_process``), then discovery of the plan's
+    kernels, which its compile tasks then find cached. A discovery that fails here fails again, with
+    its error, in each task."""
+    isolate_compile_process()
+    from executor.kernel_compiler import target_device
+
+    with target_device(Arch(major, minor), num_sms):
+        try:
+            _process_kernels(plan_json, major, minor, num_sms)
+        except Exception:
+            pass
 
 
 def isolate_compile_process() -> None:
@@ -332,15 +386,21 @@ class StartupCompile:
         self.report: CompileReport | None = None
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        pool = None
         try:
+            if answered_by_manifest(plan, cache, target) is None:  # cold: start the processes before discovery
+                pool = CompilePool(plan, target, jobs or available_cores())
             job = prepare_compile(plan, cache, target, use_manifest=True)
         except Exception as error:  # discovery tripped: the run goes on, compiling at first launch
             self.error = error
+            if pool is not None:
+                pool.close()
             return
 
         def run() -> None:
             try:
-                self.report = run_compile(job, plan, cache, target, jobs=jobs or available_cores(), progress=progress)
+                self.report = run_compile(job, plan, cache, target, jobs=jobs or available_cores(), progress=progress,
+                                          pool=pool)
             except BaseException as error:  # reported by wait(); the run goes on, compiling at first launch
                 self.error = error
 

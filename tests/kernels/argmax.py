@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from executor.kernels.primitives.launch import Kernel
 from executor.kernels.primitives.reduce import check_max_threads, threads_for
+from executor.kernels.sampling.argmax_rule import beats, better
 from executor.numba_cuda import load_cuda
 
 cuda = load_cuda()
@@ -29,24 +30,6 @@ MAX_THREADS = 1024
 # is racy (norm.py says how).
 SHARED_BYTES_PER_THREAD = 8
 UNROLL = 4  # logits loaded per thread before comparing; the scan spells out this many
-
-
-@cuda.jit(device=True, inline=True)
-def beats(value, index, best_value, best_index):
-    """True when candidate ``(value, index)`` replaces ``(best_value, best_index)`` under argmax's rule."""
-    if value != value:  # NaN: the maximum; among NaNs the lowest index
-        return best_value == best_value or index < best_index
-    if best_value != best_value:
-        return False
-    return value > best_value or (value == best_value and index < best_index)
-
-
-@cuda.jit(device=True, inline=True)
-def better(value, index, best_value, best_index):
-    """The winner of a candidate and the current best, as ``(value, index)``."""
-    if beats(value, index, best_value, best_index):
-        return value, index
-    return best_value, best_index
 
 
 def build_argmax_kernel() -> Callable[..., Any]:

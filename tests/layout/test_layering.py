@@ -47,3 +47,19 @@ def test_docs_kernels_md_is_the_routing_table():
     assert (ROOT / "docs" / "kernels.md").read_text() == render_markdown(), (
         "docs/kernels.md differs from executor/routing.py: run python3 -m executor.routing > docs/kernels.md")
 
+
+
+def test_the_package_imports_nothing_from_tests_or_bench():
+    """planner/ and executor/ are what ``pip install`` ships; tests/ and bench/ are not in the wheel, so
+    an import of them works in a clone and fails in an installed package."""
+    import ast
+
+    offenders = []
+    for package in ("planner", "executor"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+                offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {name}" for name in names
+                              if name.split(".")[0] in ("tests", "bench")]
+    assert not offenders, "\n".join(offenders)

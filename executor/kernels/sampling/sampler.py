@@ -110,7 +110,7 @@ from llvmlite import ir
 from executor.kernels.primitives.codec import _bit_casts
 from executor.kernels.primitives.launch import Kernel
 from executor.kernels.primitives.reduce import check_max_threads, threads_for
-from tests.kernels.argmax import beats, better
+from executor.kernels.sampling.argmax_rule import beats, better
 from executor.kernels.primitives.vector import VECTOR_BYTES, VECTOR_WORDS, build_vector_access
 from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 
