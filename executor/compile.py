@@ -191,6 +191,17 @@ def prepare_compile(plan: MemoryPlan, cache: KernelCache, target: Target, *,
     return CompileJob(report, planned, missing, digest, start, sources)
 
 
+def listed_by_pool(plan: MemoryPlan, cache: KernelCache, target: Target, pool: CompilePool, start: float) -> CompileJob:
+    """``prepare_compile``'s job with discovery run by one of ``pool``'s processes, which discover as they
+    start: this process, busy materializing and loading weights, runs none."""
+    planned, uncacheable = pool.executor.submit(list_task, plan.model_dump_json(), target.arch.major,
+                                                target.arch.minor, target.num_sms).result()
+    missing = sorted((kernel for kernel in planned if not cache.contains(kernel.key)), key=lambda k: -k.weight)
+    report = CompileReport(needed=len(planned) + uncacheable, cached=len(planned) - len(missing),
+                           uncacheable=uncacheable)
+    return CompileJob(report, planned, missing, manifest_digest(plan, target), start)
+
+
 def run_compile(job: CompileJob, plan: MemoryPlan, cache: KernelCache, target: Target, *, jobs: int,
                 progress: TextIO | None = None, compile_function: CompileFunction | None = None,
                 in_process: bool = False, pool: CompilePool | None = None) -> CompileReport:
@@ -281,6 +292,9 @@ def prepare_compile_process(plan_json: str, major: int, minor: int, num_sms: int
     kernels, which its compile tasks then find cached. A discovery that fails here fails again, with
     its error, in each task."""
     isolate_compile_process()
+    import torch
+
+    torch.set_num_threads(1)  # a core per process: intra-op threads would contend with the others
     from executor.kernel_compiler import target_device
 
     with target_device(Arch(major, minor), num_sms):
@@ -333,11 +347,25 @@ def _one_line(error: BaseException) -> str:
 
 
 @functools.cache
-def _process_kernels(plan_json: str, major: int, minor: int, num_sms: int) -> Sources:
-    """What compiles each of a plan's planned kernels, discovered once per compile process."""
+def _process_discovery(plan_json: str, major: int, minor: int, num_sms: int) -> tuple[list[PlannedKernel], int, Sources]:
+    """``planned_kernels`` of a plan, discovered once per compile process."""
     from planner.plan import MemoryPlan
 
-    return planned_kernels(MemoryPlan.model_validate_json(plan_json), Target(Arch(major, minor), num_sms))[2]
+    return planned_kernels(MemoryPlan.model_validate_json(plan_json), Target(Arch(major, minor), num_sms))
+
+
+def _process_kernels(plan_json: str, major: int, minor: int, num_sms: int) -> Sources:
+    """What compiles each of a plan's planned kernels (this process's discovery)."""
+    return _process_discovery(plan_json, major, minor, num_sms)[2]
+
+
+def list_task(plan_json: str, major: int, minor: int, num_sms: int) -> tuple[list[PlannedKernel], int]:
+    """In a compile process: the plan's cacheable planned kernels and the count of uncacheable ones."""
+    from executor.kernel_compiler import target_device
+
+    with target_device(Arch(major, minor), num_sms):
+        planned, uncacheable, _ = _process_discovery(plan_json, major, minor, num_sms)
+    return planned, uncacheable
 
 
 class Progress:
@@ -373,10 +401,11 @@ class Progress:
 
 
 class StartupCompile:
-    """The cold-start compile of ``memplan run`` on a GPU: the manifest check or discovery here (on the
-    caller's thread), then the missing kernels in processes, managed from a background thread while
-    the run materializes and loads weights; ``wait`` joins it. Failures are reported, not raised:
-    those kernels compile at their first launch."""
+    """The cold-start compile of ``memplan run`` on a GPU: the manifest check here (on the caller's
+    thread); on a cold start the compile processes start at once, one of them lists the kernels
+    (discovery) and the others compile the missing ones, managed from a background thread while the
+    run materializes and loads weights; ``wait`` joins it. Failures are reported, not raised: those
+    kernels compile at their first launch."""
 
     def __init__(self, plan: MemoryPlan, cache: KernelCache, progress: TextIO | None, jobs: int | None = None) -> None:
         from executor.kernel_compiler import device_arch
@@ -386,23 +415,26 @@ class StartupCompile:
         self.report: CompileReport | None = None
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        pool = None
+        start, pool, job = time.perf_counter(), None, None
         try:
-            if answered_by_manifest(plan, cache, target) is None:  # cold: start the processes before discovery
-                pool = CompilePool(plan, target, jobs or available_cores())
-            job = prepare_compile(plan, cache, target, use_manifest=True)
-        except Exception as error:  # discovery tripped: the run goes on, compiling at first launch
+            answered = answered_by_manifest(plan, cache, target)
+        except Exception as error:  # an unreadable cache: the run goes on, compiling at first launch
             self.error = error
-            if pool is not None:
-                pool.close()
             return
+        if answered is not None:
+            job = CompileJob(answered, [], [], None, start)
+        else:  # cold: the processes start now and one of them lists the kernels (no discovery here)
+            pool = CompilePool(plan, target, jobs or available_cores())
 
         def run() -> None:
             try:
-                self.report = run_compile(job, plan, cache, target, jobs=jobs or available_cores(), progress=progress,
-                                          pool=pool)
+                listed = job or listed_by_pool(plan, cache, target, pool, start)
+                self.report = run_compile(listed, plan, cache, target, jobs=jobs or available_cores(),
+                                          progress=progress, pool=pool)
             except BaseException as error:  # reported by wait(); the run goes on, compiling at first launch
                 self.error = error
+                if pool is not None:
+                    pool.close()
 
         self._thread = threading.Thread(target=run, name="memplan-compile", daemon=True)
         self._thread.start()

@@ -128,7 +128,7 @@ class ServedModel:
         clock = clock if clock is not None else StartupClock()
         compiling = None if opened.is_sim else start_compile(plan, log)
         if compiling is not None:
-            clock.mark("kernel discovery")
+            clock.mark("kernel cache")
         try:
             arena = materialize(plan, opened)
         except ValueError as error:  # e.g. tensor_parallel_size != 1

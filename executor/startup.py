@@ -1,6 +1,6 @@
 """Start-up phases of ``memplan run``: how long each step from process start to the first token took.
 
-``StartupClock`` marks the end of each phase (plan, kernel discovery, materialize, weights, kernels,
+``StartupClock`` marks the end of each phase (plan, kernel cache, materialize, weights, kernels,
 warm-up, graph capture) on one monotonic clock; the first phase, ``imports``, is the time from the
 process's start (the kernel's start time of this process, on Linux) to the clock's creation:
 interpreter start-up and imports. ``KernelCensus`` counts, over a model's kernels, the
