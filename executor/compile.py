@@ -402,9 +402,9 @@ class Progress:
 
 class StartupCompile:
     """The cold-start compile of ``memplan run`` on a GPU: the manifest check here (on the caller's
-    thread); on a cold start the compile processes start at once, one of them lists the kernels
-    (discovery) and the others compile the missing ones, managed from a background thread while the
-    run materializes and loads weights; ``wait`` joins it. Failures are reported, not raised: those
+    thread); on a cold start a background thread spawns the compile processes, one of them lists the
+    kernels (discovery) while the others start, and they compile the missing ones, while the run
+    materializes and loads weights; ``wait`` joins it. Failures are reported, not raised: those
     kernels compile at their first launch."""
 
     def __init__(self, plan: MemoryPlan, cache: KernelCache, progress: TextIO | None, jobs: int | None = None) -> None:
@@ -423,11 +423,12 @@ class StartupCompile:
             return
         if answered is not None:
             job = CompileJob(answered, [], [], None, start)
-        else:  # cold: the processes start now and one of them lists the kernels (no discovery here)
-            pool = CompilePool(plan, target, jobs or available_cores())
 
         def run() -> None:
+            nonlocal pool
             try:
+                if job is None:  # cold: spawn the processes here (seconds), one of them lists the kernels
+                    pool = CompilePool(plan, target, jobs or available_cores())
                 listed = job or listed_by_pool(plan, cache, target, pool, start)
                 self.report = run_compile(listed, plan, cache, target, jobs=jobs or available_cores(),
                                           progress=progress, pool=pool)
