@@ -48,12 +48,12 @@ MERGE_SPECULATE_MAX_ROWS = 4
 
 #: Prefill steps of at least this many rows run the chunked gated delta rule
 #: (linear_attention/chunked_delta_rule.py: chunks of 64 tokens as matrix products on tensor cores),
-#: shorter ones the recurrent kernel; None sends every prefill step to the recurrent kernel. At
+#: shorter ones the recurrent kernel; None would send every prefill step to the recurrent kernel. At
 #: Qwen3.5-9B's heads on the H200 the chunked kernel takes 105 us to the recurrent kernel's 119 us at
 #: 1 x 64 rows and 1.6-2.2x less from 256 rows to 64 x 512 (bench/delta_rule.py, docs/benchmarks.md
-#: "Gated delta rule of one layer"), so the threshold to set is 64 (one chunk); it stays None until
-#: tests/executor/test_chunked_delta_rule_route.py's HF golden passes on the H200.
-CHUNKED_DELTA_RULE_MIN_ROWS: int | None = None
+#: "Gated delta rule of one layer"): one chunk of rows is where it starts to win. Qwen3.5-0.8B's HF
+#: golden passes on this route (tests/executor/test_chunked_delta_rule_route.py).
+CHUNKED_DELTA_RULE_MIN_ROWS: int | None = 64
 
 
 @dataclass(frozen=True)
