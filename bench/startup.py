@@ -7,8 +7,9 @@ Each start is a fresh ``memplan run --random-weights`` process (batch 1, a 512-t
 tokens by default) with ``MEMPLAN_CACHE_DIR`` set to a new directory for the cold start and kept for
 the warm one; ``--no-cache-baseline`` adds a start with ``--no-kernel-cache`` (every kernel compiled
 in the process at its first launch). The script reads the run's ``start-up:`` report (stderr): the
-phases from process start (imports, plan, kernel cache (the start-up manifest check; on a cold start, starting the compile processes), materialize, weights, kernels: the wait
-for the compile processes, warm-up, graph capture), the kernel counts (compiled in processes, in the
+phases from process start (interpreter, plan (with the start-up manifest check and, on a cold start,
+starting the compile process), imports, requests, kernel cache (the check of that compile against
+the GPU), materialize, weights, kernels: the wait for the compile, warm-up, graph capture), the kernel counts (compiled in processes, in the
 cache, loaded, compiled in the run's process) and the first token, and measures the process's wall
 time from launch to exit. Prints a markdown table (and writes it to --out).
 """
@@ -27,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODELS = ("qwen3-8b", "qwen3.5-9b")
 SMOKE_MODELS = ("tiny-qwen3",)
-PHASES = ("imports", "plan", "kernel cache", "materialize", "weights", "kernels", "warm-up", "graph capture")
+PHASES = ("interpreter", "plan", "imports", "requests", "kernel cache", "materialize", "weights", "kernels", "warm-up",
+          "graph capture")
 
 
 def run_once(model: str, cache_dir: Path, args: argparse.Namespace, *, no_cache: bool) -> dict[str, str]:

@@ -4,10 +4,16 @@ and the cold start of ``memplan run``.
 Kernel discovery (executor/kernel_discovery.py) lists the specializations warm-up and decode-graph
 capture launch; those the cache (executor/kernel_cache.py) lacks are compiled concurrently, one
 process a core, each without a device (``kernel_compiler.target_device`` answers Numba's device
-queries for the target; nvJitLink links on the host), so the processes never open a CUDA context on
-the GPU the plan budgets. A process rebuilds the same launchers (discovery over the same plan) and
-compiles the keys it is handed, the most complex kernels first (the longest compiles bound the wall
-time); each entry lands in the cache, where the run loads it at its first launch.
+queries for the target; nvJitLink links on the host), so no compile ever opens a CUDA context on the
+GPU the plan budgets. The compile processes are forked from the process that ran discovery, so each
+inherits the dispatcher it compiles (no imports, no discovery of its own); the most complex kernels
+go first (the longest compiles bound the wall time), and each entry lands in the cache, where the run
+loads it at its first launch.
+
+``memplan run`` starts its cold-start compile before it imports torch: one start-up process, spawned
+right after the plan is built, discovers the plan's kernels for the plan's hardware a start-up pass
+at a time and forks a compile as each pass ends, while the run imports, materializes and loads
+weights.
 
 A start-up manifest (in the cache, keyed by the plan, the executor's sources, the toolchain and the
 arch) remembers the keys a plan's start-up needs, so a warm start checks the cache against it and
@@ -21,16 +27,20 @@ nothing. ``memplan cache info`` and ``memplan cache clear`` show and empty the c
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import functools
+import contextlib
 import hashlib
+import importlib
+import json
 import multiprocessing
+import multiprocessing.connection
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -38,6 +48,7 @@ from executor.kernel_cache import CachedKernel, KernelCache, cache_enabled, defa
 from executor.kernel_key import Arch, Uncacheable
 
 if TYPE_CHECKING:
+    from executor.kernel_discovery import KernelNeed
     from planner.plan import MemoryPlan
 
 #: How a kernel is compiled in a compile process: (dispatcher, argtypes, arch) -> entry.
@@ -57,6 +68,9 @@ class Target:
 
     arch: Arch
     num_sms: int
+
+    def describe(self) -> str:
+        return f"{self.arch.name}, {self.num_sms} SMs"
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,16 @@ class CompileReport:
     slowest: tuple[str, float] | None = None  # (name, seconds) of the longest compile
     compile_seconds: dict[str, float] = field(default_factory=dict)  # key -> seconds, of those compiled
 
+    def record(self, kernel: PlannedKernel, seconds: float, error: str | None) -> None:
+        """Count one compile of ``kernel``: ``seconds`` long, failed with ``error`` unless None."""
+        if error is None:
+            self.compiled += 1
+            self.compile_seconds[kernel.key] = seconds
+            if self.slowest is None or seconds > self.slowest[1]:
+                self.slowest = (kernel.name, seconds)
+        else:
+            self.failed.append(f"{kernel.name}: {error}")
+
     def line(self) -> str:
         parts = [f"{self.needed} needed", f"{self.cached} in the cache"]
         if self.compiled or self.processes:
@@ -112,12 +136,20 @@ def planned_kernels(plan: MemoryPlan, target: Target) -> tuple[list[PlannedKerne
     what compiles each), by discovery. Run it inside ``target_device(target...)`` in a process without
     a GPU, or on the GPU the target describes."""
     from executor.kernel_discovery import discover
-    from executor.kernel_key import describe_kernel, kernel_key
 
     planned: dict[str, PlannedKernel] = {}
     sources: Sources = {}
+    uncacheable = add_needs(discover(plan), target, planned, sources)
+    return list(planned.values()), uncacheable, sources
+
+
+def add_needs(needs: list[KernelNeed], target: Target, planned: dict[str, PlannedKernel], sources: Sources) -> int:
+    """Key ``needs`` for ``target`` into ``planned`` and ``sources`` (those not there yet); returns how
+    many cannot be cached."""
+    from executor.kernel_key import describe_kernel, kernel_key
+
     uncacheable = 0
-    for need in discover(plan):
+    for need in needs:
         try:
             description = describe_kernel(need.kernel.dispatcher)
             key = kernel_key(need.kernel.dispatcher, need.argtypes, target.arch, description)
@@ -127,7 +159,7 @@ def planned_kernels(plan: MemoryPlan, target: Target) -> tuple[list[PlannedKerne
         if key not in planned:
             planned[key] = PlannedKernel(key, need.name, need.phase, len(repr(description)))
             sources[key] = (need.kernel.dispatcher, need.argtypes)
-    return list(planned.values()), uncacheable, sources
+    return uncacheable
 
 
 def manifest_digest(plan: MemoryPlan, target: Target) -> str:
@@ -191,117 +223,116 @@ def prepare_compile(plan: MemoryPlan, cache: KernelCache, target: Target, *,
     return CompileJob(report, planned, missing, digest, start, sources)
 
 
-def listed_by_pool(plan: MemoryPlan, cache: KernelCache, target: Target, pool: CompilePool, start: float) -> CompileJob:
-    """``prepare_compile``'s job with discovery run by one of ``pool``'s processes, which discover as they
-    start: this process, busy materializing and loading weights, runs none."""
-    planned, uncacheable = pool.executor.submit(list_task, plan.model_dump_json(), target.arch.major,
-                                                target.arch.minor, target.num_sms).result()
-    missing = sorted((kernel for kernel in planned if not cache.contains(kernel.key)), key=lambda k: -k.weight)
-    report = CompileReport(needed=len(planned) + uncacheable, cached=len(planned) - len(missing),
-                           uncacheable=uncacheable)
-    return CompileJob(report, planned, missing, manifest_digest(plan, target), start)
-
-
 def run_compile(job: CompileJob, plan: MemoryPlan, cache: KernelCache, target: Target, *, jobs: int,
                 progress: TextIO | None = None, compile_function: CompileFunction | None = None,
-                in_process: bool = False, pool: CompilePool | None = None) -> CompileReport:
-    """Compile ``job``'s missing kernels into ``cache``: in ``jobs`` processes (``pool``'s, when given,
-    started early), or here (``in_process``: this process must be inside ``target_device``).
-    ``compile_function`` (default ``kernel_compiler.compile_image``) compiles one kernel (a module-level
-    function: processes get it by name). Writes the start-up manifest when nothing failed. Progress goes
-    to ``progress``."""
-    report = job.report
-    if job.missing:
-        _compile_missing(plan, cache, target, job, jobs, progress, compile_function, in_process, pool)
-    elif pool is not None:
-        pool.close()
+                in_process: bool = False) -> CompileReport:
+    """Compile ``job``'s missing kernels into ``cache``: in up to ``jobs`` children forked from this
+    process (which ran the discovery: a child inherits what compiles its kernel), or here
+    (``in_process``). Either way this process must be inside ``target_device``. ``compile_function``
+    (default ``kernel_compiler.compile_image``) compiles one kernel. Writes the start-up manifest when
+    nothing failed. Progress goes to ``progress``."""
+    report, missing = job.report, job.missing
+    if missing:
+        bar = Progress(len(missing), progress)
+        try:
+            if in_process:
+                for kernel in missing:
+                    report.record(kernel, *_compile_into(cache, kernel.key, *job.sources[kernel.key], target.arch,
+                                                         compile_function))
+                    bar.advance()
+            else:
+                report.processes = min(jobs, len(missing))
+                with ForkedCompiles(cache, target, jobs, compile_function) as forks:
+                    forks.add([(kernel, *job.sources[kernel.key]) for kernel in missing])
+                    for kernel, seconds, error in forks.results():
+                        report.record(kernel, seconds, error)
+                        bar.advance()
+        finally:
+            bar.finish()
     if job.manifest is not None and not report.failed:
         cache.store_manifest(job.manifest, [kernel.key for kernel in job.planned])
     report.seconds = time.perf_counter() - job.start
     return report
 
 
-def _compile_missing(plan: MemoryPlan, cache: KernelCache, target: Target, job: CompileJob, jobs: int,
-                     progress: TextIO | None, compile_function: CompileFunction | None, in_process: bool,
-                     pool: CompilePool | None) -> None:
-    report, missing = job.report, job.missing
-    bar = Progress(len(missing), progress)
-    names = {kernel.key: kernel.name for kernel in missing}
+class ForkedCompiles:
+    """Kernels compiled in children forked from this process, at most ``jobs`` at a time, the most
+    complex pending one first. This process has discovered them (a child inherits the dispatcher and
+    argument types it compiles: no imports, no discovery of its own) and runs inside
+    ``target_device``; it must hold no CUDA context and start no threads before the forks. A child
+    compiles one kernel into the cache and sends back (seconds, error)."""
 
-    def done(key: str, seconds: float, error: str | None) -> None:
-        if error is None:
-            report.compiled += 1
-            report.compile_seconds[key] = seconds
-            if report.slowest is None or seconds > report.slowest[1]:
-                report.slowest = (names[key], seconds)
-        else:
-            report.failed.append(f"{names[key]}: {error}")
-        bar.advance()
+    def __init__(self, cache: KernelCache, target: Target, jobs: int,
+                 compile_function: CompileFunction | None = None) -> None:
+        self.cache, self.target, self.jobs, self.compile_function = cache, target, max(1, jobs), compile_function
+        self._context = multiprocessing.get_context("fork")
+        self._pending: list[tuple[PlannedKernel, Any, tuple]] = []
+        self._running: dict[Any, tuple[PlannedKernel, Any]] = {}  # receiving end -> (kernel, process)
+        self._finished: list[tuple[PlannedKernel, float, str | None]] = []
 
-    task = functools.partial(compile_task, plan.model_dump_json(), target.arch.major, target.arch.minor,
-                             target.num_sms, str(cache.root), compile_function)
-    try:
-        if in_process:
-            for kernel in missing:
-                done(kernel.key, *_compile_into(cache, kernel.key, *job.sources[kernel.key], target.arch,
-                                                compile_function))
-            return
-        pool = pool or CompilePool(plan, target, min(jobs, len(missing)))
-        report.processes = pool.processes
-        with pool:
-            futures = {pool.executor.submit(task, kernel.key): kernel.key for kernel in missing}
-            for future in concurrent.futures.as_completed(futures):
+    def add(self, kernels: list[tuple[PlannedKernel, Any, tuple]]) -> None:
+        """Queue (kernel, dispatcher, argtypes) items; the most complex start at once while fewer than
+        ``jobs`` children run."""
+        self._pending.extend(kernels)
+        self._pending.sort(key=lambda item: -item[0].weight)
+        self._collect(timeout=0)
+
+    def results(self) -> Iterator[tuple[PlannedKernel, float, str | None]]:
+        """(kernel, seconds, error or None) of every added kernel, as each finishes."""
+        while self._pending or self._running or self._finished:
+            if not self._finished:
+                self._collect(timeout=None)
+            while self._finished:
+                yield self._finished.pop(0)
+
+    def _start(self) -> None:
+        while self._pending and len(self._running) < self.jobs:
+            kernel, dispatcher, argtypes = self._pending.pop(0)
+            receive, send = self._context.Pipe(duplex=False)
+            process = self._context.Process(
+                target=_forked_compile, name=f"memplan-compile {kernel.key[:12]}", daemon=True,
+                args=(send, str(self.cache.root), kernel.key, dispatcher, argtypes, self.target, self.compile_function))
+            process.start()
+            send.close()
+            self._running[receive] = (kernel, process)
+
+    def _collect(self, timeout: float | None) -> None:
+        """Take the results of the children that have finished (waiting up to ``timeout`` seconds for
+        one when none has), then start pending kernels."""
+        self._start()
+        if self._running:
+            for receive in multiprocessing.connection.wait(list(self._running), timeout):
+                kernel, process = self._running.pop(receive)
                 try:
-                    done(*future.result())
-                except Exception as error:  # a process died (memory, a crash in a compiler)
-                    done(futures[future], 0.0, f"{type(error).__name__}: {error}")
-    finally:
-        bar.finish()
+                    seconds, error = receive.recv()
+                except EOFError:  # it died: out of memory, a crash in a compiler
+                    process.join()
+                    seconds, error = 0.0, f"its compile process exited with code {process.exitcode}"
+                receive.close()
+                process.join()
+                self._finished.append((kernel, seconds, error))
+        self._start()
 
-
-class CompilePool:
-    """``processes`` compile processes (spawned, no GPU), started at once: each imports the executor
-    and discovers ``plan``'s kernels for ``target`` as it starts, so a pool started before this
-    process's own discovery has its processes ready when the first keys arrive."""
-
-    def __init__(self, plan: MemoryPlan, target: Target, processes: int) -> None:
-        self.processes = max(1, processes)
-        context = multiprocessing.get_context("spawn")  # no fork after CUDA (or numba) initialized here
-        self.executor = concurrent.futures.ProcessPoolExecutor(
-            self.processes, mp_context=context, initializer=prepare_compile_process,
-            initargs=(plan.model_dump_json(), target.arch.major, target.arch.minor, target.num_sms))
-        for _ in range(self.processes):  # the executor spawns a process per submitted task, up to its size
-            self.executor.submit(_ready)
-
-    def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
-
-    def __enter__(self) -> CompilePool:
+    def __enter__(self) -> ForkedCompiles:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.executor.shutdown(wait=True)
+        for receive, (_, process) in self._running.items():
+            process.kill()
+            process.join()
+            receive.close()
+        self._running.clear()
 
 
-def _ready() -> None:
-    """The task that makes a pool spawn its processes."""
-
-
-def prepare_compile_process(plan_json: str, major: int, minor: int, num_sms: int) -> None:
-    """A compile process's start: no GPU (``isolate_compile_process``), then discovery of the plan's
-    kernels, which its compile tasks then find cached. A discovery that fails here fails again, with
-    its error, in each task."""
-    isolate_compile_process()
-    import torch
-
-    torch.set_num_threads(1)  # a core per process: intra-op threads would contend with the others
+def _forked_compile(send: Any, cache_root: str, key: str, dispatcher: Any, argtypes: tuple, target: Target,
+                    compile_function: CompileFunction | None) -> None:
+    """A forked child's work: compile one kernel into the cache and send (seconds, error or None)."""
     from executor.kernel_compiler import target_device
 
-    with target_device(Arch(major, minor), num_sms):
-        try:
-            _process_kernels(plan_json, major, minor, num_sms)
-        except Exception:
-            pass
+    with target_device(target.arch, target.num_sms):
+        result = _compile_into(KernelCache(Path(cache_root)), key, dispatcher, argtypes, target.arch, compile_function)
+    send.send(result)
+    send.close()
 
 
 def isolate_compile_process() -> None:
@@ -309,23 +340,6 @@ def isolate_compile_process() -> None:
     context on the device the plan budgets) and never the simulator. Runs before numba loads there."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
-
-
-def compile_task(plan_json: str, major: int, minor: int, num_sms: int, cache_root: str,
-                 compile_function: CompileFunction | None, key: str) -> tuple[str, float, str | None]:
-    """Compile the kernel of ``key`` (one of the plan's planned kernels) into the cache at ``cache_root``,
-    unless it is there already: (key, seconds, error or None)."""
-    from executor.kernel_compiler import target_device
-
-    arch = Arch(major, minor)
-    with target_device(arch, num_sms):
-        try:
-            kernels = _process_kernels(plan_json, major, minor, num_sms)
-        except Exception as error:
-            return key, 0.0, f"discovery failed: {_one_line(error)}"
-        if key not in kernels:
-            return key, 0.0, "not among this process's discovered kernels (the sources changed?)"
-        return (key, *_compile_into(KernelCache(Path(cache_root)), key, *kernels[key], arch, compile_function))
 
 
 def _compile_into(cache: KernelCache, key: str, dispatcher: Any, argtypes: tuple, arch: Arch,
@@ -346,36 +360,15 @@ def _one_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-@functools.cache
-def _process_discovery(plan_json: str, major: int, minor: int, num_sms: int) -> tuple[list[PlannedKernel], int, Sources]:
-    """``planned_kernels`` of a plan, discovered once per compile process."""
-    from planner.plan import MemoryPlan
-
-    return planned_kernels(MemoryPlan.model_validate_json(plan_json), Target(Arch(major, minor), num_sms))
-
-
-def _process_kernels(plan_json: str, major: int, minor: int, num_sms: int) -> Sources:
-    """What compiles each of a plan's planned kernels (this process's discovery)."""
-    return _process_discovery(plan_json, major, minor, num_sms)[2]
-
-
-def list_task(plan_json: str, major: int, minor: int, num_sms: int) -> tuple[list[PlannedKernel], int]:
-    """In a compile process: the plan's cacheable planned kernels and the count of uncacheable ones."""
-    from executor.kernel_compiler import target_device
-
-    with target_device(Arch(major, minor), num_sms):
-        planned, uncacheable, _ = _process_discovery(plan_json, major, minor, num_sms)
-    return planned, uncacheable
-
-
 class Progress:
     """``compiling kernels: done/total, seconds`` on a stream: rewritten in place on a terminal, else a
     line every PROGRESS_INTERVAL_S and at the end. No stream: silent."""
 
-    def __init__(self, total: int, stream: TextIO | None) -> None:
+    def __init__(self, total: int, stream: TextIO | None, start: float | None = None) -> None:
         self.total, self.done, self.stream = total, 0, stream
         self.tty = bool(stream is not None and getattr(stream, "isatty", lambda: False)())
-        self.start = self.last = time.perf_counter()
+        self.start = start if start is not None else time.perf_counter()
+        self.last = time.perf_counter()
         self._print(final=False)
 
     def advance(self) -> None:
@@ -401,52 +394,183 @@ class Progress:
 
 
 class StartupCompile:
-    """The cold-start compile of ``memplan run`` on a GPU: the manifest check here (on the caller's
-    thread); on a cold start a background thread spawns the compile processes, one of them lists the
-    kernels (discovery) while the others start, and they compile the missing ones, while the run
-    materializes and loads weights; ``wait`` joins it. Failures are reported, not raised: those
-    kernels compile at their first launch."""
+    """The start-up compile of ``memplan run`` on a GPU: one start-up process (``startup_compile_main``,
+    a fresh interpreter with no GPU) starts at once and checks the start-up manifest; on a cold start it
+    discovers the plan's kernels a start-up pass at a time and compiles each missing one in a child it
+    forks as soon as the pass that launches it ends, while this process imports torch, materializes and
+    loads weights. A thread here reads its messages (the progress display and
+    the report); ``wait`` joins it. Failures are reported, not raised: those kernels compile at their
+    first launch. ``target`` is the GPU compiled for: the current device's unless given (``memplan
+    run`` gives the plan's hardware, to start before torch loads, and ``matches`` checks it against
+    the device once there is one). ``compile_function``: a module-level function the start-up process
+    imports by name instead of ``kernel_compiler.compile_image``."""
 
-    def __init__(self, plan: MemoryPlan, cache: KernelCache, progress: TextIO | None, jobs: int | None = None) -> None:
-        from executor.kernel_compiler import device_arch
-        from executor.kernels.primitives.launch import multiprocessor_count
-
-        target = Target(device_arch(), multiprocessor_count())
+    def __init__(self, plan: MemoryPlan, cache: KernelCache, progress: TextIO | None, jobs: int | None = None,
+                 target: Target | None = None, compile_function: CompileFunction | None = None) -> None:
+        self.target = target if target is not None else device_target()
         self.report: CompileReport | None = None
-        self.error: BaseException | None = None
+        self.error: str | None = None
+        self._process: subprocess.Popen | None = None
         self._thread: threading.Thread | None = None
-        start, pool, job = time.perf_counter(), None, None
-        try:
-            answered = answered_by_manifest(plan, cache, target)
-        except Exception as error:  # an unreadable cache: the run goes on, compiling at first launch
-            self.error = error
-            return
-        if answered is not None:
-            job = CompileJob(answered, [], [], None, start)
-
-        def run() -> None:
-            nonlocal pool
-            try:
-                if job is None:  # cold: spawn the processes here (seconds), one of them lists the kernels
-                    pool = CompilePool(plan, target, jobs or available_cores())
-                listed = job or listed_by_pool(plan, cache, target, pool, start)
-                self.report = run_compile(listed, plan, cache, target, jobs=jobs or available_cores(),
-                                          progress=progress, pool=pool)
-            except BaseException as error:  # reported by wait(); the run goes on, compiling at first launch
-                self.error = error
-                if pool is not None:
-                    pool.close()
-
-        self._thread = threading.Thread(target=run, name="memplan-compile", daemon=True)
+        start = time.perf_counter()
+        jobs = jobs or available_cores()
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", "from executor.compile import startup_compile_main; startup_compile_main()",
+             f"{self.target.arch.major}.{self.target.arch.minor}", str(self.target.num_sms), str(cache.root),
+             str(jobs), _function_name(compile_function)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_startup_environment(), start_new_session=True,
+            text=True)
+        self._thread = threading.Thread(target=self._read, args=(plan, jobs, progress, start), name="memplan-compile",
+                                        daemon=True)
         self._thread.start()
+
+    def matches(self, target: Target) -> bool:
+        return target == self.target
 
     def wait(self) -> CompileReport:
         if self._thread is not None:
             self._thread.join()
+        self.close()
         if self.report is None:
-            message = f"{type(self.error).__name__}: {self.error}" if self.error else "no report"
-            return CompileReport(failed=[f"start-up compile: {message}"])
+            return CompileReport(failed=[f"start-up compile: {self.error or 'no report'}"])
         return self.report
+
+    def close(self) -> None:
+        """Stop the start-up process and its compile children (nothing when they are done)."""
+        process = self._process
+        if process is not None and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    def _read(self, plan: MemoryPlan, jobs: int, progress: TextIO | None, start: float) -> None:
+        process = self._process
+        assert process is not None and process.stdin is not None and process.stdout is not None
+        report, bar, names = None, None, {}
+        try:
+            process.stdin.write(plan.model_dump_json())
+            process.stdin.close()
+            for line in process.stdout:
+                message = json.loads(line)
+                if "answered" in message:
+                    report = CompileReport(needed=message["answered"], cached=message["answered"], from_manifest=True)
+                elif "listed" in message:
+                    planned = [PlannedKernel(**kernel) for kernel in message["listed"]]
+                    names = {kernel.key: kernel for kernel in planned}
+                    missing = message["missing"]
+                    report = CompileReport(needed=len(planned) + message["uncacheable"],
+                                           cached=len(planned) - missing, uncacheable=message["uncacheable"],
+                                           processes=min(jobs, missing))
+                    bar = Progress(missing, progress, start) if missing else None
+                elif "done" in message and report is not None:
+                    report.record(names[message["done"]], message["seconds"], message["error"])
+                    if bar is not None:
+                        bar.advance()
+                elif "failed" in message:
+                    self.error = message["failed"]
+                elif "end" in message and report is not None and self.error is None:
+                    report.seconds = time.perf_counter() - start
+                    self.report = report
+        except (OSError, ValueError, KeyError) as error:
+            self.error = _one_line(error)
+        finally:
+            if bar is not None:
+                bar.finish()
+            code = process.wait()
+            if self.report is None and self.error is None:
+                self.error = f"the start-up compile process exited with code {code}"
+
+
+def _function_name(function: CompileFunction | None) -> str:
+    return "" if function is None else f"{function.__module__}:{function.__qualname__}"
+
+
+def _function_named(name: str) -> CompileFunction | None:
+    if not name:
+        return None
+    module, qualname = name.split(":")
+    return getattr(importlib.import_module(module), qualname)
+
+
+def _startup_environment() -> dict[str, str]:
+    """The start-up process's environment: this one, with the executor's package root first on its path."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def startup_compile_main() -> None:
+    """The start-up process (``StartupCompile``): argv is (compute capability "9.0", SMs, cache root,
+    jobs, the compile function's "module:name" or ""), stdin the plan's JSON; stdout carries one JSON
+    message a line: ``answered`` (the start-up manifest's key count: everything is cached), ``listed``
+    (the planned kernels, after discovery), ``done`` (one compiled kernel), ``failed`` (the manifest
+    check or discovery failed), ``end``. Anything else the libraries print goes to stderr."""
+    messages = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    isolate_compile_process()
+
+    def send(**message: object) -> None:
+        try:
+            messages.write(json.dumps(message) + "\n")
+        except BrokenPipeError:  # the run is gone: so are this process and its compile children
+            os.killpg(0, signal.SIGKILL)
+
+    capability, num_sms, cache_root, jobs, function = sys.argv[1:6]
+    target = Target(Arch.from_capability(capability), int(num_sms))
+    try:
+        _startup_compile(sys.stdin.read(), target, KernelCache(Path(cache_root)), int(jobs),
+                         _function_named(function), send)
+    except Exception as error:  # an unreadable cache, a discovery that fails: the run compiles at first launch
+        send(failed=_one_line(error))
+    send(end=True)
+
+
+def _startup_compile(plan_json: str, target: Target, cache: KernelCache, jobs: int,
+                     compile_function: CompileFunction | None, send: Callable[..., None]) -> None:
+    from planner.plan import MemoryPlan
+
+    plan = MemoryPlan.model_validate_json(plan_json)
+    digest = manifest_digest(plan, target)
+    answered = answered_by_manifest(plan, cache, target, digest)
+    if answered is not None:
+        send(answered=answered.needed)
+        return
+    import torch
+
+    torch.set_num_threads(1)  # no intra-op thread pool: this process forks
+    from executor.kernel_compiler import target_device
+    from executor.kernel_discovery import discover_by_pass
+
+    planned: dict[str, PlannedKernel] = {}
+    sources: Sources = {}
+    uncacheable, missing, failed = 0, 0, False
+    with target_device(target.arch, target.num_sms), ForkedCompiles(cache, target, jobs, compile_function) as forks:
+        for needs in discover_by_pass(plan):
+            known = len(planned)
+            uncacheable += add_needs(needs, target, planned, sources)
+            new = [key for key in list(planned)[known:] if not cache.contains(key)]
+            missing += len(new)
+            forks.add([(planned[key], *sources[key]) for key in new])
+        send(listed=[asdict(kernel) for kernel in planned.values()], uncacheable=uncacheable, missing=missing)
+        for kernel, seconds, error in forks.results():
+            send(done=kernel.key, seconds=seconds, error=error)
+            failed = failed or error is not None
+    if not failed:
+        cache.store_manifest(digest, list(planned))
+
+
+def device_target() -> Target:
+    """The current GPU as a compile target."""
+    from executor.kernel_compiler import device_arch
+    from executor.kernels.primitives.launch import multiprocessor_count
+
+    return Target(device_arch(), multiprocessor_count())
+
+
+def hardware_target(plan: MemoryPlan) -> Target:
+    """The plan's hardware as a compile target (no GPU needed)."""
+    return Target(Arch.from_capability(plan.hardware.compute_capability), plan.hardware.num_sms)
 
 
 def available_cores() -> int:
@@ -464,7 +588,7 @@ def compile_command(args: argparse.Namespace, overrides: dict[str, object], out:
     """``memplan compile``: fill the cache for the hardware's compute capability, no GPU needed (output to
     ``out`` and ``err``, stdout and stderr by default)."""
     out, err = out or sys.stdout, err or sys.stderr
-    from executor.device import MIN_COMPUTE_CAPABILITY
+    from executor.kernel_key import MIN_COMPUTE_CAPABILITY
     from executor.kernel_compiler import target_device
     from planner.loader import plan_from_configs
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from executor.numba_cuda import load_cuda, simulator_enabled
+from executor.kernel_key import MIN_COMPUTE_CAPABILITY
 
 TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -34,9 +35,6 @@ class DeviceError(RuntimeError):
     """The requested device is not available."""
 
 
-#: The oldest GPU the kernels compile for: bf16 stores are PTX ``cvt.rn.bf16.f32`` (executor/kernels/primitives/codec.py),
-#: which needs sm_80 (A100 and later).
-MIN_COMPUTE_CAPABILITY = (8, 0)
 
 
 def check_compute_capability(name: str, capability: tuple[int, int]) -> None:

@@ -50,6 +50,13 @@ class KernelNeed:
 def discover(plan: MemoryPlan) -> list[KernelNeed]:
     """The kernel specializations that warm-up and decode-graph capture of ``plan`` launch, in the order
     they are first launched (one entry per kernel and argument types)."""
+    return [need for needs in discover_by_pass(plan) for need in needs]
+
+
+def discover_by_pass(plan: MemoryPlan) -> Iterator[list[KernelNeed]]:
+    """``discover``'s specializations a start-up pass at a time (warm-up, then each decode-graph bucket,
+    largest first as capture runs them): each list holds those the pass launches first, so a caller can
+    compile them while the next pass runs."""
     import torch
 
     from executor.arena import materialize
@@ -60,21 +67,24 @@ def discover(plan: MemoryPlan) -> list[KernelNeed]:
 
     arena = materialize(plan, Device("meta", torch.device("meta")))
     model = build_model(arena)
-    needs: dict[tuple[int, tuple], KernelNeed] = {}
+    seen: set[tuple[int, tuple]] = set()
 
-    def note(phase: str) -> None:
+    def new_needs(phase: str) -> list[KernelNeed]:
+        found = []
         for kernel in find_kernels(model):
             for argtypes in kernel.discovered:
-                needs.setdefault((id(kernel), argtypes), KernelNeed(kernel, argtypes, phase))
+                if (id(kernel), argtypes) not in seen:
+                    seen.add((id(kernel), argtypes))
+                    found.append(KernelNeed(kernel, argtypes, phase))
+        return found
 
     for chunks in warm_up_steps(plan):
         model.step(plan_step(plan, chunks))
-    note(WARM_UP)
+    yield new_needs(WARM_UP)
     empty = plan_step(plan, [])  # padded to a bucket: all padding, as graph capture runs it
     for bucket in sorted(plan.serving.decode_graph_batch_sizes, reverse=True):  # capture's order
         model.step(empty, pad_to=bucket)
-        note(GRAPH_PHASE.format(bucket=bucket))
-    return list(needs.values())
+        yield new_needs(GRAPH_PHASE.format(bucket=bucket))
 
 
 def find_kernels(root: Any) -> list[Kernel]:

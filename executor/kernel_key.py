@@ -46,6 +46,11 @@ class Uncacheable(Exception):
     """The kernel cannot be keyed faithfully (the message says which value); it is compiled, not cached."""
 
 
+#: The oldest GPU the kernels compile for: bf16 stores are PTX ``cvt.rn.bf16.f32`` (executor/kernels/primitives/codec.py),
+#: which needs sm_80 (A100 and later).
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
 @dataclass(frozen=True)
 class Arch:
     """A compile target: compute capability ``major.minor`` and Numba's arch suffix ("a" from 9.0 on:

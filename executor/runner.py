@@ -31,8 +31,9 @@ Exit codes: 0 ok (rejected requests included); 2 a bad config, plan file, checkp
 file or flag (one line naming the file and line); 3 the plan does not fit (raised to planner.cli.main, which maps
 ConfigError / PlanDoesNotFit / CheckedOverflowError).
 
-torch and numba are imported inside ``run``, after the simulator is chosen:
-NUMBA_ENABLE_CUDASIM must be set before numba.cuda is first imported.
+torch and numba are imported inside ``run``, after the plan is built and, bound for a GPU, the cold-start
+compile is started (its processes import and discover while this one imports), and after the simulator is
+chosen: NUMBA_ENABLE_CUDASIM must be set before numba.cuda is first imported.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ from executor.workload import (
     OutputWriter, RequestFileError, RequestLimits, RunError, output_record, partial_path, read_requests)
 
 if TYPE_CHECKING:
+    from executor.compile import StartupCompile
+    from executor.startup import StartupClock
     from executor.tokenizer import Tokenizer
     from planner.plan import MemoryPlan
 
@@ -63,35 +66,76 @@ PROGRESS_INTERVAL_S = 2.0
 def run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     """Run ``memplan run``; return the exit code (ConfigError and PlanDoesNotFit propagate).
     ``overrides``: the serving flags as ServingConfig fields, None where not given."""
-    choose_simulator(args.device)
-    if args.no_kernel_cache:  # read by every Kernel at its first launch (executor/kernel_cache.py)
-        os.environ["MEMPLAN_KERNEL_CACHE"] = "0"
-    from executor.device import DeviceError
-    from executor.step import CapacityError
-    from executor.tokenizer import TokenizerError
-    from executor.weights import WeightsError
-    from planner.errors import one_line
-
-    labels = ((CapacityError, "capacity error"), (WeightsError, "weights error"),
-              (CheckpointError, "checkpoint error"), (TokenizerError, "tokenizer error"),
-              (RequestFileError, "request error"),
-              (DeviceError, "device error"), (RunError, "error"))
-    try:
-        return _run(args, overrides)
-    except tuple(kind for kind, _ in labels) as error:
-        label = next(text for kind, text in labels if isinstance(error, kind))
-        print(f"memplan: {label}: {one_line(str(error))}", file=sys.stderr)
-        return EXIT_ERROR
-
-
-def _run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
-    from executor.generation import read_generation_defaults, resolve_sampling
-    from executor.serving import ServedModel
     from executor.startup import StartupClock
 
     clock = StartupClock()
-    out = _check_out(args)  # before any work
-    plan = load_plan(args, overrides)
+    if args.no_kernel_cache:  # read by every Kernel at its first launch (executor/kernel_cache.py)
+        os.environ["MEMPLAN_KERNEL_CACHE"] = "0"
+    try:
+        out = _check_out(args)  # before any work
+        plan = load_plan(args, overrides)
+    except (RunError, CheckpointError) as error:
+        return _failed(error, ((RunError, "error"), (CheckpointError, "checkpoint error")))
+    compiling = start_early_compile(plan, args.device)  # its processes start while torch loads here
+    clock.mark("plan")
+    try:
+        choose_simulator(args.device)
+        from executor.device import DeviceError
+        from executor.step import CapacityError
+        from executor.tokenizer import TokenizerError
+        from executor.weights import WeightsError
+
+        labels = ((CapacityError, "capacity error"), (WeightsError, "weights error"),
+                  (CheckpointError, "checkpoint error"), (TokenizerError, "tokenizer error"),
+                  (RequestFileError, "request error"),
+                  (DeviceError, "device error"), (RunError, "error"))
+        try:
+            return _run(args, out, plan, clock, compiling)
+        except tuple(kind for kind, _ in labels) as error:
+            return _failed(error, labels)
+    finally:
+        if compiling is not None:
+            compiling.close()
+
+
+def _failed(error: Exception, labels: tuple[tuple[type, str], ...]) -> int:
+    from planner.errors import one_line
+
+    label = next(text for kind, text in labels if isinstance(error, kind))
+    print(f"memplan: {label}: {one_line(str(error))}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def start_early_compile(plan: MemoryPlan, device: str) -> StartupCompile | None:
+    """The cold-start compile of ``plan``'s kernels for the plan's hardware, started before this process
+    imports torch, when the run looks bound for a GPU (a CUDA device node and visible devices, no
+    simulator asked for, hardware the kernels compile for); ServedModel.open keeps it when the GPU
+    matches that hardware, else starts one for the GPU. None otherwise."""
+    from executor.compile import hardware_target
+    from executor.kernel_key import MIN_COMPUTE_CAPABILITY
+    from executor.numba_cuda import simulator_enabled
+    from executor.serving import start_compile
+
+    if device == "sim" or simulator_enabled() or not _gpu_present():
+        return None
+    target = hardware_target(plan)
+    if (target.arch.major, target.arch.minor) < MIN_COMPUTE_CAPABILITY:
+        return None
+    return start_compile(plan, sys.stderr, target)
+
+
+def _gpu_present() -> bool:
+    """Whether this machine shows an NVIDIA GPU to this process, asked without loading CUDA."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return Path("/dev/nvidiactl").exists() and visible not in ("", "-1")
+
+
+def _run(args: argparse.Namespace, out: Path | None, plan: MemoryPlan, clock: StartupClock,
+         compiling: StartupCompile | None) -> int:
+    from executor.generation import read_generation_defaults, resolve_sampling
+    from executor.serving import ServedModel
+
+    clock.mark("imports")
     weights = weights_source(args)
     directory = None if weights == RANDOM_WEIGHTS else weights
     tokenizer = load_tokenizer(args, directory)
@@ -101,12 +145,13 @@ def _run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     generation = replace(generation, sampling=sampling)
     limits = RequestLimits(plan.model.vocab_size, plan.capacity.max_context)
     specs = read_requests(args, limits, tokenizer, sampling)  # before anything is allocated
-    clock.mark("plan")
+    clock.mark("requests")
     streaming = len(args.prompt or []) == 1 and len(specs) == 1  # a single --prompt: its text on the terminal
     writer = OutputWriter(out, None if streaming else sys.stdout)
     try:
         served = ServedModel.open(plan, args.device, weights=weights, seed=args.seed, tokenizer=tokenizer,
-                                  generation=generation, eager=args.eager, clock=clock, log=sys.stderr)
+                                  generation=generation, eager=args.eager, clock=clock, log=sys.stderr,
+                                  compiling=compiling)
         print(f"memplan run: ready after {clock.elapsed_s():.1f} s: {clock.line()}", file=sys.stderr, flush=True)
         engine_start = time.perf_counter() - clock.origin
         progress: list[_Progress] = []

@@ -26,6 +26,8 @@ from executor.workload import RequestSpec, RunError, add_eos, engine_seed
 
 if TYPE_CHECKING:
     from executor.arena import Arena
+    from executor.compile import StartupCompile, Target
+    from executor.device import Device
     from executor.engine import EngineReport, RequestResult
     from executor.models.decoder import DecoderModel
     from executor.startup import StartupClock
@@ -105,20 +107,20 @@ class ServedModel:
     @classmethod
     def open(cls, plan: MemoryPlan, device: str = "auto", *, weights: str | Path, seed: int = 0,
              tokenizer: Tokenizer | None = None, generation: GenerationDefaults | None = None,
-             eager: bool = False, clock: StartupClock | None = None, log: TextIO | None = None) -> ServedModel:
+             eager: bool = False, clock: StartupClock | None = None, log: TextIO | None = None,
+             compiling: StartupCompile | None = None) -> ServedModel:
         """Materialize ``plan`` on ``device`` ("auto", "cuda", "sim"), fill its weights from ``weights`` (a
         checkpoint directory, or RANDOM_WEIGHTS from ``seed``), build the model; on a GPU warm it up and
         capture the decode graphs unless ``eager``. ``generation``: the checkpoint's defaults (read from
         the weights' directory when None). On a GPU the kernels start-up needs that the persistent kernel
-        cache lacks compile in processes while the plan materializes and the weights load (executor/compile.py);
-        ``clock`` records the start-up phases, and ``log`` gets the compile's progress and failures."""
+        cache lacks compile in processes while the plan materializes and the weights load (executor/compile.py):
+        ``compiling``, when the caller started that compile (for the plan's hardware, before torch
+        loaded), else started here for the device. ``clock`` records the start-up phases, and ``log``
+        gets the compile's progress and failures."""
         choose_simulator(device)
-        from executor.arena import materialize
         from executor.device import open_device
         from executor.engine import warm_up
-        from executor.models import build_model
         from executor.startup import KernelCensus, StartupClock
-        from executor.weights import fill_random, load_checkpoint
 
         opened = open_device(device)
         check_fits_device(plan, opened.is_sim)
@@ -126,24 +128,15 @@ class ServedModel:
             directory = None if weights == RANDOM_WEIGHTS else weights
             generation = read_generation_defaults(directory, plan.model.vocab_size)
         clock = clock if clock is not None else StartupClock()
-        compiling = None if opened.is_sim else start_compile(plan, log)
+        compiling = compile_for(opened, plan, compiling, log)
         if compiling is not None:
             clock.mark("kernel cache")
         try:
-            arena = materialize(plan, opened)
-        except ValueError as error:  # e.g. tensor_parallel_size != 1
-            raise RunError(str(error)) from None
-        opened.synchronize()
-        clock.mark("materialize")
-        if weights == RANDOM_WEIGHTS:
-            fill_random(arena, seed)
-            source = f"random (seed {seed})"
-        else:
-            load_checkpoint(arena, weights)
-            source = str(weights)
-        model = build_model(arena)
-        opened.synchronize()
-        clock.mark("weights")
+            arena, model, source = _materialize_and_fill(plan, opened, weights, seed, clock)
+        except BaseException:
+            if compiling is not None:
+                compiling.close()
+            raise
         if compiling is not None:
             compiled = compiling.wait()
             clock.mark("kernels", compiled.line())
@@ -229,6 +222,32 @@ class ServedModel:
                          report.stats.preemptions, report.stats.peak_kv_pages_used, sampling, eos, text)
 
 
+def _materialize_and_fill(plan: MemoryPlan, opened: Device, weights: str | Path, seed: int,
+                          clock: StartupClock) -> tuple[Arena, DecoderModel, str]:
+    """Materialize ``plan`` on ``opened``, fill its weights (a checkpoint directory, or RANDOM_WEIGHTS from
+    ``seed``) and build the model: (arena, model, what the weights are)."""
+    from executor.arena import materialize
+    from executor.models import build_model
+    from executor.weights import fill_random, load_checkpoint
+
+    try:
+        arena = materialize(plan, opened)
+    except ValueError as error:  # e.g. tensor_parallel_size != 1
+        raise RunError(str(error)) from None
+    opened.synchronize()
+    clock.mark("materialize")
+    if weights == RANDOM_WEIGHTS:
+        fill_random(arena, seed)
+        source = f"random (seed {seed})"
+    else:
+        load_checkpoint(arena, weights)
+        source = str(weights)
+    model = build_model(arena)
+    opened.synchronize()
+    clock.mark("weights")
+    return arena, model, source
+
+
 def check_fits_device(plan: MemoryPlan, simulator: bool) -> None:
     total = materialized_bytes(plan)
     if simulator and total > SIM_MAX_MATERIALIZED_BYTES:
@@ -237,14 +256,35 @@ def check_fits_device(plan: MemoryPlan, simulator: bool) -> None:
                        f"and a tiny model, or --device cuda")
 
 
-def start_compile(plan: MemoryPlan, log: TextIO | None):
+def start_compile(plan: MemoryPlan, log: TextIO | None, target: Target | None = None) -> StartupCompile | None:
     """The cold-start compile (executor/compile.py) of the kernels ``plan``'s start-up needs that the
-    persistent cache lacks, running in processes; None when the cache is off."""
+    persistent cache lacks, running in processes, for ``target`` (the current GPU when None); None when
+    the cache is off."""
     from executor.compile import StartupCompile
     from executor.kernel_cache import KernelCache
 
     cache = KernelCache.from_environment()
-    return None if cache is None else StartupCompile(plan, cache, log)
+    return None if cache is None else StartupCompile(plan, cache, log, target=target)
+
+
+def compile_for(opened: Device, plan: MemoryPlan, started: StartupCompile | None,
+                log: TextIO | None) -> StartupCompile | None:
+    """The start-up compile for the ``opened`` device: none in the simulator; ``started`` when it compiles
+    for this GPU; else one started now for it (saying why when ``started`` was for other hardware)."""
+    from executor.compile import device_target
+
+    if opened.is_sim:
+        if started is not None:
+            started.close()
+        return None
+    target = device_target()
+    if started is not None and started.matches(target):
+        return started
+    if started is not None:
+        started.close()
+        print(f"memplan: the plan's hardware {plan.hardware.name} ({started.target.describe()}) is not this GPU "
+              f"({target.describe()}): compiling the kernels for this GPU", file=log)
+    return start_compile(plan, log, target)
 
 
 def capture_graphs(model: DecoderModel) -> GraphCapture:

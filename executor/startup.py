@@ -1,9 +1,9 @@
 """Start-up phases of ``memplan run``: how long each step from process start to the first token took.
 
-``StartupClock`` marks the end of each phase (plan, kernel cache, materialize, weights, kernels,
-warm-up, graph capture) on one monotonic clock; the first phase, ``imports``, is the time from the
-process's start (the kernel's start time of this process, on Linux) to the clock's creation:
-interpreter start-up and imports. ``KernelCensus`` counts, over a model's kernels, the
+``StartupClock`` marks the end of each phase (``memplan run``'s: plan, imports, requests, kernel
+cache, materialize, weights, kernels, warm-up, graph capture) on one monotonic clock; the first
+phase, ``interpreter``, is the time from the process's start (the kernel's start time of this
+process, on Linux) to the clock's creation: interpreter start-up and the command line's imports. ``KernelCensus`` counts, over a model's kernels, the
 specializations loaded from the persistent cache and those compiled in this process
 (launch.py's ``Kernel.origins``), so a phase can say which it did.
 """
@@ -46,9 +46,9 @@ class StartupClock:
         return time.perf_counter() - self.origin + (self.before_origin_s or 0.0)
 
     def line(self, first_token_s: float | None = None) -> str:
-        """``imports 2.1 s, plan 0.3 s, ..., graph capture 0.4 s; first token 15.3 s after the process
+        """``interpreter 0.2 s, plan 0.3 s, ..., graph capture 0.4 s; first token 15.3 s after the process
         started`` (``first_token_s``: seconds since the clock's origin)."""
-        parts = [] if self.before_origin_s is None else [f"imports {self.before_origin_s:.1f} s"]
+        parts = [] if self.before_origin_s is None else [f"interpreter {self.before_origin_s:.1f} s"]
         parts += [f"{phase.name} {phase.seconds:.1f} s" for phase in self.phases]
         text = ", ".join(parts)
         since = "the process started" if self.before_origin_s is not None else "memplan run started"

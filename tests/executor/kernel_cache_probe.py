@@ -7,6 +7,8 @@ tests.executor.kernel_cache_probe import main; main()" PROBE ARGS...`` prints on
 - ``compile CACHE``: the kernels discovery lists for tiny-qwen3 on an H200 (GEMV decode up to
   batch 2); their start-up compile through two compile processes with ``fake_compile`` (no NVVM),
   then the same call again (the start-up manifest answers); and the key of a project kernel.
+- ``startup CACHE``: ``memplan run``'s cold-start compile of the same plan for its hardware (one
+  start-up process, compiles forked from it, ``fake_compile``), then the warm start it leaves.
 - ``store KEY CACHE START ROUNDS``: once START exists, store and load one entry ROUNDS times (two
   such processes race on one key).
 """
@@ -142,6 +144,28 @@ def _compile(cache_root: Path) -> dict:
     return result
 
 
+def _startup(cache_root: Path) -> dict:
+    """memplan run's cold-start compile (a start-up process, forked compiles) for the plan's hardware,
+    then the warm start it leaves: the reports, and the entries against an in-process discovery."""
+    from executor.compile import StartupCompile, hardware_target, planned_kernels
+    from executor.kernel_compiler import target_device
+    from planner.loader import plan_from_configs
+
+    plan = plan_from_configs("tiny-qwen3", "h200", "sim", {"decode_gemv_max_batch": 2})
+    target = hardware_target(plan)
+    cache = KernelCache(cache_root)
+    result = {}
+    for attempt in ("cold", "warm"):
+        report = StartupCompile(plan, cache, None, jobs=2, target=target, compile_function=fake_compile).wait()
+        result[attempt] = {"needed": report.needed, "cached": report.cached, "compiled": report.compiled,
+                           "failed": report.failed, "uncacheable": report.uncacheable,
+                           "processes": report.processes, "from_manifest": report.from_manifest}
+    with target_device(target.arch, target.num_sms):
+        result["planned"] = sorted(kernel.key for kernel in planned_kernels(plan, target)[0])
+    result["entries"] = sorted(path.name.removesuffix(".kernel") for path in cache.entry_paths())
+    return result
+
+
 def _store(key: str, cache_root: Path, start: Path, rounds: int) -> dict:
     cache = KernelCache(cache_root)
     entry = CachedKernel(entry_name="kernel", image=bytes(range(256)) * 4096, kernel="probe.kernel",
@@ -163,6 +187,8 @@ def main() -> None:
         result = _keys(Path(args[0]))
     elif probe == "compile":
         result = _compile(Path(args[0]))
+    elif probe == "startup":
+        result = _startup(Path(args[0]))
     elif probe == "store":
         result = _store(args[0], Path(args[1]), Path(args[2]), int(args[3]))
     else:

@@ -101,4 +101,4 @@ def test_memplan_run_twice_over_one_cache_compiles_nothing_the_second_time(tmp_p
     for err in (first, second):
         assert re.search(r"  warm-up: \d+ kernels loaded from the cache, 0 compiled here", err), err
         assert re.search(r"  graph capture: \d+ kernels loaded from the cache, 0 compiled here", err), err
-        assert "start-up: imports" in err and "first token" in err
+        assert "start-up: interpreter" in err and "first token" in err

@@ -226,6 +226,15 @@ def test_the_startup_compile_fills_the_cache_through_processes_and_its_manifest_
     assert second["processes"] == 0 and second["planned"] == []  # no discovery, no process
 
 
+def test_the_run_s_cold_start_compiles_in_forks_of_one_start_up_process_and_leaves_a_warm_start(tmp_path):
+    result = _probe("startup", str(tmp_path))
+    cold, warm = result["cold"], result["warm"]
+    assert cold["failed"] == [] and cold["cached"] == 0 and cold["processes"] == 2
+    assert cold["compiled"] == len(result["planned"]) == cold["needed"] - cold["uncacheable"] > 5
+    assert result["entries"] == result["planned"]  # what the start-up process compiled, the run's discovery needs
+    assert warm["from_manifest"] and warm["compiled"] == 0 and warm["cached"] == warm["needed"] == cold["needed"]
+
+
 def test_memplan_compile_for_sm90_without_a_gpu_fills_the_cache_and_a_second_call_compiles_nothing(tmp_path):
     command = [sys.executable, "-m", "planner.cli", "compile", "--model", "tiny-qwen3", "--hardware", "h200",
                "--serving", "sim", "--kernels", "chunk_copy", "--jobs", "1", "--list"]

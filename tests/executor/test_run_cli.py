@@ -70,7 +70,7 @@ def test_random_weights_prints_one_line_per_request_and_the_report(capsys):
     assert "memplan run: done: 2 step(s), 2/2 requests finished, 4 tokens generated" in err
     startup = next(line for line in err.splitlines() if line.startswith("start-up: "))
     phases = [part.rsplit(" ", 2)[0] for part in startup.removeprefix("start-up: ").split(";")[0].split(", ")]
-    assert phases[-3:] == ["plan", "materialize", "weights"], startup
+    assert phases[-5:] == ["plan", "imports", "requests", "materialize", "weights"], startup
     assert "first token" in startup  # the simulator compiles nothing: no kernel phases
 
 

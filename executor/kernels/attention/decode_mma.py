@@ -78,7 +78,7 @@ from executor.kernels.primitives.mma import build_eight_key_value_load, build_fr
 from executor.kernels.primitives.reduce import build_group_max, build_group_sum
 from executor.kernels.primitives.vector import VECTOR_WORDS
 from executor.routing import FEW_BLOCKS_PER_SM, TENSOR_CORE_DECODE_MAX_HEAD_DIM
-from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
+from executor.numba_cuda import inlined, launch_bounds, load_cuda, simulator_enabled
 
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
@@ -238,7 +238,7 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         """Elements d and d + 1 of q[row, head] as one word of two bf16 (d's bits low)."""
         return int32((int32(q[row, head, d]) & 0xFFFF) | (int32(q[row, head, d + 1]) << 16))
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, **inlined())
     def attend(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale,
                s_sh, ring, part_sh, scratch, q_sh, new_sh, rope_sh):
@@ -399,7 +399,7 @@ def build_decode_attention_mma(head_dim: int, group_size: int, warps: int, slots
         if row >= 0:
             meet_out(s_sh, part_sh, out, row, cuda.blockIdx.x)
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, **inlined())
     def run_split(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, positions,
                   request_indices, kv_tile_indices, kv_chunk_size, total_num_rows, scale, out, partial_out,
                   partial_lse):
