@@ -202,8 +202,9 @@ class ServedModel:
 
         engine = Engine(self.model, prefix_caching=prefix_caching, overlap=overlap)
         on_step = progress(requests, len(specs)) if progress is not None else None
-        report = engine.run(requests, [specs[index].arrival_step for index in runnable], on_step=on_step,
-                            on_tokens=on_tokens if texts else None, on_finish=on_finish)
+        steps, times_s = arrivals([specs[index] for index in runnable])
+        report = engine.run(requests, steps, on_step=on_step, on_tokens=on_tokens if texts else None,
+                            on_finish=on_finish, arrival_times_s=times_s)
         return self.report(report, specs, not prefix_caching, ignore_eos)
 
     def report(self, report: EngineReport, specs: Sequence[RequestSpec], no_prefix_caching: bool,
@@ -227,6 +228,17 @@ class ServedModel:
         return RunReport(report, pools, len(specs), rejected, report.generated_tokens, report.wall_s,
                          percentile(ttfts, 50), percentile(ttfts, 99), percentile(tpots, 50), percentile(tpots, 99),
                          report.stats.preemptions, report.stats.peak_kv_pages_used, sampling, eos, text)
+
+
+def arrivals(specs: Sequence[RequestSpec]) -> tuple[list[int] | None, list[float] | None]:
+    """The engine's (arrival_steps, arrival_times_s) of ``specs``: by time when a spec sets ``arrival_s``
+    (then every one arrives by time, those without one at 0 s), else by step; RunError when a spec gives
+    a step beside another's time."""
+    if all(spec.arrival_s is None for spec in specs):
+        return [spec.arrival_step for spec in specs], None
+    if any(spec.arrival_step for spec in specs):
+        raise RunError("requests arrive by step (arrival_step) or by time (arrival_s), not both in one run")
+    return None, [0.0 if spec.arrival_s is None else spec.arrival_s for spec in specs]
 
 
 def check_fits_device(plan: MemoryPlan, simulator: bool) -> None:
