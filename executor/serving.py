@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from executor.generation import GenerationDefaults, RequestText, finished_text, read_generation_defaults
 from executor.run_report import GraphCapture, materialized_bytes, summary
+from executor.serving_figures import ServingFigures
 from executor.workload import RequestSpec, RunError, add_eos, engine_seed
 
 if TYPE_CHECKING:
@@ -82,10 +83,11 @@ class RunReport:
     sampling_defaults: str  # what requests that set no sampling parameter sampled with, and why
     eos: str
     text: str
+    figures: ServingFigures  # throughput and latency as memplan run and bench/serve.py report them
 
     @property
     def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+        return self.figures.output_tokens_per_s
 
 
 @dataclass
@@ -215,19 +217,15 @@ class ServedModel:
             sampling += f"; not applied: {', '.join(self.generation.unapplied)} (generation_config.json)"
         eos = self.generation.describe_eos(ignore_eos)
         lines = [f"weights: {self.weights_source}", f"EOS ids: {eos}", f"sampling defaults: {sampling}"]
+        figures = ServingFigures.of(report)
         text = summary(self.plan, self.arena, report, list(specs), no_prefix_caching, self.graphs, self.warm_up_s,
-                       extra_lines=lines)
-        ttfts, tpots = report.ttfts, report.tpots
-
-        def percentile(values: list[float], q: int) -> float | None:
-            return report.percentile_ms(values, q) if values else None
-
+                       extra_lines=lines, figures=figures)
         pools = tuple(PoolBytes(pool.name, pool.bytes, self.arena.pools[pool.name].numel())
                       for pool in self.plan.pools if pool.materialized)
         rejected = report.stats.rejected + sum(1 for spec in specs if spec.error is not None)
         return RunReport(report, pools, len(specs), rejected, report.generated_tokens, report.wall_s,
-                         percentile(ttfts, 50), percentile(ttfts, 99), percentile(tpots, 50), percentile(tpots, 99),
-                         report.stats.preemptions, report.stats.peak_kv_pages_used, sampling, eos, text)
+                         figures.ttft_ms_p50, figures.ttft_ms_p99, figures.tpot_ms_p50, figures.tpot_ms_p99,
+                         report.stats.preemptions, report.stats.peak_kv_pages_used, sampling, eos, text, figures)
 
 
 def arrivals(specs: Sequence[RequestSpec]) -> tuple[list[int] | None, list[float] | None]:
