@@ -30,7 +30,6 @@ its TTFT counts the time it waited for a place in a step.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ import torch
 from executor.models.decoder import DecoderModel
 from executor.page_tables import PageTables
 from executor.scheduler import FINISH_STOP, Request, ScheduledStep, Scheduler, SchedulerStats, StepChunk
+from executor.serving_figures import percentile_ms
 from executor.step import RequestChunk, plan_step
 from planner.plan import MemoryPlan
 
@@ -80,9 +80,8 @@ class EngineReport:
     def generated_tokens(self) -> int:
         return sum(len(r.output_ids) for r in self.results)
 
-    def percentile_ms(self, values: Sequence[float], q: float) -> float:
-        return 1e3 * statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else (
-            1e3 * values[0] if values else float("nan"))
+    def percentile_ms(self, values: Sequence[float], q: int) -> float:
+        return percentile_ms(values, q)
 
     @property
     def ttfts(self) -> list[float]:

@@ -7,12 +7,16 @@
   counts, also one the prefix cache held); requests/s = requests / wall;
 - TTFT: a request's first token time less its arrival time (queueing included), per request;
 - TPOT: the gaps between a request's consecutive tokens, pooled over the requests (vLLM's inter-token latency);
-- percentiles: ``EngineReport.percentile_ms`` (inclusive quantiles), in ms; None without samples.
+- percentiles: ``percentile_ms`` (inclusive quantiles), in ms; None without samples.
+
+``ServingFigures.of`` reads an engine report; ``from_samples`` takes the same counts and latency samples from
+any engine (the benchmark's HF transformers run), so both render alike.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,14 +49,19 @@ class ServingFigures:
     @classmethod
     def of(cls, report: EngineReport) -> ServingFigures:
         ran = [r for r in report.results if r.finish_reason != FINISH_REJECTED]
-        ttfts, tpots = report.ttfts, report.tpots
+        return cls.from_samples(len(ran), sum(r.prompt_len for r in ran), sum(len(r.output_ids) for r in ran),
+                                report.wall_s, report.ttfts, report.tpots)
 
-        def percentile(values: list[float], q: int) -> float | None:
-            return report.percentile_ms(values, q) if values else None
+    @classmethod
+    def from_samples(cls, requests: int, prompt_tokens: int, output_tokens: int, wall_s: float,
+                     ttfts_s: Sequence[float], tpots_s: Sequence[float]) -> ServingFigures:
+        """The figures of ``requests`` that ran in ``wall_s``, from their TTFTs and token gaps in seconds."""
 
-        return cls(len(ran), sum(r.prompt_len for r in ran), sum(len(r.output_ids) for r in ran), report.wall_s,
-                   percentile(ttfts, 50), percentile(ttfts, 99), percentile(tpots, 50), percentile(tpots, 99),
-                   len(ttfts), len(tpots))
+        def percentile(values: Sequence[float], q: int) -> float | None:
+            return percentile_ms(values, q) if values else None
+
+        return cls(requests, prompt_tokens, output_tokens, wall_s, percentile(ttfts_s, 50), percentile(ttfts_s, 99),
+                   percentile(tpots_s, 50), percentile(tpots_s, 99), len(ttfts_s), len(tpots_s))
 
     def _per_s(self, count: int) -> float:
         return count / self.wall_s if self.wall_s > 0 else math.nan
@@ -86,6 +95,14 @@ class ServingFigures:
     def markdown_row(self, leading: Sequence[str] = (), trailing: Sequence[str] = ()) -> str:
         """A markdown table row: ``leading`` cells, the MARKDOWN_HEADERS cells, ``trailing`` cells."""
         return markdown_line([*leading, *self.markdown_cells(), *trailing])
+
+
+def percentile_ms(values_s: Sequence[float], q: int) -> float:
+    """The ``q``-th percentile (1-99) of ``values_s`` in ms: inclusive quantiles (linear interpolation at
+    q x (n - 1) / 100 of the sorted values); one value is itself, none is NaN."""
+    if len(values_s) > 1:
+        return 1e3 * statistics.quantiles(values_s, n=100, method="inclusive")[q - 1]
+    return 1e3 * values_s[0] if values_s else math.nan
 
 
 def markdown_header(leading: Sequence[str] = (), trailing: Sequence[str] = ()) -> str:

@@ -47,3 +47,11 @@ def test_figures_render_as_lines_and_a_markdown_row():
     assert header[1].count("---:") == len(MARKDOWN_HEADERS) + 1
     assert figures.markdown_row(["tiny"], ["1.00"]) == (
         "| tiny | 2 | 1.2 | 5.2 | 0.50 | 1,250.0 | 1,985.0 | 500.00 | 990.00 | 4.00 | 1.00 |")
+
+
+def test_figures_from_samples_match_the_engine_reports():
+    """Another engine's counts and samples (the benchmark's HF run) give the same figures as the report's."""
+    assert ServingFigures.from_samples(2, 16, 5, 4.0, [0.5, 2.0], [0.25, 0.5, 1.0]) == ServingFigures.of(_report())
+    one = ServingFigures.from_samples(1, 3, 1, 2.0, [0.125], [])
+    assert (one.ttft_ms_p50, one.ttft_ms_p99, one.tpot_ms_p50, one.tpot_samples) == (125.0, 125.0, None, 0)
+    assert one.markdown_cells()[6:8] == ["n/a", "n/a"]
