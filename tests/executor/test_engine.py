@@ -1,8 +1,8 @@
 """The engine on tiny models in the simulator: continuous batching gives every request the
 output it gets alone (greedy or seeded sampling), with prefix caching on or off and with the
 overlapped loop or the synchronous one, also after a warm-up, with requests arriving by step or by
-wall clock, and at a larger batch and prefill budget than sim.yaml's; a request the plan cannot
-hold is rejected while the rest runs."""
+wall clock, and at a larger batch and prefill budget than sim.yaml's, also with prompts split into
+chunks; a request the plan cannot hold is rejected while the rest runs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import executor.engine
 from executor.engine import Engine, warm_up
 from executor.scheduler import Request
-from tests.executor.harness import load_tiny, shared_tiny
+from tests.executor.harness import load_tiny, perturb_norms, shared_tiny
 
 
 def _workload(vocab: int) -> tuple[list[list[int]], list[int], list[int]]:
@@ -142,3 +142,23 @@ def test_a_larger_batch_and_prefill_budget_give_each_request_its_solo_output():
     alone = _alone("tiny-qwen3")
     assert _outputs(report) == [alone[c] for c in COPIES]
     assert report.stats.peak_running == len(COPIES)  # all eight in one batch
+
+
+#: The same eight copies on max_batch 8 with a prefill budget of 12 tokens: their 36 prompt tokens take
+#: several steps, a request's prompt is split across steps (Qwen3.5's recurrent state carried between its
+#: chunks) and later chunks share steps with the decode rows of requests already prefilled.
+CHUNKED = dict(max_batch=8, max_prefill_tokens=12)
+
+
+def test_chunked_prefill_at_a_larger_batch_gives_each_request_its_solo_output():
+    """Qwen3.5: eight recurrent slots and prompts split across steps (Qwen3's larger batch is the test above)."""
+    name = "tiny-qwen3.5"
+    loaded = load_tiny(name, **CHUNKED)  # the weights of shared_tiny(name): the same seeds and perturbed norms
+    perturb_norms(loaded)
+    prompts, new_tokens, _ = _workload(loaded.plan.model.vocab_size)
+    requests = [Request(i, prompts[c], new_tokens[c], **SAMPLED.get(c, {})) for i, c in enumerate(COPIES)]
+    report = Engine(loaded.model).run(requests)
+    alone = _alone(name)
+    assert _outputs(report) == [alone[c] for c in COPIES]
+    assert report.stats.peak_running == len(COPIES)
+    assert sum(len(prompts[c]) for c in COPIES) > 2 * CHUNKED["max_prefill_tokens"]  # three prefill steps at least
