@@ -63,6 +63,7 @@ from bench.common import (  # noqa: E402
 if TYPE_CHECKING:
     import torch
 
+    from executor.engine import EngineReport
     from executor.serving import ServedModel
     from executor.serving_figures import ServingFigures
     from planner.ideal_time import IdealTime, WorkloadCost
@@ -115,7 +116,8 @@ class Row:
     workload: Workload
     figures: ServingFigures | None
     ideal: IdealTime
-    note: str = ""
+    note: str = ""  # why an HF run has no figures
+    counters: str = ""  # memplan's steps, batch, preemptions, prefix hits and allocations after warm-up
 
 
 # -- workloads ------------------------------------------------------------------------------------------------------
@@ -187,7 +189,8 @@ def serving_plan(model_name: str, args: argparse.Namespace) -> MemoryPlan:
                       args.gpu_memory_utilization)
 
 
-def run_memplan(served: ServedModel, workload: Workload, args: argparse.Namespace) -> ServingFigures:
+def run_memplan(served: ServedModel, workload: Workload, args: argparse.Namespace) -> tuple[ServingFigures, str]:
+    """The workload's figures and the engine's counters (see ``counters``)."""
     from executor.workload import SHARED_PREFIX_ARRIVAL_STEP, RequestSpec
 
     specs = [RequestSpec(list(prompt), output, seed=args.seed,
@@ -200,7 +203,17 @@ def run_memplan(served: ServedModel, workload: Workload, args: argparse.Namespac
     if ran.requests != len(specs) or ran.output_tokens != sum(workload.outputs):
         raise SystemExit(f"{workload.label}: memplan ran {ran.requests} of {len(specs)} requests and "
                          f"{ran.output_tokens} of {sum(workload.outputs)} tokens (rejected: {report.rejected})")
-    return ran
+    return ran, counters(report.engine)
+
+
+def counters(report: EngineReport) -> str:
+    """Where a serving run's time can go: steps, the largest batch, preemptions, prefix-cache hits, KV pages at
+    peak and allocations after warm-up (CUDA)."""
+    stats = report.stats
+    allocations = "n/a" if report.allocations_after_warmup is None else f"{report.allocations_after_warmup:,}"
+    return (f"{report.steps:,} steps, peak batch {stats.peak_running:,}, {stats.preemptions:,} preemptions, prefix "
+            f"hits {stats.prefix_hit_rate:.1%}, peak KV pages {stats.peak_kv_pages_used:,} of "
+            f"{stats.kv_pages_usable:,}, allocations after warm-up {allocations}")
 
 
 def warm_up(served: ServedModel, workload: Workload, args: argparse.Namespace, vocab: int) -> None:
@@ -313,9 +326,9 @@ def bench_model(model_name: str, args: argparse.Namespace) -> tuple[list[Row], l
         if index == 0:
             warm_up(served, workload, args, vocab)
         log(f"{name}: memplan {workload.label}")
-        figures = run_memplan(served, workload, args)
-        log(f"{name}: {figures.lines()[0]}; ideal {ideal.total_s:.3f} s")
-        rows.append(Row("memplan", name, workload, figures, ideal))
+        figures, engine_counters = run_memplan(served, workload, args)
+        log(f"{name}: {figures.lines()[0]}; ideal {ideal.total_s:.3f} s; {engine_counters}")
+        rows.append(Row("memplan", name, workload, figures, ideal, counters=engine_counters))
         costs.append((workload.label, cost))
         workloads.append(workload)
     if args.hf:
@@ -357,7 +370,7 @@ def figures_table(rows: Sequence[Row]) -> str:
     for row in rows:
         leading = [row.engine, row.model, row.workload.label]
         if row.figures is None:
-            lines.append(markdown_line([*leading, *(["-"] * len(MARKDOWN_HEADERS)), f"{row.ideal.total_s:,.3g}",
+            lines.append(markdown_line([*leading, *(["-"] * len(MARKDOWN_HEADERS)), seconds(row.ideal.total_s),
                                         "-", row.note]))
             continue
         share = versus = "-"  # an arrival workload's wall is its arrivals'
@@ -365,8 +378,13 @@ def figures_table(rows: Sequence[Row]) -> str:
         if row.workload.arrivals_s is None:
             share = f"{row.ideal.total_s / row.figures.wall_s:.1%}"
             versus = f"{reference / row.figures.wall_s:,.1f}x" if row.engine == "memplan" and reference else "-"
-        lines.append(row.figures.markdown_row(leading, [f"{row.ideal.total_s:,.3g}", share, versus]))
+        lines.append(row.figures.markdown_row(leading, [seconds(row.ideal.total_s), share, versus]))
     return "\n".join(lines)
+
+
+def seconds(value: float) -> str:
+    """Seconds with two decimals, or three significant digits below one second (the simulator's tiny ideals)."""
+    return f"{value:,.2f}" if value >= 1 else f"{value:.3g}"
 
 
 def ideal_table(model: str, costs: Sequence[tuple[str, WorkloadCost]], rates: Rates) -> str:
@@ -436,7 +454,9 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     info = run_info(torch.device("cpu" if args.smoke else "cuda"))
+    engine_lines = "\n".join(f"- {r.model}, {r.workload.label}: {r.counters}" for r in rows if r.counters)
     body = "\n\n".join([f"tree {tree()}; " + "; ".join(rates_lines), figures_table(rows),
+                        "memplan's engine counters:", engine_lines,
                         "Ideal time of each workload (planner/ideal_time.py):", *ideal_tables])
     emit("Serving throughput against the ideal time (bench/serve.py)", info, body, args.out)
 
