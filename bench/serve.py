@@ -25,7 +25,9 @@ The engine runs as ``memplan run`` runs it: ``executor.serving.ServedModel`` (on
 decode graphs captured on the GPU, the same scheduler, overlap and prefix caching), with
 ``--warmup-requests`` requests of 2 new tokens run untimed first. The plan is the serving config's with
 ``--max-batch`` / ``--max-prefill-tokens`` over it, ``max_context`` the longest request of the run, and
-the memory share that holds ``max_batch`` such requests (``--gpu-memory-utilization`` to set it).
+the memory share that holds ``max_batch`` such requests (``--gpu-memory-utilization`` to set it). Lists of
+either (``--max-batch 64,128,256``) run every workload at each combination, one plan and served model after
+the other: the serving defaults are chosen from such a sweep.
 
 Ideal time (planner/ideal_time.py): the workload's prefill FLOPs at the measured matmul rate (``torch.matmul``
 of two ``--matmul-size``^2 matrices in the weights' dtype) plus, per decode step of at most max_batch rows in
@@ -113,6 +115,7 @@ class Workload:
 class Row:
     engine: str  # "memplan" or "HF <version>"
     model: str
+    serving: str  # memplan's max_batch and max_prefill_tokens ("-" for HF)
     workload: Workload
     figures: ServingFigures | None
     ideal: IdealTime
@@ -179,12 +182,13 @@ def longest_request(args: argparse.Namespace) -> int:
 # -- memplan --------------------------------------------------------------------------------------------------------
 
 
-def serving_plan(model_name: str, args: argparse.Namespace) -> MemoryPlan:
+def serving_plan(model_name: str, args: argparse.Namespace, max_batch: int | None,
+                 max_prefill_tokens: int | None) -> MemoryPlan:
+    """The serving config's plan with ``max_batch`` / ``max_prefill_tokens`` over it (None: the config's)."""
     from planner.loader import load_serving
 
-    overrides = {"max_context": longest_request(args), "max_batch": args.max_batch,
-                 "max_prefill_tokens": args.max_prefill_tokens}
-    batch = args.max_batch or load_serving(args.serving).max_batch
+    overrides = {"max_context": longest_request(args), "max_batch": max_batch, "max_prefill_tokens": max_prefill_tokens}
+    batch = max_batch or load_serving(args.serving).max_batch
     return sized_plan(model_name, args.hardware, args.serving, overrides, min(batch, args.num_requests),
                       args.gpu_memory_utilization)
 
@@ -300,14 +304,27 @@ def measure_rates(device: torch.device, dtype: str, args: argparse.Namespace) ->
     return Rates(matmul, copy, dtype, args.matmul_size, args.copy_bytes)
 
 
-def bench_model(model_name: str, args: argparse.Namespace) -> tuple[list[Row], list[tuple[str, WorkloadCost]], Rates]:
+@dataclass(frozen=True)
+class ServingRun:
+    """One model at one serving config: its rows, the work of each workload and the rates it was measured at."""
+
+    model: str
+    serving: str
+    rows: list[Row]
+    costs: list[tuple[str, WorkloadCost]]
+    rates: Rates
+
+
+def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None, max_prefill_tokens: int | None,
+                with_hf: bool) -> ServingRun:
+    """Every workload through memplan at one serving config, then (``with_hf``) through HF."""
     from executor.serving import RANDOM_WEIGHTS, ServedModel
     from planner.ideal_time import workload_cost
 
-    plan = serving_plan(model_name, args)
-    name = plan.model.name
-    log(f"{name}: max_batch {plan.capacity.max_batch}, max_prefill_tokens {plan.serving.max_prefill_tokens}, "
-        f"max_context {plan.capacity.max_context}, gpu_memory_utilization {plan.serving.gpu_memory_utilization}")
+    plan = serving_plan(model_name, args, max_batch, max_prefill_tokens)
+    name, serving = plan.model.name, serving_label(plan)
+    log(f"{name}: {serving}, max_context {plan.capacity.max_context}, gpu_memory_utilization "
+        f"{plan.serving.gpu_memory_utilization}")
     served = ServedModel.open(plan, "sim" if args.smoke else "cuda", weights=RANDOM_WEIGHTS, seed=args.seed,
                               eager=args.eager, log=sys.stderr)
     device = served.model.device.torch_device
@@ -328,14 +345,18 @@ def bench_model(model_name: str, args: argparse.Namespace) -> tuple[list[Row], l
         log(f"{name}: memplan {workload.label}")
         figures, engine_counters = run_memplan(served, workload, args)
         log(f"{name}: {figures.lines()[0]}; ideal {ideal.total_s:.3f} s; {engine_counters}")
-        rows.append(Row("memplan", name, workload, figures, ideal, counters=engine_counters))
+        rows.append(Row("memplan", name, serving, workload, figures, ideal, counters=engine_counters))
         costs.append((workload.label, cost))
         workloads.append(workload)
-    if args.hf:
-        del served
-        free_device_memory(device)
+    del served
+    free_device_memory(device)
+    if with_hf:
         rows += hf_rows(plan, workloads, [r.ideal for r in rows], args, device)
-    return rows, costs, rates
+    return ServingRun(name, serving, rows, costs, rates)
+
+
+def serving_label(plan: MemoryPlan) -> str:
+    return f"batch {plan.capacity.max_batch}, prefill {plan.serving.max_prefill_tokens:,}"
 
 
 def hf_rows(plan: MemoryPlan, workloads: Sequence[Workload], ideals: Sequence[IdealTime], args: argparse.Namespace,
@@ -348,11 +369,11 @@ def hf_rows(plan: MemoryPlan, workloads: Sequence[Workload], ideals: Sequence[Id
     for workload, ideal in zip(workloads, ideals):
         log(f"{engine} {model}: {workload.label}")
         try:
-            rows.append(Row(engine, model, workload, run_hf(hf, workload), ideal))
+            rows.append(Row(engine, model, "-", workload, run_hf(hf, workload), ideal))
         except Exception as error:  # report it beside memplan's figures rather than lose them
             log(f"{engine} {model}: {type(error).__name__}: {error}")
             message = str(error).splitlines()[0][:NOTE_CHARS] if str(error) else ""
-            rows.append(Row(engine, model, workload, None, ideal, f"failed: {type(error).__name__}: {message}"))
+            rows.append(Row(engine, model, "-", workload, None, ideal, f"failed: {type(error).__name__}: {message}"))
     del hf
     free_device_memory(device)
     return rows
@@ -366,9 +387,9 @@ def figures_table(rows: Sequence[Row]) -> str:
 
     hf_wall = {(r.model, r.workload.label): r.figures.wall_s for r in rows
                if r.engine != "memplan" and r.figures is not None}
-    lines = [markdown_header(["engine", "model", "workload"], ["ideal s", "ideal / wall", "x HF"])]
+    lines = [markdown_header(["engine", "model", "serving", "workload"], ["ideal s", "ideal / wall", "x HF"])]
     for row in rows:
-        leading = [row.engine, row.model, row.workload.label]
+        leading = [row.engine, row.model, row.serving, row.workload.label]
         if row.figures is None:
             lines.append(markdown_line([*leading, *(["-"] * len(MARKDOWN_HEADERS)), seconds(row.ideal.total_s),
                                         "-", row.note]))
@@ -387,16 +408,16 @@ def seconds(value: float) -> str:
     return f"{value:,.2f}" if value >= 1 else f"{value:.3g}"
 
 
-def ideal_table(model: str, costs: Sequence[tuple[str, WorkloadCost]], rates: Rates) -> str:
+def ideal_table(runs: Sequence[ServingRun]) -> str:
     rows = []
-    for label, cost in costs:
-        ideal = cost.ideal(rates.matmul_flops_per_s, rates.copy_bytes_per_s)
-        rows.append([model, label, f"{cost.prefill_tokens:,}", fmt(cost.prefill_flops / 1e12, 1),
-                     fmt(ideal.prefill_s, 3), f"{ideal.decode_steps:,}", fmt(cost.decode_bytes / 1e9, 1),
-                     fmt(ideal.decode_s, 3), f"{ideal.compute_bound_steps:,}", fmt(ideal.total_s, 3)])
-    headers = ["model", "workload", "prefill tokens", "prefill TFLOP", "prefill s", "decode steps", "decode GB",
-               "decode s", "compute-bound steps", "ideal s"]
-    return markdown_table(headers, rows, [False, False] + [True] * 8)
+    for run, (label, cost) in ((run, item) for run in runs for item in run.costs):
+        ideal = cost.ideal(run.rates.matmul_flops_per_s, run.rates.copy_bytes_per_s)
+        rows.append([run.model, run.serving, label, f"{cost.prefill_tokens:,}", fmt(cost.prefill_flops / 1e12, 1),
+                     seconds(ideal.prefill_s), f"{ideal.decode_steps:,}", fmt(cost.decode_bytes / 1e9, 1),
+                     seconds(ideal.decode_s), f"{ideal.compute_bound_steps:,}", seconds(ideal.total_s)])
+    headers = ["model", "serving", "workload", "prefill tokens", "prefill TFLOP", "prefill s", "decode steps",
+               "decode GB", "decode s", "compute-bound steps", "ideal s"]
+    return markdown_table(headers, rows, [False, False, False] + [True] * 8)
 
 
 def tree() -> str:
@@ -422,8 +443,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--request-rate", type=float, default=None, help="poisson: requests/s")
     parser.add_argument("--rate-fraction", type=float, default=0.7,
                         help="poisson without --request-rate: this share of the measured requests/s (default 0.7)")
-    parser.add_argument("--max-batch", type=int, default=None, help="serving max_batch over the serving config's")
-    parser.add_argument("--max-prefill-tokens", type=int, default=None, help="serving max_prefill_tokens")
+    parser.add_argument("--max-batch", type=int_list, default=None,
+                        help="serving max_batch over the serving config's; a list (64,128,256) runs each")
+    parser.add_argument("--max-prefill-tokens", type=int_list, default=None,
+                        help="serving max_prefill_tokens; a list runs each (with each --max-batch)")
     parser.add_argument("--warmup-requests", type=int, default=None, help="untimed requests first (default 8)")
     parser.add_argument("--matmul-size", type=int, default=None, help="default 8192")
     parser.add_argument("--copy-bytes", type=int, default=None, help="default 1 GiB")
@@ -445,19 +468,19 @@ def main(argv: list[str] | None = None) -> None:
     from executor.serving import choose_simulator
 
     choose_simulator("sim" if args.smoke else "cuda")  # before numba.cuda loads
-    rows, ideal_tables, rates_lines = [], [], []
+    runs = []
     for model_name in args.models:
-        model_rows, costs, rates = bench_model(model_name, args)
-        rows += model_rows
-        ideal_tables.append(ideal_table(model_rows[0].model, costs, rates))
-        rates_lines.append(f"{model_rows[0].model}: {rates.line()}")
+        configs = [(b, t) for b in args.max_batch or [None] for t in args.max_prefill_tokens or [None]]
+        for index, (max_batch, max_prefill_tokens) in enumerate(configs):  # HF once a model: it has no such config
+            runs.append(bench_model(model_name, args, max_batch, max_prefill_tokens, args.hf and index == 0))
     import torch
 
     info = run_info(torch.device("cpu" if args.smoke else "cuda"))
-    engine_lines = "\n".join(f"- {r.model}, {r.workload.label}: {r.counters}" for r in rows if r.counters)
-    body = "\n\n".join([f"tree {tree()}; " + "; ".join(rates_lines), figures_table(rows),
-                        "memplan's engine counters:", engine_lines,
-                        "Ideal time of each workload (planner/ideal_time.py):", *ideal_tables])
+    rows = [row for run in runs for row in run.rows]
+    rates = "; ".join(f"{run.model} ({run.serving}): {run.rates.line()}" for run in runs)
+    engine_lines = "\n".join(f"- {r.model} ({r.serving}), {r.workload.label}: {r.counters}" for r in rows if r.counters)
+    body = "\n\n".join([f"tree {tree()}; {rates}", figures_table(rows), "memplan's engine counters:", engine_lines,
+                        "Ideal time of each workload (planner/ideal_time.py):", ideal_table(runs)])
     emit("Serving throughput against the ideal time (bench/serve.py)", info, body, args.out)
 
 

@@ -22,13 +22,14 @@ def test_serve_smoke_writes_the_figures_beside_the_ideal_time(tmp_path):
     text = out.read_text()
     assert "## Serving throughput against the ideal time (bench/serve.py)" in text
     assert "Numba CUDA simulator" in text and "torch " in text and "UTC" in text
-    rows = {line.split(" | ")[2]: line.strip("| ").split(" | ") for line in text.splitlines()
+    rows = {line.split(" | ")[3]: line.strip("| ").split(" | ") for line in text.splitlines()
             if line.startswith("| memplan |")}
     fixed, poisson = rows["fixed 2 x (3 -> 2)"], rows["poisson 2 x (3 -> 2), 50.00 req/s"]
     # requests, then ... the ideal share: a percentage for the throughput workload, none under arrivals
-    assert fixed[3] == "2" and fixed[-2].endswith("%") and float(fixed[-3]) > 0
-    assert poisson[3] == "2" and poisson[-2] == "-"
+    assert fixed[2] == "batch 4, prefill 16"  # sim.yaml's
+    assert fixed[4] == "2" and fixed[-2].endswith("%") and float(fixed[-3]) > 0
+    assert poisson[4] == "2" and poisson[-2] == "-"
     # the ideal table: 2 x 3 prompt tokens computed; one decode row each (the first token is the prefill's), one step
-    ideal = next(line for line in text.splitlines() if line.startswith("| tiny-qwen3 | fixed"))
+    ideal = next(line for line in text.splitlines() if line.startswith("| tiny-qwen3 | batch 4, prefill 16 | fixed"))
     cells = ideal.strip("| ").split(" | ")
-    assert (cells[2], cells[5]) == ("6", "1")
+    assert (cells[3], cells[6]) == ("6", "1")

@@ -32,9 +32,9 @@ def test_serve_runs_every_workload_within_the_physical_limit(model, tmp_path):
     print(done.stdout)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [line.strip("| ").split(" | ") for line in out.read_text().splitlines() if line.startswith("| memplan |")]
-    assert [row[2].split()[0] for row in rows] == ["fixed", "random", "shared-prefix", "poisson"]
+    assert [row[3].split()[0] for row in rows] == ["fixed", "random", "shared-prefix", "poisson"]
     for row in rows:
-        assert row[3] == "128", row  # every request ran (bench/serve.py also checks every token)
+        assert row[4] == "128", row  # every request ran (bench/serve.py also checks every token)
         if row[-2] != "-":  # the throughput workloads: a share of the ideal, at most the whole of it
             assert 0 < float(row[-2].rstrip("%")) / 100 <= RATE_SPREAD, row
     allocations = re.findall(r"allocations after warm-up ([0-9,]+)", out.read_text())
