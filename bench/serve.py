@@ -468,6 +468,12 @@ def main(argv: list[str] | None = None) -> None:
     from executor.serving import choose_simulator
 
     choose_simulator("sim" if args.smoke else "cuda")  # before numba.cuda loads
+    from executor.device import DeviceError, open_device
+
+    try:
+        open_device("sim" if args.smoke else "cuda")
+    except DeviceError as error:
+        raise SystemExit(f"bench/serve.py: {error} (--smoke runs tiny configs in the simulator)") from None
     runs = []
     for model_name in args.models:
         configs = [(b, t) for b in args.max_batch or [None] for t in args.max_prefill_tokens or [None]]
