@@ -20,7 +20,9 @@ following step. A step moves every weight once (all weights but the embedding ta
 only when tied) plus its rows' KV and state bytes, and computes its rows' FLOPs as prefill does per token.
 
 Ideal seconds = prefill FLOPs / matmul rate + the sum over decode steps of max(step bytes / copy bandwidth,
-step FLOPs / matmul rate): a step is bound by the larger of the two.
+step FLOPs / matmul rate): a step is bound by the larger of the two. The parts add up as if prefill and decode
+ran in steps of their own; an engine that runs decode rows inside prefill steps can hide some decode traffic
+under prefill compute, so the prefill part alone is the bound no schedule beats.
 """
 
 from __future__ import annotations
