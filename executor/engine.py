@@ -17,11 +17,19 @@ host buffers by an asynchronous copy ordered after the step, so the next
 step's sampler cannot overwrite them before they are read. A request that
 stops on a stop id has computed one more row, which is dropped. Outputs are
 the same as without overlap.
+
+Arrivals: by step (``arrival_steps``: request i joins the scheduler before step
+``arrival_steps[i]``) or by wall clock (``arrival_times_s``: request i joins once
+the engine's clock, seconds since ``run`` started, passes ``arrival_times_s[i]``).
+Arrivals are checked before every step is scheduled, with a step in flight or
+not; when nothing runs or is in flight and the next arrival is in the future,
+the engine sleeps until it. A request's ``arrival_s`` is its arrival time, so
+its TTFT counts the time it waited for a place in a step.
 """
 
 from __future__ import annotations
 
-import statistics
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +39,7 @@ import torch
 from executor.models.decoder import DecoderModel
 from executor.page_tables import PageTables
 from executor.scheduler import FINISH_STOP, Request, ScheduledStep, Scheduler, SchedulerStats, StepChunk
+from executor.serving_figures import percentile_ms
 from executor.step import RequestChunk, plan_step
 from planner.plan import MemoryPlan
 
@@ -71,9 +80,8 @@ class EngineReport:
     def generated_tokens(self) -> int:
         return sum(len(r.output_ids) for r in self.results)
 
-    def percentile_ms(self, values: Sequence[float], q: float) -> float:
-        return 1e3 * statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else (
-            1e3 * values[0] if values else float("nan"))
+    def percentile_ms(self, values: Sequence[float], q: int) -> float:
+        return percentile_ms(values, q)
 
     @property
     def ttfts(self) -> list[float]:
@@ -101,23 +109,25 @@ class Engine:
     def run(self, requests: Sequence[Request], arrival_steps: Sequence[int] | None = None,
             on_step: Callable[[int], None] | None = None,
             on_tokens: Callable[[Request, list[int]], bool] | None = None,
-            on_finish: Callable[[RequestResult], None] | None = None) -> EngineReport:
-        """Run ``requests`` to completion. ``arrival_steps[i]``: the step before which request i arrives
-        (all at step 0 by default). ``on_step(steps_done)`` runs after every step (progress reports).
+            on_finish: Callable[[RequestResult], None] | None = None, *,
+            arrival_times_s: Sequence[float] | None = None) -> EngineReport:
+        """Run ``requests`` to completion. ``arrival_steps[i]``: the step before which request i arrives;
+        ``arrival_times_s[i]``: the second (since the run started) from which it does (give at most one of
+        the two; all at step 0 by default). ``on_step(steps_done)`` runs after every step (progress reports).
         ``on_tokens(request, new_ids)`` runs when a step gave a request ids (text, streaming); True
         finishes the request there as "stop" (a stop string in its text). ``on_finish(result)`` runs
         once per request as it finishes (a rejected one at its arrival), its result complete.
         Returns one result per request, in input order."""
-        arrivals = list(arrival_steps) if arrival_steps is not None else [0] * len(requests)
-        pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
+        arrivals = Arrivals.of(len(requests), arrival_steps, arrival_times_s)
         results = {id(r): RequestResult(r.request_id, len(r.prompt_ids), [], None, None, 0.0) for r in requests}
         by_id = {r.request_id: r for r in requests}
         start, steps, allocations_start = time.perf_counter(), 0, None
         in_flight: tuple[ScheduledStep, int] | None = None  # a launched step and its read-back buffer
-        while pending or self.scheduler.has_unfinished or in_flight is not None:
-            while pending and arrivals[pending[0]] <= steps:
-                request = requests[pending.pop(0)]
-                results[id(request)].arrival_s = time.perf_counter() - start
+        while arrivals.pending or self.scheduler.has_unfinished or in_flight is not None:
+            now = time.perf_counter() - start
+            for index in arrivals.due(steps, now):
+                request = requests[index]
+                results[id(request)].arrival_s = arrivals.arrival_s(index, now)
                 if not self.scheduler.add(request):  # rejected: finished at its arrival
                     _finish_result(results[id(request)], request, on_finish)
             step = self.scheduler.schedule() if self.overlap or in_flight is None else None
@@ -130,7 +140,7 @@ class Engine:
                 launched = (step, self.read_back.start(sampled, steps))
                 steps += 1
             elif in_flight is None:  # idle until the next arrival
-                steps = max(steps, arrivals[pending[0]]) if pending else steps
+                steps = arrivals.idle(steps, time.perf_counter() - start)
                 continue
             if in_flight is not None:
                 done, buffer = in_flight
@@ -162,6 +172,63 @@ class Engine:
         grown = None if allocations_start is None or end_count is None else end_count - allocations_start
         return EngineReport([results[id(r)] for r in requests], self.scheduler.stats(), self.prefix_caching,
                             self.overlap, steps, time.perf_counter() - start, grown)
+
+
+class Arrivals:
+    """When each request of a run joins the scheduler: before a step index, or from a second of the
+    engine's clock; requests arrive earliest first (ties in input order)."""
+
+    def __init__(self, steps: Sequence[int] | None, times_s: Sequence[float] | None):
+        self.steps, self.times_s = steps, times_s
+        keys = steps if steps is not None else times_s
+        self._order = sorted(range(len(keys)), key=lambda i: keys[i])
+        self._next = 0  # requests in _order before this one have arrived
+
+    @classmethod
+    def of(cls, count: int, steps: Sequence[int] | None, times_s: Sequence[float] | None) -> Arrivals:
+        """The arrivals of ``count`` requests; ValueError when both kinds are given, when one has the wrong
+        length, or when a time is negative or not finite."""
+        if steps is not None and times_s is not None:
+            raise ValueError("give arrival_steps or arrival_times_s, not both")
+        if times_s is not None:
+            times = [float(t) for t in times_s]
+            if len(times) != count or not all(math.isfinite(t) and t >= 0 for t in times):
+                raise ValueError(f"arrival_times_s: {count} finite times >= 0 needed, got {times}")
+            return cls(None, times)
+        given = [0] * count if steps is None else [int(step) for step in steps]
+        if len(given) != count:
+            raise ValueError(f"arrival_steps: {len(given)} values for {count} requests")
+        return cls(given, None)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a request is yet to arrive."""
+        return self._next < len(self._order)
+
+    def due(self, steps: int, now_s: float) -> list[int]:
+        """Take the requests that have arrived before step ``steps`` at ``now_s`` seconds, in arrival order."""
+        keys, clock = (self.steps, steps) if self.steps is not None else (self.times_s, now_s)
+        first = self._next
+        while self._next < len(self._order) and keys[self._order[self._next]] <= clock:
+            self._next += 1
+        return self._order[first:self._next]
+
+    def arrival_s(self, index: int, now_s: float) -> float:
+        """Request ``index``'s arrival on the engine's clock: its arrival time, or now for a step arrival."""
+        return self.times_s[index] if self.times_s is not None else now_s
+
+    def idle(self, steps: int, now_s: float) -> int:
+        """Nothing runs and nothing is in flight: wait for the next arrival. By step, the step counter
+        jumps to it (returned); by time, sleep until it."""
+        if not self.pending:
+            return steps
+        upcoming = self._order[self._next]
+        if self.steps is not None:
+            return max(steps, self.steps[upcoming])
+        wait_s = self.times_s[upcoming] - now_s
+        if wait_s > 0:
+            time.sleep(wait_s)
+        return steps
 
 
 def warm_up(model: DecoderModel) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from executor.serving_figures import ServingFigures
+
 if TYPE_CHECKING:
     from executor.arena import Arena
     from executor.engine import EngineReport
@@ -30,9 +32,10 @@ def materialized_bytes(plan: MemoryPlan) -> int:
 
 def summary(plan: MemoryPlan, arena: Arena, report: EngineReport, specs: list[RequestSpec],
             no_prefix_caching: bool, graphs: GraphCapture | None = None, warm_up_s: float | None = None,
-            extra_lines: list[str] | None = None) -> str:
+            extra_lines: list[str] | None = None, figures: ServingFigures | None = None) -> str:
     """The stderr report: planned vs allocated bytes, the allocator's view, throughput, latency, capacities;
-    ``extra_lines`` (weights, EOS and sampling defaults) after the requests' line."""
+    ``extra_lines`` (weights, EOS and sampling defaults) after the requests' line, then the throughput and
+    latency lines of ``figures`` (executor.serving_figures; computed from ``report`` when None)."""
     device, stats, cap = arena.device, report.stats, plan.capacity
     rejected = stats.rejected + sum(1 for spec in specs if spec.error is not None)
     lines = [f"memplan run: {plan.model.name} on {plan.hardware.name} (device {device.kind}), "
@@ -48,12 +51,10 @@ def summary(plan: MemoryPlan, arena: Arena, report: EngineReport, specs: list[Re
         lines.append(f"warm-up: one prefill and one decode step before the clock started, {warm_up_s:.2f} s "
                      "(first-call kernel loading or compilation)")
     lines.append(f"decode graphs: {_graphs_line(plan, arena, graphs)}")
-    tokens_per_s = report.generated_tokens / report.wall_s if report.wall_s > 0 else float("nan")
     lines.append(f"requests: {len(specs)} ({len(specs) - rejected} run, {rejected} rejected); "
-                 f"{report.generated_tokens} tokens generated in {report.wall_s:.3f} s = {tokens_per_s:,.1f} tokens/s")
+                 f"{report.generated_tokens} tokens generated")
     lines += extra_lines or []
-    lines.append(f"TTFT: {_percentiles(report, report.ttfts)}")
-    lines.append(f"TPOT: {_percentiles(report, report.tpots)}")
+    lines += (figures if figures is not None else ServingFigures.of(report)).lines()
     lines.append("scheduling: " + ("overlapped (the next step launched before the last one's ids are read)"
                                    if report.overlap else "step by step (--no-overlap)"))
     lines.append(f"prefix cache: {_prefix_line(report, no_prefix_caching)}")
@@ -64,13 +65,6 @@ def summary(plan: MemoryPlan, arena: Arena, report: EngineReport, specs: list[Re
     lines.append(f"preemptions: {stats.preemptions}")
     lines.append(f"allocations after warm-up: {_allocations_line(report, device.is_sim)}")
     return "\n".join(lines)
-
-
-def _percentiles(report: EngineReport, values: list[float]) -> str:
-    if not values:
-        return "n/a (no samples)"
-    return (f"p50 {report.percentile_ms(values, 50):,.3f} ms, p99 {report.percentile_ms(values, 99):,.3f} ms "
-            f"({len(values)} samples)")
 
 
 def _prefix_line(report: EngineReport, no_prefix_caching: bool) -> str:

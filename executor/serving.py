@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from executor.generation import GenerationDefaults, RequestText, finished_text, read_generation_defaults
 from executor.run_report import GraphCapture, materialized_bytes, summary
+from executor.serving_figures import ServingFigures
 from executor.workload import RequestSpec, RunError, add_eos, engine_seed
 
 if TYPE_CHECKING:
@@ -84,10 +85,11 @@ class RunReport:
     sampling_defaults: str  # what requests that set no sampling parameter sampled with, and why
     eos: str
     text: str
+    figures: ServingFigures  # throughput and latency as memplan run and bench/serve.py report them
 
     @property
     def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+        return self.figures.output_tokens_per_s
 
 
 @dataclass
@@ -195,8 +197,9 @@ class ServedModel:
 
         engine = Engine(self.model, prefix_caching=prefix_caching, overlap=overlap)
         on_step = progress(requests, len(specs)) if progress is not None else None
-        report = engine.run(requests, [specs[index].arrival_step for index in runnable], on_step=on_step,
-                            on_tokens=on_tokens if texts else None, on_finish=on_finish)
+        steps, times_s = arrivals([specs[index] for index in runnable])
+        report = engine.run(requests, steps, on_step=on_step, on_tokens=on_tokens if texts else None,
+                            on_finish=on_finish, arrival_times_s=times_s)
         return self.report(report, specs, not prefix_caching, ignore_eos)
 
     def report(self, report: EngineReport, specs: Sequence[RequestSpec], no_prefix_caching: bool,
@@ -207,19 +210,26 @@ class ServedModel:
             sampling += f"; not applied: {', '.join(self.generation.unapplied)} (generation_config.json)"
         eos = self.generation.describe_eos(ignore_eos)
         lines = [f"weights: {self.weights_source}", f"EOS ids: {eos}", f"sampling defaults: {sampling}"]
+        figures = ServingFigures.of(report)
         text = summary(self.plan, self.arena, report, list(specs), no_prefix_caching, self.graphs, self.warm_up_s,
-                       extra_lines=lines)
-        ttfts, tpots = report.ttfts, report.tpots
-
-        def percentile(values: list[float], q: int) -> float | None:
-            return report.percentile_ms(values, q) if values else None
-
+                       extra_lines=lines, figures=figures)
         pools = tuple(PoolBytes(pool.name, pool.bytes, self.arena.pools[pool.name].numel())
                       for pool in self.plan.pools if pool.materialized)
         rejected = report.stats.rejected + sum(1 for spec in specs if spec.error is not None)
         return RunReport(report, pools, len(specs), rejected, report.generated_tokens, report.wall_s,
-                         percentile(ttfts, 50), percentile(ttfts, 99), percentile(tpots, 50), percentile(tpots, 99),
-                         report.stats.preemptions, report.stats.peak_kv_pages_used, sampling, eos, text)
+                         figures.ttft_ms_p50, figures.ttft_ms_p99, figures.tpot_ms_p50, figures.tpot_ms_p99,
+                         report.stats.preemptions, report.stats.peak_kv_pages_used, sampling, eos, text, figures)
+
+
+def arrivals(specs: Sequence[RequestSpec]) -> tuple[list[int] | None, list[float] | None]:
+    """The engine's (arrival_steps, arrival_times_s) of ``specs``: by time when a spec sets ``arrival_s``
+    (then every one arrives by time, those without one at 0 s), else by step; RunError when a spec gives
+    a step beside another's time."""
+    if all(spec.arrival_s is None for spec in specs):
+        return [spec.arrival_step for spec in specs], None
+    if any(spec.arrival_step for spec in specs):
+        raise RunError("requests arrive by step (arrival_step) or by time (arrival_s), not both in one run")
+    return None, [0.0 if spec.arrival_s is None else spec.arrival_s for spec in specs]
 
 
 def _materialize_and_fill(plan: MemoryPlan, opened: Device, weights: str | Path, seed: int,

@@ -94,6 +94,7 @@ class RequestSpec:
     ignore_eos: bool = False  # the request's own ignore_eos (the run's --ignore-eos applies to all)
     given: frozenset[str] = frozenset()  # the SAMPLING_KEYS the request set itself
     prompt_key: str = "prompt_ids"  # where the prompt came from ("prompt", "messages", "--prompt"): errors name it
+    arrival_s: float | None = None  # seconds after the engine starts at which it arrives (None: by arrival_step)
 
 
 def engine_seed(seed: int) -> int:

@@ -1,16 +1,21 @@
 """The engine on tiny models in the simulator: continuous batching gives every request the
 output it gets alone (greedy or seeded sampling), with prefix caching on or off and with the
-overlapped loop or the synchronous one, also after a warm-up; a request the plan cannot hold is
-rejected while the rest runs."""
+overlapped loop or the synchronous one, also after a warm-up, with requests arriving by step or by
+wall clock, and at a larger batch and prefill budget than sim.yaml's, also with prompts split into
+chunks; a request the plan cannot hold is rejected while the rest runs."""
 
 from __future__ import annotations
+
+import functools
+import time
 
 import pytest
 import torch
 
+import executor.engine
 from executor.engine import Engine, warm_up
 from executor.scheduler import Request
-from tests.executor.harness import shared_tiny
+from tests.executor.harness import load_tiny, perturb_norms, shared_tiny
 
 
 def _workload(vocab: int) -> tuple[list[list[int]], list[int], list[int]]:
@@ -49,11 +54,20 @@ def batched(request):
     return request.param, loaded, prompts, new_tokens, report
 
 
+@functools.cache
+def _alone(name: str) -> tuple[list[int], ...]:
+    """Each request of the workload run alone, step by step, with the prefix cache off, after a warm-up
+    (its scratch prefill + decode steps on pages 1.. and slots 0, 1 must leave no trace)."""
+    loaded = shared_tiny(name)
+    prompts, new_tokens, _ = _workload(loaded.plan.model.vocab_size)
+    warm_up(loaded.model)
+    return tuple(_outputs(Engine(loaded.model, prefix_caching=False, overlap=False).run(
+        _requests([p], [n], first_id=i)))[0] for i, (p, n) in enumerate(zip(prompts, new_tokens)))
+
+
 def test_continuous_batching_equals_each_request_alone(batched):
     name, loaded, prompts, new_tokens, report = batched
-    warm_up(loaded.model)  # scratch prefill + decode steps on pages 1.. and slots 0, 1 leave no trace
-    alone = [_outputs(Engine(loaded.model, prefix_caching=False, overlap=False).run(_requests([p], [n], first_id=i)))[0]
-             for i, (p, n) in enumerate(zip(prompts, new_tokens))]
+    alone = list(_alone(name))
     # Batched with the prefix cache on and overlapped steps against each request alone with it off,
     # step by step: one comparison covers continuous batching, prefix caching on vs off and the
     # overlapped loop (decode tokens fed from the device) against the synchronous one.
@@ -76,3 +90,75 @@ def test_a_request_the_plan_cannot_hold_is_rejected_and_the_rest_runs(batched):
     assert rejected.finish_reason == "rejected" and "max_context" in rejected.error and rejected.output_ids == []
     assert [(r.finish_reason, len(r.output_ids)) for r in rest] == [("length", n) for n in new_tokens]
     assert report.stats.rejected == 1
+
+
+#: Wall-clock arrivals of the workload's requests: nothing has arrived when the run starts (the engine
+#: sleeps until the first), request 2 arrives while the first step runs (a simulator step takes seconds).
+ARRIVAL_TIMES_S = (0.3, 0.3, 0.31)
+
+
+def test_wall_clock_arrivals_are_respected_and_outputs_equal_each_request_alone(monkeypatch):
+    loaded = shared_tiny("tiny-qwen3")
+    prompts, new_tokens, _ = _workload(loaded.plan.model.vocab_size)
+    sleeps = []
+    real_sleep = time.sleep
+
+    def recording_sleep(seconds):
+        sleeps.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(executor.engine.time, "sleep", recording_sleep)
+    report = Engine(loaded.model).run(_requests(prompts, new_tokens), arrival_times_s=ARRIVAL_TIMES_S)
+    monkeypatch.undo()
+    assert _outputs(report) == list(_alone("tiny-qwen3"))
+    assert [r.arrival_s for r in report.results] == list(ARRIVAL_TIMES_S)
+    assert all(r.token_times_s[0] > r.arrival_s and r.ttft_s > 0 for r in report.results)
+    # One sleep, until the first arrival (no polling): request 2 arrived while a step ran.
+    assert len(sleeps) == 1 and 0.2 < sleeps[0] <= ARRIVAL_TIMES_S[0]
+    assert report.wall_s > ARRIVAL_TIMES_S[-1]
+    assert report.stats.peak_running == 3
+
+
+def test_arrivals_by_step_and_by_time_are_exclusive():
+    loaded = shared_tiny("tiny-qwen3")
+    with pytest.raises(ValueError, match="not both"):
+        Engine(loaded.model).run([Request(0, [1], 1)], [0], arrival_times_s=[0.0])
+    with pytest.raises(ValueError, match="arrival_times_s"):
+        Engine(loaded.model).run([Request(0, [1], 1)], arrival_times_s=[-1.0])
+
+
+#: Eight requests (the workload's three, repeated: each copy must give its original's solo output) on
+#: a plan of max_batch 8 and a prefill budget that admits them all in the first step, as vLLM's H200
+#: defaults (256 sequences, 8,192 batched tokens) are larger than sim.yaml's 4 and 16.
+LARGE_BATCH = dict(max_batch=8, max_prefill_tokens=64)
+COPIES = (0, 1, 2, 0, 1, 2, 0, 1)
+
+
+def test_a_larger_batch_and_prefill_budget_give_each_request_its_solo_output():
+    loaded = load_tiny("tiny-qwen3", **LARGE_BATCH)  # the weights of shared_tiny("tiny-qwen3"): the same seed
+    prompts, new_tokens, _ = _workload(loaded.plan.model.vocab_size)
+    requests = [Request(i, prompts[c], new_tokens[c], **SAMPLED.get(c, {})) for i, c in enumerate(COPIES)]
+    report = Engine(loaded.model).run(requests)
+    alone = _alone("tiny-qwen3")
+    assert _outputs(report) == [alone[c] for c in COPIES]
+    assert report.stats.peak_running == len(COPIES)  # all eight in one batch
+
+
+#: The same eight copies on max_batch 8 with a prefill budget of 12 tokens: their 36 prompt tokens take
+#: several steps, a request's prompt is split across steps (Qwen3.5's recurrent state carried between its
+#: chunks) and later chunks share steps with the decode rows of requests already prefilled.
+CHUNKED = dict(max_batch=8, max_prefill_tokens=12)
+
+
+def test_chunked_prefill_at_a_larger_batch_gives_each_request_its_solo_output():
+    """Qwen3.5: eight recurrent slots and prompts split across steps (Qwen3's larger batch is the test above)."""
+    name = "tiny-qwen3.5"
+    loaded = load_tiny(name, **CHUNKED)  # the weights of shared_tiny(name): the same seeds and perturbed norms
+    perturb_norms(loaded)
+    prompts, new_tokens, _ = _workload(loaded.plan.model.vocab_size)
+    requests = [Request(i, prompts[c], new_tokens[c], **SAMPLED.get(c, {})) for i, c in enumerate(COPIES)]
+    report = Engine(loaded.model).run(requests)
+    alone = _alone(name)
+    assert _outputs(report) == [alone[c] for c in COPIES]
+    assert report.stats.peak_running == len(COPIES)
+    assert sum(len(prompts[c]) for c in COPIES) > 2 * CHUNKED["max_prefill_tokens"]  # three prefill steps at least

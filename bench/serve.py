@@ -1,0 +1,495 @@
+"""Serving throughput and latency: memplan's engine against the workload's ideal time and HF transformers.
+
+    python3 bench/serve.py --models qwen3-8b --max-batch 256 --max-prefill-tokens 8192    # 512 x (1,024 -> 128)
+    python3 bench/serve.py --models qwen3-8b --workloads random --num-requests 1000 --input-range 128,2048 \\
+        --output-range 64,512 --max-batch 256 --max-prefill-tokens 8192
+    python3 bench/serve.py --workloads fixed,poisson --rate-fraction 0.7 --max-batch 256 --max-prefill-tokens 8192
+    python3 bench/serve.py --models qwen3-8b --hf --max-batch 256 --max-prefill-tokens 8192 --out docs/benchmarks.md
+    python3 bench/serve.py --smoke     # tiny random-weight configs in the Numba CUDA simulator, seconds, no GPU
+
+Random bf16 weights of the real shapes (float32 tiny configs under --smoke), random prompt ids from
+``--seed``, every request generating exactly its output length (EOS ignored).
+
+Workloads (``--workloads``, comma-separated, run in that order on one served model):
+
+- fixed: ``--num-requests`` prompts of ``--input-len`` ids, ``--output-len`` new tokens each, all at once;
+- random: prompt and output lengths uniform in ``--input-range`` and ``--output-range`` (inclusive);
+- shared-prefix: like fixed, every prompt starting with the same ``--shared-prefix`` ids; the first request
+  arrives at step 0 and the others two steps later, as ``memplan run --shared-prefix`` has them (a page
+  enters the prefix cache after the step that fills it);
+- poisson: fixed's lengths, arriving with exponential gaps (seeded) at ``--request-rate`` requests/s, or at
+  ``--rate-fraction`` of the requests/s the first fixed or random workload of this run measured: latency
+  under load (TTFT counts the queueing from a request's arrival).
+
+The engine runs as ``memplan run`` runs it: ``executor.serving.ServedModel`` (one materialized plan, the
+decode graphs captured on the GPU, the same scheduler, overlap and prefix caching), with
+``--warmup-requests`` requests of 2 new tokens run untimed first. The plan is the serving config's with
+``--max-batch`` / ``--max-prefill-tokens`` over it, ``max_context`` the longest request of the run, and
+the memory share that holds ``max_batch`` such requests (``--gpu-memory-utilization`` to set it). Lists of
+either (``--max-batch 64,128,256``) run every workload at each combination, one plan and served model after
+the other: the serving defaults are chosen from such a sweep.
+
+Ideal time (planner/ideal_time.py): the workload's prefill FLOPs at the measured matmul rate (``torch.matmul``
+of two ``--matmul-size``^2 matrices in the weights' dtype) plus, per decode step of at most max_batch rows in
+admission order, the larger of its bytes (every weight but the embedding, the rows' KV, Qwen3.5's recurrent
+state read and written) at the measured copy bandwidth (``dst.copy_(src)`` of ``--copy-bytes``) and its FLOPs.
+A shared prefix counts once for either model (memplan's Qwen3.5 computes it per request: its recurrent state
+is not paged). "ideal / wall" is the share of the ideal the engine reaches; an arrival workload's wall is set
+by its arrivals, so its row shows none.
+
+``--hf``: HF transformers continuous batching (the manager ``generate_batch`` drives, SDPA, greedy, EOS off)
+on the same prompts, output lengths and arrival times, after memplan's model is released; run outside
+``torch.inference_mode`` (its background thread updates tensors in place). Its clock starts after the
+manager's warm-up; TTFT and TPOT come from its per-token timestamps. "x HF" = HF's wall / memplan's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import (  # noqa: E402
+    ROOT, add_plan_arguments, bench_parser, build_hf, copy_bandwidth_bytes_per_s, emit, fmt, free_device_memory,
+    int_list, log, markdown_table, matmul_flops_per_s, resolve_plan_arguments, run_info, sized_plan, str_list,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from executor.engine import EngineReport
+    from executor.serving import ServedModel
+    from executor.serving_figures import ServingFigures
+    from planner.ideal_time import IdealTime, WorkloadCost
+    from planner.plan import MemoryPlan
+
+WORKLOADS = ("fixed", "random", "shared-prefix", "poisson")
+THROUGHPUT_WORKLOADS = ("fixed", "random")
+#: What --smoke changes (tiny lengths for the simulator's sim.yaml plan: max_context 64, pages of 4).
+SMOKE_DEFAULTS = {"workloads": list(WORKLOADS), "num_requests": 3, "input_len": 5, "output_len": 2,
+                  "input_range": [2, 8], "output_range": [1, 3], "shared_prefix": 4, "warmup_requests": 1,
+                  "matmul_size": 64, "copy_bytes": 1 << 20}
+#: The defaults on a GPU: 512 x (1,024 -> 128); random lengths 128-2,048 -> 64-512.
+GPU_DEFAULTS = {"workloads": ["fixed"], "num_requests": 512, "input_len": 1024, "output_len": 128,
+                "input_range": [128, 2048], "output_range": [64, 512], "shared_prefix": 512, "warmup_requests": 8,
+                "matmul_size": 8192, "copy_bytes": 1 << 30}
+#: New tokens of a warm-up request.
+WARMUP_NEW_TOKENS = 2
+#: Characters of an HF failure's message in its row.
+NOTE_CHARS = 60
+#: Seconds HF's result queue is polled between arrivals.
+HF_POLL_S = 0.005
+
+
+@dataclass(frozen=True)
+class Workload:
+    kind: str
+    prompts: tuple[tuple[int, ...], ...]
+    outputs: tuple[int, ...]
+    shared_prefix: int = 0
+    arrivals_s: tuple[float, ...] | None = None  # None: every request at once
+    rate: float | None = None  # requests/s of the arrivals
+
+    @property
+    def label(self) -> str:
+        lengths = sorted({len(p) for p in self.prompts}), sorted(set(self.outputs))
+        shape = " -> ".join(f"{v[0]:,}" if len(v) == 1 else f"{v[0]:,}-{v[-1]:,}" for v in lengths)
+        extra = f", prefix {self.shared_prefix:,}" if self.shared_prefix else ""
+        extra += f", {self.rate:,.2f} req/s" if self.rate is not None else ""
+        return f"{self.kind} {len(self.prompts):,} x ({shape}){extra}"
+
+    @property
+    def requests(self) -> list[tuple[int, int]]:
+        return [(len(p), o) for p, o in zip(self.prompts, self.outputs)]
+
+
+@dataclass
+class Row:
+    engine: str  # "memplan" or "HF <version>"
+    model: str
+    serving: str  # memplan's max_batch and max_prefill_tokens ("-" for HF)
+    workload: Workload
+    figures: ServingFigures | None
+    ideal: IdealTime
+    note: str = ""  # why an HF run has no figures
+    counters: str = ""  # memplan's steps, batch, preemptions, prefix hits and allocations after warm-up
+
+
+# -- workloads ------------------------------------------------------------------------------------------------------
+
+
+def make_workload(kind: str, args: argparse.Namespace, vocab: int, seed: int, rate: float | None = None) -> Workload:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    n = args.num_requests
+
+    def ids(count: int) -> tuple[int, ...]:
+        return tuple(int(i) for i in rng.integers(0, vocab, count))
+
+    if kind == "random":
+        lengths = rng.integers(args.input_range[0], args.input_range[1] + 1, n)
+        outputs = rng.integers(args.output_range[0], args.output_range[1] + 1, n)
+        return Workload(kind, tuple(ids(int(length)) for length in lengths), tuple(int(o) for o in outputs))
+    if kind == "shared-prefix":
+        prefix = ids(args.shared_prefix)
+        return Workload(kind, tuple(prefix + ids(args.input_len - args.shared_prefix) for _ in range(n)),
+                        (args.output_len,) * n, shared_prefix=args.shared_prefix)
+    prompts, outputs = tuple(ids(args.input_len) for _ in range(n)), (args.output_len,) * n
+    if kind == "fixed":
+        return Workload(kind, prompts, outputs)
+    assert kind == "poisson" and rate is not None
+    gaps = rng.exponential(1.0 / rate, n)
+    arrivals = np.concatenate([[0.0], np.cumsum(gaps[1:])])  # the first request at the start
+    return Workload(kind, prompts, outputs, arrivals_s=tuple(float(t) for t in arrivals), rate=rate)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"--workloads {','.join(unknown)}: not one of {', '.join(WORKLOADS)}")
+    for flag in ("input_range", "output_range"):
+        low_high = getattr(args, flag)
+        if len(low_high) != 2 or low_high[0] > low_high[1]:
+            raise SystemExit(f"--{flag.replace('_', '-')} {low_high}: give LOW,HIGH with LOW <= HIGH")
+    if "shared-prefix" in args.workloads and not 1 <= args.shared_prefix <= args.input_len:
+        raise SystemExit(f"--shared-prefix {args.shared_prefix}: must be in [1, --input-len {args.input_len}]")
+    if "poisson" in args.workloads and args.request_rate is None:
+        first = min((args.workloads.index(w) for w in THROUGHPUT_WORKLOADS if w in args.workloads), default=None)
+        if first is None or first > args.workloads.index("poisson"):
+            raise SystemExit("--workloads poisson: give --request-rate, or run fixed or random before it (its "
+                             "requests/s x --rate-fraction is the rate)")
+    if args.request_rate is not None and not args.request_rate > 0:
+        raise SystemExit(f"--request-rate {args.request_rate}: must be > 0")
+
+
+def longest_request(args: argparse.Namespace) -> int:
+    """The most tokens (prompt + output) a request of the run's workloads holds."""
+    lengths = [args.input_len + args.output_len]
+    if "random" in args.workloads:
+        lengths.append(args.input_range[1] + args.output_range[1])
+    return max(lengths)
+
+
+# -- memplan --------------------------------------------------------------------------------------------------------
+
+
+def serving_plan(model_name: str, args: argparse.Namespace, max_batch: int | None,
+                 max_prefill_tokens: int | None) -> MemoryPlan:
+    """The serving config's plan with ``max_batch`` / ``max_prefill_tokens`` over it (None: the config's)."""
+    from planner.loader import load_serving
+
+    overrides = {"max_context": longest_request(args), "max_batch": max_batch, "max_prefill_tokens": max_prefill_tokens}
+    batch = max_batch or load_serving(args.serving).max_batch
+    return sized_plan(model_name, args.hardware, args.serving, overrides, min(batch, args.num_requests),
+                      args.gpu_memory_utilization)
+
+
+def run_memplan(served: ServedModel, workload: Workload, args: argparse.Namespace) -> tuple[ServingFigures, str]:
+    """The workload's figures and the engine's counters (see ``counters``)."""
+    from executor.workload import SHARED_PREFIX_ARRIVAL_STEP, RequestSpec
+
+    specs = [RequestSpec(list(prompt), output, seed=args.seed,
+                         arrival_step=SHARED_PREFIX_ARRIVAL_STEP if workload.shared_prefix and index else 0,
+                         arrival_s=None if workload.arrivals_s is None else workload.arrivals_s[index])
+             for index, (prompt, output) in enumerate(zip(workload.prompts, workload.outputs))]
+    report = served.run(specs, ignore_eos=True, prefix_caching=not args.no_prefix_caching,
+                        overlap=not args.no_overlap)
+    ran = report.figures
+    if ran.requests != len(specs) or ran.output_tokens != sum(workload.outputs):
+        raise SystemExit(f"{workload.label}: memplan ran {ran.requests} of {len(specs)} requests and "
+                         f"{ran.output_tokens} of {sum(workload.outputs)} tokens (rejected: {report.rejected})")
+    return ran, counters(report.engine)
+
+
+def counters(report: EngineReport) -> str:
+    """Where a serving run's time can go: steps, the largest batch, preemptions, prefix-cache hits, KV pages at
+    peak and allocations after warm-up (CUDA)."""
+    stats = report.stats
+    allocations = "n/a" if report.allocations_after_warmup is None else f"{report.allocations_after_warmup:,}"
+    return (f"{report.steps:,} steps, peak batch {stats.peak_running:,}, {stats.preemptions:,} preemptions, prefix "
+            f"hits {stats.prefix_hit_rate:.1%}, peak KV pages {stats.peak_kv_pages_used:,} of "
+            f"{stats.kv_pages_usable:,}, allocations after warm-up {allocations}")
+
+
+def warm_up(served: ServedModel, workload: Workload, args: argparse.Namespace, vocab: int) -> None:
+    """Untimed requests shaped like the workload's first ones (other ids, so no prefix is cached for it)."""
+    if args.warmup_requests <= 0:
+        return
+    count = min(args.warmup_requests, len(workload.prompts))
+    lengths = [len(p) for p in workload.prompts[:count]]
+    warm = Workload("warm-up", tuple(tuple((i * 7919 + j) % vocab for j in range(n)) for i, n in enumerate(lengths)),
+                    (WARMUP_NEW_TOKENS,) * count)
+    run_memplan(served, warm, args)
+
+
+# -- HF transformers ------------------------------------------------------------------------------------------------
+
+
+def run_hf(hf: torch.nn.Module, workload: Workload) -> ServingFigures:
+    """The workload through HF's continuous-batching manager (see the module docstring)."""
+    from transformers import GenerationConfig
+
+    from executor.serving_figures import ServingFigures
+
+    config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(workload.outputs))
+    options = {"generation_config": config, "block": True, "timeout": 30}
+    if "workload_hints" in inspect.signature(hf.continuous_batching_context_manager).parameters:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        options["workload_hints"] = WorkloadHints(max(len(p) for p in workload.prompts), max(workload.outputs),
+                                                  len(workload.prompts))
+    arrivals = workload.arrivals_s or (0.0,) * len(workload.prompts)
+    submitted: dict[str, tuple[int, float]] = {}  # request id -> (index, submit time)
+    finished = {}
+    with hf.continuous_batching_context_manager(**options) as manager:
+        start = time.perf_counter()
+        pending = 0
+        while len(finished) < len(workload.prompts):
+            now = time.perf_counter() - start
+            while pending < len(arrivals) and arrivals[pending] <= now:
+                request_id = manager.add_request(list(workload.prompts[pending]), request_id=f"r{pending}",
+                                                 max_new_tokens=workload.outputs[pending], record_timestamps=True)
+                submitted[request_id] = (pending, time.perf_counter())
+                pending += 1
+            result = manager.get_result(timeout=HF_POLL_S)
+            if result is not None and result.is_finished():
+                if result.error:
+                    raise RuntimeError(f"HF request {result.request_id}: {result.error}")
+                finished[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError(f"HF's generation loop stopped with {len(finished)} of "
+                                   f"{len(workload.prompts)} requests finished")
+        wall_s = time.perf_counter() - start
+    ttfts, tpots = [], []
+    for request_id, result in finished.items():
+        stamps = result.timestamps or []
+        if stamps:
+            ttfts.append(stamps[0] - submitted[request_id][1])
+            tpots += [b - a for a, b in zip(stamps, stamps[1:])]
+    outputs = sum(len(r.generated_tokens) for r in finished.values())
+    if outputs != sum(workload.outputs):
+        raise RuntimeError(f"HF generated {outputs} of {sum(workload.outputs)} tokens")
+    return ServingFigures.from_samples(len(finished), sum(len(p) for p in workload.prompts), outputs, wall_s,
+                                       ttfts, tpots)
+
+
+# -- the run --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rates:
+    matmul_flops_per_s: float
+    copy_bytes_per_s: float
+    dtype: str
+    matmul_size: int
+    copy_bytes: int
+
+    def line(self) -> str:
+        return (f"measured: {self.dtype} matmul {self.matmul_size}^3 {self.matmul_flops_per_s / 1e12:,.1f} TFLOP/s, "
+                f"copy ({self.copy_bytes:,} B) {self.copy_bytes_per_s / 1e9:,.0f} GB/s")
+
+
+def measure_rates(device: torch.device, dtype: str, args: argparse.Namespace) -> Rates:
+    matmul = matmul_flops_per_s(device, args.matmul_size, dtype)
+    copy = copy_bandwidth_bytes_per_s(device, args.copy_bytes)
+    return Rates(matmul, copy, dtype, args.matmul_size, args.copy_bytes)
+
+
+@dataclass(frozen=True)
+class ServingRun:
+    """One model at one serving config: its rows, the work of each workload and the rates it was measured at."""
+
+    model: str
+    serving: str
+    rows: list[Row]
+    costs: list[tuple[str, WorkloadCost]]
+    rates: Rates
+
+
+def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None, max_prefill_tokens: int | None,
+                with_hf: bool) -> ServingRun:
+    """Every workload through memplan at one serving config, then (``with_hf``) through HF."""
+    from executor.serving import RANDOM_WEIGHTS, ServedModel
+    from planner.ideal_time import workload_cost
+
+    plan = serving_plan(model_name, args, max_batch, max_prefill_tokens)
+    name, serving = plan.model.name, serving_label(plan)
+    log(f"{name}: {serving}, max_context {plan.capacity.max_context}, gpu_memory_utilization "
+        f"{plan.serving.gpu_memory_utilization}")
+    served = ServedModel.open(plan, "sim" if args.smoke else "cuda", weights=RANDOM_WEIGHTS, seed=args.seed,
+                              eager=args.eager, log=sys.stderr)
+    device = served.model.device.torch_device
+    rates = measure_rates(device, plan.dtypes.weights, args)
+    log(f"{name}: {rates.line()}")
+    rows, costs, workloads = [], [], []
+    vocab = plan.model.vocab_size
+    for index, kind in enumerate(args.workloads):
+        rate = None
+        if kind == "poisson":
+            measured = next((r.figures.requests_per_s for r in rows if r.workload.kind in THROUGHPUT_WORKLOADS), None)
+            rate = args.request_rate if args.request_rate is not None else args.rate_fraction * measured
+        workload = make_workload(kind, args, vocab, args.seed + index, rate)
+        cost = workload_cost(plan, workload.requests, workload.shared_prefix)
+        ideal = cost.ideal(rates.matmul_flops_per_s, rates.copy_bytes_per_s)
+        if index == 0:
+            warm_up(served, workload, args, vocab)
+        log(f"{name}: memplan {workload.label}")
+        figures, engine_counters = run_memplan(served, workload, args)
+        log(f"{name}: {figures.lines()[0]}; ideal {ideal.total_s:.3f} s; {engine_counters}")
+        rows.append(Row("memplan", name, serving, workload, figures, ideal, counters=engine_counters))
+        costs.append((workload.label, cost))
+        workloads.append(workload)
+    del served
+    free_device_memory(device)
+    if with_hf:
+        rows += hf_rows(plan, workloads, [r.ideal for r in rows], args, device)
+    return ServingRun(name, serving, rows, costs, rates)
+
+
+def serving_label(plan: MemoryPlan) -> str:
+    return f"batch {plan.capacity.max_batch}, prefill {plan.serving.max_prefill_tokens:,}"
+
+
+def hf_rows(plan: MemoryPlan, workloads: Sequence[Workload], ideals: Sequence[IdealTime], args: argparse.Namespace,
+            device: torch.device) -> list[Row]:
+    import transformers
+
+    hf = build_hf(plan, device, args.seed)
+    engine, model = f"HF {transformers.__version__}", plan.model.name
+    rows = []
+    for workload, ideal in zip(workloads, ideals):
+        log(f"{engine} {model}: {workload.label}")
+        try:
+            rows.append(Row(engine, model, "-", workload, run_hf(hf, workload), ideal))
+        except Exception as error:  # report it beside memplan's figures rather than lose them
+            log(f"{engine} {model}: {type(error).__name__}: {error}")
+            message = str(error).splitlines()[0][:NOTE_CHARS] if str(error) else ""
+            rows.append(Row(engine, model, "-", workload, None, ideal, f"failed: {type(error).__name__}: {message}"))
+    del hf
+    free_device_memory(device)
+    return rows
+
+
+# -- output ---------------------------------------------------------------------------------------------------------
+
+
+def figures_table(rows: Sequence[Row]) -> str:
+    from executor.serving_figures import MARKDOWN_HEADERS, markdown_header, markdown_line
+
+    hf_wall = {(r.model, r.workload.label): r.figures.wall_s for r in rows
+               if r.engine != "memplan" and r.figures is not None}
+    lines = [markdown_header(["engine", "model", "serving", "workload"], ["ideal s", "ideal / wall", "x HF"])]
+    for row in rows:
+        leading = [row.engine, row.model, row.serving, row.workload.label]
+        if row.figures is None:
+            lines.append(markdown_line([*leading, *(["-"] * len(MARKDOWN_HEADERS)), seconds(row.ideal.total_s),
+                                        "-", row.note]))
+            continue
+        share = versus = "-"  # an arrival workload's wall is its arrivals'
+        reference = hf_wall.get((row.model, row.workload.label))
+        if row.workload.arrivals_s is None:
+            share = f"{row.ideal.total_s / row.figures.wall_s:.1%}"
+            versus = f"{reference / row.figures.wall_s:,.1f}x" if row.engine == "memplan" and reference else "-"
+        lines.append(row.figures.markdown_row(leading, [seconds(row.ideal.total_s), share, versus]))
+    return "\n".join(lines)
+
+
+def seconds(value: float) -> str:
+    """Seconds with two decimals, or three significant digits below one second (the simulator's tiny ideals)."""
+    return f"{value:,.2f}" if value >= 1 else f"{value:.3g}"
+
+
+def ideal_table(runs: Sequence[ServingRun]) -> str:
+    rows = []
+    for run, (label, cost) in ((run, item) for run in runs for item in run.costs):
+        ideal = cost.ideal(run.rates.matmul_flops_per_s, run.rates.copy_bytes_per_s)
+        rows.append([run.model, run.serving, label, f"{cost.prefill_tokens:,}", fmt(cost.prefill_flops / 1e12, 1),
+                     seconds(ideal.prefill_s), f"{ideal.decode_steps:,}", fmt(cost.decode_bytes / 1e9, 1),
+                     seconds(ideal.decode_s), f"{ideal.compute_bound_steps:,}", seconds(ideal.total_s)])
+    headers = ["model", "serving", "workload", "prefill tokens", "prefill TFLOP", "prefill s", "decode steps",
+               "decode GB", "decode s", "compute-bound steps", "ideal s"]
+    return markdown_table(headers, rows, [False, False, False] + [True] * 8)
+
+
+def tree() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = bench_parser(__doc__)
+    add_plan_arguments(parser, "default: the share that holds max_batch requests of the longest length",
+                       "tiny configs in the Numba CUDA simulator (seconds, no GPU)")
+    parser.add_argument("--workloads", type=str_list, default=None,
+                        help=f"of {', '.join(WORKLOADS)} (default fixed; all four with --smoke)")
+    parser.add_argument("--num-requests", type=int, default=None, help="default 512 (5 with --smoke)")
+    parser.add_argument("--input-len", type=int, default=None, help="fixed, shared-prefix, poisson; default 1024")
+    parser.add_argument("--output-len", type=int, default=None, help="default 128")
+    parser.add_argument("--input-range", type=int_list, default=None, help="random: LOW,HIGH (default 128,2048)")
+    parser.add_argument("--output-range", type=int_list, default=None, help="random: LOW,HIGH (default 64,512)")
+    parser.add_argument("--shared-prefix", type=int, default=None, help="shared-prefix: tokens (default 512)")
+    parser.add_argument("--request-rate", type=float, default=None, help="poisson: requests/s")
+    parser.add_argument("--rate-fraction", type=float, default=0.7,
+                        help="poisson without --request-rate: this share of the measured requests/s (default 0.7)")
+    parser.add_argument("--max-batch", type=int_list, default=None,
+                        help="serving max_batch over the serving config's; a list (64,128,256) runs each")
+    parser.add_argument("--max-prefill-tokens", type=int_list, default=None,
+                        help="serving max_prefill_tokens; a list runs each (with each --max-batch)")
+    parser.add_argument("--warmup-requests", type=int, default=None, help="untimed requests first (default 8)")
+    parser.add_argument("--matmul-size", type=int, default=None, help="default 8192")
+    parser.add_argument("--copy-bytes", type=int, default=None, help="default 1 GiB")
+    parser.add_argument("--hf", action="store_true", help="also run HF transformers continuous batching")
+    parser.add_argument("--eager", action="store_true", help="no decode CUDA graphs")
+    parser.add_argument("--no-overlap", action="store_true")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    args = parser.parse_args(argv)
+    for key, value in (SMOKE_DEFAULTS if args.smoke else GPU_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    resolve_plan_arguments(args)
+    check_args(args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from executor.serving import choose_simulator
+
+    choose_simulator("sim" if args.smoke else "cuda")  # before numba.cuda loads
+    from executor.device import DeviceError, open_device
+
+    try:
+        open_device("sim" if args.smoke else "cuda")
+    except DeviceError as error:
+        raise SystemExit(f"bench/serve.py: {error} (--smoke runs tiny configs in the simulator)") from None
+    runs = []
+    for model_name in args.models:
+        configs = [(b, t) for b in args.max_batch or [None] for t in args.max_prefill_tokens or [None]]
+        for index, (max_batch, max_prefill_tokens) in enumerate(configs):  # HF once a model: it has no such config
+            runs.append(bench_model(model_name, args, max_batch, max_prefill_tokens, args.hf and index == 0))
+    import torch
+
+    info = run_info(torch.device("cpu" if args.smoke else "cuda"))
+    rows = [row for run in runs for row in run.rows]
+    rates = "; ".join(f"{run.model} ({run.serving}): {run.rates.line()}" for run in runs)
+    engine_lines = "\n".join(f"- {r.model} ({r.serving}), {r.workload.label}: {r.counters}" for r in rows if r.counters)
+    body = "\n\n".join([f"tree {tree()}; {rates}", figures_table(rows), "memplan's engine counters:", engine_lines,
+                        "Ideal time of each workload (planner/ideal_time.py):", ideal_table(runs)])
+    emit("Serving throughput against the ideal time (bench/serve.py)", info, body, args.out)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
+    main()

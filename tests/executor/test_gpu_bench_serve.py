@@ -1,0 +1,48 @@
+"""``bench/serve.py`` on the GPU (H200), Qwen3-8B and Qwen3.5-9B with random weights: every workload kind runs
+to completion through the served engine, allocates nothing after warm-up, and takes no less than the prefill
+part of its ideal time (its prefill FLOPs at the measured matmul rate, which no schedule beats: an engine under
+it means the count of the work or the measured rate is wrong). Speed itself is bench/serve.py's table, not a
+test."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Slack on "wall >= prefill FLOPs / matmul rate" for the spread of the measured rate between machine starts.
+RATE_SPREAD = 1.05
+WORKLOAD = ["--workloads", "fixed,random,shared-prefix,poisson", "--num-requests", "128", "--input-len", "512",
+            "--output-len", "32", "--input-range", "64,1024", "--output-range", "16,64", "--shared-prefix", "256",
+            "--max-batch", "64", "--max-prefill-tokens", "4096"]
+
+
+@pytest.mark.parametrize("model", ["qwen3-8b", "qwen3.5-9b"])
+def test_serve_runs_every_workload_within_the_physical_limit(model, tmp_path):
+    out = tmp_path / "serve.md"
+    command = [sys.executable, str(ROOT / "bench" / "serve.py"), "--models", model, *WORKLOAD, "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=900)
+    print(done.stdout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    text = out.read_text()
+    rows = [line.strip("| ").split(" | ") for line in text.splitlines() if line.startswith("| memplan |")]
+    assert [row[3].split()[0] for row in rows] == ["fixed", "random", "shared-prefix", "poisson"]
+    # the ideal table's rows, by workload: model, serving, workload, prefill tokens, TFLOP, prefill s, ...
+    prefill_s = {cells[2]: float(cells[5].replace(",", "")) for cells in
+                 (line.strip("| ").split(" | ") for line in text.splitlines() if line.startswith(f"| {model} |"))}
+    for row in rows:
+        assert row[4] == "128", row  # every request ran (bench/serve.py also checks every token)
+        wall_s = float(row[12].replace(",", ""))
+        assert wall_s * RATE_SPREAD >= prefill_s[row[3]] > 0, row
+        if row[-2] != "-":  # the throughput workloads: a share of the ideal
+            assert float(row[-2].rstrip("%")) > 0, row
+    allocations = re.findall(r"allocations after warm-up ([0-9,]+)", text)
+    assert allocations == ["0"] * 4, allocations
