@@ -9,6 +9,11 @@ and, on a GPU, runs the warm-up step pair and captures the decode graphs. ``run(
 each request's output (its result and text) reaches ``on_output`` as it finishes, and a request's
 text can stream to ``stream`` while it is generated. ``RunReport`` is the run's report as an object;
 its ``text`` is what ``memplan run`` prints on stderr.
+
+With ``tensor_parallel_size`` > 1 this process is rank 0: ``open`` starts the other ranks
+(executor/workers.py; or joins torchrun's), which materialize the same per-rank plan on their own
+devices and follow the steps rank 0 runs; a failure on any rank ends ``open`` or ``run`` with an
+error naming the rank, and ``close`` ends the other ranks.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from executor.workload import RequestSpec, RunError, add_eos, engine_seed
 
 if TYPE_CHECKING:
     from executor.arena import Arena
+    from executor.workers import Ranks
     from executor.engine import EngineReport, RequestResult
     from executor.models.decoder import DecoderModel
     from executor.startup import StartupClock
@@ -101,18 +107,40 @@ class ServedModel:
     warm_up_s: float | None = None
     weights_source: str = ""
     clock: StartupClock | None = None  # the start-up phases of open()
+    ranks: Ranks | None = None  # tensor parallelism: the group and the other ranks' processes
 
     @classmethod
     def open(cls, plan: MemoryPlan, device: str = "auto", *, weights: str | Path, seed: int = 0,
              tokenizer: Tokenizer | None = None, generation: GenerationDefaults | None = None,
-             eager: bool = False, clock: StartupClock | None = None, log: TextIO | None = None) -> ServedModel:
+             eager: bool = False, clock: StartupClock | None = None, log: TextIO | None = None,
+             ranks: Ranks | None = None) -> ServedModel:
         """Materialize ``plan`` on ``device`` ("auto", "cuda", "sim"), fill its weights from ``weights`` (a
         checkpoint directory, or RANDOM_WEIGHTS from ``seed``), build the model; on a GPU warm it up and
         capture the decode graphs unless ``eager``. ``generation``: the checkpoint's defaults (read from
         the weights' directory when None). On a GPU the kernels start-up needs that the persistent kernel
         cache lacks compile in processes while the plan materializes and the weights load (executor/compile.py);
-        ``clock`` records the start-up phases, and ``log`` gets the compile's progress and failures."""
+        ``clock`` records the start-up phases, and ``log`` gets the compile's progress and failures. With
+        tensor parallelism it starts the other ranks first (this process is rank 0), unless ``ranks`` holds
+        them already started (``Ranks.start``)."""
         choose_simulator(device)
+        if plan.serving.tensor_parallel_size > 1 and ranks is None:
+            from executor.numba_cuda import simulator_enabled
+            from executor.workers import Ranks
+
+            check_fits_device(plan, simulator_enabled())
+            ranks = Ranks.start(plan, "sim" if simulator_enabled() else "cuda", str(weights), seed)
+        try:
+            return cls._open(plan, device, weights=weights, seed=seed, tokenizer=tokenizer, generation=generation,
+                             eager=eager, clock=clock, log=log, ranks=ranks)
+        except BaseException as error:
+            if ranks is None:
+                raise
+            raise ranks.failure(error) from error
+
+    @classmethod
+    def _open(cls, plan: MemoryPlan, device: str, *, weights: str | Path, seed: int, tokenizer: Tokenizer | None,
+              generation: GenerationDefaults | None, eager: bool, clock: StartupClock | None, log: TextIO | None,
+              ranks: Ranks | None) -> ServedModel:
         from executor.arena import materialize
         from executor.device import open_device
         from executor.engine import warm_up
@@ -129,9 +157,10 @@ class ServedModel:
         compiling = None if opened.is_sim else start_compile(plan, log)
         if compiling is not None:
             clock.mark("kernel cache")
+        parallel = ranks.parallel if ranks is not None else None
         try:
-            arena = materialize(plan, opened)
-        except ValueError as error:  # e.g. tensor_parallel_size != 1
+            arena = materialize(plan, opened, parallel.rank if parallel is not None else 0)
+        except ValueError as error:  # a rank outside the plan's tensor_parallel_size
             raise RunError(str(error)) from None
         opened.synchronize()
         clock.mark("materialize")
@@ -141,7 +170,7 @@ class ServedModel:
         else:
             load_checkpoint(arena, weights)
             source = str(weights)
-        model = build_model(arena)
+        model = build_model(arena, parallel)
         opened.synchronize()
         clock.mark("weights")
         if compiling is not None:
@@ -149,7 +178,7 @@ class ServedModel:
             clock.mark("kernels", compiled.line())
             for failure in compiled.failed[:MAX_FAILURE_LINES]:
                 print(f"memplan: kernel compile failed, it compiles at its first launch: {failure}", file=log)
-        served = cls(plan, arena, model, tokenizer, generation, weights_source=source)
+        served = cls(plan, arena, model, tokenizer, generation, weights_source=source, ranks=ranks)
         if not opened.is_sim:  # on a GPU: keep the kernels' first-call loading or compilation out of the latencies
             warm_up(model)
             served.warm_up_s = clock.mark("warm-up", KernelCensus.of(model).text())
@@ -202,9 +231,20 @@ class ServedModel:
 
         engine = Engine(self.model, prefix_caching=prefix_caching, overlap=overlap)
         on_step = progress(requests, len(specs)) if progress is not None else None
-        report = engine.run(requests, [specs[index].arrival_step for index in runnable], on_step=on_step,
-                            on_tokens=on_tokens if texts else None, on_finish=on_finish)
+        try:
+            report = engine.run(requests, [specs[index].arrival_step for index in runnable], on_step=on_step,
+                                on_tokens=on_tokens if texts else None, on_finish=on_finish)
+        except BaseException as error:
+            if self.ranks is None:
+                raise
+            raise self.ranks.failure(error) from error
         return self.report(report, specs, not prefix_caching, ignore_eos)
+
+    def close(self) -> None:
+        """End the other tensor-parallel ranks (their processes exit) and leave the group; nothing to do on
+        one device. The model serves no more runs after it."""
+        if self.ranks is not None:
+            self.ranks.stop()
 
     def report(self, report: EngineReport, specs: Sequence[RequestSpec], no_prefix_caching: bool,
                ignore_eos: bool = False) -> RunReport:

@@ -1,0 +1,346 @@
+"""The ranks of a tensor-parallel run: rank 0 in the caller's process, the others as worker processes.
+
+``Ranks.start(plan, device, weights, seed)`` starts ranks 1 .. tp - 1 as processes of this host
+(spawned, one GPU each on CUDA), or, under ``torchrun`` (RANK, WORLD_SIZE and LOCAL_RANK in the
+environment), takes this process's rank from it and leaves the others to torchrun. Rank 0 runs the
+scheduler and the engine over its model (executor/serving.py); a worker (``serve_rank``)
+materializes the same per-rank plan on its own device, loads its shards, and ``follow``s rank 0's
+announced steps, slot resets and graph capture (executor/models/decoder.py) until rank 0 says stop.
+
+Failures: a worker that raises sends its rank and error to rank 0's process (a queue) and exits;
+its peers' collectives then fail (its connections close, or the group's timeout passes), and rank
+0 reports the first failed worker: ``RankError`` naming the rank and its error, never a hang. Rank
+0 joins the group in a thread and watches the workers meanwhile, so a worker that fails before it
+joins (an import, its GPU) ends the start at once instead of after the rendezvous timeout.
+``Ranks.stop`` ends the run on every rank: the stop message when the group still answers, else the
+worker processes are terminated.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from executor.parallel import COLLECTIVE_TIMEOUT_S, RankError, TensorParallel
+
+if TYPE_CHECKING:
+    from executor.models.decoder import DecoderModel
+    from planner.plan import MemoryPlan
+
+#: Seconds rank 0 waits for a failed worker's report (or exit) after its own collective failed.
+FAILURE_REPORT_S = 10.0
+#: Seconds ``Ranks.stop`` waits for each worker to exit after the stop message.
+STOP_WAIT_S = 30.0
+#: The messages rank 0 announces (executor/models/decoder.py) and ``follow`` runs.
+STEP, RESET_SLOT, CAPTURE, STOP = "step", "reset_slot", "capture_decode_graphs", "stop"
+#: torchrun's environment.
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a worker needs to open its rank: the plan, the device kind, the weights, where to meet."""
+
+    plan: MemoryPlan
+    device: str  # "cuda" or "sim"
+    weights: str  # a checkpoint directory, or serving.RANDOM_WEIGHTS
+    seed: int
+    address: str  # the group's rendezvous: tcp://host:port, or env:// under torchrun
+    timeout_s: float = COLLECTIVE_TIMEOUT_S
+
+
+def under_torchrun() -> bool:
+    """Whether torchrun started this process (its rank variables are set)."""
+    return all(name in os.environ for name in TORCHRUN_VARIABLES)
+
+
+def torchrun_rank() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment."""
+    return tuple(int(os.environ[name]) for name in TORCHRUN_VARIABLES)  # type: ignore[return-value]
+
+
+def select_gpu(local_rank: int, device: str) -> None:
+    """On CUDA, make GPU ``local_rank`` this process's current device (before anything touches CUDA)."""
+    if device == "cuda":
+        import torch
+
+        if local_rank >= torch.cuda.device_count():
+            raise RankError(local_rank, f"needs GPU {local_rank}, the host has {torch.cuda.device_count()}")
+        torch.cuda.set_device(local_rank)
+
+
+def follow(model: DecoderModel, parallel: TensorParallel) -> None:
+    """A worker's loop: run each message rank 0 announces, in order, until STOP."""
+    while True:
+        message = parallel.receive()
+        kind = message[0]
+        if kind == STEP:
+            model.step(message[1], pad_to=message[2])
+        elif kind == RESET_SLOT:
+            model.reset_slot(message[1])
+        elif kind == CAPTURE:
+            model.capture_decode_graphs()
+        elif kind == STOP:
+            return
+        else:
+            raise ValueError(f"rank {parallel.rank}: unknown message {kind!r} from rank 0")
+
+
+def open_rank(spec: RankSpec, parallel: TensorParallel) -> DecoderModel:
+    """Rank ``parallel.rank``'s model: the plan materialized on this process's device, its weight shards
+    loaded. The kernel compile of start-up (executor/compile.py) runs meanwhile on a GPU."""
+    from executor.arena import materialize
+    from executor.device import open_device
+    from executor.models import build_model
+    from executor.serving import RANDOM_WEIGHTS, start_compile
+    from executor.weights import fill_random, load_checkpoint
+
+    device = open_device(spec.device)
+    compiling = None if device.is_sim else start_compile(spec.plan, None)
+    arena = materialize(spec.plan, device, parallel.rank)
+    if spec.weights == RANDOM_WEIGHTS:
+        fill_random(arena, spec.seed)
+    else:
+        load_checkpoint(arena, spec.weights)
+    model = build_model(arena, parallel)
+    if compiling is not None:
+        compiling.wait()
+    device.synchronize()
+    return model
+
+
+#: A worker rank's body: (spec, rank, local rank) -> None once rank 0 says stop; raises on failure.
+Worker = Callable[[RankSpec, int, int], None]
+
+
+def serve_rank(spec: RankSpec, rank: int, local_rank: int) -> None:
+    """A worker rank from start to stop: join the group, open the rank, follow rank 0, leave. On an error
+    the group is left as it is (the process exits and its connections close, which ends the peers' waits)."""
+    from executor.serving import choose_simulator
+
+    choose_simulator(spec.device)
+    select_gpu(local_rank, spec.device)
+    parallel = TensorParallel.join(rank, spec.plan.serving.tensor_parallel_size, spec.address, spec.device,
+                                   spec.timeout_s)
+    follow(open_rank(spec, parallel), parallel)
+    parallel.close()
+
+
+def serve_torchrun_rank(plan: MemoryPlan, device: str, weights: str, seed: int) -> None:
+    """Under torchrun, a process of rank > 0: serve that rank until rank 0 stops the run. A failure is a
+    RankError naming this rank (torchrun then ends the other processes)."""
+    rank, world, local_rank = torchrun_rank()
+    tp = plan.serving.tensor_parallel_size
+    if world != tp:
+        raise RankError(rank, f"torchrun started {world} ranks, the plan's tensor_parallel_size is {tp}")
+    try:
+        serve_rank(RankSpec(plan, device, str(weights), seed, "env://"), rank, local_rank)
+    except RankError:
+        raise
+    except Exception as error:
+        raise RankError(rank, describe(error)) from error
+
+
+def describe(error: BaseException) -> str:
+    """``error`` in one line with the place it was raised: what a failed rank reports."""
+    last = traceback.extract_tb(error.__traceback__)[-1:]
+    where = f" ({last[0].filename}:{last[0].lineno})" if last else ""
+    return f"{type(error).__name__}: {error}{where}"
+
+
+def _worker_main(worker: Worker, spec: RankSpec, rank: int, errors: Any) -> None:
+    """A spawned worker's entry: ``worker``; an error goes to rank 0's queue, then the process exits 1."""
+    try:
+        worker(spec, rank, rank)
+    except BaseException as error:  # noqa: BLE001 (every failure must reach rank 0, KeyboardInterrupt included)
+        errors.put((rank, describe(error)))
+        raise SystemExit(1) from None
+
+
+def _collective_error(error: BaseException) -> bool:
+    """Whether ``error`` is a failed collective (gloo raises plain RuntimeErrors, NCCL torch's DistErrors)."""
+    import torch.distributed as dist
+
+    return type(error) is RuntimeError or isinstance(error, dist.DistError)
+
+
+def _abort_group() -> None:
+    """Abort this process's process group, so that its pending collectives fail (where torch can)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    abort = getattr(distributed_c10d, "_abort_process_group", None)
+    if abort is not None and dist.is_initialized():
+        try:
+            abort()
+        except RuntimeError:
+            pass
+
+
+def free_address() -> str:
+    """A tcp:// rendezvous on a free port of this host's loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+@dataclass
+class Ranks:
+    """Rank 0's handle on a tensor-parallel run: its group, and the worker processes it started (none
+    under torchrun)."""
+
+    parallel: TensorParallel
+    processes: list[Any] = field(default_factory=list)  # multiprocessing Processes of ranks 1 .. tp - 1
+    errors: Any = None  # the workers' error queue
+    stopped: bool = False
+    first_failure: RankError | None = None
+
+    @classmethod
+    def start(cls, plan: MemoryPlan, device: str, weights: str, seed: int,
+              timeout_s: float = COLLECTIVE_TIMEOUT_S, worker: Worker = serve_rank) -> Ranks:
+        """Start the workers of ``plan``'s tensor_parallel_size on ``device`` ("cuda" or "sim") and join
+        the group as rank 0; under torchrun join as rank 0 of torchrun's group (its other processes run
+        ``serve_torchrun_rank``). ``worker``: each spawned rank's body (a module-level function)."""
+        import multiprocessing
+
+        tp = plan.serving.tensor_parallel_size
+        if under_torchrun():
+            rank, world, local_rank = torchrun_rank()
+            if world != tp:
+                raise RankError(rank, f"torchrun started {world} ranks, the plan's tensor_parallel_size is {tp}")
+            if rank != 0:
+                raise RankError(rank, "under torchrun only rank 0 serves requests; the others serve_torchrun_rank")
+            select_gpu(local_rank, device)
+            return cls(TensorParallel.join(rank, world, "env://", device, timeout_s))
+        spec = RankSpec(plan, device, str(weights), seed, free_address(), timeout_s)
+        context = multiprocessing.get_context("spawn")
+        errors = context.Queue()
+        processes = [context.Process(target=_worker_main, args=(worker, spec, rank, errors),
+                                     name=f"memplan rank {rank}", daemon=True) for rank in range(1, tp)]
+        for process in processes:
+            process.start()
+        ranks = cls(None, processes, errors)  # type: ignore[arg-type]
+        try:
+            select_gpu(0, device)
+            ranks.parallel = ranks._join(spec)
+        except BaseException as error:
+            reported = ranks.reported(FAILURE_REPORT_S)
+            ranks.stop(force=True)
+            raise (reported or error) from error
+        if device == "cuda":
+            ranks.watch()
+        return ranks
+
+    def _join(self, spec: RankSpec) -> TensorParallel:
+        """Join the group as rank 0 in a thread, watching the workers meanwhile: a worker that fails first
+        is raised (its RankError) without waiting for the rendezvous to time out."""
+        joined: list[TensorParallel] = []
+        failed: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                joined.append(TensorParallel.join(0, spec.plan.serving.tensor_parallel_size, spec.address,
+                                                  spec.device, spec.timeout_s))
+            except BaseException as error:  # noqa: BLE001 (re-raised in the caller's thread)
+                failed.append(error)
+
+        thread = threading.Thread(target=join, name="memplan rank 0 join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            reported = self.reported(0.0)
+            if reported is not None:
+                raise reported
+        if failed:
+            raise failed[0]
+        return joined[0]
+
+    def failure(self, error: BaseException) -> BaseException:
+        """What to raise for ``error`` of rank 0's process, and the run stopped on every rank: the first
+        failed worker's RankError when a worker failed (after a collective failed, it waits up to
+        FAILURE_REPORT_S for the worker's report), else ``error`` itself."""
+        collective = _collective_error(error)
+        reported = self.reported(FAILURE_REPORT_S if collective and self.processes else 0.0)
+        self.stop(force=reported is not None or collective)
+        if reported is not None:
+            return reported
+        if collective and not self.processes:  # under torchrun: another process of it stopped
+            return RankError(self.parallel.rank, f"{type(error).__name__}: {error} (torchrun names the rank that "
+                             "stopped)")
+        return error
+
+    def reported(self, wait_s: float) -> RankError | None:
+        """The first worker failure (kept once found): its queued report, or a worker that exited with an
+        error code and none."""
+        import time
+
+        deadline = time.monotonic() + wait_s
+        while self.first_failure is None:
+            try:
+                if self.errors is not None:
+                    self.first_failure = RankError(*self.errors.get(timeout=0.1))
+                    break
+            except queue.Empty:
+                pass
+            for rank, process in enumerate(self.processes, start=1):
+                if process.exitcode not in (None, 0):
+                    try:  # its report may land just after its exit
+                        self.first_failure = RankError(*self.errors.get(timeout=0.5))
+                    except queue.Empty:
+                        self.first_failure = RankError(rank, f"its process exited with code {process.exitcode}")
+                    break
+            if time.monotonic() >= deadline:
+                break
+        return self.first_failure
+
+    def watch(self) -> None:
+        """On CUDA: a thread that waits for a worker to fail while rank 0 may be blocked on the device
+        (an NCCL collective of a dead peer waits on the GPU, not in a host call that raises). It aborts
+        the group, so that rank 0's collectives fail and ``failure`` reports the worker; if rank 0 has
+        not stopped the run FAILURE_REPORT_S later, it prints the failure and ends the process."""
+        import sys
+        import time
+        from multiprocessing.connection import wait
+
+        def watching() -> None:
+            alive = {process.sentinel: process for process in self.processes}
+            while alive and not self.stopped:
+                for sentinel in wait(list(alive), timeout=1.0):
+                    process = alive.pop(sentinel)
+                    if process.exitcode != 0 and not self.stopped:
+                        failure = self.reported(FAILURE_REPORT_S)
+                        _abort_group()
+                        time.sleep(FAILURE_REPORT_S)
+                        if not self.stopped:
+                            print(f"memplan: error: {failure}", file=sys.stderr, flush=True)
+                            for other in self.processes:
+                                if other.is_alive():
+                                    other.terminate()
+                            os._exit(2)
+
+        threading.Thread(target=watching, name="memplan rank watch", daemon=True).start()
+
+    def stop(self, force: bool = False) -> None:
+        """End the run on every rank: the stop message (unless ``force``: the group may be broken), then
+        leave the group and wait for the workers (terminated after STOP_WAIT_S, or at once when forced)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        if self.parallel is not None and not force:
+            try:
+                self.parallel.announce((STOP,))
+            except RuntimeError:
+                force = True
+        for process in self.processes:
+            process.join(0.0 if force else STOP_WAIT_S)
+            if process.is_alive():
+                process.terminate()
+                process.join(STOP_WAIT_S)
+        if self.parallel is not None:
+            self.parallel.close()
