@@ -57,10 +57,11 @@ class TensorParallel:
 
     @classmethod
     def join(cls, rank: int, world_size: int, address: str, device_kind: str,
-             timeout_s: float = COLLECTIVE_TIMEOUT_S) -> TensorParallel:
+             timeout_s: float = COLLECTIVE_TIMEOUT_S, store: Any = None) -> TensorParallel:
         """Join the group of ``world_size`` ranks that meets at ``address`` (``tcp://host:port``, or
-        ``env://`` under torchrun) as ``rank``. ``device_kind`` "cuda" runs the collectives on NCCL over
-        this process's current GPU, anything else on gloo."""
+        ``env://`` under torchrun), or in ``store`` (a torch.distributed Store) when given, as ``rank``.
+        ``device_kind`` "cuda" runs the collectives on NCCL over this process's current GPU, anything else
+        on gloo."""
         import torch.distributed as dist
 
         if not 0 <= rank < world_size:
@@ -70,8 +71,9 @@ class TensorParallel:
             os.environ.update(MULTICAST_OFF)
         timeout = datetime.timedelta(seconds=timeout_s)
         device_id = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-        dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=device_id)
+        meeting = {"store": store} if store is not None else {"init_method": address}
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id,
+                                **meeting)
         device_group = dist.group.WORLD
         host_group = device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         idle_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S))

@@ -7,21 +7,25 @@ scheduler and the engine over its model (executor/serving.py); a worker (``serve
 materializes the same per-rank plan on its own device, loads its shards, and ``follow``s rank 0's
 announced steps, slot resets and graph capture (executor/models/decoder.py) until rank 0 says stop.
 
+Rendezvous: rank 0 serves the group's store (a TCPStore on a free loopback port) before it spawns
+the workers; each worker connects, counts itself in, and joins. Rank 0 joins once every worker has
+counted in, watching the workers meanwhile, so a worker that fails before it joins (an import, its
+GPU, its plan) ends the start at once with its error instead of after the rendezvous timeout.
+
 Failures: a worker that raises sends its rank and error to rank 0's process (a queue) and exits;
 its peers' collectives then fail (its connections close, or the group's timeout passes), and rank
-0 reports the first failed worker: ``RankError`` naming the rank and its error, never a hang. Rank
-0 joins the group in a thread and watches the workers meanwhile, so a worker that fails before it
-joins (an import, its GPU) ends the start at once instead of after the rendezvous timeout.
+0 reports the first failed worker: ``RankError`` naming the rank and its error, never a hang.
 ``Ranks.stop`` ends the run on every rank: the stop message when the group still answers, else the
 worker processes are terminated.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import queue
-import socket
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,12 +37,17 @@ if TYPE_CHECKING:
     from executor.models.decoder import DecoderModel
     from planner.plan import MemoryPlan
 
-#: Seconds rank 0 waits for a failed worker's report (or exit) after its own collective failed.
+#: Seconds rank 0 waits for a failed worker's report (or exit) after its own collective failed (at most
+#: the group's timeout: a short timeout asks for a quick verdict).
 FAILURE_REPORT_S = 10.0
 #: Seconds ``Ranks.stop`` waits for each worker to exit after the stop message.
 STOP_WAIT_S = 30.0
 #: The messages rank 0 announces (executor/models/decoder.py) and ``follow`` runs.
 STEP, RESET_SLOT, CAPTURE, STOP = "step", "reset_slot", "capture_decode_graphs", "stop"
+#: The store key a spawned worker sets once it reaches rank 0's store (its rank appended).
+READY_KEY = "memplan/ready/"
+#: Seconds between rank 0's looks at the ready count and the workers while they start.
+START_POLL_S = 0.05
 #: torchrun's environment.
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -51,7 +60,7 @@ class RankSpec:
     device: str  # "cuda" or "sim"
     weights: str  # a checkpoint directory, or serving.RANDOM_WEIGHTS
     seed: int
-    address: str  # the group's rendezvous: tcp://host:port, or env:// under torchrun
+    address: str  # the group's rendezvous: tcp://host:port of rank 0's store, or env:// under torchrun
     timeout_s: float = COLLECTIVE_TIMEOUT_S
 
 
@@ -126,8 +135,12 @@ def serve_rank(spec: RankSpec, rank: int, local_rank: int) -> None:
 
     choose_simulator(spec.device)
     select_gpu(local_rank, spec.device)
-    parallel = TensorParallel.join(rank, spec.plan.serving.tensor_parallel_size, spec.address, spec.device,
-                                   spec.timeout_s)
+    tp = spec.plan.serving.tensor_parallel_size
+    store = None
+    if spec.address.startswith("tcp://"):  # rank 0's store (not torchrun's env://)
+        store = connect_store(spec.address, tp, spec.timeout_s)
+        store.set(f"{READY_KEY}{rank}", "1")
+    parallel = TensorParallel.join(rank, tp, spec.address, spec.device, spec.timeout_s, store=store)
     follow(open_rank(spec, parallel), parallel)
     parallel.close()
 
@@ -183,11 +196,20 @@ def _abort_group() -> None:
             pass
 
 
-def free_address() -> str:
-    """A tcp:// rendezvous on a free port of this host's loopback."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+def serve_store(world_size: int, timeout_s: float) -> Any:
+    """Rank 0's rendezvous store: a TCPStore server on a free port of this host's loopback."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size, True, datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def connect_store(address: str, world_size: int, timeout_s: float) -> Any:
+    """A worker's client of rank 0's store at ``tcp://host:port``."""
+    import torch.distributed as dist
+
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return dist.TCPStore(host, int(port), world_size, False, datetime.timedelta(seconds=timeout_s))
 
 
 @dataclass
@@ -200,6 +222,8 @@ class Ranks:
     errors: Any = None  # the workers' error queue
     stopped: bool = False
     first_failure: RankError | None = None
+    timeout_s: float = COLLECTIVE_TIMEOUT_S  # the group's collectives' timeout
+    store: Any = None  # the rendezvous store rank 0 serves (kept for the group's lifetime)
 
     @classmethod
     def start(cls, plan: MemoryPlan, device: str, weights: str, seed: int,
@@ -217,69 +241,78 @@ class Ranks:
             if rank != 0:
                 raise RankError(rank, "under torchrun only rank 0 serves requests; the others serve_torchrun_rank")
             select_gpu(local_rank, device)
-            return cls(TensorParallel.join(rank, world, "env://", device, timeout_s))
-        spec = RankSpec(plan, device, str(weights), seed, free_address(), timeout_s)
+            return cls(TensorParallel.join(rank, world, "env://", device, timeout_s), timeout_s=timeout_s)
+        store = serve_store(tp, timeout_s)
+        spec = RankSpec(plan, device, str(weights), seed, f"tcp://127.0.0.1:{store.port}", timeout_s)
         context = multiprocessing.get_context("spawn")
         errors = context.Queue()
         processes = [context.Process(target=_worker_main, args=(worker, spec, rank, errors),
                                      name=f"memplan rank {rank}", daemon=True) for rank in range(1, tp)]
         for process in processes:
             process.start()
-        ranks = cls(None, processes, errors)  # type: ignore[arg-type]
+        ranks = cls(None, processes, errors, timeout_s=timeout_s, store=store)  # type: ignore[arg-type]
         try:
             select_gpu(0, device)
-            ranks.parallel = ranks._join(spec)
+            ranks.parallel = ranks._join(spec, store)
         except BaseException as error:
-            reported = ranks.reported(FAILURE_REPORT_S)
+            reported = ranks.reported(ranks.report_wait_s)
             ranks.stop(force=True)
             raise (reported or error) from error
         if device == "cuda":
             ranks.watch()
         return ranks
 
-    def _join(self, spec: RankSpec) -> TensorParallel:
-        """Join the group as rank 0 in a thread, watching the workers meanwhile: a worker that fails first
-        is raised (its RankError) without waiting for the rendezvous to time out."""
-        joined: list[TensorParallel] = []
-        failed: list[BaseException] = []
-
-        def join() -> None:
-            try:
-                joined.append(TensorParallel.join(0, spec.plan.serving.tensor_parallel_size, spec.address,
-                                                  spec.device, spec.timeout_s))
-            except BaseException as error:  # noqa: BLE001 (re-raised in the caller's thread)
-                failed.append(error)
-
-        thread = threading.Thread(target=join, name="memplan rank 0 join", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.1)
+    def _join(self, spec: RankSpec, store: Any) -> TensorParallel:
+        """Join the group as rank 0 once every worker set its ready key in ``store``; a worker that fails
+        first is raised (its RankError), and a worker still missing after the timeout is a RankError
+        naming it."""
+        tp = spec.plan.serving.tensor_parallel_size
+        deadline = time.monotonic() + spec.timeout_s
+        missing = list(range(1, tp))
+        while missing:
+            missing = [rank for rank in missing if not store.check([f"{READY_KEY}{rank}"])]
             reported = self.reported(0.0)
             if reported is not None:
                 raise reported
-        if failed:
-            raise failed[0]
-        return joined[0]
+            if missing and time.monotonic() > deadline:
+                raise RankError(missing[0], f"did not reach rank 0's store within {spec.timeout_s:g} s (ranks "
+                                f"missing: {', '.join(map(str, missing))})")
+            time.sleep(START_POLL_S if missing else 0.0)
+        return TensorParallel.join(0, tp, spec.address, spec.device, spec.timeout_s, store=store)
+
+    @property
+    def report_wait_s(self) -> float:
+        """Seconds to wait for a failed worker's report: FAILURE_REPORT_S, at most the group's timeout."""
+        return min(FAILURE_REPORT_S, self.timeout_s)
 
     def failure(self, error: BaseException) -> BaseException:
-        """What to raise for ``error`` of rank 0's process, and the run stopped on every rank: the first
+        """What to raise for ``error`` of rank 0's process, with the run stopped on every rank (the workers
+        terminated: they may be inside a step's collective, where no stop message reaches them). The first
         failed worker's RankError when a worker failed (after a collective failed, it waits up to
-        FAILURE_REPORT_S for the worker's report), else ``error`` itself."""
+        FAILURE_REPORT_S for the worker's report); a collective that failed with no worker failed (one
+        stopped answering: the group's timeout) is a RankError naming the workers still running; any other
+        error is ``error`` itself."""
         collective = _collective_error(error)
-        reported = self.reported(FAILURE_REPORT_S if collective and self.processes else 0.0)
-        self.stop(force=reported is not None or collective)
+        reported = self.reported(self.report_wait_s if collective and self.processes else 0.0)
+        running = [rank for rank, process in enumerate(self.processes, start=1) if process.is_alive()]
+        self.stop(force=True)
         if reported is not None:
             return reported
-        if collective and not self.processes:  # under torchrun: another process of it stopped
-            return RankError(self.parallel.rank, f"{type(error).__name__}: {error} (torchrun names the rank that "
-                             "stopped)")
-        return error
+        if not collective:
+            return error
+        if not self.processes:  # under torchrun: another process of it stopped
+            return RankError(self.parallel.rank, f"{describe(error)} (torchrun names the rank that stopped)")
+        detail = (f"did not answer within the collectives' timeout of {self.timeout_s:g} s (its process was still "
+                  f"running; rank 0's collective: {describe(error)})")
+        if len(running) == 1:
+            return RankError(running[0], detail)
+        ranks = ", ".join(map(str, running))
+        return RankError(0, f"a collective waited past its timeout of {self.timeout_s:g} s; ranks {ranks} were "
+                         f"still running and none reported an error ({describe(error)})")
 
     def reported(self, wait_s: float) -> RankError | None:
         """The first worker failure (kept once found): its queued report, or a worker that exited with an
         error code and none."""
-        import time
-
         deadline = time.monotonic() + wait_s
         while self.first_failure is None:
             try:
@@ -305,7 +338,6 @@ class Ranks:
         the group, so that rank 0's collectives fail and ``failure`` reports the worker; if rank 0 has
         not stopped the run FAILURE_REPORT_S later, it prints the failure and ends the process."""
         import sys
-        import time
         from multiprocessing.connection import wait
 
         def watching() -> None:
@@ -314,9 +346,9 @@ class Ranks:
                 for sentinel in wait(list(alive), timeout=1.0):
                     process = alive.pop(sentinel)
                     if process.exitcode != 0 and not self.stopped:
-                        failure = self.reported(FAILURE_REPORT_S)
+                        failure = self.reported(self.report_wait_s)
                         _abort_group()
-                        time.sleep(FAILURE_REPORT_S)
+                        time.sleep(self.report_wait_s)
                         if not self.stopped:
                             print(f"memplan: error: {failure}", file=sys.stderr, flush=True)
                             for other in self.processes:
@@ -343,4 +375,6 @@ class Ranks:
                 process.terminate()
                 process.join(STOP_WAIT_S)
         if self.parallel is not None:
+            if force:
+                _abort_group()  # a broken group's communicators may not shut down cleanly
             self.parallel.close()
