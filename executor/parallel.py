@@ -108,6 +108,15 @@ class TensorParallel:
         assert not self.is_driver, "rank 0 announces; the others receive"
         return self._broadcast(None)
 
+    def gather_to_driver(self, value: Any) -> list[Any] | None:
+        """Every rank's ``value`` (a picklable host object) on rank 0, in rank order; None on the others.
+        Every rank calls it, after the message that asks for it."""
+        import torch.distributed as dist
+
+        gathered = [None] * self.world_size if self.is_driver else None
+        dist.gather_object(value, gathered, dst=0, group=self.host_group)
+        return gathered
+
     def _broadcast(self, message: Any) -> Any:
         """Rank 0's ``message`` on every rank: its pickled length, then its bytes, over the gloo groups (the
         length on the idle group, since workers wait on it between steps)."""

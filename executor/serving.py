@@ -31,7 +31,7 @@ from executor.workload import RequestSpec, RunError, add_eos, engine_seed
 
 if TYPE_CHECKING:
     from executor.arena import Arena
-    from executor.workers import Ranks
+    from executor.workers import Ranks, RankMemory
     from executor.engine import EngineReport, RequestResult
     from executor.models.decoder import DecoderModel
     from executor.startup import StartupClock
@@ -88,6 +88,7 @@ class RunReport:
     sampling_defaults: str  # what requests that set no sampling parameter sampled with, and why
     eos: str
     text: str
+    ranks: tuple[RankMemory, ...] = ()  # tensor parallelism: every rank's memory after the run
 
     @property
     def tokens_per_s(self) -> float:
@@ -232,13 +233,15 @@ class ServedModel:
         engine = Engine(self.model, prefix_caching=prefix_caching, overlap=overlap)
         on_step = progress(requests, len(specs)) if progress is not None else None
         try:
+            before = self.ranks.measure(self.model) if self.ranks is not None else []
             report = engine.run(requests, [specs[index].arrival_step for index in runnable], on_step=on_step,
                                 on_tokens=on_tokens if texts else None, on_finish=on_finish)
+            after = self.ranks.measure(self.model) if self.ranks is not None else []
         except BaseException as error:
             if self.ranks is None:
                 raise
             raise self.ranks.failure(error) from error
-        return self.report(report, specs, not prefix_caching, ignore_eos)
+        return self.report(report, specs, not prefix_caching, ignore_eos, tuple(before), tuple(after))
 
     def close(self) -> None:
         """End the other tensor-parallel ranks (their processes exit) and leave the group; nothing to do on
@@ -247,13 +250,21 @@ class ServedModel:
             self.ranks.stop()
 
     def report(self, report: EngineReport, specs: Sequence[RequestSpec], no_prefix_caching: bool,
-               ignore_eos: bool = False) -> RunReport:
-        """The RunReport of an engine run over ``specs``."""
+               ignore_eos: bool = False, ranks_before: tuple[RankMemory, ...] = (),
+               ranks_after: tuple[RankMemory, ...] = ()) -> RunReport:
+        """The RunReport of an engine run over ``specs``; ``ranks_before`` / ``ranks_after``: every
+        tensor-parallel rank's memory around the engine run (empty on one device)."""
+        from executor.workers import memory_lines
+
         sampling = self.generation.sampling.describe()
         if self.generation.unapplied:
             sampling += f"; not applied: {', '.join(self.generation.unapplied)} (generation_config.json)"
         eos = self.generation.describe_eos(ignore_eos)
         lines = [f"weights: {self.weights_source}", f"EOS ids: {eos}", f"sampling defaults: {sampling}"]
+        if ranks_after:
+            tp = self.plan.serving.tensor_parallel_size
+            lines += [f"tensor parallel: {tp} ranks, the pools above are rank 0's (every rank plans the same bytes)",
+                      *(f"  {line}" for line in memory_lines(list(ranks_before), list(ranks_after)))]
         text = summary(self.plan, self.arena, report, list(specs), no_prefix_caching, self.graphs, self.warm_up_s,
                        extra_lines=lines)
         ttfts, tpots = report.ttfts, report.tpots
@@ -266,7 +277,7 @@ class ServedModel:
         rejected = report.stats.rejected + sum(1 for spec in specs if spec.error is not None)
         return RunReport(report, pools, len(specs), rejected, report.generated_tokens, report.wall_s,
                          percentile(ttfts, 50), percentile(ttfts, 99), percentile(tpots, 50), percentile(tpots, 99),
-                         report.stats.preemptions, report.stats.peak_kv_pages_used, sampling, eos, text)
+                         report.stats.preemptions, report.stats.peak_kv_pages_used, sampling, eos, text, ranks_after)
 
 
 def check_fits_device(plan: MemoryPlan, simulator: bool) -> None:

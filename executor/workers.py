@@ -44,6 +44,8 @@ FAILURE_REPORT_S = 10.0
 STOP_WAIT_S = 30.0
 #: The messages rank 0 announces (executor/models/decoder.py) and ``follow`` runs.
 STEP, RESET_SLOT, CAPTURE, STOP = "step", "reset_slot", "capture_decode_graphs", "stop"
+#: Rank 0's request for every rank's RankMemory (``Ranks.measure``).
+MEASURE = "measure"
 #: The store key a spawned worker sets once it reaches rank 0's store (its rank appended).
 READY_KEY = "memplan/ready/"
 #: Seconds between rank 0's looks at the ready count and the workers while they start.
@@ -62,6 +64,45 @@ class RankSpec:
     seed: int
     address: str  # the group's rendezvous: tcp://host:port of rank 0's store, or env:// under torchrun
     timeout_s: float = COLLECTIVE_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's memory as measured on its device: the bytes its plan materializes, the bytes its arena
+    allocated, and on CUDA the bytes torch's allocator holds and its allocation count (None in the
+    simulator)."""
+
+    rank: int
+    planned_bytes: int
+    allocated_bytes: int
+    reserved_bytes: int | None
+    allocations: int | None
+
+    @classmethod
+    def of(cls, model: DecoderModel) -> RankMemory:
+        import torch
+
+        arena = model.arena
+        planned = sum(pool.bytes for pool in arena.plan.pools if pool.materialized)
+        if model.device.is_sim:
+            return cls(arena.rank, planned, arena.allocated_bytes, None, None)
+        device = model.device.torch_device
+        torch.cuda.synchronize(device)
+        return cls(arena.rank, planned, arena.allocated_bytes, torch.cuda.memory_reserved(device),
+                   torch.cuda.memory_stats(device)["allocation.all.allocated"])
+
+
+def memory_lines(before: list[RankMemory], after: list[RankMemory]) -> list[str]:
+    """The report's lines of each rank's planned vs allocated bytes, with (CUDA) the allocator's reserved
+    bytes and the allocations made between ``before`` and ``after``."""
+    lines = []
+    for start, end in zip(before, after):
+        line = f"rank {end.rank}: planned {end.planned_bytes:,} bytes, allocated {end.allocated_bytes:,}"
+        if end.reserved_bytes is not None and start.allocations is not None and end.allocations is not None:
+            line += (f", allocator reserved {end.reserved_bytes:,}, allocations during the run "
+                     f"{end.allocations - start.allocations}")
+        lines.append(line)
+    return lines
 
 
 def under_torchrun() -> bool:
@@ -95,6 +136,8 @@ def follow(model: DecoderModel, parallel: TensorParallel) -> None:
             model.reset_slot(message[1])
         elif kind == CAPTURE:
             model.capture_decode_graphs()
+        elif kind == MEASURE:
+            parallel.gather_to_driver(RankMemory.of(model))
         elif kind == STOP:
             return
         else:
@@ -261,6 +304,11 @@ class Ranks:
         if device == "cuda":
             ranks.watch()
         return ranks
+
+    def measure(self, model: DecoderModel) -> list[RankMemory]:
+        """Every rank's RankMemory now (rank 0's from ``model``), in rank order."""
+        self.parallel.announce((MEASURE,))
+        return self.parallel.gather_to_driver(RankMemory.of(model))
 
     def _join(self, spec: RankSpec, store: Any) -> TensorParallel:
         """Join the group as rank 0 once every worker set its ready key in ``store``; a worker that fails

@@ -81,6 +81,9 @@ def test_memplan_run_tp2_gives_hf_greedy_tokens_and_tp1s(checkpoint, tmp_path, c
     assert code == 0, captured.err
     lines = [json.loads(line) for line in captured.out.splitlines() if line.strip()]
     assert [line["output_ids"] for line in sorted(lines, key=lambda line: line["request"])] == expected
+    materialized = sum(pool.bytes for pool in _tp2_plan(directory).pools if pool.materialized)
+    for rank in range(2):  # each rank's own measure of its arena, against the per-rank plan
+        assert f"rank {rank}: planned {materialized:,} bytes, allocated {materialized:,}" in captured.err
     with LLM(directory, **SIM) as llm:
         outputs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     assert [output.output_ids for output in outputs] == expected
