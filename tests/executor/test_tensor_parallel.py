@@ -7,6 +7,9 @@ run with a RankError naming it, well before any default timeout."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -37,6 +40,7 @@ NEW_TOKENS = 3
 SIM = {"hardware": "cpu-sim", "device": "sim"}
 #: The collectives' timeout of the failure tests: a hung rank must end the run after it.
 SHORT_TIMEOUT_S = 3.0
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _save(directory: Path, name: str) -> torch.nn.Module:
@@ -109,10 +113,30 @@ def test_each_rank_loads_the_hf_tensor_cut_by_heads(name, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def qwen3_checkpoint(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("faults")
-    _save(directory, "tiny-qwen3")
-    return directory
+def qwen3_saved(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    directory = tmp_path_factory.mktemp("qwen3")
+    return directory, _save(directory, "tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(qwen3_saved) -> Path:
+    return qwen3_saved[0]
+
+
+def test_torchrun_tp2_gives_hf_greedy_tokens(qwen3_saved, tmp_path):
+    """Under ``torchrun --nproc-per-node 2`` each process runs ``memplan run``: rank 0 serves and writes the
+    output, rank 1 serves its part of every step and writes nothing."""
+    directory, hf = qwen3_saved
+    requests, out = tmp_path / "requests.jsonl", tmp_path / "out.jsonl"
+    requests.write_text("".join(json.dumps({"prompt_ids": p, "max_new_tokens": NEW_TOKENS}) + "\n" for p in PROMPTS))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+               "planner.cli", "run", "--model", str(directory), "--hardware", "cpu-sim", "--device", "sim",
+               "--ignore-eos", "--prompt-ids", str(requests), "--out", str(out), "--tensor-parallel-size", "2"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda line: line["request"])
+    assert [line["output_ids"] for line in lines] == [_hf_greedy(hf, prompt) for prompt in PROMPTS]
 
 
 def _tp2_plan(directory: Path):
