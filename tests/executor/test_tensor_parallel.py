@@ -176,3 +176,18 @@ def test_a_rank_that_stops_answering_ends_the_run_after_the_timeout(qwen3_checkp
     assert raised.value.rank == 1 and "did not answer" in str(raised.value), str(raised.value)
     assert time.monotonic() - start < 60.0
     assert not any(process.is_alive() for process in ranks.processes)
+
+
+def test_memplan_run_exits_2_naming_the_failed_rank(qwen3_checkpoint, monkeypatch, capsys):
+    """``memplan run -tp 2`` whose rank 1 raises in its first step: exit 2, one line naming rank 1 and its error."""
+    start = Ranks.start
+
+    def start_failing(plan, device, weights, seed, **kwargs):
+        return start(plan, device, weights, seed, timeout_s=SHORT_TIMEOUT_S, worker=rank_faults.fail_at_first_step)
+
+    monkeypatch.setattr(Ranks, "start", start_failing)
+    code = main(["run", "--model", str(qwen3_checkpoint), "--hardware", "cpu-sim", "--device", "sim",
+                 "--batch", "1", "--prompt-len", "3", "--max-new-tokens", "2", "--tensor-parallel-size", "2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "memplan: tensor-parallel error: rank 1 failed: ValueError: injected fault in a step on rank 1" in err, err
