@@ -15,9 +15,11 @@ graphs as ``memplan run`` does, then drives rank 0's model step by step (every r
 - decode: a step of B requests, each with C tokens cached and one new token (request r on its own
   pages and slot r); median of ``--repeats`` steps after ``--warmup``, each step waited for before the
   next (the engine's ``--no-overlap`` loop), graph replay where a bucket holds B;
-- memory: each rank's planned bytes (the per-rank plan: weights, KV cache, the rest) and what it
-  measured after the cells: its arena and torch's reserved bytes, and its allocations during the cells
-  (0 expected: nothing allocates after warm-up on any rank).
+- memory: each rank's planned bytes (the per-rank plan: weights, KV cache, the arena, the usable budget)
+  and what it measured after the cells: its arena, torch's reserved bytes, the device's bytes in use
+  (cudaMemGetInfo: its CUDA context and NCCL's communicator buffers included, against the plan's usable
+  bytes, whose runtime lines declare them) and its allocations during the cells (0 expected: nothing
+  allocates after warm-up on any rank).
 
 The table gives each TP's TPOT against TP 1's in the same run (the issue's target: TP 2 at batch 1
 <= 0.6x TP 1). The plan of every TP holds max(--batches) requests of max(--contexts) + 1 tokens at
@@ -152,7 +154,9 @@ def run_one_tp(args: argparse.Namespace) -> None:
         result = {"model": plan.model.name, "tp": tp, "cells": cells,
                   "utilization": plan.serving.gpu_memory_utilization, "weights_bytes": weights, "kv_bytes": kv,
                   "planned_bytes": planned,
+                  "usable_bytes": plan.budget.usable_bytes,
                   "ranks": [{"rank": a.rank, "allocated": a.allocated_bytes, "reserved": a.reserved_bytes,
+                             "device_used": a.device_used_bytes,
                              "allocations": (None if a.allocations is None or b.allocations is None
                                              else a.allocations - b.allocations)} for b, a in zip(before, after)]}
         print(RESULT + json.dumps(result), flush=True)
@@ -191,16 +195,18 @@ def _size(value: int | None) -> str:
 
 def memory_table(results: list[dict]) -> str:
     headers = ["model", "TP", "utilization", "weights / rank", "KV cache / rank", "planned arena / rank",
-               "rank: allocated arena, allocator reserved, allocations during the cells"]
+               "plan usable / rank", "rank: allocated arena, allocator reserved, device in use, allocations during "
+               "the cells"]
     rows = []
     for result in results:
         measured = "; ".join(f"{rank['rank']}: {_size(rank['allocated'])}, {_size(rank['reserved'])}, "
+                             f"{_size(rank['device_used'])}, "
                              f"{'n/a' if rank['allocations'] is None else rank['allocations']}"
                              for rank in result["ranks"])
         rows.append([result["model"], str(result["tp"]), f"{result['utilization']:.2f}",
                      _size(result["weights_bytes"]), _size(result["kv_bytes"]), _size(result["planned_bytes"]),
-                     measured])
-    return markdown_table(headers, rows, [False, True, True, True, True, True, False])
+                     _size(result["usable_bytes"]), measured])
+    return markdown_table(headers, rows, [False, True, True, True, True, True, True, False])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -69,14 +69,17 @@ class RankSpec:
 @dataclass(frozen=True)
 class RankMemory:
     """One rank's memory as measured on its device: the bytes its plan materializes, the bytes its arena
-    allocated, and on CUDA the bytes torch's allocator holds and its allocation count (None in the
-    simulator)."""
+    allocated, and on CUDA the bytes torch's allocator holds, its allocation count and the device's bytes
+    in use (cudaMemGetInfo total - free: the rank's process, its CUDA context and NCCL's buffers, and any
+    other process on that GPU), against the plan's usable bytes (None in the simulator)."""
 
     rank: int
     planned_bytes: int
     allocated_bytes: int
     reserved_bytes: int | None
     allocations: int | None
+    device_used_bytes: int | None = None
+    usable_bytes: int = 0
 
     @classmethod
     def of(cls, model: DecoderModel) -> RankMemory:
@@ -84,12 +87,14 @@ class RankMemory:
 
         arena = model.arena
         planned = sum(pool.bytes for pool in arena.plan.pools if pool.materialized)
+        usable = arena.plan.budget.usable_bytes
         if model.device.is_sim:
-            return cls(arena.rank, planned, arena.allocated_bytes, None, None)
+            return cls(arena.rank, planned, arena.allocated_bytes, None, None, None, usable)
         device = model.device.torch_device
         torch.cuda.synchronize(device)
+        free, total = torch.cuda.mem_get_info(device)
         return cls(arena.rank, planned, arena.allocated_bytes, torch.cuda.memory_reserved(device),
-                   torch.cuda.memory_stats(device)["allocation.all.allocated"])
+                   torch.cuda.memory_stats(device)["allocation.all.allocated"], total - free, usable)
 
 
 def memory_lines(before: list[RankMemory], after: list[RankMemory]) -> list[str]:
@@ -101,6 +106,9 @@ def memory_lines(before: list[RankMemory], after: list[RankMemory]) -> list[str]
         if end.reserved_bytes is not None and start.allocations is not None and end.allocations is not None:
             line += (f", allocator reserved {end.reserved_bytes:,}, allocations during the run "
                      f"{end.allocations - start.allocations}")
+        if end.device_used_bytes is not None and end.usable_bytes:
+            line += (f", device in use {end.device_used_bytes:,} vs plan usable {end.usable_bytes:,} "
+                     f"({end.device_used_bytes / end.usable_bytes:.1%})")
         lines.append(line)
     return lines
 
