@@ -154,23 +154,22 @@ def follow(model: DecoderModel, parallel: TensorParallel) -> None:
 
 def open_rank(spec: RankSpec, parallel: TensorParallel) -> DecoderModel:
     """Rank ``parallel.rank``'s model: the plan materialized on this process's device, its weight shards
-    loaded. The kernel compile of start-up (executor/compile.py) runs meanwhile on a GPU."""
+    loaded. It compiles nothing at start: every rank runs the same per-rank plan, so rank 0's start-up
+    compile (executor/compile.py) fills the persistent kernel cache with this rank's kernels too before
+    rank 0 announces the first step, where this rank's first launch loads them from the cache."""
     from executor.arena import materialize
     from executor.device import open_device
     from executor.models import build_model
-    from executor.serving import RANDOM_WEIGHTS, start_compile
+    from executor.serving import RANDOM_WEIGHTS
     from executor.weights import fill_random, load_checkpoint
 
     device = open_device(spec.device)
-    compiling = None if device.is_sim else start_compile(spec.plan, None)
     arena = materialize(spec.plan, device, parallel.rank)
     if spec.weights == RANDOM_WEIGHTS:
         fill_random(arena, spec.seed)
     else:
         load_checkpoint(arena, spec.weights)
     model = build_model(arena, parallel)
-    if compiling is not None:
-        compiling.wait()
     device.synchronize()
     return model
 
