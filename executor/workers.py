@@ -63,7 +63,8 @@ class RankSpec:
     weights: str  # a checkpoint directory, or serving.RANDOM_WEIGHTS
     seed: int
     address: str  # the group's rendezvous: tcp://host:port of rank 0's store, or env:// under torchrun
-    timeout_s: float = COLLECTIVE_TIMEOUT_S
+    timeout_s: float = COLLECTIVE_TIMEOUT_S  # the group's collectives
+    start_timeout_s: float = COLLECTIVE_TIMEOUT_S  # reaching rank 0's store (a worker's imports, its GPU)
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ def serve_rank(spec: RankSpec, rank: int, local_rank: int) -> None:
     tp = spec.plan.serving.tensor_parallel_size
     store = None
     if spec.address.startswith("tcp://"):  # rank 0's store (not torchrun's env://)
-        store = connect_store(spec.address, tp, spec.timeout_s)
+        store = connect_store(spec.address, tp, spec.start_timeout_s)
         store.set(f"{READY_KEY}{rank}", "1")
     parallel = TensorParallel.join(rank, tp, spec.address, spec.device, spec.timeout_s, store=store)
     follow(open_rank(spec, parallel), parallel)
@@ -277,10 +278,13 @@ class Ranks:
 
     @classmethod
     def start(cls, plan: MemoryPlan, device: str, weights: str, seed: int,
-              timeout_s: float = COLLECTIVE_TIMEOUT_S, worker: Worker = serve_rank) -> Ranks:
+              timeout_s: float = COLLECTIVE_TIMEOUT_S, worker: Worker = serve_rank,
+              start_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Ranks:
         """Start the workers of ``plan``'s tensor_parallel_size on ``device`` ("cuda" or "sim") and join
         the group as rank 0; under torchrun join as rank 0 of torchrun's group (its other processes run
-        ``serve_torchrun_rank``). ``worker``: each spawned rank's body (a module-level function)."""
+        ``serve_torchrun_rank``). ``timeout_s``: the collectives' timeout; ``start_timeout_s``: how long
+        the workers may take to reach rank 0's store; ``worker``: each spawned rank's body (a module-level
+        function)."""
         import multiprocessing
 
         tp = plan.serving.tensor_parallel_size
@@ -292,8 +296,9 @@ class Ranks:
                 raise RankError(rank, "under torchrun only rank 0 serves requests; the others serve_torchrun_rank")
             select_gpu(local_rank, device)
             return cls(TensorParallel.join(rank, world, "env://", device, timeout_s), timeout_s=timeout_s)
-        store = serve_store(tp, timeout_s)
-        spec = RankSpec(plan, device, str(weights), seed, f"tcp://127.0.0.1:{store.port}", timeout_s)
+        store = serve_store(tp, start_timeout_s)
+        spec = RankSpec(plan, device, str(weights), seed, f"tcp://127.0.0.1:{store.port}", timeout_s,
+                        start_timeout_s)
         context = multiprocessing.get_context("spawn")
         errors = context.Queue()
         processes = [context.Process(target=_worker_main, args=(worker, spec, rank, errors),
@@ -322,7 +327,7 @@ class Ranks:
         first is raised (its RankError), and a worker still missing after the timeout is a RankError
         naming it."""
         tp = spec.plan.serving.tensor_parallel_size
-        deadline = time.monotonic() + spec.timeout_s
+        deadline = time.monotonic() + spec.start_timeout_s
         missing = list(range(1, tp))
         while missing:
             missing = [rank for rank in missing if not store.check([f"{READY_KEY}{rank}"])]
@@ -330,7 +335,7 @@ class Ranks:
             if reported is not None:
                 raise reported
             if missing and time.monotonic() > deadline:
-                raise RankError(missing[0], f"did not reach rank 0's store within {spec.timeout_s:g} s (ranks "
+                raise RankError(missing[0], f"did not reach rank 0's store within {spec.start_timeout_s:g} s (ranks "
                                 f"missing: {', '.join(map(str, missing))})")
             time.sleep(START_POLL_S if missing else 0.0)
         return TensorParallel.join(0, tp, spec.address, spec.device, spec.timeout_s, store=store)
