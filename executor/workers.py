@@ -5,18 +5,20 @@
 environment), takes this process's rank from it and leaves the others to torchrun. Rank 0 runs the
 scheduler and the engine over its model (executor/serving.py); a worker (``serve_rank``)
 materializes the same per-rank plan on its own device, loads its shards, and ``follow``s rank 0's
-announced steps, slot resets and graph capture (executor/models/decoder.py) until rank 0 says stop.
+announced steps, slot resets and graph capture (executor/models/decoder.py), and answers rank 0's
+memory measure (``RankMemory``, for the run report), until rank 0 says stop.
 
 Rendezvous: rank 0 serves the group's store (a TCPStore on a free loopback port) before it spawns
-the workers; each worker connects, counts itself in, and joins. Rank 0 joins once every worker has
-counted in, watching the workers meanwhile, so a worker that fails before it joins (an import, its
+the workers; each worker connects, sets its ready key, and joins. Rank 0 joins once every worker's
+key is there, watching the workers meanwhile, so a worker that fails before it joins (an import, its
 GPU, its plan) ends the start at once with its error instead of after the rendezvous timeout.
 
 Failures: a worker that raises sends its rank and error to rank 0's process (a queue) and exits;
 its peers' collectives then fail (its connections close, or the group's timeout passes), and rank
 0 reports the first failed worker: ``RankError`` naming the rank and its error, never a hang.
-``Ranks.stop`` ends the run on every rank: the stop message when the group still answers, else the
-worker processes are terminated.
+A rank that stops answering ends rank 0's collective at the group's timeout, and the RankError
+names the workers still running. ``Ranks.stop`` ends a run that went well with the stop message; on
+a failure the worker processes are terminated (they may be waiting inside a step's collective).
 """
 
 from __future__ import annotations
