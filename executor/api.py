@@ -20,7 +20,11 @@ or ``random_weights=True``. The tokenizer and generation defaults are the weight
 workload and return one ``RequestOutput`` per request, in input order. A ``SamplingParams`` field left
 None takes the checkpoint's default (generation_config.json with do_sample), else greedy.
 
-Errors are the CLI's: ConfigError (configs, plan), WeightsError, TokenizerError, RunError.
+With ``tensor_parallel_size=N`` the process that builds the ``LLM`` is rank 0 and starts N - 1 rank
+processes (executor/workers.py); ``close()`` (or leaving a ``with LLM(...)`` block) stops them, and a
+rank that fails raises ``RankError`` naming it.
+
+Errors are the CLI's: ConfigError (configs, plan), WeightsError, TokenizerError, RunError, RankError.
 """
 
 from __future__ import annotations
@@ -96,6 +100,16 @@ class LLM:
     def report(self) -> RunReport | None:
         """The last ``generate`` or ``chat`` run's report (None before the first)."""
         return self._report
+
+    def close(self) -> None:
+        """With tensor parallelism, stop the other ranks' processes (no more generate or chat after it)."""
+        self._served.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:

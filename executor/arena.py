@@ -4,7 +4,9 @@ This is the only place the executor allocates device memory. Every view sits at
 its planned offset with its planned dtype and shape (invariant 1,
 docs/design.md), and keeps its address for the arena's lifetime (invariant 5).
 Pools that are budget lines only (``materialized: false``, e.g. the CUDA
-context) are not allocated.
+context) are not allocated. With tensor parallelism every rank materializes the
+same per-rank plan on its own device; the arena names its rank, which says
+where its weight shards come from (planner/shards.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Arena:
 
     plan: MemoryPlan
     device: Device
+    rank: int = 0  # the tensor-parallel rank whose shards the weights pool holds
     pools: dict[str, torch.Tensor] = field(default_factory=dict)
     _views: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
 
@@ -44,14 +47,13 @@ class Arena:
         return sum(raw.numel() for raw in self.pools.values())
 
 
-def materialize(plan: MemoryPlan, device: Device) -> Arena:
-    """Allocate every materialized pool once and carve its buffers out of it."""
-    if plan.serving.tensor_parallel_size != 1:
-        raise ValueError(
-            f"the executor runs one rank on one device; the plan has tensor_parallel_size "
-            f"{plan.serving.tensor_parallel_size}"
-        )
-    arena = Arena(plan, device)
+def materialize(plan: MemoryPlan, device: Device, rank: int = 0) -> Arena:
+    """Allocate every materialized pool once and carve its buffers out of it, for tensor-parallel
+    ``rank`` (0 .. tensor_parallel_size - 1) of the plan."""
+    tp = plan.serving.tensor_parallel_size
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} is outside the plan's tensor_parallel_size {tp} (ranks 0 .. {tp - 1})")
+    arena = Arena(plan, device, rank)
     for pool in plan.pools:
         if not pool.materialized:
             continue

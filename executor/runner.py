@@ -31,6 +31,11 @@ Exit codes: 0 ok (rejected requests included); 2 a bad config, plan file, checkp
 file or flag (one line naming the file and line); 3 the plan does not fit (raised to planner.cli.main, which maps
 ConfigError / PlanDoesNotFit / CheckedOverflowError).
 
+Tensor parallelism (``--tensor-parallel-size N``): this process is rank 0 and spawns ranks 1 .. N - 1
+(executor/workers.py: one GPU each, or the simulator on gloo); under ``torchrun`` each of its processes
+runs this command and the ranks above 0 serve their part of rank 0's steps and write nothing. A rank that
+fails ends the run with exit 2 and one line naming the rank and its error.
+
 torch and numba are imported inside ``run``, after the plan is built and, bound for a GPU, the cold-start
 compile is started (its processes import and discover while this one imports), and after the simulator is
 chosen: NUMBA_ENABLE_CUDASIM must be set before numba.cuda is first imported.
@@ -81,6 +86,7 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     try:
         choose_simulator(args.device)
         from executor.device import DeviceError
+        from executor.parallel import RankError
         from executor.step import CapacityError
         from executor.tokenizer import TokenizerError
         from executor.weights import WeightsError
@@ -88,7 +94,7 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> int:
         labels = ((CapacityError, "capacity error"), (WeightsError, "weights error"),
                   (CheckpointError, "checkpoint error"), (TokenizerError, "tokenizer error"),
                   (RequestFileError, "request error"),
-                  (DeviceError, "device error"), (RunError, "error"))
+                  (DeviceError, "device error"), (RankError, "tensor-parallel error"), (RunError, "error"))
         try:
             return _run(args, out, plan, clock, compiling)
         except tuple(kind for kind, _ in labels) as error:
@@ -118,6 +124,8 @@ def start_early_compile(plan: MemoryPlan, device: str) -> StartupCompile | None:
 
     if device == "sim" or simulator_enabled() or not _gpu_present():
         return None
+    if plan.serving.tensor_parallel_size > 1 and _torchrun_worker():
+        return None  # rank 0's compile fills the cache the ranks share
     target = hardware_target(plan)
     if (target.arch.major, target.arch.minor) < MIN_COMPUTE_CAPABILITY:
         return None
@@ -146,8 +154,11 @@ def _run(args: argparse.Namespace, out: Path | None, plan: MemoryPlan, clock: St
     limits = RequestLimits(plan.model.vocab_size, plan.capacity.max_context)
     specs = read_requests(args, limits, tokenizer, sampling)  # before anything is allocated
     clock.mark("requests")
+    if plan.serving.tensor_parallel_size > 1 and _torchrun_worker():
+        return _serve_torchrun_rank(plan, args.device, weights, args.seed)
     streaming = len(args.prompt or []) == 1 and len(specs) == 1  # a single --prompt: its text on the terminal
     writer = OutputWriter(out, None if streaming else sys.stdout)
+    served = None
     try:
         served = ServedModel.open(plan, args.device, weights=weights, seed=args.seed, tokenizer=tokenizer,
                                   generation=generation, eager=args.eager, clock=clock, log=sys.stderr,
@@ -173,6 +184,8 @@ def _run(args: argparse.Namespace, out: Path | None, plan: MemoryPlan, clock: St
         writer.commit()  # OUT.partial becomes OUT; on an error above, OUT stays as it was
     finally:
         writer.close()
+        if served is not None:
+            served.close()  # tensor parallelism: the other ranks stop
     if streaming:
         print(file=sys.stdout, flush=True)  # end the streamed text's line
     if progress:
@@ -184,6 +197,23 @@ def _run(args: argparse.Namespace, out: Path | None, plan: MemoryPlan, clock: St
     for phase in clock.phases:
         if phase.detail:
             print(f"  {phase.name}: {phase.detail}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _torchrun_worker() -> bool:
+    """Whether torchrun started this process as a rank other than 0."""
+    from executor.workers import torchrun_rank, under_torchrun
+
+    return under_torchrun() and torchrun_rank()[0] != 0
+
+
+def _serve_torchrun_rank(plan: MemoryPlan, device: str, weights: str | Path, seed: int) -> int:
+    """Under torchrun, rank > 0: serve this rank's part of every step rank 0 runs; rank 0 writes the output."""
+    from executor.numba_cuda import simulator_enabled
+    from executor.workers import serve_torchrun_rank
+
+    choose_simulator(device)
+    serve_torchrun_rank(plan, "sim" if simulator_enabled() else "cuda", str(weights), seed)
     return EXIT_OK
 
 

@@ -9,6 +9,11 @@ and, on a GPU, runs the warm-up step pair and captures the decode graphs. ``run(
 each request's output (its result and text) reaches ``on_output`` as it finishes, and a request's
 text can stream to ``stream`` while it is generated. ``RunReport`` is the run's report as an object;
 its ``text`` is what ``memplan run`` prints on stderr.
+
+With ``tensor_parallel_size`` > 1 this process is rank 0: ``open`` starts the other ranks
+(executor/workers.py; or joins torchrun's), which materialize the same per-rank plan on their own
+devices and follow the steps rank 0 runs; a failure on any rank ends ``open`` or ``run`` with an
+error naming the rank, and ``close`` ends the other ranks.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ if TYPE_CHECKING:
     from executor.device import Device
     from executor.engine import EngineReport, RequestResult
     from executor.models.decoder import DecoderModel
+    from executor.parallel import TensorParallel
     from executor.startup import StartupClock
     from executor.tokenizer import Tokenizer
+    from executor.workers import RankMemory, Ranks
     from planner.plan import MemoryPlan
 
 #: The simulator keeps the arena in host memory; refuse plans bigger than this there.
@@ -86,6 +93,7 @@ class RunReport:
     eos: str
     text: str
     figures: ServingFigures  # throughput and latency as memplan run and bench/serve.py report them
+    ranks: tuple[RankMemory, ...] = ()  # tensor parallelism: every rank's memory after the run
 
     @property
     def tokens_per_s(self) -> float:
@@ -105,12 +113,13 @@ class ServedModel:
     warm_up_s: float | None = None
     weights_source: str = ""
     clock: StartupClock | None = None  # the start-up phases of open()
+    ranks: Ranks | None = None  # tensor parallelism: the group and the other ranks' processes
 
     @classmethod
     def open(cls, plan: MemoryPlan, device: str = "auto", *, weights: str | Path, seed: int = 0,
              tokenizer: Tokenizer | None = None, generation: GenerationDefaults | None = None,
              eager: bool = False, clock: StartupClock | None = None, log: TextIO | None = None,
-             compiling: StartupCompile | None = None) -> ServedModel:
+             compiling: StartupCompile | None = None, ranks: Ranks | None = None) -> ServedModel:
         """Materialize ``plan`` on ``device`` ("auto", "cuda", "sim"), fill its weights from ``weights`` (a
         checkpoint directory, or RANDOM_WEIGHTS from ``seed``), build the model; on a GPU warm it up and
         capture the decode graphs unless ``eager``. ``generation``: the checkpoint's defaults (read from
@@ -118,8 +127,29 @@ class ServedModel:
         cache lacks compile in processes while the plan materializes and the weights load (executor/compile.py):
         ``compiling``, when the caller started that compile (for the plan's hardware, before torch
         loaded), else started here for the device. ``clock`` records the start-up phases, and ``log``
-        gets the compile's progress and failures."""
+        gets the compile's progress and failures. With tensor parallelism it starts the other ranks
+        first (this process is rank 0), unless ``ranks`` holds them already started (``Ranks.start``)."""
         choose_simulator(device)
+        if plan.serving.tensor_parallel_size > 1 and ranks is None:
+            from executor.numba_cuda import simulator_enabled
+            from executor.workers import Ranks
+
+            check_fits_device(plan, simulator_enabled())
+            ranks = Ranks.start(plan, "sim" if simulator_enabled() else "cuda", str(weights), seed)
+        try:
+            return cls._open(plan, device, weights=weights, seed=seed, tokenizer=tokenizer, generation=generation,
+                             eager=eager, clock=clock, log=log, compiling=compiling, ranks=ranks)
+        except BaseException as error:
+            if compiling is not None:
+                compiling.close()
+            if ranks is None:
+                raise
+            raise ranks.failure(error) from error
+
+    @classmethod
+    def _open(cls, plan: MemoryPlan, device: str, *, weights: str | Path, seed: int, tokenizer: Tokenizer | None,
+              generation: GenerationDefaults | None, eager: bool, clock: StartupClock | None, log: TextIO | None,
+              compiling: StartupCompile | None, ranks: Ranks | None) -> ServedModel:
         from executor.device import open_device
         from executor.engine import warm_up
         from executor.startup import KernelCensus, StartupClock
@@ -133,8 +163,9 @@ class ServedModel:
         compiling = compile_for(opened, plan, compiling, log)
         if compiling is not None:
             clock.mark("kernel cache")
+        parallel = ranks.parallel if ranks is not None else None
         try:
-            arena, model, source = _materialize_and_fill(plan, opened, weights, seed, clock)
+            arena, model, source = _materialize_and_fill(plan, opened, weights, seed, clock, parallel)
         except BaseException:
             if compiling is not None:
                 compiling.close()
@@ -144,7 +175,7 @@ class ServedModel:
             clock.mark("kernels", compiled.line())
             for failure in compiled.failed[:MAX_FAILURE_LINES]:
                 print(f"memplan: kernel compile failed, it compiles at its first launch: {failure}", file=log)
-        served = cls(plan, arena, model, tokenizer, generation, weights_source=source)
+        served = cls(plan, arena, model, tokenizer, generation, weights_source=source, ranks=ranks)
         if not opened.is_sim:  # on a GPU: keep the kernels' first-call loading or compilation out of the latencies
             warm_up(model)
             served.warm_up_s = clock.mark("warm-up", KernelCensus.of(model).text())
@@ -198,19 +229,40 @@ class ServedModel:
         engine = Engine(self.model, prefix_caching=prefix_caching, overlap=overlap)
         on_step = progress(requests, len(specs)) if progress is not None else None
         steps, times_s = arrivals([specs[index] for index in runnable])
-        report = engine.run(requests, steps, on_step=on_step, on_tokens=on_tokens if texts else None,
-                            on_finish=on_finish, arrival_times_s=times_s)
-        return self.report(report, specs, not prefix_caching, ignore_eos)
+        try:
+            before = self.ranks.measure(self.model) if self.ranks is not None else []
+            report = engine.run(requests, steps, on_step=on_step, on_tokens=on_tokens if texts else None,
+                                on_finish=on_finish, arrival_times_s=times_s)
+            after = self.ranks.measure(self.model) if self.ranks is not None else []
+        except BaseException as error:
+            if self.ranks is None:
+                raise
+            raise self.ranks.failure(error) from error
+        return self.report(report, specs, not prefix_caching, ignore_eos, tuple(before), tuple(after))
+
+    def close(self) -> None:
+        """End the other tensor-parallel ranks (their processes exit) and leave the group; nothing to do on
+        one device. The model serves no more runs after it."""
+        if self.ranks is not None:
+            self.ranks.stop()
 
     def report(self, report: EngineReport, specs: Sequence[RequestSpec], no_prefix_caching: bool,
-               ignore_eos: bool = False) -> RunReport:
-        """The RunReport of an engine run over ``specs``."""
+               ignore_eos: bool = False, ranks_before: tuple[RankMemory, ...] = (),
+               ranks_after: tuple[RankMemory, ...] = ()) -> RunReport:
+        """The RunReport of an engine run over ``specs``; ``ranks_before`` / ``ranks_after``: every
+        tensor-parallel rank's memory around the engine run (empty on one device)."""
+        from executor.workers import memory_lines
+
         sampling = self.generation.sampling.describe()
         if self.generation.unapplied:
             sampling += f"; not applied: {', '.join(self.generation.unapplied)} (generation_config.json)"
         eos = self.generation.describe_eos(ignore_eos)
         lines = [f"weights: {self.weights_source}", f"EOS ids: {eos}", f"sampling defaults: {sampling}"]
         figures = ServingFigures.of(report)
+        if ranks_after:
+            tp = self.plan.serving.tensor_parallel_size
+            lines += [f"tensor parallel: {tp} ranks, the pools above are rank 0's (every rank plans the same bytes)",
+                      *(f"  {line}" for line in memory_lines(list(ranks_before), list(ranks_after)))]
         text = summary(self.plan, self.arena, report, list(specs), no_prefix_caching, self.graphs, self.warm_up_s,
                        extra_lines=lines, figures=figures)
         pools = tuple(PoolBytes(pool.name, pool.bytes, self.arena.pools[pool.name].numel())
@@ -218,7 +270,8 @@ class ServedModel:
         rejected = report.stats.rejected + sum(1 for spec in specs if spec.error is not None)
         return RunReport(report, pools, len(specs), rejected, report.generated_tokens, report.wall_s,
                          figures.ttft_ms_p50, figures.ttft_ms_p99, figures.tpot_ms_p50, figures.tpot_ms_p99,
-                         report.stats.preemptions, report.stats.peak_kv_pages_used, sampling, eos, text, figures)
+                         report.stats.preemptions, report.stats.peak_kv_pages_used, sampling, eos, text, figures,
+                         ranks_after)
 
 
 def arrivals(specs: Sequence[RequestSpec]) -> tuple[list[int] | None, list[float] | None]:
@@ -232,17 +285,18 @@ def arrivals(specs: Sequence[RequestSpec]) -> tuple[list[int] | None, list[float
     return None, [0.0 if spec.arrival_s is None else spec.arrival_s for spec in specs]
 
 
-def _materialize_and_fill(plan: MemoryPlan, opened: Device, weights: str | Path, seed: int,
-                          clock: StartupClock) -> tuple[Arena, DecoderModel, str]:
-    """Materialize ``plan`` on ``opened``, fill its weights (a checkpoint directory, or RANDOM_WEIGHTS from
-    ``seed``) and build the model: (arena, model, what the weights are)."""
+def _materialize_and_fill(plan: MemoryPlan, opened: Device, weights: str | Path, seed: int, clock: StartupClock,
+                          parallel: TensorParallel | None) -> tuple[Arena, DecoderModel, str]:
+    """Materialize ``plan`` on ``opened`` (``parallel``'s rank of it, rank 0 without), fill its weights (a
+    checkpoint directory, or RANDOM_WEIGHTS from ``seed``) and build the model: (arena, model, what the
+    weights are)."""
     from executor.arena import materialize
     from executor.models import build_model
     from executor.weights import fill_random, load_checkpoint
 
     try:
-        arena = materialize(plan, opened)
-    except ValueError as error:  # e.g. tensor_parallel_size != 1
+        arena = materialize(plan, opened, parallel.rank if parallel is not None else 0)
+    except ValueError as error:  # a rank outside the plan's tensor_parallel_size
         raise RunError(str(error)) from None
     opened.synchronize()
     clock.mark("materialize")
@@ -252,7 +306,7 @@ def _materialize_and_fill(plan: MemoryPlan, opened: Device, weights: str | Path,
     else:
         load_checkpoint(arena, weights)
         source = str(weights)
-    model = build_model(arena)
+    model = build_model(arena, parallel)
     opened.synchronize()
     clock.mark("weights")
     return arena, model, source

@@ -8,7 +8,10 @@ host copy when the dtypes agree or the view is on the host, one host staging ten
 for a device view of another dtype.
 
 Names, shapes and dtypes are checked against the plan first: a missing, unexpected or mis-shaped
-tensor is one error listing all of them, raised before anything is written. Qwen3.5's multimodal
+tensor is one error listing all of them, raised before anything is written. With tensor parallelism
+a checkpoint holds the full tensors and each rank copies its shard (planner/shards.py: ranges of
+the full tensor along one axis) into its planned view, straight from the mapping; a padded vocab
+shard's tail rows are zeroed. Qwen3.5's multimodal
 checkpoints keep the text stack under ``model.language_model.``: those names serve the text model,
 and the vision tower and multi-token-prediction weights are left out.
 """
@@ -26,6 +29,7 @@ import torch
 
 from executor.arena import Arena
 from executor.checkpoint_checks import check_checkpoint_files
+from planner.shards import Shard, weight_shards
 
 #: Checkpoint prefixes mapped to the plan's names (Qwen3.5's multimodal wrapper
 #: keeps the text stack under model.language_model).
@@ -204,13 +208,19 @@ def load_state_dict(arena: Arena, tensors: Mapping[str, torch.Tensor], source: s
 
 
 def fill_random(arena: Arena, seed: int) -> int:
-    """Random weights of the planned shapes, initialised like HF (norms at their identity)."""
-    generator = torch.Generator(device=arena.device.torch_device).manual_seed(seed)
+    """Random weights of the planned shapes, initialised like HF (norms at their identity). With tensor
+    parallelism each rank draws its shards from ``seed`` and its rank (the replicated norms are
+    constants, so every rank holds the same ones) and zeroes a padded vocab shard's tail rows."""
+    generator = torch.Generator(device=arena.device.torch_device).manual_seed(seed + arena.rank)
     zero_centred = arena.plan.model.architecture == "qwen3_5"
+    shards = weight_shards(arena.plan.model, arena.plan.geometry, arena.rank)
     total = 0
     for buffer in arena.plan.pool("weights").buffers:
         view = arena.tensor("weights", buffer.name)
         _init(buffer.name, view, generator, zero_centred)
+        shard = shards[buffer.name]
+        if shard.axis is not None and shard.length < view.shape[shard.axis]:
+            view.narrow(shard.axis, shard.length, view.shape[shard.axis] - shard.length).zero_()
         total += buffer.bytes
     return total
 
@@ -243,6 +253,7 @@ def _canonical(name: str) -> str | None:
 def _load(arena: Arena, readers: Mapping[str, Callable[[], torch.Tensor]], shapes: Mapping[str, tuple[int, ...]],
           source: str) -> int:
     planned = {b.name: b for b in arena.plan.pool("weights").buffers}
+    shards = weight_shards(arena.plan.model, arena.plan.geometry, arena.rank)
     tied = arena.plan.model.tie_word_embeddings
     found: dict[str, str] = {}
     unexpected = []
@@ -255,8 +266,8 @@ def _load(arena: Arena, readers: Mapping[str, Callable[[], torch.Tensor]], shape
         else:
             found[name] = key
     missing = sorted(set(planned) - set(found))
-    misshaped = [f"{key} {list(shapes[key])} (planned {list(planned[name].shape)})"
-                 for name, key in found.items() if tuple(shapes[key]) != planned[name].shape]
+    misshaped = [f"{key} {list(shapes[key])} (planned {list(shards[name].full_shape)})"
+                 for name, key in found.items() if tuple(shapes[key]) != shards[name].full_shape]
     problems = []
     for label, items in (("missing", missing), ("unexpected", sorted(unexpected)), ("mis-shaped", misshaped)):
         if items:
@@ -266,11 +277,24 @@ def _load(arena: Arena, readers: Mapping[str, Callable[[], torch.Tensor]], shape
         raise WeightsError(f"{source} does not match the plan's weights: " + "; ".join(problems))
     total = 0
     for name, key in found.items():
-        view = arena.tensor("weights", name)
-        source = readers[key]()
-        if source.dtype != view.dtype and source.device != view.device:
-            source = source.to(view.dtype)  # cast on the host: copy_ across devices and dtypes stages on the device
-        view.copy_(source)  # A_log and dt_bias are planned float32
+        _copy_shard(readers[key](), arena.tensor("weights", name), shards[name])
         total += planned[name].bytes
     return total
 
+
+def _copy_shard(full: torch.Tensor, view: torch.Tensor, shard: Shard) -> None:
+    """Copy ``shard``'s ranges of the full tensor into the planned ``view``, in order from its start; zero
+    the view's rest (a padded vocab shard's tail). A_log and dt_bias are planned float32."""
+    if shard.axis is None:
+        pieces = [(full, view)]
+    else:
+        pieces, filled = [], 0
+        for start, stop in shard.ranges:
+            pieces.append((full.narrow(shard.axis, start, stop - start), view.narrow(shard.axis, filled, stop - start)))
+            filled += stop - start
+        if filled < view.shape[shard.axis]:
+            view.narrow(shard.axis, filled, view.shape[shard.axis] - filled).zero_()
+    for piece, destination in pieces:
+        if piece.dtype != destination.dtype and piece.device != destination.device:
+            piece = piece.to(destination.dtype)  # cast on the host: copy_ across devices and dtypes stages on the device
+        destination.copy_(piece)

@@ -168,6 +168,10 @@ class HardwareConfig(_Frozen):
     runtime_reserve: tuple[RuntimeLine, ...] = Field(
         (), description="Named fixed costs outside the arena (context, module images, workspace, margin)."
     )
+    nccl_communicator_bytes: Annotated[int, Field(ge=0, le=1 << 36)] = Field(
+        0, description="Device memory one rank's NCCL communicator takes (its channel buffers), bytes; "
+        "budgeted as the nccl_communicator runtime line when tensor_parallel_size > 1."
+    )
     default_serving: str = Field(
         "default", min_length=1, max_length=128, description="The serving config (file or shipped name) that "
         "memplan plan and memplan run use on this hardware when --serving is not given."
@@ -387,8 +391,7 @@ def check_compatible(model: ModelConfig, serving: ServingConfig, source: str = "
     sharded = {
         "num_attention_heads": model.num_attention_heads,
         "intermediate_size": model.intermediate_size,
-        "vocab_size": model.vocab_size,
-    }
+    }  # the vocabulary need not divide: its shards are padded (planner/geometry.py)
     if model.linear_attention is not None:
         sharded["linear_attention.num_key_heads"] = model.linear_attention.num_key_heads
         sharded["linear_attention.num_value_heads"] = model.linear_attention.num_value_heads

@@ -150,7 +150,10 @@ class Drafter:
 def runtime_lines(hardware: HardwareConfig, serving: ServingConfig) -> list[tuple[str, int]]:
     lines = [(line.name, line.bytes) for line in hardware.runtime_reserve]
     graphs = checked.mul("cuda_graphs bytes", len(serving.decode_graph_batch_sizes), hardware.cuda_graph_bytes)
-    return [*lines, ("cuda_graphs", graphs)]
+    lines.append(("cuda_graphs", graphs))
+    if serving.tensor_parallel_size > 1:  # one communicator per rank: the collectives of executor/parallel.py
+        lines.append(("nccl_communicator", hardware.nccl_communicator_bytes))
+    return lines
 
 
 def usable_bytes(device_bytes: int, utilization: float) -> int:

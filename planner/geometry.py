@@ -1,8 +1,12 @@
 """Per-rank model geometry: the sizes every buffer builder and kernel launch uses.
 
-Derived once from the frozen configs (tensor parallelism shards heads,
-intermediate and vocab; KV heads are replicated when tp exceeds them) and
-carried in the plan, so the executor reads sizes instead of computing them.
+Derived once from the frozen configs and carried in the plan, so the executor reads sizes instead
+of computing them. Tensor parallelism over tp ranks shards the query heads, the intermediate size
+and the linear-attention heads (each divides by tp), replicates the KV heads when tp exceeds them
+(rank r holds KV head r // (tp / Hkv)), and shards the vocabulary in padded shards: each rank holds
+ceil(V / tp) rows of the embedding and of lm_head, rank r the ids [r x shard, min((r + 1) x shard, V)),
+the last ranks' tail rows padding. Every rank materializes the same per-rank plan; what differs
+between ranks (the vocab slice) is named per rank here.
 """
 
 from __future__ import annotations
@@ -38,7 +42,15 @@ class Geometry(BaseModel):
     attn_out_width: int = Field(description="Attention output width on this rank: Hq x D (o_proj's input)")
     intermediate_size: int = Field(description="I on this rank")
     gate_up_rows: int = Field(description="gate_proj + up_proj rows: 2 I, width of the fused MLP input GEMM")
-    vocab_size: int = Field(description="V on this rank (vocab-parallel embedding and lm_head)")
+    vocab_size: int = Field(description="Rows of the embedding and of lm_head on each rank: ceil(V / tp), the "
+                            "padded vocab shard")
+    tensor_parallel_size: int = Field(1, description="tp: ranks the model is sharded over")
+    full_vocab_size: int = Field(0, description="V: ids of the whole vocabulary (the sampler's row length)")
+    padded_vocab_size: int = Field(0, description="tp x vocab_size: columns of the gathered logits, padding "
+                                   "included")
+    vocab_slices: tuple[tuple[int, int], ...] = Field(
+        (), description="Per rank: the ids [start, end) its embedding and lm_head rows hold, from its first row; "
+        "rows past end - start are padding (zero)")
     linear_num_key_heads: int = Field(0, description="Hk on this rank")
     linear_num_value_heads: int = Field(0, description="Hv on this rank")
     linear_key_head_dim: int = Field(0, description="dk")
@@ -52,6 +64,7 @@ class Geometry(BaseModel):
 def build_geometry(model: ModelConfig, serving: ServingConfig) -> Geometry:
     """The per-rank geometry; assumes ``check_compatible(model, serving)`` passed."""
     tp = serving.tensor_parallel_size
+    vocab_shard = checked.ceil_div("vocab shard rows", model.vocab_size, tp, width=I32)
     kinds = model.kinds
     slots, seen = [], {"full_attention": 0, "linear_attention": 0}
     for kind in kinds:
@@ -97,6 +110,11 @@ def build_geometry(model: ModelConfig, serving: ServingConfig) -> Geometry:
         attn_out_width=checked.mul("attention output width", q_heads, head_dim, width=I32),
         intermediate_size=model.intermediate_size // tp,
         gate_up_rows=checked.mul("gate_up rows", 2, model.intermediate_size // tp, width=I32),
-        vocab_size=model.vocab_size // tp,
+        vocab_size=vocab_shard,
+        tensor_parallel_size=tp,
+        full_vocab_size=model.vocab_size,
+        padded_vocab_size=checked.mul("padded vocab", vocab_shard, tp, width=I32),
+        vocab_slices=tuple((min(r * vocab_shard, model.vocab_size), min((r + 1) * vocab_shard, model.vocab_size))
+                           for r in range(tp)),
         **fields,
     )

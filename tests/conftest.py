@@ -29,10 +29,18 @@ if not HAS_GPU:
 os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
 
 
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if HAS_GPU else 0
+
+
 def pytest_collection_modifyitems(config, items):
-    if HAS_GPU:
-        return
+    gpus = _gpu_count()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run through the device tool")
+    skip_multi = pytest.mark.skip(reason=f"needs 2 or more GPUs of one host, this one has {gpus}")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(skip_gpu)
+        elif "multi_gpu" in item.keywords and gpus < 2:
+            item.add_marker(skip_multi)

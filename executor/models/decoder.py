@@ -26,6 +26,7 @@ from executor.models.context import StepViews, bucket_views, step_views
 from executor.models.graphs import DecodeGraphs
 from executor.models.launchers import Kernels, NormStyle
 from executor.models.projections import GemmProjections, GemvProjections, Projections
+from executor.parallel import TensorParallel
 from executor.step import StepMetadata, decode_grid_tiles, pad_decode
 from executor.step_writer import StepWriter
 
@@ -45,12 +46,20 @@ class Layer:
 class DecoderModel:
     """A decoder over an arena. ``step(meta)`` runs one forward and samples a token for each request."""
 
-    def __init__(self, arena: Arena, kernels: Kernels, norm: NormStyle, build_mixer: MixerBuilder):
+    def __init__(self, arena: Arena, kernels: Kernels, norm: NormStyle, build_mixer: MixerBuilder,
+                 parallel: TensorParallel | None = None):
         self.arena, self.kernels, self.norm = arena, kernels, norm
         self.device = arena.device
         self.eps = arena.plan.model.rms_norm_eps
-        num_layers, self.gemv_batch = arena.plan.geometry.num_layers, arena.plan.capacity.decode_gemv_batch
-        gemm = GemmProjections(kernels)
+        geometry = arena.plan.geometry
+        # None without peers: tp 1, or a tp > 1 plan built alone (kernel discovery), which runs no collective.
+        self.parallel = parallel if parallel is not None and parallel.world_size > 1 else None
+        self.announce = self.parallel.announce if self.parallel is not None and self.parallel.is_driver else None
+        self.tensor_parallel_size = geometry.tensor_parallel_size
+        self.vocab = arena.plan.model.vocab_size
+        self.first_id = geometry.vocab_slices[arena.rank][0] if geometry.vocab_slices else 0
+        num_layers, self.gemv_batch = geometry.num_layers, arena.plan.capacity.decode_gemv_batch
+        gemm = GemmProjections(kernels, self.parallel)
         self.layers = tuple(self._layer(i, build_mixer, gemm) for i in range(num_layers))
         self.gemv_layers = (tuple(self._layer(i, build_mixer, None) for i in range(num_layers))
                             if self.gemv_batch else ())
@@ -60,6 +69,7 @@ class DecoderModel:
         self.lm_head = self.embed if tied else arena.tensor("weights", "lm_head.weight")
         # The GEMV steps' final RMSNorm + lm_head: one fused GEMV, like a block's first projection.
         self.gemv_head = GemvProjections(kernels, self.final_norm, norm, self.eps) if self.gemv_batch else None
+        self.logits_raw = arena.tensor("sampling", "logits_raw")
         self.writer = StepWriter(arena)
         # The last step's sampled ids, which a token id -(r + 1) names (kernels/rows/embedding.py): the
         # embedding reads them before this step's sampler overwrites them (stream order).
@@ -71,8 +81,8 @@ class DecoderModel:
         normalize with the layer's input and post-attention norm weights."""
         weight = lambda name: self.arena.tensor("weights", f"model.layers.{index}.{name}.weight")  # noqa: E731
         input_norm, post_norm = weight("input_layernorm"), weight("post_attention_layernorm")
-        mixer_proj = gemm or GemvProjections(self.kernels, input_norm, self.norm, self.eps)
-        mlp_proj = gemm or GemvProjections(self.kernels, post_norm, self.norm, self.eps)
+        mixer_proj = gemm or GemvProjections(self.kernels, input_norm, self.norm, self.eps, self.parallel)
+        mlp_proj = gemm or GemvProjections(self.kernels, post_norm, self.norm, self.eps, self.parallel)
         return Layer(mixer=build_mixer(index, mixer_proj), mlp=Mlp(self.arena, mlp_proj, index),
                      input_norm=input_norm, post_norm=post_norm)
 
@@ -81,6 +91,8 @@ class DecoderModel:
         the weights are loaded). Later decode steps of at most the largest bucket replay them."""
         if self.device.is_sim:
             raise RuntimeError("the Numba CUDA simulator has no CUDA graphs; run decode eagerly")
+        if self.announce is not None:
+            self.announce(("capture_decode_graphs",))
         graphs = DecodeGraphs(self.arena, self.writer, self._forward, self.arena.plan.serving.decode_graph_batch_sizes)
         graphs.capture()
         self.graphs = graphs
@@ -93,6 +105,8 @@ class DecoderModel:
         graph of that bucket records: tests compare the two). The returned view is the planned
         ``sampled_ids`` buffer: read it before the next step.
         """
+        if self.announce is not None:
+            self.announce(("step", meta, pad_to))
         graphs = self.graphs if meta.pool == "decode" else None
         bucket = graphs.bucket_for(meta.num_requests) if graphs is not None else None
         if bucket is not None:
@@ -107,13 +121,15 @@ class DecoderModel:
 
     def reset_slot(self, slot: int) -> None:
         """Zero a recurrent-state slot (conv and delta-rule state of every linear layer) for a new request."""
+        if self.announce is not None:
+            self.announce(("reset_slot", slot))
         if self.arena.plan.geometry.num_linear_layers:
             self.arena.tensor("recurrent_state", "ssm_state")[:, slot].zero_()
             self.arena.tensor("recurrent_state", "conv_state")[:, slot].zero_()
 
     def logits(self, num_requests: int) -> torch.Tensor:
-        """The last step's float32 logits [B, V] (a view of the planned buffer)."""
-        return self.arena.tensor("sampling", "logits")[:num_requests]
+        """The last step's float32 logits [B, V] over the whole vocabulary (a view of the planned buffer)."""
+        return self.arena.tensor("sampling", "logits")[:num_requests, : self.vocab]
 
     def _forward(self, step: StepViews) -> None:
         """One forward over ``step``'s views, with the projections backend the plan gives its size."""
@@ -122,21 +138,46 @@ class DecoderModel:
         else:
             self._forward_gemm(step)
 
+    def _embed(self, step: StepViews) -> None:
+        """The step's token rows into ``hidden``: the rows this rank's table holds, summed over the ranks."""
+        hidden = step.role("hidden")
+        self.kernels.embedding(step.role("token_ids"), self.embed, hidden, self.previous_ids, stream=step.stream,
+                               first_id=self.first_id, vocab=self.vocab)
+        if self.parallel is not None:
+            self.parallel.all_reduce_(hidden)
+
+    def _logit_shards(self, step: StepViews) -> torch.Tensor:
+        """tp > 1: the step's [tp, n, Vs] view of ``logits_raw`` (its first tp x n x Vs elements)."""
+        n, rows = step.num_requests, self.logits_raw.shape[-1]
+        return self.logits_raw.view(-1)[: self.tensor_parallel_size * n * rows].view(self.tensor_parallel_size, n, rows)
+
+    def _gather_logits(self, step: StepViews, shards: torch.Tensor) -> None:
+        """tp > 1: every rank's shard of the logits into ``shards``, then into ``logits`` in vocabulary order."""
+        if self.parallel is not None:
+            self.parallel.all_gather_(shards.view(-1), shards[self.arena.rank].view(-1))
+        n, tp, rows = step.num_requests, self.tensor_parallel_size, shards.shape[-1]
+        self._sampling(step, "logits").view(n, tp, rows).copy_(shards.permute(1, 0, 2))
+
     def _forward_gemv(self, step: StepViews) -> None:
-        self.kernels.embedding(step.role("token_ids"), self.embed, step.role("hidden"), self.previous_ids,
-                               stream=step.stream)
+        self._embed(step)
         for layer in self.gemv_layers:
             layer.mixer(step)
             layer.mlp(step)
         # A decode step's rows are its requests' last rows (logits_indices 0 .. B - 1): no gather; the
-        # final norm runs in the lm_head GEMV's prologue, which writes the float32 logits itself.
-        self.gemv_head.normed(step, self.lm_head, self._sampling(step, "logits"))
+        # final norm runs in the lm_head GEMV's prologue, which writes the float32 logits itself (its
+        # shard of them in the activation dtype, with tensor parallelism).
+        if self.tensor_parallel_size == 1:
+            self.gemv_head.normed(step, self.lm_head, self._sampling(step, "logits"))
+        else:
+            shards = self._logit_shards(step)
+            self.gemv_head.normed(step, self.lm_head, shards[self.arena.rank])
+            self._gather_logits(step, shards)
         self._sample(step)
 
     def _forward_gemm(self, step: StepViews) -> None:
         stream, k_ = step.stream, self.kernels
         hidden, normed, proj_out = step.role("hidden"), step.role("normed"), step.role("proj_out")
-        k_.embedding(step.role("token_ids"), self.embed, hidden, self.previous_ids, stream=stream)
+        self._embed(step)
         offset = self.norm.weight_offset
         for index, layer in enumerate(self.layers):
             if index == 0:
@@ -149,9 +190,14 @@ class DecoderModel:
         k_.add_rms_norm(proj_out, hidden, self.final_norm, normed, self.eps, offset, stream=stream)
         last_hidden = self._sampling(step, "last_hidden")
         torch.index_select(normed, 0, self._sampling(step, "logits_indices"), out=last_hidden)
-        logits_raw = self._sampling(step, "logits_raw")
-        torch.matmul(last_hidden, self.lm_head.t(), out=logits_raw)
-        self._sampling(step, "logits").copy_(logits_raw)
+        if self.tensor_parallel_size == 1:
+            logits_raw = self._sampling(step, "logits_raw")
+            torch.matmul(last_hidden, self.lm_head.t(), out=logits_raw)
+            self._sampling(step, "logits").copy_(logits_raw)
+        else:
+            shards = self._logit_shards(step)
+            torch.matmul(last_hidden, self.lm_head.t(), out=shards[self.arena.rank])
+            self._gather_logits(step, shards)
         self._sample(step)
 
     def _sampling(self, step: StepViews, name: str) -> torch.Tensor:
@@ -159,8 +205,9 @@ class DecoderModel:
         return self.arena.tensor("sampling", name)[: step.num_requests]
 
     def _sample(self, step: StepViews) -> None:
-        """Sample from ``logits`` (float32, written by the forward) into ``sampled_ids``."""
+        """Sample from ``logits`` (float32, written by the forward; its first V columns, the vocabulary)
+        into ``sampled_ids``."""
         sampling = lambda name: self._sampling(step, name)  # noqa: E731
-        self.kernels.sample(sampling("logits"), sampling("temperature"), sampling("top_k"), sampling("top_p"),
+        self.kernels.sample(sampling("logits")[:, : self.vocab], sampling("temperature"), sampling("top_k"), sampling("top_p"),
                             sampling("seeds"),
                             sampling("sample_steps"), sampling("sampled_ids"), stream=step.stream)

@@ -12,6 +12,13 @@ adds ``proj_out`` into ``hidden`` and writes ``normed``, so ``normed`` reads tha
 plan's ``decode_gemv_batch`` requests): the fused GEMV kernels of executor/kernels/gemv.py, which
 normalize ``hidden`` themselves and add into it, so nothing runs between blocks. The decoder runs
 a step with one backend's layers throughout (decoder.py).
+
+With tensor parallelism (``parallel``, executor/parallel.py) the last projection is row-parallel:
+each rank's product is a partial sum over its input columns, and the block's output is their sum
+over the ranks. GEMM: ``proj_out`` is all-reduced in place before the decoder adds it. GEMV, which
+adds into ``hidden`` itself: rank 0 adds its partial into ``hidden``, every other rank writes its
+partial over a zeroed ``hidden``, and ``hidden`` is all-reduced in place, giving every rank the old
+stream plus the whole sum.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch
 
 from executor.models.context import StepViews
 from executor.models.launchers import Kernels, NormStyle
+from executor.parallel import TensorParallel
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -30,8 +38,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
 class GemmProjections:
     """cuBLAS GEMMs on ``normed``; the block's output stays in ``proj_out`` for the decoder's add."""
 
-    def __init__(self, kernels: Kernels):
-        self.kernels = kernels
+    def __init__(self, kernels: Kernels, parallel: TensorParallel | None = None):
+        self.kernels, self.parallel = kernels, parallel
 
     def normed(self, step: StepViews, weight: torch.Tensor, out: torch.Tensor) -> None:
         gemm(step.role("normed"), weight, out)
@@ -42,15 +50,20 @@ class GemmProjections:
         self.kernels.silu_mul(gate_up, act, stream=step.stream)
 
     def residual(self, step: StepViews, x: torch.Tensor, weight: torch.Tensor) -> None:
-        gemm(x, weight, step.role("proj_out"))
+        proj_out = step.role("proj_out")
+        gemm(x, weight, proj_out)
+        if self.parallel is not None:
+            self.parallel.all_reduce_(proj_out)
 
 
 class GemvProjections:
     """Fused GEMVs: normalize ``hidden`` with this block's norm weight, add the output into ``hidden``."""
 
-    def __init__(self, kernels: Kernels, norm_weight: torch.Tensor, norm: NormStyle, eps: float):
+    def __init__(self, kernels: Kernels, norm_weight: torch.Tensor, norm: NormStyle, eps: float,
+                 parallel: TensorParallel | None = None):
         self.gemv, self.norm_weight = kernels.gemv, norm_weight
         self.weight_offset, self.eps = norm.weight_offset, eps
+        self.parallel = parallel
 
     def normed(self, step: StepViews, weight: torch.Tensor, out: torch.Tensor) -> None:
         self.gemv.norm_project(step.role("hidden"), self.norm_weight, self.eps, self.weight_offset, weight, out,
@@ -61,7 +74,12 @@ class GemvProjections:
                               act, stream=step.stream)
 
     def residual(self, step: StepViews, x: torch.Tensor, weight: torch.Tensor) -> None:
-        self.gemv.project_add(x, weight, step.role("hidden"), stream=step.stream)
+        hidden = step.role("hidden")
+        if self.parallel is not None and not self.parallel.is_driver:
+            hidden.zero_()  # this rank adds only its partial sum; rank 0 keeps the stream (module docstring)
+        self.gemv.project_add(x, weight, hidden, stream=step.stream)
+        if self.parallel is not None:
+            self.parallel.all_reduce_(hidden)
 
 
 Projections = GemmProjections | GemvProjections

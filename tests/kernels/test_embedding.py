@@ -51,7 +51,8 @@ def test_vector_kernel_tiles_and_poison(dtype_name):
     scalar = poisoned((5, 168), dtype_name)
     Embedding(build_codec(dtype_name), SIM_THREADS, vectorize=False)(ids, table, scalar, NO_PREVIOUS)
     out = load_cuda().to_device(poisoned((5, 168), dtype_name))
-    build_embedding_vector_kernel(build_codec(dtype_name))[(5, 2), 4](ids, table, out, NO_PREVIOUS)
+    build_embedding_vector_kernel(build_codec(dtype_name))[(5, 2), 4](ids, table, out, NO_PREVIOUS, np.int32(0),
+                                                                        np.int32(6))
     np.testing.assert_array_equal(out.copy_to_host(), scalar)
     assert torch.isnan(from_storage(scalar[[1, 3]], dtype_name)).all()
 
@@ -79,6 +80,33 @@ def test_negative_ids_name_the_previous_steps_samples(vectorize):
     assert torch.isnan(from_storage(out[3:], "bfloat16")).all()
 
 
+@pytest.mark.parametrize("vectorize", [True, False])
+def test_vocab_shard_gives_zero_rows_for_other_ranks_ids(vectorize):
+    """A padded vocab shard (ids 8 .. 11 of a 10-id vocabulary in a 4-row table, rows 2 and 3 padding):
+    its ids copy their rows, the vocabulary's other ids give zero rows (another rank holds them), ids
+    past the vocabulary (the padding's 10, 11 and beyond) NaN rows. Rows summed over the shards are
+    the whole table's lookup."""
+    gen = torch.Generator().manual_seed(55)
+    full = torch.randn(12, 168, generator=gen)
+    full[10:] = 0.0  # the padding rows
+    ids = np.array([9, 0, 8, 10, -1, 5, 11], dtype=np.int32)
+    total = torch.zeros(7, 168, dtype=torch.float64)
+    for first_id in (0, 4, 8):
+        table = to_storage(full[first_id : first_id + 4], "float32")
+        out = poisoned((7, 168), "float32")
+        Embedding(build_codec("float32"), SIM_THREADS, vectorize=vectorize)(ids, table, out, NO_PREVIOUS,
+                                                                            first_id=first_id, vocab=10)
+        values = from_storage(out, "float32")
+        held = [i for i, t in enumerate(ids) if first_id <= t < min(first_id + 4, 10)]
+        others = [i for i, t in enumerate(ids) if 0 <= t < 10 and i not in held]
+        assert torch.equal(values[held], full[ids[held]])
+        assert (values[others] == 0.0).all()
+        assert torch.isnan(values[[3, 4, 6]]).all()
+        total += values.double()
+    valid = [0, 1, 2, 5]
+    assert torch.equal(total[valid].float(), full[ids[valid]])
+
+
 def test_shape_errors():
     emb = Embedding(build_codec("float32"), SIM_THREADS)
     table = np.zeros((5, 8), np.float32)
@@ -96,9 +124,10 @@ def test_compiles_for_sm90():
         """
         from executor.kernels.rows.embedding import build_embedding_kernel, build_embedding_vector_kernel
         for name in DTYPES:
-            ptx(build_embedding_kernel(build_codec(name)), arr("int32", 1), arr(name, 2), arr(name, 2), arr("int32", 1))
+            ptx(build_embedding_kernel(build_codec(name)), arr("int32", 1), arr(name, 2), arr(name, 2), arr("int32", 1),
+                types.int32, types.int32)
             vector_ptx(build_embedding_vector_kernel(build_codec(name)), arr("int32", 1), arr(name, 2), arr(name, 2),
-                       arr("int32", 1))
+                       arr("int32", 1), types.int32, types.int32)
         """
     )
 

@@ -4,9 +4,14 @@ An id ``-(r + 1)`` (negative) stands for ``previous_ids[r]``, the id the previou
 for its row r: an engine that runs a step before it has read the previous step's samples back
 (overlapped scheduling) feeds each decode row's new token from the device that way.
 
+A vocab-parallel table (tensor parallelism) holds the ids ``[first_id, first_id + rows)`` of a
+vocabulary of ``vocab`` ids: an id of the vocabulary outside its rows gives a zero row (another
+rank's table holds it; the ranks' rows are summed by an all-reduce). The whole table is
+``first_id`` 0 and ``vocab`` its rows.
+
 A pure copy of storage elements (no conversion, so bf16 bits travel
-bit-exact). The codec is used for one thing: an id outside ``[0, V)`` (after
-the lookup above; a row r outside previous_ids counts as outside) cannot
+bit-exact). The codec is used for the zeros and for one more thing: an id outside ``[0, vocab)``
+(after the lookup above; a row r outside previous_ids counts as outside) cannot
 raise on the device, so its row is filled with NaN (``codec.store(nan)``)
 instead of reading out of bounds; the NaN then reaches the logits, where it
 is visible (argmax picks NaN), rather than a plausible wrong token.
@@ -23,6 +28,8 @@ from __future__ import annotations
 
 import math
 from typing import Any, Callable
+
+import numpy as np
 
 from executor.kernels.primitives.codec import Codec
 from executor.kernels.primitives.launch import Kernel
@@ -48,20 +55,24 @@ def resolve(token, previous_ids):
 
 
 def build_embedding_kernel(codec: Codec) -> Callable[..., Any]:
-    """Kernel ``(ids int32 [T], table [V, H], out [T, H], previous_ids int32 [R])``; table and out in the
-    codec's storage dtype."""
+    """Kernel ``(ids int32 [T], table [rows, H], out [T, H], previous_ids int32 [R], first_id int32,
+    vocab int32)``; table and out in the codec's storage dtype."""
     store = codec.store
 
     @cuda.jit
-    def embedding(ids, table, out, previous_ids):
+    def embedding(ids, table, out, previous_ids, first_id, vocab):
         hidden = out.shape[1]
-        vocab = table.shape[0]
         step = cuda.blockDim.x
         tile = step * UNROLL
         first = cuda.blockIdx.y * tile + cuda.threadIdx.x
         for t in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
-            token = resolve(ids[t], previous_ids)
-            if 0 <= token < vocab:
+            id_ = resolve(ids[t], previous_ids)
+            token = id_ - first_id
+            if 0 <= id_ < vocab and not 0 <= token < table.shape[0]:  # another rank's row
+                zero = store(float32(0.0))
+                for i in range(cuda.blockIdx.y * step + cuda.threadIdx.x, hidden, cuda.gridDim.y * step):
+                    out[t, i] = zero
+            elif 0 <= id_ < vocab:
                 for i in range(first, hidden, cuda.gridDim.y * tile):
                     if i + 3 * step < hidden:  # a full tile: all loads, then all stores
                         v0, v1 = table[token, i], table[token, i + step]
@@ -82,8 +93,8 @@ def build_embedding_kernel(codec: Codec) -> Callable[..., Any]:
 
 
 def build_embedding_vector_kernel(codec: Codec) -> Callable[..., Any]:
-    """Kernel ``(ids int32 [T], table [V, H], out [T, H], previous_ids int32 [R])`` as build_embedding_kernel,
-    in 16-byte chunks.
+    """Kernel ``(ids int32 [T], table [rows, H], out [T, H], previous_ids int32 [R], first_id int32, vocab int32)``
+    as build_embedding_kernel, in 16-byte chunks.
 
     Every chunk of every table and output row must be 16-byte aligned (the launcher checks).
     """
@@ -95,25 +106,28 @@ def build_embedding_vector_kernel(codec: Codec) -> Callable[..., Any]:
     buffer_words = VECTOR_UNROLL * VECTOR_WORDS
 
     @cuda.jit
-    def embedding_vector(ids, table, out, previous_ids):
+    def embedding_vector(ids, table, out, previous_ids, first_id, vocab):
         chunks = out.shape[1] // lanes
-        vocab = table.shape[0]
         buf = cuda.local.array(buffer_words, words)
         poison = store(float32(math.nan))
+        zero = store(float32(0.0))
         step = cuda.blockDim.x
         tile = step * VECTOR_UNROLL
         first = cuda.blockIdx.y * tile + cuda.threadIdx.x
         for t in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
-            token = resolve(ids[t], previous_ids)
-            valid = 0 <= token < vocab
+            id_ = resolve(ids[t], previous_ids)
+            token = id_ - first_id
+            valid = 0 <= id_ < vocab
+            held = valid and 0 <= token < table.shape[0]
+            fill = zero if valid else poison
             for c in range(first, chunks, cuda.gridDim.y * tile):
                 for u in range(VECTOR_UNROLL):  # all loads of the tile, then all stores
                     if c + u * step < chunks:
-                        if valid:
+                        if held:
                             load_vector(table, (token, (c + u * step) * lanes), buf, u * VECTOR_WORDS)
                         else:
                             for k in range(u * lanes, (u + 1) * lanes):
-                                put_lane(buf, k, poison)
+                                put_lane(buf, k, fill)
                 for u in range(VECTOR_UNROLL):
                     if c + u * step < chunks:
                         store_vector(out, (t, (c + u * step) * lanes), buf, u * VECTOR_WORDS)
@@ -124,10 +138,12 @@ def build_embedding_vector_kernel(codec: Codec) -> Callable[..., Any]:
 class Embedding:
     """Launcher for ``out[t, :] = table[ids[t], :]`` (not in place).
 
-    Arrays: ids int32 [T]; table [V, H] and out [T, H] in the codec's storage
+    Arrays: ids int32 [T]; table [rows, H] and out [T, H] in the codec's storage
     dtype (float32, or bf16 viewed as int16); row-sliced views allowed;
     previous_ids int32 [R], the previous step's sampled ids that an id -(r + 1)
-    stands for (module docstring). Ids outside [0, V) give a NaN row.
+    stands for (module docstring). ``first_id``: the id of the table's row 0; ``vocab``: the
+    vocabulary's ids (None: the table's rows). Ids outside [0, vocab) give a NaN row, ids of the
+    vocabulary the table does not hold a zero row.
     ``vectorize=False`` always runs the scalar kernel.
     """
 
@@ -141,7 +157,8 @@ class Embedding:
         """Whether a call with these arrays runs the 16-byte vector kernel."""
         return self.vector_kernel is not None and vector_aligned(table, out)
 
-    def __call__(self, ids: Any, table: Any, out: Any, previous_ids: Any, stream: Any = 0) -> None:
+    def __call__(self, ids: Any, table: Any, out: Any, previous_ids: Any, stream: Any = 0, first_id: int = 0,
+                 vocab: int | None = None) -> None:
         rows, hidden = out.shape
         if tuple(ids.shape) != (rows,):
             raise ValueError(f"ids has shape {tuple(ids.shape)}, expected ({rows},)")
@@ -149,9 +166,10 @@ class Embedding:
             raise ValueError(f"table has shape {tuple(table.shape)}, expected (V, {hidden})")
         if rows == 0 or hidden == 0:
             return
+        ids_range = (np.int32(first_id), np.int32(table.shape[0] if vocab is None else vocab))
         if self.uses_vector(table, out):
             grid, threads = elementwise_grid(rows, hidden // self.lanes, self.max_threads, VECTOR_UNROLL)
-            self.vector_kernel[grid, threads, stream](ids, table, out, previous_ids)
+            self.vector_kernel[grid, threads, stream](ids, table, out, previous_ids, *ids_range)
             return
         grid, threads = elementwise_grid(rows, hidden, self.max_threads)
-        self.kernel[grid, threads, stream](ids, table, out, previous_ids)
+        self.kernel[grid, threads, stream](ids, table, out, previous_ids, *ids_range)
