@@ -500,7 +500,7 @@ def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles:
         if keep or not DROP_SKIPPED:
             acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = d0, d1, d2, d3
 
-    @cuda.jit(device=True, **inlined())
+    @cuda.jit(device=True, inline=True)
     def grams(qt, kt, q_lane, k_lane, sc, af, pt, kk, qk, n, warp, g, t):
         """k k^T and q k^T of the staged rows -> A (af) and P (pt)."""
         tm = warp % CM
@@ -535,7 +535,7 @@ def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles:
                 af[i, j + 1] = a1
                 pt[i, (n0 >> 1) + t] = pack(p0, p1)
 
-    @cuda.jit(device=True, **inlined())
+    @cuda.jit(device=True, inline=True)
     def state_products(qt, kt, q_lane, k_lane, st, s_lane, vt, sc, rt, o, x, warp, g, t):
         """k S -> the residual beta (v - exp(gc) k S) (rt); q S -> o = exp(gc) q S."""
         m0 = 16 * (warp % CM)
@@ -566,7 +566,7 @@ def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles:
                 o[c] *= f
                 o[c + 1] *= f
 
-    @cuda.jit(device=True, **inlined())
+    @cuda.jit(device=True, inline=True)
     def transform(tt, t_lane, rt, r_lane, sc, nt, dt, x, n, warp, g, t):
         """delta = T residual -> nt (delta) and dt (exp(gl - gc) delta / |k|)."""
         tm = warp % CM
@@ -595,7 +595,7 @@ def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles:
                 f = sc[KS, i] * sc[DL, i]
                 dt[i, w] = pack(f * x[c], f * x[c + 1])
 
-    @cuda.jit(device=True, **inlined())
+    @cuda.jit(device=True, inline=True)
     def output(pt, p_lane, nt, n_lane, o, out, c0, n, h, j0, warp, g, t):
         """o += P delta; rows below n to out (bf16 pairs as words)."""
         tm = warp % CM
@@ -621,7 +621,7 @@ def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles:
                 if i < n:
                     out[c0 + i, h, w] = pack(o[c], o[c + 1])
 
-    @cuda.jit(device=True, **inlined())
+    @cuda.jit(device=True, inline=True)
     def state_update(kt, k_lane, dt, d_lane, sacc, st, sc, n, warp, g, t):
         """S <- exp(gl) S + k^T dt in the registers, and its bf16 copy in st. k^T's A fragments are
         the transposed loads of the token-major k tile: matrices (tokens, dims) 0-7 x 0-7, 8-15 x 0-7,
@@ -646,7 +646,7 @@ def _tensor_core_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles:
                 c = 4 * jn + 2 * half
                 st[m0 + g + 8 * half, w] = pack(sacc[c], sacc[c + 1])
 
-    @cuda.jit(device=True, **inlined())
+    @cuda.jit(device=True, inline=True)
     def state_access(ssm_state, slot, h, j0, sacc, st, warp, g, t, write):
         """The state tile between ssm_state and this lane's registers (``write``: registers to
         ssm_state; else ssm_state to registers and their bf16 copy to st)."""
