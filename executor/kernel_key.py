@@ -10,7 +10,8 @@ The key covers:
   ``build_rms_norm_kernel.<locals>.rms_norm``) and, recursively, every value it closes over or
   reads as a global: specialization arguments (ints, floats, tuples), device functions and
   intrinsics (their own functions, closures, globals and jit options), codecs and other plain
-  objects by their fields;
+  objects by their fields; a library module (``numba.cuda``, ``math``) by kind alone, its code
+  being that of the Python and package versions the toolchain names;
 - the SHA-256 of the source file of every module such a function is defined in (the kernel's
   builder, the codec, the device functions it calls);
 - the dispatcher's jit options (launch bounds, fastmath, LTO, ...);
@@ -39,7 +40,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 #: Bumped when the key's material or the entry's meaning changes.
-KEY_VERSION = 1
+KEY_VERSION = 2
 
 
 class Uncacheable(Exception):
@@ -183,8 +184,12 @@ class _Describer:
             return ("set", tuple(sorted(repr(self.value(item)) for item in obj)))
         if isinstance(obj, dict):
             return ("dict", tuple(sorted((repr(self.value(k)), self.value(v)) for k, v in obj.items())))
-        if isinstance(obj, pytypes.ModuleType):  # a project module's functions are reached by attribute: its source
-            return ("module", obj.__name__, module_digest(obj.__name__) if _is_project(obj) else "")
+        if isinstance(obj, pytypes.ModuleType):
+            # A project module's functions are reached by attribute: its source. A library module is its
+            # package's code at the toolchain's versions, and its name is left out: one name in the source
+            # can be bound to an alias module at run time (``from numba import types`` gives
+            # numba.core.types until something imports the numba.types submodule, then numba.types).
+            return ("module", obj.__name__, module_digest(obj.__name__)) if _is_project(obj) else ("library module",)
         if isinstance(obj, type):
             return ("class", _qualified(obj))
         if hasattr(obj, "__cuda_array_interface__"):

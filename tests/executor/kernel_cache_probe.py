@@ -103,6 +103,10 @@ def _keys(directory: Path) -> dict:
 
     result["project bf16"] = _project_key()
     result["project bf16 rebuilt"] = _project_key()
+    # Importing the numba.types submodule (Numba's device compile does) rebinds the name ``numba.types``,
+    # which build_codec imports, from numba.core.types to that alias module.
+    importlib.import_module("numba.types")
+    result["project bf16 after numba.types is imported"] = _project_key()
     floats = (types.Array(types.float32, 2, "C"),) * 2
     result["project f32"] = kernel_key(build_add_inplace_kernel(build_codec("float32")), floats, sm90)
     return result

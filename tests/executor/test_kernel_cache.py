@@ -201,6 +201,7 @@ def compiled(tmp_path_factory) -> dict:
 
 def test_a_project_kernel_keys_alike_in_two_processes_and_apart_by_codec(keys, compiled):
     assert keys["project bf16"] == keys["project bf16 rebuilt"] != keys["project f32"]
+    assert keys["project bf16 after numba.types is imported"] == keys["project bf16"]  # a library module's alias
     assert compiled["project bf16"] == keys["project bf16"]  # what a compile process keys, the run finds
 
 
