@@ -113,6 +113,9 @@ class StepMetadata:
     seeds: np.ndarray  # [requests] int64
     sample_steps: np.ndarray  # [requests] int32
     long_prefill_requests: tuple[LongPrefillRequest, ...] = ()  # the prefill_attention backend's (host only)
+    # Prefill steps: the last this many tiles are the decode rows' (one-row chunks), which the decode
+    # attention kernel serves (routing.py); the tiles before them are the paged kernel's. 0 in decode steps.
+    num_decode_row_tiles: int = 0
 
     @property
     def num_tiles(self) -> int:
@@ -159,16 +162,13 @@ def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk], page_tables: Pag
     q_indptr = _indptr(new_tokens)
     page_indptr = _indptr(pages_needed)
     long_requests: tuple[LongPrefillRequest, ...] = ()
+    num_decode_row_tiles = 0
     if pool == "decode" and len(chunks):
         tiles = plan_decode_tiles(kv_lens, decode_kv_chunk(plan, kv_lens), cap.decode_kv_splits)
     else:
         tiles = plan_tiles(q_indptr, kv_lens, rows_per_tile=PREFILL_ROWS_PER_TILE)
         long_requests = long_prefill_requests(plan, q_indptr, kv_lens, page_indptr)
-        if long_requests:  # their rows get no paged-attention tile
-            routed = np.zeros(len(chunks), dtype=bool)
-            routed[[r.request for r in long_requests]] = True
-            keep = ~routed[tiles[0]]
-            tiles = (tiles[0][keep], tiles[1][keep], tiles[2][keep], tiles[3])
+        tiles, num_decode_row_tiles = _prefill_tiles(tiles, new_tokens, [r.request for r in long_requests])
     _check("tiles", int(tiles[0].shape[0]), cap.tiles)
     rows_request = np.repeat(np.arange(len(chunks)), new_tokens)
     first_position = kv_lens - new_tokens
@@ -196,7 +196,24 @@ def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk], page_tables: Pag
         seeds=np.array([c.seed for c in chunks], dtype=np.int64),
         sample_steps=_i32([c.sample_step for c in chunks]),
         long_prefill_requests=long_requests,
+        num_decode_row_tiles=num_decode_row_tiles,
     )
+
+
+def _prefill_tiles(tiles: tuple[np.ndarray, ...], new_tokens: np.ndarray,
+                   long_requests: list[int]) -> tuple[tuple[np.ndarray, ...], int]:
+    """A prefill step's attention tiles in launch order, and how many of them are decode rows': the
+    paged kernel's (chunks of several rows short of the long-chunk backend), then one tile per decode
+    row (a one-row chunk: ``plan_tiles`` with no split gives it a single tile over its whole kv_len,
+    the decode kernels' direct tile). The long chunks (``long_requests``) get none: their backend
+    runs them."""
+    rows = new_tokens[tiles[0]]
+    routed = np.zeros(new_tokens.shape[0], dtype=bool)
+    routed[long_requests] = True
+    paged = (rows > 1) & ~routed[tiles[0]]
+    decode = (rows == 1) & ~routed[tiles[0]]
+    order = np.concatenate([np.flatnonzero(paged), np.flatnonzero(decode)])
+    return (tiles[0][order], tiles[1][order], tiles[2][order], tiles[3]), int(decode.sum())
 
 
 def long_prefill_requests(plan: MemoryPlan, q_indptr: np.ndarray, kv_lens: np.ndarray,

@@ -47,6 +47,9 @@ class FullAttention:
         # Decode splits long kv ranges over several blocks (step.decode_kv_chunk) when the plan
         # has split scratch; one fixed choice per plan, so eager decode and its graphs agree.
         self.split_decode = plan.capacity.decode_kv_splits > 1
+        # A prefill step's decode rows (at most max_batch) take the decode kernel's shape for max_batch
+        # rows: one shape per plan, the one warm-up compiles, whatever the step's mix.
+        self.max_batch = plan.capacity.max_batch
         # Long prefill chunks (step.long_prefill_requests) run in the plan's backend, chosen once here.
         self.long_prefill_attention = _long_prefill_attention(arena, kernels, self.k_cache, self.v_cache, self.scale)
 
@@ -75,8 +78,12 @@ class FullAttention:
                                      self.norm.weight_offset, self.rotary_dim, self.theta, self.k_cache, self.v_cache,
                                      step.meta("batch_indices"), step.meta("page_indices"), step.meta("page_indptr"),
                                      stream=step.stream)
-            if step.num_tiles:  # none when every chunk of the step is a long one (long_prefill_attention)
-                k_.attention(q, self.k_cache, self.v_cache, *tile_meta, attn_out, self.scale, stream=step.stream)
+            paged, decode_rows = step.split_tile_meta
+            if step.num_tiles > step.num_decode_row_tiles:  # chunks of several rows short of the long backend
+                k_.attention(q, self.k_cache, self.v_cache, *paged, attn_out, self.scale, stream=step.stream)
+            if step.num_decode_row_tiles:  # decode rows beside prefill chunks: the decode kernel, unsplit
+                k_.decode_rope_attention.attention(q, self.k_cache, self.v_cache, *decode_rows, attn_out, self.scale,
+                                                   shape_rows=self.max_batch, stream=step.stream)
             if step.long_prefill_requests:  # the long prefill chunks, which got no paged-attention tile
                 self.long_prefill_attention(step, q, attn_out)
         if self.output_gate:

@@ -33,6 +33,7 @@ class StepViews:
     arena: Arena
     stream: Any  # the Numba stream kernels launch on: torch's current stream (device.current_stream())
     long_prefill_requests: tuple[LongPrefillRequest, ...] = ()  # chunks the prefill_attention backend runs
+    num_decode_row_tiles: int = 0  # prefill steps: the last tiles, the decode rows' (StepMetadata)
 
     def scratch(self, name: str) -> torch.Tensor:
         """A whole planned buffer of the step's pool (scratch not laid out by row)."""
@@ -65,6 +66,17 @@ class StepViews:
         (page_indices .. total_num_rows): sliced once per step, shared by every layer."""
         return tuple(self.meta(name) for name in TILE_META)
 
+    @cached_property
+    def split_tile_meta(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """A prefill step's ``tile_meta`` as two launches': the paged kernel's tiles, then the decode
+        rows' (the same metadata with the tile arrays sliced; no copy)."""
+        meta = self.tile_meta
+        split = self.num_tiles - self.num_decode_row_tiles
+        tiles = TILE_META.index("request_indices"), TILE_META.index("kv_tile_indices") + 1
+        paged = meta[: tiles[0]] + tuple(t[:split] for t in meta[tiles[0]:tiles[1]]) + meta[tiles[1]:]
+        decode = meta[: tiles[0]] + tuple(t[split:] for t in meta[tiles[0]:tiles[1]]) + meta[tiles[1]:]
+        return paged, decode
+
     def slot_ids(self) -> torch.Tensor:
         return self.arena.tensor("recurrent_state", "slot_ids")[: self.num_requests]
 
@@ -80,6 +92,7 @@ def step_views(arena: Arena, meta: StepMetadata) -> StepViews:
         arena=arena,
         stream=arena.device.current_stream(),
         long_prefill_requests=meta.long_prefill_requests,
+        num_decode_row_tiles=meta.num_decode_row_tiles,
     )
 
 

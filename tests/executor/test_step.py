@@ -45,6 +45,23 @@ def test_metadata_of_a_mixed_step(arena):
     assert arena.tensor("recurrent_state", "slot_ids")[:2].tolist() == [0, 1]
 
 
+def test_a_prefill_step_puts_its_decode_rows_tiles_last_for_the_decode_kernel(arena):
+    """Decode rows around a 3-token chunk (short of gemm_attention_min_tokens = 4: the paged kernel's) and
+    a 5-token one (the long-chunk backend's, no tile): the short chunk's tiles come first, then one
+    whole-row tile per decode row (request, query tile 0, kv chunk 0, kv_chunk_size its kv_len)."""
+    assert arena.plan.serving.gemm_attention_min_tokens == 4
+    chunks = [RequestChunk([7], 6, [3, 9], slot=0), RequestChunk([1, 2, 3], 2, [4, 5], slot=1),
+              RequestChunk([8], 4, [6, 7], slot=2), RequestChunk([1, 2, 3, 4, 5], 0, [8, 10], slot=3)]
+    meta = plan_step(arena.plan, chunks)
+    assert meta.pool == "prefill" and meta.num_decode_row_tiles == 2
+    assert [r.request for r in meta.long_prefill_requests] == [3]
+    assert meta.request_indices.tolist() == [1] * (meta.num_tiles - 2) + [0, 2]
+    assert meta.qo_tile_indices[-2:].tolist() == meta.kv_tile_indices[-2:].tolist() == [0, 0]
+    assert meta.kv_chunk_size[[0, 2]].tolist() == [7, 5]
+    assert plan_step(arena.plan, chunks[1:2]).num_decode_row_tiles == 0
+    assert plan_step(arena.plan, [chunks[0], chunks[2]]).num_decode_row_tiles == 0  # a decode step's tiles
+
+
 def test_writer_changes_only_the_metadata_buffers(arena):
     """Writes go over in merged ranges that may span a buffer's unused tail, never another buffer: after
     the kernels' buffers change under it, a write leaves them alone, and a shorter step after a longer

@@ -352,13 +352,16 @@ class DecodeAttention:
     def __call__(self, q: Any, k_cache: Any, v_cache: Any, page_indices: Any, page_indptr: Any, last_page_len: Any,
                  q_indptr: Any, batch_indices: Any, positions: Any, request_indices: Any, qo_tile_indices: Any,
                  kv_tile_indices: Any, kv_chunk_size: Any, total_num_rows: Any, out: Any, scale: float,
-                 partial_out: Any = None, partial_lse: Any = None, stream: Any = 0) -> None:
-        """Write ``out [B, Hq, D]`` for B decode rows (row b is request b's only query).
+                 partial_out: Any = None, partial_lse: Any = None, stream: Any = 0,
+                 shape_rows: int | None = None) -> None:
+        """Write the decode rows of ``out [T, Hq, D]``: row ``q_indptr[b]`` for each request b the tiles
+        name (a decode step: every request, row b; a prefill step: its one-row chunks' tiles).
 
-        q [B, Hq, D] (strided views allowed), k_cache/v_cache [pages, S, Hkv, D], storage dtype of the
+        q [T, Hq, D] (strided views allowed), k_cache/v_cache [pages, S, Hkv, D], storage dtype of the
         codec; int32 metadata as for PagedAttention (qo_tile_indices is unused: one row per request).
         Split tiles need float32 ``partial_out [B, splits, Hq, D]`` and ``partial_lse [B, splits, Hq]``;
         a merge launch (B x Hq) then follows. Without them every tile must cover its whole row.
+        ``shape_rows``: the rows the tensor-core kernel's block shape is chosen for (default T).
         """
         if not self.uses_vector(k_cache, v_cache):
             self.fallback(q, k_cache, v_cache, page_indices, page_indptr, last_page_len, q_indptr, batch_indices,
@@ -369,7 +372,7 @@ class DecodeAttention:
         num_tiles = request_indices.shape[0]
         if num_tiles == 0 or num_rows == 0:
             return
-        mma = self.mma_launch(num_rows, num_kv_heads)
+        mma = self.mma_launch(num_rows if shape_rows is None else shape_rows, num_kv_heads)
         if mma is not None:  # grid (Hkv, tiles): decode_mma.py
             self.check_page_size(k_cache)
             (direct, split), threads, _ = mma
