@@ -249,8 +249,8 @@ def warm_up(model: DecoderModel) -> None:
 def warm_up_steps(plan: MemoryPlan) -> list[list[RequestChunk]]:
     """The scratch steps ``warm_up`` runs (kernel discovery runs the same ones): a prefill step that
     feeds a chunk long enough for the long-chunk attention backend (serving gemm_attention_min_tokens
-    and prefill_attention, when the KV pool has the pages) beside a one-token chunk for the paged
-    kernel, then a decode step that continues the long one; none when the KV pool has fewer than two
+    and prefill_attention, when the KV pool has the pages) after a one-token chunk (a decode row of a
+    prefill step: the decode kernels' path there), then a decode step that continues the long one; none when the KV pool has fewer than two
     usable pages.
 
     They write KV pages from 1 and recurrent slots from 0 and leave them: no request owns a page yet,
@@ -264,10 +264,11 @@ def warm_up_steps(plan: MemoryPlan) -> list[list[RequestChunk]]:
         return []
     recurrent = plan.geometry.num_linear_layers > 0
     long_pages = list(range(1, 2 + long_len // page_size))  # room for the decode step's token too
-    chunks = [RequestChunk([0] * long_len, 0, long_pages, slot=0 if recurrent else -1)]
-    if cap.max_batch > 1 and long_len + 1 <= cap.max_tokens_per_step:
-        chunks.append(RequestChunk([0], 0, [long_pages[-1] + 1], slot=1 if recurrent else -1))
-    return [chunks, [RequestChunk([0], long_len, long_pages, slot=chunks[0].slot)]]
+    long_chunk = RequestChunk([0] * long_len, 0, long_pages, slot=0 if recurrent else -1)
+    chunks = [long_chunk]
+    if cap.max_batch > 1 and long_len + 1 <= cap.max_tokens_per_step:  # first, as the scheduler puts decode rows
+        chunks.insert(0, RequestChunk([0], 0, [long_pages[-1] + 1], slot=1 if recurrent else -1))
+    return [chunks, [RequestChunk([0], long_len, long_pages, slot=long_chunk.slot)]]
 
 
 class ReadBack:

@@ -116,6 +116,9 @@ class StepMetadata:
     # Prefill steps: the last this many tiles are the decode rows' (one-row chunks), which the decode
     # attention kernel serves (routing.py); the tiles before them are the paged kernel's. 0 in decode steps.
     num_decode_row_tiles: int = 0
+    # Prefill steps: how many one-row chunks (decode rows) the step starts with, requests and rows
+    # 0 .. this - 1, which the decode delta rule serves (routing.py). 0 in decode steps.
+    leading_decode_rows: int = 0
 
     @property
     def num_tiles(self) -> int:
@@ -197,6 +200,7 @@ def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk], page_tables: Pag
         sample_steps=_i32([c.sample_step for c in chunks]),
         long_prefill_requests=long_requests,
         num_decode_row_tiles=num_decode_row_tiles,
+        leading_decode_rows=0 if pool == "decode" else int(np.argmax(new_tokens != 1)),
     )
 
 

@@ -142,10 +142,17 @@ class LinearAttention:
         g, beta = step.role("gate_g"), step.role("gate_beta")
         k_.gdn_gates(gate_a, b, self.a_log, self.dt_bias, g, beta, stream=stream)
         delta_out = step.role("delta_out").view(n, h, self.dv)
-        delta_rule = k_.delta_rule_decode if step.pool == "decode" else k_.delta_rule
-        if step.pool == "prefill" and k_.delta_rule_chunked is not None and n >= k_.chunked_delta_rule_min_rows:
-            delta_rule = k_.delta_rule_chunked  # executor/routing.py: CHUNKED_DELTA_RULE_MIN_ROWS
-        delta_rule(conv_out, g, beta, self.ssm_state, q_indptr, slot_ids, delta_out, stream=stream)
+        if step.pool == "decode":
+            k_.delta_rule_decode(conv_out, g, beta, self.ssm_state, q_indptr, slot_ids, delta_out, stream=stream)
+        else:  # executor/routing.py: the leading decode rows, then the chunks
+            d = step.leading_decode_rows
+            if d:
+                k_.delta_rule_decode(conv_out, g, beta, self.ssm_state, q_indptr[: d + 1], slot_ids[:d], delta_out,
+                                     stream=stream)
+            delta_rule = k_.delta_rule
+            if k_.delta_rule_chunked is not None and n - d >= k_.chunked_delta_rule_min_rows:
+                delta_rule = k_.delta_rule_chunked  # CHUNKED_DELTA_RULE_MIN_ROWS
+            delta_rule(conv_out, g, beta, self.ssm_state, q_indptr[d:], slot_ids[d:], delta_out, stream=stream)
         gated = step.role("gated_out")
         k_.gated_norm(delta_out, z, self.norm_weight, gated, self.eps, stream=stream)
         self.proj.residual(step, gated, self.out_weight)

@@ -34,6 +34,7 @@ class StepViews:
     stream: Any  # the Numba stream kernels launch on: torch's current stream (device.current_stream())
     long_prefill_requests: tuple[LongPrefillRequest, ...] = ()  # chunks the prefill_attention backend runs
     num_decode_row_tiles: int = 0  # prefill steps: the last tiles, the decode rows' (StepMetadata)
+    leading_decode_rows: int = 0  # prefill steps: the one-row chunks the step starts with (StepMetadata)
 
     def scratch(self, name: str) -> torch.Tensor:
         """A whole planned buffer of the step's pool (scratch not laid out by row)."""
@@ -93,6 +94,7 @@ def step_views(arena: Arena, meta: StepMetadata) -> StepViews:
         stream=arena.device.current_stream(),
         long_prefill_requests=meta.long_prefill_requests,
         num_decode_row_tiles=meta.num_decode_row_tiles,
+        leading_decode_rows=meta.leading_decode_rows,
     )
 
 

@@ -54,6 +54,8 @@ def test_a_prefill_step_puts_its_decode_rows_tiles_last_for_the_decode_kernel(ar
               RequestChunk([8], 4, [6, 7], slot=2), RequestChunk([1, 2, 3, 4, 5], 0, [8, 10], slot=3)]
     meta = plan_step(arena.plan, chunks)
     assert meta.pool == "prefill" and meta.num_decode_row_tiles == 2
+    assert meta.leading_decode_rows == 1  # the decode delta rule's: requests (and rows) before the first chunk
+    assert plan_step(arena.plan, [chunks[0], chunks[2], *chunks[1:2]]).leading_decode_rows == 2
     assert [r.request for r in meta.long_prefill_requests] == [3]
     assert meta.request_indices.tolist() == [1] * (meta.num_tiles - 2) + [0, 2]
     assert meta.qo_tile_indices[-2:].tolist() == meta.kv_tile_indices[-2:].tolist() == [0, 0]
