@@ -421,9 +421,11 @@ def ideal_table(runs: Sequence[ServingRun]) -> str:
 
 
 def tree() -> str:
+    """The commit the code ran from, "-dirty" when the working tree differs from it (a copy of a checkout
+    with changes of its own, as on a GPU machine that received a working tree)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
