@@ -249,9 +249,9 @@ def warm_up(model: DecoderModel) -> None:
 def warm_up_steps(plan: MemoryPlan) -> list[list[RequestChunk]]:
     """The scratch steps ``warm_up`` runs (kernel discovery runs the same ones): a prefill step that
     feeds a chunk long enough for the long-chunk attention backend (serving gemm_attention_min_tokens
-    and prefill_attention, when the KV pool has the pages) after a one-token chunk (a decode row of a
-    prefill step: the decode kernels' path there), then a decode step that continues the long one; none when the KV pool has fewer than two
-    usable pages.
+    and prefill_attention, when the KV pool has the pages) after a one-token chunk (a prefill step's
+    decode row: the decode kernels' path there), then a decode step that continues the long one; none
+    when the KV pool has fewer than two usable pages.
 
     They write KV pages from 1 and recurrent slots from 0 and leave them: no request owns a page yet,
     the prefix cache is empty, and a slot is zeroed on admission.

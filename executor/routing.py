@@ -102,7 +102,7 @@ ROUTES: tuple[Route, ...] = (
           "attention/decode.py DecodeAttention (decode_mma.py for bf16 heads <= 128), no KV split, the "
           "block shape for max_batch rows",
           "248 decode rows at 1,100 tokens beside 8 x 1,024 prefill, Qwen3-8B on the H200: 7.5 ms a layer "
-          "in the paged kernel (a 4-row tile a row), about 0.35 ms in the decode kernel"),
+          "in the paged kernel (a 4-row tile a row), 0.33 ms in the decode kernel"),
     Route("prefill", "attention", "chunk >= gemm_attention_min_tokens, plan prefill_attention flash (bf16, "
           "head_dim % 32 == 0)", "attention/gather.py GatherKv + attention/flash.py FlashAttention",
           "tensor cores, no score buffer"),

@@ -49,7 +49,7 @@ class FullAttention:
         self.split_decode = plan.capacity.decode_kv_splits > 1
         # A prefill step's decode rows (at most max_batch) take the decode kernel's shape for max_batch
         # rows: one shape per plan, the one warm-up compiles, whatever the step's mix.
-        self.max_batch = plan.capacity.max_batch
+        self.mixed_decode_shape_rows = plan.capacity.max_batch
         # Long prefill chunks (step.long_prefill_requests) run in the plan's backend, chosen once here.
         self.long_prefill_attention = _long_prefill_attention(arena, kernels, self.k_cache, self.v_cache, self.scale)
 
@@ -83,7 +83,8 @@ class FullAttention:
                 k_.attention(q, self.k_cache, self.v_cache, *paged, attn_out, self.scale, stream=step.stream)
             if step.num_decode_row_tiles:  # decode rows beside prefill chunks: the decode kernel, unsplit
                 k_.decode_rope_attention.attention(q, self.k_cache, self.v_cache, *decode_rows, attn_out, self.scale,
-                                                   shape_rows=self.max_batch, stream=step.stream)
+                                                   shape_rows=self.mixed_decode_shape_rows,
+                                                   stream=step.stream)
             if step.long_prefill_requests:  # the long prefill chunks, which got no paged-attention tile
                 self.long_prefill_attention(step, q, attn_out)
         if self.output_gate:

@@ -71,12 +71,11 @@ class StepViews:
     def split_tile_meta(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """A prefill step's ``tile_meta`` as two launches': the paged kernel's tiles, then the decode
         rows' (the same metadata with the tile arrays sliced; no copy)."""
-        meta = self.tile_meta
-        split = self.num_tiles - self.num_decode_row_tiles
-        tiles = TILE_META.index("request_indices"), TILE_META.index("kv_tile_indices") + 1
-        paged = meta[: tiles[0]] + tuple(t[:split] for t in meta[tiles[0]:tiles[1]]) + meta[tiles[1]:]
-        decode = meta[: tiles[0]] + tuple(t[split:] for t in meta[tiles[0]:tiles[1]]) + meta[tiles[1]:]
-        return paged, decode
+        meta, split = self.tile_meta, self.num_tiles - self.num_decode_row_tiles
+        first, last = TILE_META.index("request_indices"), TILE_META.index("kv_tile_indices") + 1
+        tiles = meta[first:last]
+        return (meta[:first] + tuple(t[:split] for t in tiles) + meta[last:],
+                meta[:first] + tuple(t[split:] for t in tiles) + meta[last:])
 
     def slot_ids(self) -> torch.Tensor:
         return self.arena.tensor("recurrent_state", "slot_ids")[: self.num_requests]
