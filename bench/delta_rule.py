@@ -12,7 +12,7 @@ state. The script reports, per model's linear heads (Qwen3.5-9B: Hk 16, Hv 32; 2
 
 - chunked: ``executor.kernels.linear_attention.chunked_delta_rule.ChunkedGatedDeltaRule``, once per
   ``--shapes`` entry (chunk:dv_tile:warps:solve_block; ``default`` is GPU_SHAPE), with the registers
-  and local (spilled) bytes a thread of it holds;
+  and local (spilled) bytes a thread of each of its launches holds (prepare + scan);
 - recurrent: ``executor.kernels.linear_attention.delta_rule.GatedDeltaRule`` (the default prefill route);
 - fla: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` when importable (q and k repeated to the
   value heads beforehand, untimed, as HF's layer calls it; ``cu_seqlens`` for several requests).
@@ -104,8 +104,9 @@ def measure(torch: Any, runtime: Any, heads: Heads, requests: int, tokens: int, 
     """Rows [kernel, registers, us, recurrent / it, fla / it, rel. err vs recurrent, rel. err vs fla]."""
     import torch.nn.functional as F
 
-    from executor.kernels.linear_attention.chunked_delta_rule import ChunkedGatedDeltaRule
+    from executor.kernels.linear_attention.chunked_delta_rule import ChunkedGatedDeltaRule, ChunkScratch
     from executor.kernels.linear_attention.delta_rule import GatedDeltaRule
+    from planner.kernel_limits import DELTA_RULE_CHUNK, DELTA_RULE_ROW_SCALARS
     from executor.kernels.primitives.codec import build_codec
 
     device = runtime.torch_device
@@ -120,11 +121,17 @@ def measure(torch: Any, runtime: Any, heads: Heads, requests: int, tokens: int, 
     codec = build_codec("bfloat16")
     stream = runtime.current_stream()
 
+    # The chunked kernel's scratch, as the plan lays it out (planner/kernel_limits.py).
+    scratch = ChunkScratch(torch.empty(rows, hv, DELTA_RULE_CHUNK, dtype=torch.bfloat16, device=device),
+                           torch.empty(rows, hv, DELTA_RULE_CHUNK, dtype=torch.bfloat16, device=device),
+                           torch.empty(rows, hv, DELTA_RULE_ROW_SCALARS, device=device))
+
     def runner(rule: Any) -> tuple[Any, Any]:
         state = initial.clone()
         out = torch.empty(rows, hv, dv, device=device).bfloat16()
         bits = (qkv.view(torch.int16), g, beta, state, q_indptr, slot_ids, out.view(torch.int16))
-        return (lambda: rule(*bits, stream=stream)), (out, state)
+        extra = {"scratch": scratch} if isinstance(rule, ChunkedGatedDeltaRule) else {}
+        return (lambda: rule(*bits, **extra, stream=stream)), (out, state)
 
     recurrent_rule = GatedDeltaRule(codec, dk, **({"dk_split": 1} if smoke else {}))
     candidates = [("recurrent", recurrent_rule, "n/a")]
@@ -139,7 +146,8 @@ def measure(torch: Any, runtime: Any, heads: Heads, requests: int, tokens: int, 
         call, (out, _) = runner(rule)
         call()  # compiles; the first output is the one compared (every call starts from its own state copy)
         outputs[name] = out.clone()
-        registers[name] = regs if regs is not None else kernel_registers(rule.kernel(dv)[1])
+        registers[name] = regs if regs is not None else \
+            " + ".join(kernel_registers(kernel) for kernel, _ in rule.kernel(dv)[1])
         times[name] = None if smoke else event_median_us(call, repeats)
         log(f"{requests}x{tokens} {name}: {fmt(times[name], 1)} us")
     fla_out, fla_us = None, None

@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from planner import checked
 from planner.checked import I32
 from planner.config import PrefillAttention
-from planner.kernel_limits import (GEMV_CHUNK_BYTES, GEMV_SCRATCH_BYTES, GEMV_SHARED_BYTES, MAX_DECODE_KV_SPLITS,
-                                   MAX_PREFILL_SCORE_ELEMENTS, MIN_KV_CHUNK_TOKENS)
+from planner.kernel_limits import (DELTA_RULE_CHUNK, GEMV_CHUNK_BYTES, GEMV_SCRATCH_BYTES, GEMV_SHARED_BYTES,
+                                   MAX_DECODE_KV_SPLITS, MAX_PREFILL_SCORE_ELEMENTS, MIN_KV_CHUNK_TOKENS)
 
 class Capacity(BaseModel):
     """Planned limits of one step (tokens, pages, tiles) and of the KV pool."""
@@ -41,6 +41,9 @@ class Capacity(BaseModel):
     prefill_score_elements: int = Field(0, description="scores of one GEMM prefill-attention tile (0: no GEMM "
                                         "attention, e.g. prefill_attention flash): "
                                         "min(Hq x T x C, max(2^26, Hq x C))")
+    delta_rule_chunk: int = Field(0, description="tokens of the chunked gated delta rule's chunk whose transform "
+                                  "and Gram rows the prefill pool's delta_transform / delta_gram scratch hold per "
+                                  "row and value head: 64 (Qwen3.5 with bf16 activations), else 0 (no scratch)")
     decode_gemv_batch: int = Field(0, description="decode steps of at most this many requests run the fused GEMV "
                                    "projections: serving decode_gemv_max_batch, capped by max_batch and by "
                                    "B x hidden x 4 + 512 bytes of shared memory <= 48 KiB; 0 when some projection "
@@ -69,12 +72,14 @@ class Capacity(BaseModel):
 def build_capacity(
     *, max_batch: int, max_context: int, page_size: int, max_prefill_tokens: int, gqa_group: int,
     recurrent_slots_per_request: int, num_q_heads: int = 0, gemm_attention_min_tokens: int = 1,
-    prefill_attention: PrefillAttention = "gemm", decode_gemv_batch: int = 0,
+    prefill_attention: PrefillAttention = "gemm", decode_gemv_batch: int = 0, delta_rule_scratch: bool = False,
 ) -> Capacity:
     """Capacities before the KV pool is sized (kv_pages and kv_tokens stay 0). ``num_q_heads`` 0
     (no full-attention layer) or ``gemm_attention_min_tokens`` above ``max_prefill_tokens``: no
     long-chunk prefill attention, so no gather scratch and no score tile. ``prefill_attention``
-    "flash" gathers keys too, but its kernel keeps the scores on chip: no score tile."""
+    "flash" gathers keys too, but its kernel keeps the scores on chip: no score tile.
+    ``delta_rule_scratch``: the model's linear-attention prefill runs the two-pass chunked delta rule
+    (bf16 activations), whose per-row scratch the prefill pool holds."""
     tokens = max(checked.add("max_tokens_per_step", max_prefill_tokens, max_batch - 1, width=I32), max_batch)
     pages_per_request = checked.ceil_div("pages_per_request", max_context, page_size, width=I32)
     kv_splits = min(MAX_DECODE_KV_SPLITS, checked.ceil_div("decode_kv_splits", max_context, MIN_KV_CHUNK_TOKENS))
@@ -99,6 +104,7 @@ def build_capacity(
         prefill_gather_tokens=max_context if long_chunks else 0,
         prefill_score_elements=score_elements,
         decode_gemv_batch=decode_gemv_batch,
+        delta_rule_chunk=DELTA_RULE_CHUNK if delta_rule_scratch else 0,
         recurrent_slots=checked.mul("recurrent_slots", max_batch, recurrent_slots_per_request, width=I32),
     )
 

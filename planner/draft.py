@@ -22,6 +22,7 @@ from planner.config import (
 from planner.dtypes import dtype_bytes
 from planner.errors import ConfigError
 from planner.geometry import Geometry, build_geometry
+from planner.kernel_limits import DELTA_RULE_SCRATCH_DTYPE
 from planner.kv_cache import build_recurrent_state, kv_page_bytes
 from planner.layout import ALIGNMENT_BYTES, Pool, budget_pool
 from planner.sampling import build_sampling
@@ -111,6 +112,7 @@ class Drafter:
             recurrent_slots_per_request=serving.states_per_slot if geometry.num_linear_layers else 0,
             decode_gemv_batch=gemv_batch_limit(serving.decode_gemv_max_batch, serving.max_batch,
                                                geometry.hidden_size, gemv_inputs, dtype_bytes(dtypes.activations)),
+            delta_rule_scratch=bool(geometry.num_linear_layers) and dtypes.activations == DELTA_RULE_SCRATCH_DTYPE,
         )
         act = dtypes.activations
         pools = [self._weights_pool(geometry, serving.tensor_parallel_size, dtypes.weights)]
@@ -121,7 +123,8 @@ class Drafter:
             build_step_pool("decode", geometry, capacity.max_batch, act, capacity.decode_kv_splits),
             build_step_pool("prefill", geometry, capacity.max_tokens_per_step, act,
                             gather_tokens=capacity.prefill_gather_tokens,
-                            score_elements=capacity.prefill_score_elements),
+                            score_elements=capacity.prefill_score_elements,
+                            delta_rule_chunk=capacity.delta_rule_chunk),
             build_sampling(geometry, capacity.max_batch, act),
             budget_pool("runtime", runtime_lines(hardware, serving)),
         ]

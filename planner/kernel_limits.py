@@ -28,3 +28,14 @@ GEMV_CHUNK_BYTES = 16
 FLASH_HEAD_DIM_MULTIPLE = 32
 #: ... and reads q, k, v and writes its output as bf16 only.
 FLASH_DTYPE = "bfloat16"
+
+#: The chunked gated delta rule on tensor cores (executor/kernels/linear_attention/chunked_delta_rule.py) runs in
+#: two passes over a prefill step: one block per chunk of this many tokens computes the chunk's transform
+#: (I + A)^-1 and its causal decayed q k^T (the Gram rows) in parallel, and one block per (request, head, dv
+#: tile) then walks the chunks in order with the state on chip. The prefill pool holds the first pass's
+#: output per token row and value head: the chunk's row of each (bf16, this many columns)...
+DELTA_RULE_CHUNK = 64
+#: ... and this many float32 factors of the row (beta, the decay-weighted norms, the chunk's total decay).
+DELTA_RULE_ROW_SCALARS = 8
+#: ... for bf16 activations only: other storage runs the single-pass float32 build, which needs no scratch.
+DELTA_RULE_SCRATCH_DTYPE = "bfloat16"

@@ -13,6 +13,7 @@ at B rows, the prefill pool at T rows.
 from __future__ import annotations
 
 from planner.geometry import Geometry
+from planner.kernel_limits import DELTA_RULE_ROW_SCALARS
 from planner.layout import BufferRequest, Pool, pack_by_lifetime
 
 #: Stages of one step in execution order. A layer runs input_norm, then either
@@ -49,14 +50,18 @@ def _live(first: str, last: str) -> tuple[int, int]:
 
 
 def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0, gather_tokens: int = 0,
-                  score_elements: int = 0) -> list[BufferRequest]:
+                  score_elements: int = 0, delta_rule_chunk: int = 0) -> list[BufferRequest]:
     """Role buffers of a step of ``rows`` token rows (B for decode, T for prefill). ``kv_splits`` > 1
     adds the split-KV attention scratch (decode): float32 partial outputs and log-sum-exps of
     up to ``kv_splits`` kv chunks per row, merged into attn_out. ``gather_tokens`` > 0 adds the
     long-chunk attention scratch (prefill, either backend): one request's keys and values gathered
     from their pages, [Hkv, gather_tokens, D] each. ``score_elements`` > 0 adds GEMM attention's
     own scratch: the chunk's queries (then outputs) packed by kv head [Hkv, group x rows, D], and
-    one tile's float32 scores and their probabilities (FlashAttention keeps both on chip)."""
+    one tile's float32 scores and their probabilities (FlashAttention keeps both on chip).
+    ``delta_rule_chunk`` > 0 adds the chunked delta rule's scratch (prefill, linear-attention layers):
+    per row and value head, its chunk's row of the transform (I + A)^-1 and of the causal decayed
+    q k^T, ``delta_rule_chunk`` values each in the activation dtype, and DELTA_RULE_ROW_SCALARS
+    float32 factors, written by the rule's first pass and read by its second."""
     assert gather_tokens or not score_elements, "GEMM attention reads the gathered keys"
     g = geometry
     requests = [
@@ -100,10 +105,18 @@ def step_requests(geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0,
             BufferRequest("delta_out", dtype, (rows, value_width), _live("linear.delta_rule", "linear.gated_norm")),
             BufferRequest("gated_out", dtype, (rows, value_width), _live("linear.gated_norm", "linear.out_proj")),
         ]
+        if delta_rule_chunk:
+            rule = _live("linear.delta_rule", "linear.delta_rule")
+            requests += [
+                BufferRequest("delta_transform", dtype, (rows, heads, delta_rule_chunk), rule),
+                BufferRequest("delta_gram", dtype, (rows, heads, delta_rule_chunk), rule),
+                BufferRequest("delta_scalars", "float32", (rows, heads, DELTA_RULE_ROW_SCALARS), rule),
+            ]
     return requests
 
 
 def build_step_pool(name: str, geometry: Geometry, rows: int, dtype: str, kv_splits: int = 0,
-                    gather_tokens: int = 0, score_elements: int = 0) -> Pool:
+                    gather_tokens: int = 0, score_elements: int = 0, delta_rule_chunk: int = 0) -> Pool:
     """A transient pool (``decode`` or ``prefill``) packed by live range."""
-    return pack_by_lifetime(name, step_requests(geometry, rows, dtype, kv_splits, gather_tokens, score_elements))
+    return pack_by_lifetime(name, step_requests(geometry, rows, dtype, kv_splits, gather_tokens, score_elements,
+                                                delta_rule_chunk))

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from executor.arena import Arena
+from executor.kernels.linear_attention.chunked_delta_rule import ChunkScratch
 from executor.models.context import StepViews
 from executor.models.flash_prefill_attention import FlashPrefillAttention
 from executor.models.launchers import Kernels, NormStyle
@@ -128,6 +129,13 @@ class LinearAttention:
         self.value_width = g.linear_value_width
         self.heads, self.dv = g.linear_num_value_heads, g.linear_value_head_dim
         self.eps = plan.model.rms_norm_eps
+        self.has_chunk_scratch = bool(plan.capacity.delta_rule_chunk)
+
+    def chunk_scratch(self, step: StepViews) -> ChunkScratch | None:
+        """The chunked delta rule's planned scratch (prefill pool, bf16 plans), or None (float32 build)."""
+        if not self.has_chunk_scratch:
+            return None
+        return ChunkScratch(step.role("delta_transform"), step.role("delta_gram"), step.role("delta_scalars"))
 
     def __call__(self, step: StepViews) -> None:
         k_, stream = self.kernels, step.stream
@@ -150,10 +158,11 @@ class LinearAttention:
             if d:
                 k_.delta_rule_decode(conv_out, g, beta, self.ssm_state, q_indptr[: d + 1], slot_ids[:d], delta_out,
                                      stream=stream)
-            delta_rule = k_.delta_rule
-            if k_.delta_rule_chunked is not None and n - d >= k_.chunked_delta_rule_min_rows:
-                delta_rule = k_.delta_rule_chunked  # CHUNKED_DELTA_RULE_MIN_ROWS
-            delta_rule(conv_out, g, beta, self.ssm_state, q_indptr[d:], slot_ids[d:], delta_out, stream=stream)
+            if k_.delta_rule_chunked is not None and n - d >= k_.chunked_delta_rule_min_rows:  # CHUNKED_DELTA_RULE_MIN_ROWS
+                k_.delta_rule_chunked(conv_out, g, beta, self.ssm_state, q_indptr[d:], slot_ids[d:], delta_out,
+                                      self.chunk_scratch(step), stream=stream)
+            else:
+                k_.delta_rule(conv_out, g, beta, self.ssm_state, q_indptr[d:], slot_ids[d:], delta_out, stream=stream)
         gated = step.role("gated_out")
         k_.gated_norm(delta_out, z, self.norm_weight, gated, self.eps, stream=stream)
         self.proj.residual(step, gated, self.out_weight)

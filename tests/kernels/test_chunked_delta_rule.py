@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from executor.kernels.linear_attention.chunked_delta_rule import (
-    GPU_SHAPE, ChunkShape, ChunkedGatedDeltaRule, check_shape, shared_layout)
+    GPU_SHAPE, ROW_SCALARS, ChunkScratch, ChunkShape, ChunkedGatedDeltaRule, check_shape, shared_layouts)
 from executor.kernels.linear_attention.delta_rule import GatedDeltaRule
 from executor.kernels.linear_attention.delta_rule_decode import GatedDeltaRuleDecode
 from executor.kernels.primitives.codec import build_codec
@@ -58,12 +58,26 @@ def inputs(gen, rows, slots, dtype_name, hk, hv, dk, dv, device="cpu"):
     return qkv, g, beta, state
 
 
+SCRATCH_CHUNK = 64  # the plan's delta_rule_chunk: wider than the simulator's chunks, as in a plan
+
+
+def scratch(rows, hv, chunk=SCRATCH_CHUNK, device=None):
+    """The tensor-core build's scratch, poisoned (NaN bits): a value the scan reads that the prepare
+    pass did not write shows up in the output. numpy arrays, or torch tensors on ``device``."""
+    transform, gram = poisoned((rows, hv, chunk), "bfloat16"), poisoned((rows, hv, chunk), "bfloat16")
+    scalars = np.full((rows, hv, ROW_SCALARS), np.nan, np.float32)
+    if device is not None:
+        return ChunkScratch(*(torch.from_numpy(a).to(device) for a in (transform, gram, scalars)))
+    return ChunkScratch(transform, gram, scalars)
+
+
 def run(rule, qkv, g, beta, state, q_indptr, slot_ids, dtype_name, hv, dv):
     """Launch on numpy copies; (out, new state) as float64 tensors."""
     state_np = state.numpy().copy()
     out = poisoned((qkv.shape[0], hv, dv), dtype_name)
+    extra = {"scratch": scratch(qkv.shape[0], hv)} if getattr(rule, "tensor_cores", False) else {}
     rule(to_storage(qkv, dtype_name), g.numpy().copy(), beta.numpy().copy(), state_np,
-         np.asarray(q_indptr, np.int32), np.asarray(slot_ids, np.int32), out)
+         np.asarray(q_indptr, np.int32), np.asarray(slot_ids, np.int32), out, **extra)
     return from_storage(out, dtype_name), torch.from_numpy(state_np).double()
 
 
@@ -204,10 +218,27 @@ def test_shape_errors_name_the_shape():
         rule.kernel(24)
 
 
-def test_gpu_shape_fits_one_block_an_sm():
-    """Qwen3.5's heads (dk 128) at the GPU shape: one block of shared memory an SM (227 KiB)."""
+def test_gpu_shape_fits_the_sm():
+    """Qwen3.5's heads (dk 128) at the GPU shape: the scan in one block's shared memory (227 KiB),
+    the prepare pass twice an SM (228 KiB less 1 KiB a block)."""
     check_shape(128, GPU_SHAPE, tensor_cores=True)
-    assert shared_layout(128, GPU_SHAPE, True).bytes <= 227 * 1024
+    prepare, scan = shared_layouts(128, GPU_SHAPE, True)
+    assert scan.bytes <= 227 * 1024
+    assert 2 * (prepare.bytes + 1024) <= 228 * 1024
+
+
+def test_missing_or_short_scratch_is_refused():
+    """The tensor-core build names the scratch it lacks, or the array too small and the shape it needs."""
+    rule = ChunkedGatedDeltaRule(build_codec("bfloat16"), 16, shape=ChunkShape(16, 16, 1, 8))
+    qkv = np.zeros((4, 3 * 16), np.int16)
+    g = np.zeros((4, 1), np.float32)
+    args = (qkv, g, g, np.zeros((1, 1, 16, 16), np.float32), np.array([0, 4], np.int32), np.array([0], np.int32),
+            np.zeros((4, 1, 16), np.int16))
+    with pytest.raises(ValueError, match="needs its ChunkScratch"):
+        rule(*args)
+    short = scratch(4, 1, chunk=8)
+    with pytest.raises(ValueError, match=r"scratch transform \(4, 1, 8\) must be \[>= 4, 1, >= 16\]"):
+        rule(*args, scratch=short)
 
 
 # ---------------------------------------------------------------- real-GPU compilation (no GPU needed)
@@ -224,11 +255,14 @@ def test_compiles_for_sm90():
         f32 = lambda ndim: arr("float32", ndim)
         c = build_codec("bfloat16")
         for shape in (GPU_SHAPE, ChunkShape(64, 32, 8, 16)):
-            text = ptx(build_chunked_delta_rule(c, 128, shape, True), arr("bfloat16", 2), f32(2), f32(2), f32(4),
-                       i32, i32, arr("int32", 3))
-            for instruction in ("mma.sync.aligned.m16n8k16", "ldmatrix.sync.aligned", "cp.async.cg.shared.global"):
-                assert instruction in text, (shape, instruction)
-            assert ".local" not in text, f"{shape}: local memory"
+            prepare, scan = build_chunked_delta_rule(c, 128, 128, shape, True)
+            words = arr("int32", 3)
+            texts = (ptx(prepare, arr("bfloat16", 2), f32(2), f32(2), i32, i32, words, words, f32(3)),
+                     ptx(scan, arr("bfloat16", 2), f32(4), i32, i32, words, words, f32(3), words))
+            for name, text in zip(("prepare", "scan"), texts):
+                for instruction in ("mma.sync.aligned.m16n8k16", "ldmatrix.sync.aligned", "cp.async.cg.shared.global"):
+                    assert instruction in text, (shape, name, instruction)
+                assert ".local" not in text, f"{shape} {name}: local memory"
         """
     )
 
@@ -243,7 +277,8 @@ def gpu_launch(rule, qkv, g, beta, state, lengths, slots, hv):
     out = torch.full((qkv.shape[0], hv, GPU_DV), float("nan"), dtype=torch.bfloat16, device="cuda")
     ip = torch.tensor(indptr(lengths), dtype=torch.int32, device="cuda")
     sl = torch.tensor(slots, dtype=torch.int32, device="cuda")
-    rule(qkv.view(torch.int16), g, beta, state, ip, sl, out.view(torch.int16))
+    extra = {"scratch": scratch(qkv.shape[0], hv, device="cuda")} if isinstance(rule, ChunkedGatedDeltaRule) else {}
+    rule(qkv.view(torch.int16), g, beta, state, ip, sl, out.view(torch.int16), **extra)
     torch.cuda.synchronize()
     return out
 

@@ -114,3 +114,23 @@ def test_gemm_attention_scores_never_hold_less_than_one_rows_context(plan_for):
     small = build_capacity(max_batch=1, max_context=1 << 20, page_size=16, max_prefill_tokens=16, gqa_group=8,
                            recurrent_slots_per_request=0, num_q_heads=128, gemm_attention_min_tokens=16)
     assert small.prefill_score_elements == 128 << 20  # one row's context (2^27) beats the 2^26 cap
+
+
+def test_chunked_delta_rule_scratch_is_planned_for_bf16_qwen3_5_prefill_only(plan_for):
+    """Qwen3.5-9B bf16 (default serving, T = 2048 + 63 rows): the prefill pool holds each row's chunk row
+    of the transform and of the Gram products (64 bf16 a value head, 32 heads) and 8 float32 factors,
+    live only at the delta rule; the decode pool, a float32 plan and Qwen3-8B hold none."""
+    plan = plan_for("qwen3.5-9b")
+    rows = plan.capacity.max_tokens_per_step
+    assert (plan.capacity.delta_rule_chunk, rows) == (64, 2111)
+    scratch = {b.name: b for b in plan.pool("prefill").buffers if b.name.startswith("delta_") and b.name != "delta_out"}
+    assert {name: (b.dtype, b.shape, b.bytes) for name, b in scratch.items()} == {
+        "delta_transform": ("bfloat16", (2111, 32, 64), 2111 * 32 * 64 * 2),
+        "delta_gram": ("bfloat16", (2111, 32, 64), 2111 * 32 * 64 * 2),
+        "delta_scalars": ("float32", (2111, 32, 8), 2111 * 32 * 8 * 4),
+    }
+    assert all(b.live == scratch["delta_gram"].live for b in scratch.values())
+    assert not any(b.name in scratch for b in plan.pool("decode").buffers)
+    for other in (plan_for("qwen3.5-9b", dtype="float32"), plan_for("qwen3-8b")):
+        assert other.capacity.delta_rule_chunk == 0
+        assert not any(b.name in scratch for b in other.pool("prefill").buffers)
