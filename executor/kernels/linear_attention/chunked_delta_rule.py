@@ -31,8 +31,8 @@ Steps 1-4 below need no state: only 5-7 carry it from chunk to chunk. Per chunk:
 2. per row: the two norms, gc, exp(gc), exp(gl - gc);
 3. the Gram products k k^T and q k^T (C x C, over dk) -> A (float32) and P;
 4. T = (I + A)^-1 in float32: forward substitution within diagonal blocks of ``solve_block``
-   rows (a row a lane, in registers), then block forward substitution (T_ij = -T_ii sum_k A_ik
-   T_kj) over the block rows;
+   rows (a row a lane, in registers), then the blocks below them (T_IJ = -T_II sum_K A_IK T_KJ),
+   all blocks at one distance from the diagonal at once;
 5. k S and q S (C x DVT, over dk) -> the residual beta (v - exp(gc) k S) and exp(gc) q S;
 6. delta = T residual (C x DVT, over C);
 7. o += P delta (written out), and S <- exp(gl) S + k^T (exp(gl - gc) delta) (dk x DVT, over C).
@@ -369,28 +369,36 @@ class _RowMath:
                     for c in range(SB):
                         tf[base + i, base + c] = row[c]
 
+        BLOCK = SB * SB
+
         @cuda.jit(device=True, inline=True)
         def merge_blocks(af, tf, mf, tid):
-            """tf's blocks below the diagonal: T_ij = -T_ii sum_{j <= k < i} A_ik T_kj, block row by
-            block row (mf an [SB, C] scratch tile). Starts and ends with a barrier."""
-            for block in range(1, NB):
+            """tf's blocks below the diagonal, by their distance d from it: T_IJ = -T_II sum_{J <= K < I}
+            A_IK T_KJ reads only blocks nearer the diagonal, so the NB - d blocks at distance d are
+            computed at once, a thread an element (mf, an [SB, C] tile, holds their sums). Every loop
+            over a block's SB columns has constant bounds (it unrolls). Starts and ends with a barrier."""
+            for d in range(1, NB):
                 cuda.syncthreads()
-                r0 = block * SB
-                for e in range(tid, SB * r0, NT):
-                    r = e // r0
-                    col = e - r * r0
+                for e in range(tid, (NB - d) * BLOCK, NT):  # the sums X_IJ = sum_K A_IK T_KJ, J = e // BLOCK
+                    j = e // BLOCK
+                    r = (e - j * BLOCK) // SB
+                    c = e - j * BLOCK - r * SB
+                    row = (j + d) * SB + r
                     acc = float32(0.0)
-                    for y in range(col, r0):
-                        acc += af[r0 + r, y] * tf[y, col]
-                    mf[r, col] = acc
+                    for k in range(j, j + d):
+                        for u in range(SB):
+                            acc += af[row, k * SB + u] * tf[k * SB + u, j * SB + c]
+                    mf[r, j * SB + c] = acc
                 cuda.syncthreads()
-                for e in range(tid, SB * r0, NT):
-                    r = e // r0
-                    col = e - r * r0
+                for e in range(tid, (NB - d) * BLOCK, NT):  # T_IJ = -T_II X_IJ
+                    j = e // BLOCK
+                    r = (e - j * BLOCK) // SB
+                    c = e - j * BLOCK - r * SB
+                    i = (j + d) * SB
                     acc = float32(0.0)
-                    for u in range(r + 1):
-                        acc += tf[r0 + r, r0 + u] * mf[u, col]
-                    tf[r0 + r, col] = -acc
+                    for u in range(SB):
+                        acc += tf[i + r, i + u] * mf[u, j * SB + c]
+                    tf[i + r, j * SB + c] = -acc
             cuda.syncthreads()
 
         @cuda.jit(device=True, inline=True)
