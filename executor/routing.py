@@ -47,12 +47,13 @@ FEW_BLOCKS_PER_SM = 2
 MERGE_SPECULATE_MAX_ROWS = 4
 
 #: Prefill steps of at least this many rows run the chunked gated delta rule
-#: (linear_attention/chunked_delta_rule.py: chunks of 64 tokens as matrix products on tensor cores),
-#: shorter ones the recurrent kernel; None would send every prefill step to the recurrent kernel. At
-#: Qwen3.5-9B's heads on the H200 the chunked kernel takes 105 us to the recurrent kernel's 119 us at
-#: 1 x 64 rows and 1.6-2.2x less from 256 rows to 64 x 512 (bench/delta_rule.py, docs/benchmarks.md
-#: "Gated delta rule of one layer"): one chunk of rows is where it starts to win. Qwen3.5-0.8B's HF
-#: golden passes on this route (tests/executor/test_chunked_delta_rule_route.py).
+#: (linear_attention/chunked_delta_rule.py: a parallel pass over chunks of 64 tokens, then a scan of
+#: the chunks carrying the state, both as matrix products on tensor cores), shorter ones the
+#: recurrent kernel; None would send every prefill step to the recurrent kernel. At Qwen3.5-9B's heads
+#: on the H200 the chunked kernel takes 86 us to the recurrent kernel's 95 us at 1 x 64 rows and 4.2-8.5x
+#: less from 1,024 rows to 64 x 512 (bench/delta_rule.py, docs/benchmarks.md "Gated delta rule of one
+#: layer"): one chunk of rows is where it starts to win. Qwen3.5-0.8B's HF golden passes on this route
+#: (tests/executor/test_chunked_delta_rule_route.py).
 CHUNKED_DELTA_RULE_MIN_ROWS: int | None = 64
 
 
@@ -116,8 +117,9 @@ ROUTES: tuple[Route, ...] = (
           "248 decode rows beside 8 x 1,024 prefill, Qwen3.5-9B on the H200: the chunked kernel over all of "
           "them took 155 ms of the step's 335, against 49 ms without the decode rows"),
     Route("prefill", "gated delta rule (Qwen3.5)", "the rest: rows >= CHUNKED_DELTA_RULE_MIN_ROWS (None: never)",
-          "linear_attention/chunked_delta_rule.py ChunkedGatedDeltaRule (tensor cores for bf16, float32 loops "
-          "otherwise)", "a chunk's rows as matrix products; the state carried once a chunk"),
+          "linear_attention/chunked_delta_rule.py ChunkedGatedDeltaRule (bf16: a parallel prepare pass over "
+          "chunks into the plan's delta_* scratch, then the scan, on tensor cores; float32 loops otherwise)",
+          "a chunk's rows as matrix products; the state carried once a chunk"),
     Route("prefill", "gated delta rule (Qwen3.5)", "otherwise", "linear_attention/delta_rule.py GatedDeltaRule",
           "recurrent over a chunk's tokens"),
     Route("decode", "gated delta rule (Qwen3.5)", "state rows 16-byte aligned",
