@@ -163,10 +163,12 @@ def test_padding_and_empty_requests_are_skipped():
 # ---------------------------------------------------------------- the tensor-core build (simulator, emulated mma)
 
 
-def test_tensor_core_build_matches_the_recurrence_in_the_simulator():
+@pytest.mark.parametrize("hk,hv", [(1, 2), (2, 6)])
+def test_tensor_core_build_matches_the_recurrence_in_the_simulator(hk, hv):
     """bf16 on (emulated) mma.sync: one warp, 16-row chunks, dk = dv = 16; requests of 1, 15, 16, 17 and
-    53 rows from random states, Hv / Hk = 2."""
-    hk, hv, dk, dv = 1, 2, 16, 16
+    53 rows from random states, Hv / Hk = 2 and 3 (the prepare pass's block serves a key head's value
+    heads in turn)."""
+    dk, dv = 16, 16
     lengths, slots = [1, 15, 16, 17, 53], [3, 1, 0, 4, 2]
     gen = torch.Generator().manual_seed(30)
     qkv, g, beta, state = inputs(gen, sum(lengths), 5, "bfloat16", hk, hv, dk, dv)
