@@ -11,7 +11,7 @@ state. The script reports, per model's linear heads (Qwen3.5-9B: Hk 16, Hv 32; 2
 = 128) and batch:
 
 - chunked: ``executor.kernels.linear_attention.chunked_delta_rule.ChunkedGatedDeltaRule``, once per
-  ``--shapes`` entry (chunk:dv_tile:warps:solve_block; ``default`` is GPU_SHAPE), with the registers
+  ``--shapes`` entry (chunk:dv_tile:warps:solve_block[:buffers]; ``default`` is GPU_SHAPE), with the registers
   and local (spilled) bytes a thread of each of its launches holds (prepare + scan);
 - recurrent: ``executor.kernels.linear_attention.delta_rule.GatedDeltaRule`` (the default prefill route);
 - fla: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` when importable (q and k repeated to the
@@ -64,7 +64,8 @@ def parse_batches(text: str) -> list[tuple[int, int]]:
 
 
 def parse_shapes(text: str) -> list[Any]:
-    """``default,64:32:8:16`` -> [None, ChunkShape(64, 32, 8, 16)] (None: the launcher's default)."""
+    """``default,64:32:8:16:1`` -> [None, ChunkShape(64, 32, 8, 16, 1)] (None: the launcher's default; the
+    scan's buffers may be left out, 2)."""
     from executor.kernels.linear_attention.chunked_delta_rule import ChunkShape
 
     shapes = []
@@ -75,13 +76,14 @@ def parse_shapes(text: str) -> list[Any]:
         try:
             shapes.append(ChunkShape(*(int(part) for part in item.split(":"))))
         except (TypeError, ValueError):
-            raise argparse.ArgumentTypeError(f"shape {item!r}: expected chunk:dv_tile:warps:solve_block or default") \
+            raise argparse.ArgumentTypeError(f"shape {item!r}: expected chunk:dv_tile:warps:solve_block[:buffers] or "
+                                             "default") \
                 from None
     return shapes
 
 
 def shape_name(shape: Any) -> str:
-    return f"{shape.chunk}:{shape.dv_tile}:{shape.warps}:{shape.solve_block}"
+    return f"{shape.chunk}:{shape.dv_tile}:{shape.warps}:{shape.solve_block}:{shape.buffers}"
 
 
 def kernel_registers(kernel: Any) -> str:
@@ -193,7 +195,7 @@ def main() -> None:
     parser.add_argument("--batches", type=parse_batches, default=parse_batches(DEFAULT_BATCHES),
                         help=f"comma-separated REQUESTSxTOKENS (default {DEFAULT_BATCHES})")
     parser.add_argument("--shapes", default="default",
-                        help="comma-separated chunk:dv_tile:warps:solve_block of the chunked kernel, or default")
+                        help="comma-separated chunk:dv_tile:warps:solve_block[:buffers] of the chunked kernel, or default")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="one tiny batch in the simulator")
     parser.add_argument("--out", default=None, help="append the result as a markdown section to this file")
@@ -216,7 +218,7 @@ def main() -> None:
         for requests, tokens in [(2, 40)] if args.smoke else args.batches:
             for row in measure(torch, runtime, heads, requests, tokens, shapes, args.repeats, args.smoke):
                 rows.append([model, f"{requests} x {tokens:,}", *row])
-    table = markdown_table(["model", "requests x tokens", "kernel (chunk:dv_tile:warps:solve_block)",
+    table = markdown_table(["model", "requests x tokens", "kernel (chunk:dv_tile:warps:solve_block:buffers)",
                             "registers / local bytes", "us", "recurrent / it", "fla / it",
                             "rel. err vs recurrent", "rel. err vs fla"],
                            rows, [False, False, False, False, True, True, True, True, True])

@@ -179,14 +179,15 @@ def test_tensor_core_build_matches_the_recurrence_in_the_simulator(hk, hv):
     assert_close_rel(got_state, ref_state, TOL["bfloat16"])
 
 
-def test_tensor_core_warps_share_the_tiles_in_the_simulator():
+@pytest.mark.parametrize("buffers", [2, 1])
+def test_tensor_core_warps_share_the_tiles_in_the_simulator(buffers):
     """Four warps: two row groups of the chunk's 16-row tiles and two column halves of every product
     (the GPU shape's split); 32-row chunks, dk = dv = 32, one request of 40 rows (a full and a partial
-    chunk)."""
+    chunk); the scan with two buffers and with one."""
     hk, hv, dk, dv = 1, 1, 32, 32
     gen = torch.Generator().manual_seed(31)
     qkv, g, beta, state = inputs(gen, 40, 1, "bfloat16", hk, hv, dk, dv)
-    shape = ChunkShape(chunk=32, dv_tile=32, warps=4, solve_block=8)
+    shape = ChunkShape(chunk=32, dv_tile=32, warps=4, solve_block=8, buffers=buffers)
     got, got_state = run(ChunkedGatedDeltaRule(build_codec("bfloat16"), dk, shape=shape), qkv, g, beta, state,
                          [0, 40], [0], "bfloat16", hv, dv)
     ref, ref_state = recurrence(qkv, g, beta, state, [0, 40], [0], hk, hv, dk, dv)
@@ -256,7 +257,7 @@ def test_compiles_for_sm90():
         i32 = arr("int32", 1)
         f32 = lambda ndim: arr("float32", ndim)
         c = build_codec("bfloat16")
-        for shape in (GPU_SHAPE, ChunkShape(64, 32, 8, 16)):
+        for shape in (GPU_SHAPE, ChunkShape(64, 32, 8, 16), ChunkShape(64, 64, 8, 16, buffers=1)):
             prepare, scan = build_chunked_delta_rule(c, 128, 128, shape, True)
             words = arr("int32", 3)
             texts = (ptx(prepare, arr("bfloat16", 2), f32(2), f32(2), i32, i32, words, words, f32(3)),

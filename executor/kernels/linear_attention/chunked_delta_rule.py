@@ -97,12 +97,15 @@ assert ROW_CARRY < ROW_SCALARS and ROW_SCALARS % 4 == 0  # whole 16-byte chunks 
 @dataclass(frozen=True)
 class ChunkShape:
     """A block's work: ``chunk`` token rows a round (C), ``dv_tile`` state columns (DVT),
-    ``warps`` warps, and the solve's diagonal blocks of ``solve_block`` rows."""
+    ``warps`` warps, the solve's diagonal blocks of ``solve_block`` rows, and the scan's copies of
+    a chunk's staged inputs (tensor cores): 2 overlaps a chunk's copies with the chunk before, 1
+    stages after each chunk in about half the shared memory, two blocks an SM."""
 
     chunk: int
     dv_tile: int
     warps: int
     solve_block: int
+    buffers: int = 2
 
     @property
     def threads(self) -> int:
@@ -203,7 +206,7 @@ def scan_layout(head_k_dim: int, shape: ChunkShape) -> SharedLayout:
     C, DK, DVT = shape.chunk, head_k_dim, shape.dv_tile
     return _layout({"q": (C, _operand(DK)), "k": (C, _operand(DK)), "v": (C, _operand(DVT)), "t": (C, _operand(C)),
                     "p": (C, _operand(C)), "rows": (C, ROW_SCALARS)},
-                   copies=2,
+                   copies=shape.buffers,
                    shared={"s": (DK, _operand(DVT)), "r": (C, _operand(DVT)), "n": (C, _operand(DVT)),
                            "d": (C, _operand(DVT))})
 
@@ -222,6 +225,8 @@ def check_shape(head_k_dim: int, shape: ChunkShape, tensor_cores: bool) -> None:
     if C < 1 or SB < 1 or C % SB or WARP_THREADS % SB or SB * C < shape.threads:
         raise ValueError(f"chunked delta rule: solve_block {SB} must divide chunk {C} and {WARP_THREADS} (a lane a "
                          f"row), with solve_block x chunk >= the block's {shape.threads} threads")
+    if shape.buffers not in (1, 2):
+        raise ValueError(f"chunked delta rule: buffers must be 1 or 2, got {shape.buffers}")
     if shape.dv_tile < 1 or shape.warps < 1 or shape.threads > BLOCK_THREADS:
         raise ValueError(f"chunked delta rule: need dv_tile >= 1 and 1..{BLOCK_THREADS // WARP_THREADS} warps, got "
                          f"{shape}")
@@ -934,9 +939,11 @@ def _scan_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles: _Tiles
     ALIGNMENT = None if simulator_enabled() else 16
     lane_address = build_fragment_loads()[0]
     shared_address = build_shared_address()
-    commit_group, wait_groups = build_copy_groups(1)
-    # One block an SM (the two buffers take most of its shared memory): all its registers are the block's.
-    launch_options = launch_bounds((NT, 1))
+    BUFFERS = shape.buffers
+    commit_group, wait_groups = build_copy_groups(BUFFERS - 1)
+    # Two buffers: one block an SM (they take most of its shared memory), all its registers the block's;
+    # one buffer: two blocks an SM.
+    launch_options = launch_bounds((NT, 3 - BUFFERS))
 
     @cuda.jit(device=True, inline=True)
     def stage_chunk(words, floats, buffer, qkv, transform, gram, scalars, c0, n, q_col, k_col, v_col, h, tid):
@@ -986,11 +993,12 @@ def _scan_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles: _Tiles
         for c0 in range(start, end, C):
             n = min(C, end - c0)
             c_next = c0 + C
-            if c_next < end:  # the other buffer's last reader passed the previous round's last barrier
-                stage_chunk(words, floats, 1 - buffer, qkv, transform, gram, scalars, c_next, min(C, end - c_next),
-                            q_col, k_col, v_col, h, tid)
-            else:
-                commit_group()  # an empty group: the wait below always leaves the newest one in flight
+            if BUFFERS == 2:
+                if c_next < end:  # the other buffer's last reader passed the previous round's last barrier
+                    stage_chunk(words, floats, 1 - buffer, qkv, transform, gram, scalars, c_next,
+                                min(C, end - c_next), q_col, k_col, v_col, h, tid)
+                else:
+                    commit_group()  # an empty group: the wait below always leaves the newest one in flight
             wait_groups()
             cuda.syncthreads()  # this chunk's inputs (and, first, the state tile) are in
             at = buffer * STRIDE
@@ -1004,7 +1012,10 @@ def _scan_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles: _Tiles
             output(pt, lane_address(pt, True), nt, n_lane, o, out, c0, n, h, j0, warp, g4, t4)
             state_update(kt, k_lane, dt, d_lane, sacc, st, rs, n, warp, g4, t4)
             cuda.syncthreads()  # this buffer is read and st holds the new state
-            buffer = 1 - buffer
+            if BUFFERS == 1 and c_next < end:
+                stage_chunk(words, floats, 0, qkv, transform, gram, scalars, c_next, min(C, end - c_next), q_col,
+                            k_col, v_col, h, tid)
+            buffer = (buffer + 1) % BUFFERS
         state_access(ssm_state, slot, h, j0, sacc, st, warp, g4, t4, True)
 
     return chunked_delta_rule_scan
@@ -1060,7 +1071,7 @@ class ChunkedGatedDeltaRule:
         if entry is None:
             shape = self.shape
             if shape.dv_tile > dv:  # one tile covers the head
-                shape = ChunkShape(shape.chunk, dv, shape.warps, shape.solve_block)
+                shape = ChunkShape(shape.chunk, dv, shape.warps, shape.solve_block, shape.buffers)
             if self.tensor_cores and dv % shape.dv_tile:
                 raise ValueError(f"chunked delta rule: dv {dv} must be a multiple of the dv tile {shape.dv_tile}")
             check_shape(self.head_k_dim, shape, self.tensor_cores)
