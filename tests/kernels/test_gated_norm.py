@@ -83,6 +83,32 @@ def test_in_place_over_x_and_over_z(dtype_name):
     np.testing.assert_array_equal(z_buf, separate)
 
 
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_vector_kernel_matches_reference_hf_and_the_scalar_kernel(dtype_name):
+    """dv 16 (2 bf16 chunks or 4 float32 ones a head): the vector kernel on a row-sliced z view, in more
+    (row, head) pairs than a block takes a round (a partial last round), against float64, HF and the
+    scalar kernel (the launcher's path for other views) on the same inputs."""
+    gen = torch.Generator().manual_seed(4)
+    rows, hv, dv = 45, 3, 16
+    x, z, w = make_inputs(gen, rows, dtype_name, hv, dv)
+    norm = GatedRmsNorm(build_codec(dtype_name))
+    big_z = to_storage(torch.cat([z, z]), dtype_name)
+    vector_out = poisoned((rows, hv * dv), dtype_name)
+    norm(to_storage(x, dtype_name), big_z[rows:], to_storage(w, dtype_name), vector_out, EPS)
+    assert list(norm.vector_kernels) == [dv]
+    scalar_out = poisoned((rows, hv * dv), dtype_name)
+    norm.kernel[(rows, hv), dv](to_storage(x, dtype_name), to_storage(z, dtype_name), to_storage(w, dtype_name),
+                                scalar_out, np.float32(EPS))
+    got, scalar = from_storage(vector_out, dtype_name), from_storage(scalar_out, dtype_name)
+    tol = 1e-5 if dtype_name == "float32" else 1e-2
+    assert_close_rel(got, ref64(x, z, w), tol)
+    assert_close_rel(got, scalar, 1e-5 if dtype_name == "float32" else 1e-2)
+    if dtype_name == "float32":
+        assert_close_rel(got, hf_gated_norm(x, z, w).double(), 1e-5)
+    else:
+        assert_bf16_close(got, hf_gated_norm(x, z, w))
+
+
 def test_shape_errors():
     norm = GatedRmsNorm(build_codec("float32"))
     x = np.zeros((2, HV, DV), np.float32)
@@ -101,10 +127,12 @@ def test_shape_errors():
 def test_compiles_for_sm90():
     compile_for_sm90(
         """
-        from executor.kernels.rows.gated_norm import build_gated_rms_norm
+        from executor.kernels.rows.gated_norm import build_gated_rms_norm, build_gated_rms_norm_vector
         for name in DTYPES:
-            ptx(build_gated_rms_norm(build_codec(name)), arr(name, 3), arr(name, 2), arr(name, 1), arr(name, 2),
-                types.float32)
+            args = (arr(name, 3), arr(name, 2), arr(name, 1), arr(name, 2), types.float32)
+            ptx(build_gated_rms_norm(build_codec(name)), *args)
+            text = ptx(build_gated_rms_norm_vector(build_codec(name), 128), *args)
+            assert ".local" not in text, f"{name}: local memory"
         """
     )
 
