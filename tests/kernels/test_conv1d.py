@@ -77,6 +77,22 @@ def test_batch_matches_reference(dtype_name, rows_per_tile):
 
 
 @pytest.mark.parametrize("dtype_name", DTYPES)
+def test_chunk_a_thread_build_equals_channel_a_thread_build(dtype_name):
+    """68 channels (not whole 16-byte chunks of bf16 or float32 rows) run the channel-a-thread build;
+    their first 64 (whole chunks) through the chunk-a-thread build give the same bits, outputs and
+    states, at a tile boundary inside a request."""
+    gen = torch.Generator().manual_seed(30)
+    q_indptr, slot_ids = [0, 5, 6, 11], [2, 0, 3]
+    x, weight, state = make_inputs(gen, 11, 68, 4, dtype_name)
+    scalar, vector = (CausalConv1d(build_codec(dtype_name), rows_per_tile=4) for _ in range(2))
+    got, got_state = run_conv(scalar, x, weight, state, q_indptr, slot_ids, dtype_name)
+    sub = (x[:, :64].contiguous(), weight[:64].contiguous(), state[:, :64].contiguous())
+    got_vector, got_vector_state = run_conv(vector, *sub, q_indptr, slot_ids, dtype_name)
+    assert torch.equal(got[:, :64], got_vector)
+    assert torch.equal(got_state[:, :64], got_vector_state)
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
 def test_chunks_continue_like_one_pass(dtype_name):
     """Chunks of 1, 2, 3, 1 rows carrying conv_state equal one pass over the 7 rows, exactly."""
     gen = torch.Generator().manual_seed(20)
@@ -160,11 +176,13 @@ def test_shape_errors():
 def test_compiles_for_sm90():
     compile_for_sm90(
         """
-        from executor.kernels.linear_attention.conv1d import build_causal_conv1d
+        from executor.kernels.linear_attention.conv1d import build_causal_conv1d, build_causal_conv1d_vector
         i32 = arr("int32", 1)
         for name in DTYPES:
-            ptx(build_causal_conv1d(build_codec(name)), arr(name, 2), arr(name, 2), arr(name, 3), i32, i32,
-                arr(name, 2), types.int64)
+            args = (arr(name, 2), arr(name, 2), arr(name, 3), i32, i32, arr(name, 2), types.int64)
+            ptx(build_causal_conv1d(build_codec(name)), *args)
+            text = ptx(build_causal_conv1d_vector(build_codec(name)), *args)
+            assert ".local" not in text, f"{name}: local memory"
         """
     )
 

@@ -23,6 +23,11 @@ own reads, so no other thread touches the slot. Rows of other tiles read their
 K-1 predecessors from ``x``, which this kernel never writes.
 
 Accumulation and SiLU in float32; one rounding to storage at the end.
+
+Two builds of that kernel, the same arithmetic in the same order (the same bits): a thread per
+channel, or, where x's and out's rows are whole 16-byte aligned chunks, a thread per chunk of
+channels (8 bf16 or 4 float32), which reads and writes each row's chunk as one 16-byte access
+(vector.py) instead of a 2-byte access per channel.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from typing import Any
 from executor.kernels.primitives.codec import Codec
 from executor.kernels.primitives.launch import Kernel
 from executor.kernels.primitives.reduce import threads_for
+from executor.kernels.primitives.vector import (VECTOR_WORDS, build_lanes, build_vector_access, lanes_for,
+                                                vector_aligned, word_type)
 from executor.numba_cuda import load_cuda
 
 cuda = load_cuda()
@@ -135,6 +142,88 @@ def build_causal_conv1d(codec: Codec, kernel_size: int = 4) -> Any:
     return causal_conv1d_kernel
 
 
+def build_causal_conv1d_vector(codec: Codec, kernel_size: int = 4) -> Any:
+    """``build_causal_conv1d``'s kernel with a thread per chunk of ``lanes_for(codec)`` channels: the
+    same arguments; x's and out's rows 16-byte aligned and C a whole number of chunks. Launch with grid
+    (ceil(C / lanes / blockDim), ceil(T / rows_per_tile))."""
+    if kernel_size < 2:
+        raise ValueError(f"causal_conv1d: kernel_size must be >= 2, got {kernel_size}")
+    load, store = codec.load, codec.store
+    taps = kernel_size
+    hist = kernel_size - 1
+    lanes = lanes_for(codec)
+    weights_size, window_size = taps * lanes, hist * lanes
+    load_vector, store_vector = build_vector_access()
+    get_lane, put_lane = build_lanes(codec)
+    words_type = word_type(codec)
+
+    @cuda.jit
+    def causal_conv1d_vector(x, weight, conv_state, q_indptr, slot_ids, out, rows_per_tile):
+        c0 = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) * lanes
+        if c0 >= x.shape[1]:
+            return
+        num_requests = slot_ids.shape[0]
+        total = q_indptr[num_requests]  # rows past the batch (graph padding) are not touched
+        t0 = cuda.blockIdx.y * rows_per_tile
+        if t0 >= total:
+            return
+        t1 = min(t0 + rows_per_tile, total)
+
+        w = cuda.local.array(weights_size, float32)  # [tap, lane]: every index a constant once unrolled
+        for i in range(taps):
+            for k in range(lanes):
+                w[i * lanes + k] = load(weight[c0 + k, i])
+        window = cuda.local.array(window_size, float32)  # [position, lane], oldest position first
+        words = cuda.local.array(VECTOR_WORDS, words_type)
+
+        b = request_of_row(q_indptr, num_requests, t0)
+        while b < num_requests and q_indptr[b] < t1:
+            start = q_indptr[b]
+            end = q_indptr[b + 1]
+            slot = slot_ids[b]
+            if slot < 0:  # a graph's padding request: no state, output unused
+                end = start
+            owns_start = start >= t0
+            if owns_start:
+                lo = start
+                hi = min(end, max(t1, start + hist))  # the state-reading rows may spill past t1
+            else:
+                lo = max(t0, start + hist)  # those rows belong to the tile of `start`
+                hi = min(end, t1)
+            if lo < hi:
+                for i in range(hist):
+                    p = lo - start + i  # position in xfull; < hist means the old state
+                    for k in range(lanes):
+                        if p < hist:
+                            window[i * lanes + k] = load(conv_state[slot, c0 + k, p])
+                        else:
+                            window[i * lanes + k] = load(x[start + p - hist, c0 + k])
+                for t in range(lo, hi):
+                    load_vector(x, (t, c0), words, 0)
+                    for k in range(lanes):
+                        xt = load(get_lane(words, k))
+                        acc = w[hist * lanes + k] * xt
+                        for i in range(hist):
+                            acc += w[i * lanes + k] * window[i * lanes + k]
+                        for i in range(hist - 1):
+                            window[i * lanes + k] = window[(i + 1) * lanes + k]
+                        window[(hist - 1) * lanes + k] = xt
+                        put_lane(words, k, store(acc / (float32(1.0) + float32(math.exp(-acc)))))
+                    store_vector(out, (t, c0), words, 0)
+            if owns_start and end > start:
+                n = end - start  # the new state, as build_causal_conv1d writes it
+                for j in range(hist):
+                    p = n + j
+                    for k in range(lanes):
+                        if p < hist:
+                            conv_state[slot, c0 + k, j] = conv_state[slot, c0 + k, p]
+                        else:
+                            conv_state[slot, c0 + k, j] = x[start + p - hist, c0 + k]
+            b += 1
+
+    return causal_conv1d_vector
+
+
 class CausalConv1d:
     """Launcher: causal depthwise conv1d + SiLU over a batch, updating the conv state in place.
 
@@ -147,7 +236,8 @@ class CausalConv1d:
     - q_indptr [B+1] int32, slot_ids [B] int32: the batch (distinct slots; -1: a padding request, skipped).
     - out [T, C]: storage dtype; must not alias x or conv_state.
 
-    Rows ``>= q_indptr[B]`` are left untouched. No scratch.
+    Rows ``>= q_indptr[B]`` are left untouched. No scratch. x and out with 16-byte aligned rows of
+    whole chunks run the chunk-a-thread build, other views the channel-a-thread one (module docstring).
     """
 
     def __init__(
@@ -157,7 +247,9 @@ class CausalConv1d:
             raise ValueError(f"causal_conv1d: rows_per_tile must be >= 1, got {rows_per_tile}")
         self.kernel_size = kernel_size
         self.rows_per_tile = rows_per_tile
+        self.lanes = lanes_for(codec)
         self.kernel = Kernel(build_causal_conv1d(codec, kernel_size))
+        self.vector_kernel = Kernel(build_causal_conv1d_vector(codec, kernel_size))
 
     def __call__(
         self,
@@ -172,9 +264,12 @@ class CausalConv1d:
         rows, channels = _check_shapes(x, weight, conv_state, q_indptr, slot_ids, out, self.kernel_size)
         if rows == 0 or channels == 0:
             return
-        threads = threads_for(channels, MAX_THREADS)
-        grid = ((channels + threads - 1) // threads, (rows + self.rows_per_tile - 1) // self.rows_per_tile)
-        self.kernel[grid, threads, stream](x, weight, conv_state, q_indptr, slot_ids, out, self.rows_per_tile)
+        kernel, units = self.kernel, channels
+        if channels % self.lanes == 0 and vector_aligned(x, out):
+            kernel, units = self.vector_kernel, channels // self.lanes
+        threads = threads_for(units, MAX_THREADS)
+        grid = ((units + threads - 1) // threads, (rows + self.rows_per_tile - 1) // self.rows_per_tile)
+        kernel[grid, threads, stream](x, weight, conv_state, q_indptr, slot_ids, out, self.rows_per_tile)
 
 
 def _check_shapes(
