@@ -24,10 +24,11 @@ Workloads (``--workloads``, comma-separated, run in that order on one served mod
 The engine runs as ``memplan run`` runs it: ``executor.serving.ServedModel`` (one materialized plan, the
 decode graphs captured on the GPU, the same scheduler, overlap and prefix caching), with
 ``--warmup-requests`` requests of 2 new tokens run untimed first. The plan is the serving config's with
-``--max-batch`` / ``--max-prefill-tokens`` over it, ``max_context`` the longest request of the run, and
-the memory share that holds ``max_batch`` such requests (``--gpu-memory-utilization`` to set it). Lists of
-either (``--max-batch 64,128,256``) run every workload at each combination, one plan and served model after
-the other: the serving defaults are chosen from such a sweep.
+``--max-batch`` / ``--max-prefill-tokens`` / ``--max-prefill-tokens-beside-decode`` over it, ``max_context``
+the longest request of the run, and the memory share that holds ``max_batch`` such requests
+(``--gpu-memory-utilization`` to set it). Lists of any of them (``--max-batch 64,128,256``) run every
+workload at each combination, one plan and served model after the other: the serving defaults are chosen
+from such a sweep.
 
 Ideal time (planner/ideal_time.py): the workload's prefill FLOPs at the measured matmul rate (``torch.matmul``
 of two ``--matmul-size``^2 matrices in the weights' dtype) plus, per decode step of at most max_batch rows in
@@ -183,11 +184,13 @@ def longest_request(args: argparse.Namespace) -> int:
 
 
 def serving_plan(model_name: str, args: argparse.Namespace, max_batch: int | None,
-                 max_prefill_tokens: int | None) -> MemoryPlan:
-    """The serving config's plan with ``max_batch`` / ``max_prefill_tokens`` over it (None: the config's)."""
+                 max_prefill_tokens: int | None, beside_decode: int | None = None) -> MemoryPlan:
+    """The serving config's plan with ``max_batch`` / ``max_prefill_tokens`` /
+    ``max_prefill_tokens_beside_decode`` over it (None: the config's)."""
     from planner.loader import load_serving
 
-    overrides = {"max_context": longest_request(args), "max_batch": max_batch, "max_prefill_tokens": max_prefill_tokens}
+    overrides = {"max_context": longest_request(args), "max_batch": max_batch, "max_prefill_tokens": max_prefill_tokens,
+                 "max_prefill_tokens_beside_decode": beside_decode}
     batch = max_batch or load_serving(args.serving).max_batch
     return sized_plan(model_name, args.hardware, args.serving, overrides, min(batch, args.num_requests),
                       args.gpu_memory_utilization)
@@ -316,12 +319,12 @@ class ServingRun:
 
 
 def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None, max_prefill_tokens: int | None,
-                with_hf: bool) -> ServingRun:
+                with_hf: bool, beside_decode: int | None = None) -> ServingRun:
     """Every workload through memplan at one serving config, then (``with_hf``) through HF."""
     from executor.serving import RANDOM_WEIGHTS, ServedModel
     from planner.ideal_time import workload_cost
 
-    plan = serving_plan(model_name, args, max_batch, max_prefill_tokens)
+    plan = serving_plan(model_name, args, max_batch, max_prefill_tokens, beside_decode)
     name, serving = plan.model.name, serving_label(plan)
     log(f"{name}: {serving}, max_context {plan.capacity.max_context}, gpu_memory_utilization "
         f"{plan.serving.gpu_memory_utilization}")
@@ -356,7 +359,9 @@ def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None
 
 
 def serving_label(plan: MemoryPlan) -> str:
-    return f"batch {plan.capacity.max_batch}, prefill {plan.serving.max_prefill_tokens:,}"
+    beside = plan.serving.max_prefill_tokens_beside_decode
+    return (f"batch {plan.capacity.max_batch}, prefill {plan.serving.max_prefill_tokens:,}"
+            + (f" ({beside:,} beside decode)" if beside is not None else ""))
 
 
 def hf_rows(plan: MemoryPlan, workloads: Sequence[Workload], ideals: Sequence[IdealTime], args: argparse.Namespace,
@@ -449,6 +454,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="serving max_batch over the serving config's; a list (64,128,256) runs each")
     parser.add_argument("--max-prefill-tokens", type=int_list, default=None,
                         help="serving max_prefill_tokens; a list runs each (with each --max-batch)")
+    parser.add_argument("--max-prefill-tokens-beside-decode", type=int_list, default=None,
+                        help="serving max_prefill_tokens_beside_decode; a list runs each (with each of the others)")
     parser.add_argument("--warmup-requests", type=int, default=None, help="untimed requests first (default 8)")
     parser.add_argument("--matmul-size", type=int, default=None, help="default 8192")
     parser.add_argument("--copy-bytes", type=int, default=None, help="default 1 GiB")
@@ -478,9 +485,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"bench/serve.py: {error} (--smoke runs tiny configs in the simulator)") from None
     runs = []
     for model_name in args.models:
-        configs = [(b, t) for b in args.max_batch or [None] for t in args.max_prefill_tokens or [None]]
-        for index, (max_batch, max_prefill_tokens) in enumerate(configs):  # HF once a model: it has no such config
-            runs.append(bench_model(model_name, args, max_batch, max_prefill_tokens, args.hf and index == 0))
+        configs = [(b, t, d) for b in args.max_batch or [None] for t in args.max_prefill_tokens or [None]
+                   for d in args.max_prefill_tokens_beside_decode or [None]]
+        for index, (max_batch, max_prefill_tokens, beside) in enumerate(configs):  # HF once a model: no such config
+            runs.append(bench_model(model_name, args, max_batch, max_prefill_tokens, args.hf and index == 0, beside))
     import torch
 
     info = run_info(torch.device("cpu" if args.smoke else "cuda"))

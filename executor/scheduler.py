@@ -47,7 +47,9 @@ Step building (FCFS):
 1. decode rows of running requests, in admission order, one token each;
 2. prefill chunks of running, partially prefilled requests, in admission
    order, within the budget ``min(max_prefill_tokens, max_tokens_per_step -
-   decode rows)``;
+   decode rows)``, or ``prefill_tokens_beside_decode`` in place of
+   max_prefill_tokens when the step has decode rows (a smaller chunk keeps
+   their wait for the next token short);
 3. admission of waiting requests from the head of the queue (strict FCFS: the
    first that cannot be admitted stops admission) while ``running <
    max_batch``, a recurrent slot is free (Qwen3.5) and budget and pages are
@@ -454,7 +456,9 @@ class Scheduler:
             decode.append((request, 1))
 
         # 2. Prefill chunks of running requests, oldest first, shrunk to the pages available.
-        budget = min(cap.max_prefill_tokens, cap.max_tokens_per_step - len(decode))
+        chunk = cap.prefill_tokens_beside_decode if decode and cap.prefill_tokens_beside_decode else \
+            cap.max_prefill_tokens
+        budget = min(chunk, cap.max_tokens_per_step - len(decode))
         for request in self.running:
             if budget <= 0:
                 break

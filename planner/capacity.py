@@ -26,6 +26,9 @@ class Capacity(BaseModel):
     page_size: int = Field(description="S: tokens per KV page")
     max_prefill_tokens: int = Field(description="prefill tokens per step (the chunk)")
     max_tokens_per_step: int = Field(description="T = max(max_prefill_tokens + B - 1, B): rows of a step")
+    prefill_tokens_beside_decode: int = Field(0, description="prefill tokens a step takes while it carries decode "
+                                              "rows: serving max_prefill_tokens_beside_decode, or "
+                                              "max_prefill_tokens when unset (0: max_prefill_tokens)")
     pages_per_request: int = Field(description="ceil(C / S): logical pages one request can list")
     logical_pages: int = Field(description="P = B x ceil(C / S): page-table entries of a step (shared pages count per request)")
     tiles: int = Field(description="N = max(T x gqa_group, B x decode_kv_splits): attention work tiles of a step")
@@ -73,6 +76,7 @@ def build_capacity(
     *, max_batch: int, max_context: int, page_size: int, max_prefill_tokens: int, gqa_group: int,
     recurrent_slots_per_request: int, num_q_heads: int = 0, gemm_attention_min_tokens: int = 1,
     prefill_attention: PrefillAttention = "gemm", decode_gemv_batch: int = 0, delta_rule_scratch: bool = False,
+    prefill_tokens_beside_decode: int | None = None,
 ) -> Capacity:
     """Capacities before the KV pool is sized (kv_pages and kv_tokens stay 0). ``num_q_heads`` 0
     (no full-attention layer) or ``gemm_attention_min_tokens`` above ``max_prefill_tokens``: no
@@ -95,6 +99,7 @@ def build_capacity(
         page_size=page_size,
         max_prefill_tokens=max_prefill_tokens,
         max_tokens_per_step=tokens,
+        prefill_tokens_beside_decode=min(prefill_tokens_beside_decode or max_prefill_tokens, max_prefill_tokens),
         pages_per_request=pages_per_request,
         logical_pages=checked.mul("logical_pages", max_batch, pages_per_request, width=I32),
         tiles=max(checked.mul("tiles", tokens, gqa_group, width=I32),

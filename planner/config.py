@@ -287,6 +287,11 @@ class ServingConfig(_Frozen):
         2048, validation_alias=_vllm_alias("max_prefill_tokens"),
         description="Prefill tokens per step, the chunk size (max_num_batched_tokens for prefill)."
     )
+    max_prefill_tokens_beside_decode: Annotated[int, Field(ge=1, le=1 << 20)] | None = Field(
+        None, description="Prefill tokens a step takes while it also carries decode rows, at most "
+        "max_prefill_tokens: fewer bound how long running requests wait for their next token (TPOT under load) "
+        "at the cost of prefill tokens a step. null: max_prefill_tokens."
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0, description="Share of device memory the plan may use (gpu_memory_utilization)."
     )
@@ -345,6 +350,19 @@ class ServingConfig(_Frozen):
     @classmethod
     def _prefill_tokens(cls, value: Any) -> Any:
         return parse_token_count(value) if isinstance(value, str) else value
+
+    @field_validator("max_prefill_tokens_beside_decode", mode="before")
+    @classmethod
+    def _beside_decode_tokens(cls, value: Any) -> Any:
+        return parse_token_count(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _beside_decode(self) -> ServingConfig:
+        beside = self.max_prefill_tokens_beside_decode
+        if beside is not None and beside > self.max_prefill_tokens:
+            raise ValueError(f"max_prefill_tokens_beside_decode ({beside}) exceeds max_prefill_tokens "
+                             f"({self.max_prefill_tokens}): a step beside decode rows takes at most a step's chunk")
+        return self
 
     @model_validator(mode="after")
     def _buckets(self) -> ServingConfig:

@@ -113,6 +113,7 @@ class Drafter:
             decode_gemv_batch=gemv_batch_limit(serving.decode_gemv_max_batch, serving.max_batch,
                                                geometry.hidden_size, gemv_inputs, dtype_bytes(dtypes.activations)),
             delta_rule_scratch=bool(geometry.num_linear_layers) and dtypes.activations == DELTA_RULE_SCRATCH_DTYPE,
+            prefill_tokens_beside_decode=serving.max_prefill_tokens_beside_decode,
         )
         act = dtypes.activations
         pools = [self._weights_pool(geometry, serving.tensor_parallel_size, dtypes.weights)]

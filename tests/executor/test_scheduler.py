@@ -276,6 +276,26 @@ def test_decode_rows_share_a_step_with_a_prefill_chunk_within_max_tokens_per_ste
     assert_all_released(scheduler)
 
 
+def test_a_step_beside_decode_rows_takes_the_smaller_prefill_budget():
+    """max_prefill_tokens 8 and 3 beside decode rows: the first step (no decode rows) prefills 8 of the
+    long prompt, every later one 3 beside the running request's decode row."""
+    capacity = make_capacity(max_batch=4, max_prefill_tokens=8)
+    capacity = capacity.model_copy(update={"prefill_tokens_beside_decode": 3})
+    scheduler = scheduler_for(capacity)
+    scheduler.add(Request("short", prompt(2), 10))
+    scheduler.add(Request("long", prompt(20, 5), 2))
+    engine = FakeEngine(scheduler)
+    first = engine.step()
+    assert (first.num_decode_rows, first.num_prefill_tokens) == (0, 8)  # short's 2, long's first 6
+    second = engine.step()
+    assert (second.num_decode_rows, second.num_prefill_tokens) == (1, 3)
+    engine.run()
+    assert all(s.num_prefill_tokens <= 3 for s in engine.steps[1:] if s.num_decode_rows)
+    assert {r.request_id: r.output_ids == reference_output(r.prompt_ids, r.max_new_tokens)
+            for r in engine.finished} == {"short": True, "long": True}
+    assert_all_released(scheduler)
+
+
 def test_prefill_budget_is_shared_by_several_requests_in_arrival_order():
     scheduler = scheduler_for(make_capacity(max_prefill_tokens=10))
     for i, n in enumerate([4, 4, 5]):

@@ -84,6 +84,8 @@ BAD_SERVING = {
     "float for int": ("max_batch: 8.5\n", "max_batch", "valid integer"),
     "malformed": ("max_batch: [8\n", "line", "malformed YAML"),
     "not a mapping": ("- 1\n- 2\n", "<root>", "expected a mapping"),
+    "beside decode over the chunk": ("max_prefill_tokens: 512\nmax_prefill_tokens_beside_decode: 1k\n",
+                                     "max_prefill_tokens_beside_decode (1000)", "exceeds max_prefill_tokens (512)"),
 }
 
 
