@@ -66,6 +66,35 @@ def request_of_row(q_indptr, num_requests, row):
     return lo
 
 
+@cuda.jit(device=True, inline=True)
+def row_tile(q_indptr, num_requests, rows_per_tile):
+    """This block's tile [t0, t1) of the batch's rows, empty past them (rows past the batch, a graph's
+    padding, are not touched)."""
+    t0 = cuda.blockIdx.y * rows_per_tile
+    return t0, min(t0 + rows_per_tile, q_indptr[num_requests])
+
+
+@cuda.jit(device=True, inline=True)
+def request_rows(q_indptr, slot_ids, b, t0, t1, hist):
+    """Request b in the row tile [t0, t1): (start, end, slot, owns_start, lo, hi), its rows, its slot,
+    whether the tile holds its first row, and the rows [lo, hi) the tile computes (the module
+    docstring's split: the first ``hist`` rows go with the first row's tile). A padding request (slot
+    -1) has no rows."""
+    start = q_indptr[b]
+    end = q_indptr[b + 1]
+    slot = slot_ids[b]
+    if slot < 0:  # a graph's padding request: no state, output unused
+        end = start
+    owns_start = start >= t0
+    if owns_start:
+        lo = start
+        hi = min(end, max(t1, start + hist))  # the state-reading rows may spill past t1
+    else:
+        lo = max(t0, start + hist)  # those rows belong to the tile of `start`
+        hi = min(end, t1)
+    return start, end, slot, owns_start, lo, hi
+
+
 def build_causal_conv1d(codec: Codec, kernel_size: int = 4) -> Any:
     """Kernel ``(x, weight, conv_state, q_indptr, slot_ids, out, rows_per_tile)``.
 
@@ -86,11 +115,9 @@ def build_causal_conv1d(codec: Codec, kernel_size: int = 4) -> Any:
         if c >= x.shape[1]:
             return
         num_requests = slot_ids.shape[0]
-        total = q_indptr[num_requests]  # rows past the batch (graph padding) are not touched
-        t0 = cuda.blockIdx.y * rows_per_tile
-        if t0 >= total:
+        t0, t1 = row_tile(q_indptr, num_requests, rows_per_tile)
+        if t0 >= t1:
             return
-        t1 = min(t0 + rows_per_tile, total)
 
         w = cuda.local.array(taps, float32)
         for i in range(taps):
@@ -99,18 +126,7 @@ def build_causal_conv1d(codec: Codec, kernel_size: int = 4) -> Any:
 
         b = request_of_row(q_indptr, num_requests, t0)
         while b < num_requests and q_indptr[b] < t1:
-            start = q_indptr[b]
-            end = q_indptr[b + 1]
-            slot = slot_ids[b]
-            if slot < 0:  # a graph's padding request: no state, output unused
-                end = start
-            owns_start = start >= t0
-            if owns_start:
-                lo = start
-                hi = min(end, max(t1, start + hist))  # the state-reading rows may spill past t1
-            else:
-                lo = max(t0, start + hist)  # those rows belong to the tile of `start`
-                hi = min(end, t1)
+            start, end, slot, owns_start, lo, hi = request_rows(q_indptr, slot_ids, b, t0, t1, hist)
             if lo < hi:
                 for i in range(hist):
                     p = lo - start + i  # position in xfull; < hist means the old state
@@ -163,11 +179,9 @@ def build_causal_conv1d_vector(codec: Codec, kernel_size: int = 4) -> Any:
         if c0 >= x.shape[1]:
             return
         num_requests = slot_ids.shape[0]
-        total = q_indptr[num_requests]  # rows past the batch (graph padding) are not touched
-        t0 = cuda.blockIdx.y * rows_per_tile
-        if t0 >= total:
+        t0, t1 = row_tile(q_indptr, num_requests, rows_per_tile)
+        if t0 >= t1:
             return
-        t1 = min(t0 + rows_per_tile, total)
 
         w = cuda.local.array(weights_size, float32)  # [tap, lane]: every index a constant once unrolled
         for i in range(taps):
@@ -178,18 +192,7 @@ def build_causal_conv1d_vector(codec: Codec, kernel_size: int = 4) -> Any:
 
         b = request_of_row(q_indptr, num_requests, t0)
         while b < num_requests and q_indptr[b] < t1:
-            start = q_indptr[b]
-            end = q_indptr[b + 1]
-            slot = slot_ids[b]
-            if slot < 0:  # a graph's padding request: no state, output unused
-                end = start
-            owns_start = start >= t0
-            if owns_start:
-                lo = start
-                hi = min(end, max(t1, start + hist))  # the state-reading rows may spill past t1
-            else:
-                lo = max(t0, start + hist)  # those rows belong to the tile of `start`
-                hi = min(end, t1)
+            start, end, slot, owns_start, lo, hi = request_rows(q_indptr, slot_ids, b, t0, t1, hist)
             if lo < hi:
                 for i in range(hist):
                     p = lo - start + i  # position in xfull; < hist means the old state
