@@ -41,14 +41,13 @@ Two builds:
 
 - tensor cores (bf16 storage), two launches. The prepare pass runs steps 1-4 for every chunk of
   the step at once, one block per (chunk, key head) (q, k, their norms and dots once; the rest per
-  value head of the key head), and writes T, P (bf16) and five float32
-  factors of each row (beta, the decay-weighted norms, the chunk's exp(gl)) to the plan's per-row
-  scratch (the prefill pool's delta_transform, delta_gram, delta_scalars: a row's chunk row of
+  value head of the key head), and writes T, P (bf16) and five float32 factors of each row (beta,
+  the decay-weighted norms, the chunk's exp(gl)) to the plan's per-row scratch (the prefill pool's delta_transform, delta_gram, delta_scalars: a row's chunk row of
   each, so no chunk table exists). The scan then runs steps 5-7: one block per (dv tile, value
   head, request), grid (dv / DVT, Hv, B), walking the request's chunks in order with the state
   tile [dk, DVT] in registers; a chunk's q, k, v, T, P and factors arrive by ``cp.async`` in one of
-  two buffers while the chunk before runs on the other, so the sequential path is four products a
-  chunk. Every product is ``mma.sync`` m16n8k16 with float32 accumulation (primitives/mma.py):
+  two buffers while the chunk before runs on the other (``ChunkShape.buffers``), so the sequential
+  path is four products a chunk. Every product is ``mma.sync`` m16n8k16 with float32 accumulation (primitives/mma.py):
   operands bf16 in shared memory read by ``ldmatrix`` (k^T's fragments by its transposed form, so
   no transposed copy exists), each warp owning one 16-row tile of the state, which is also kept
   rounded to bf16 in shared memory as the B operand of k S and q S. A and the solve stay float32; T,
@@ -114,8 +113,10 @@ class ChunkShape:
 
 #: The GPU's tensor-core shape: 64-token chunks (fla's), 64 state columns and 8 warps a block (a
 #: warp owns one 16-row tile of the chunk and half its columns, one 16-row tile of the state: 32
-#: state registers a lane), 16-row diagonal blocks in the solve; about 146 KiB of shared memory,
-#: one block an SM. Unmeasured: bench/delta_rule.py --shapes times others beside it.
+#: state registers a lane), 16-row diagonal blocks in the solve, two scan buffers: 171 KiB of shared
+#: memory for the scan (one block an SM), 83 KiB for the prepare pass (two). On the H200
+#: (bench/delta_rule.py --shapes, docs/benchmarks.md) 32 state columns win only where one request
+#: leaves SMs idle, one scan buffer only from 8 requests on, by 3-4%.
 GPU_SHAPE = ChunkShape(chunk=DELTA_RULE_CHUNK, dv_tile=64, warps=8, solve_block=16)
 #: The GPU's float32 build (float32 storage): small tiles, every product a float32 loop (~46 KiB at dk 128).
 GPU_FLOAT32_SHAPE = ChunkShape(chunk=16, dv_tile=32, warps=4, solve_block=8)
