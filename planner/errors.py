@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 class ConfigError(ValueError):
-    """A config file or flag is invalid. ``str()`` is one line: file, field path, value, rule."""
+    """A config file or flag is invalid. ``str()`` is one line: file, field path, value, rule (a file
+    name's or a key's control characters written as escapes)."""
 
     def __init__(self, source: str, field: str, value: object, rule: str):
         self.source = source
@@ -14,13 +15,18 @@ class ConfigError(ValueError):
         shown = repr(value)
         if len(shown) > 80:
             shown = shown[:77] + "..."
-        super().__init__(f"{source}: {field or '<root>'} = {shown}: {rule}")
+        super().__init__(f"{escaped(source)}: {escaped(field) or '<root>'} = {shown}: {rule}")
+
+
+def escaped(text: str) -> str:
+    """``text`` with line breaks and other control characters written as escapes."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
 
 
 def one_line(text: str) -> str:
     """``text`` on one line, as the CLI prints an error: line breaks and other control characters
     (from a file name or a value) written as escapes."""
-    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text.strip())
+    return escaped(text.strip())
 
 
 class PlanDoesNotFit(RuntimeError):

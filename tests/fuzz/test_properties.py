@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from executor.checkpoint_checks import CheckpointError, read_header
@@ -103,6 +103,7 @@ def _plan_json() -> dict:
 
 @CASES
 @given(line=request_lines())
+@example(line='{"\\n": Infinity}')  # a key's line break is written as an escape in the one-line error
 def test_a_request_line_is_refused_rejected_or_inside_every_bound(tmp_path_factory, line):
     path = tmp_path_factory.mktemp("requests") / "requests.jsonl"
     path.write_text(line + "\n")

@@ -163,15 +163,15 @@ def test_padding_and_empty_requests_are_skipped():
 # ---------------------------------------------------------------- the tensor-core build (simulator, emulated mma)
 
 
-@pytest.mark.parametrize("hk,hv", [(1, 2), (2, 6)])
-def test_tensor_core_build_matches_the_recurrence_in_the_simulator(hk, hv):
-    """bf16 on (emulated) mma.sync: one warp, 16-row chunks, dk = dv = 16; requests of 1, 15, 16, 17 and
-    53 rows from random states, Hv / Hk = 2 and 3 (the prepare pass's block serves a key head's value
-    heads in turn)."""
+@pytest.mark.parametrize("hk,hv,lengths,slots", [(1, 2, [1, 15, 16, 17, 53], [3, 1, 0, 4, 2]),
+                                                 (1, 3, [17, 5], [1, 0])])
+def test_tensor_core_build_matches_the_recurrence_in_the_simulator(hk, hv, lengths, slots):
+    """bf16 on (emulated) mma.sync: one warp, 16-row chunks, dk = dv = 16, requests from random states:
+    of 1, 15, 16, 17 and 53 rows at Hv / Hk = 2, and of 17 and 5 rows at Hv / Hk = 3 (value head h
+    reads key head h // 3)."""
     dk, dv = 16, 16
-    lengths, slots = [1, 15, 16, 17, 53], [3, 1, 0, 4, 2]
     gen = torch.Generator().manual_seed(30)
-    qkv, g, beta, state = inputs(gen, sum(lengths), 5, "bfloat16", hk, hv, dk, dv)
+    qkv, g, beta, state = inputs(gen, sum(lengths), len(lengths), "bfloat16", hk, hv, dk, dv)
     rule = ChunkedGatedDeltaRule(build_codec("bfloat16"), dk, shape=ChunkShape(16, 16, 1, 8))
     got, got_state = run(rule, qkv, g, beta, state, indptr(lengths), slots, "bfloat16", hv, dv)
     ref, ref_state = recurrence(qkv, g, beta, state, indptr(lengths), slots, hk, hv, dk, dv)
