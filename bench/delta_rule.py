@@ -195,7 +195,8 @@ def main() -> None:
     parser.add_argument("--batches", type=parse_batches, default=parse_batches(DEFAULT_BATCHES),
                         help=f"comma-separated REQUESTSxTOKENS (default {DEFAULT_BATCHES})")
     parser.add_argument("--shapes", default="default",
-                        help="comma-separated chunk:dv_tile:warps:solve_block[:buffers] of the chunked kernel, or default")
+                        help="comma-separated chunk:dv_tile:warps:solve_block[:buffers] of the chunked kernel, "
+                             "or default")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="one tiny batch in the simulator")
     parser.add_argument("--out", default=None, help="append the result as a markdown section to this file")
