@@ -418,7 +418,6 @@ class _RowMath:
             diagonal_inverses(af, tf, mf, tid)
             merge_blocks(af, tf, mf, tid)
 
-        self.diagonal_inverses, self.merge_blocks = diagonal_inverses, merge_blocks
         self.gram_values, self.cumulative_decay, self.solve = gram_values, cumulative_decay, solve
 
 
