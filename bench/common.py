@@ -412,6 +412,32 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeri
     return "\n".join(lines)
 
 
+#: A kernel breakdown's name column: the first characters of a kernel's name (Numba's carry the module path).
+KERNEL_NAME_CHARS = 96
+
+
+def kernel_breakdown(events: Sequence[Any], top: int) -> str:
+    """The ``top`` GPU kernels of a torch.profiler run by total time, as a markdown table: name (argument list
+    dropped), launches, total ms, mean us and share of all kernel time. CUPTI reports the kernels a CUDA graph
+    replays one by one, so decode steps count too."""
+    from torch.autograd import DeviceType
+
+    totals: dict[str, list[float]] = {}
+    for event in events:
+        if event.device_type != DeviceType.CUDA:
+            continue
+        name = event.name.split("(")[0][:KERNEL_NAME_CHARS]
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.time_range.elapsed_us()
+    all_us = sum(us for _, us in totals.values()) or 1.0
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
+    rows = [[f"`{name}`", f"{int(count):,}", fmt(us / 1e3, 2), fmt(us / count, 1), f"{us / all_us:.1%}"]
+            for name, (count, us) in ranked]
+    table = markdown_table(["kernel", "launches", "ms", "us / launch", "share"], rows, [False, True, True, True, True])
+    return f"{table}\n\nall kernels: {all_us / 1e3:,.2f} ms in {sum(int(c) for c, _ in totals.values()):,} launches"
+
+
 @dataclass(frozen=True)
 class RunInfo:
     command: str

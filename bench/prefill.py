@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, get_args
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (  # noqa: E402
     add_plan_arguments, bench_parser, build_hf, build_memplan, emit, fmt, free_device_memory, hf_dynamic_cache,
-    hf_forward, int_list, log, markdown_table, matmul_flops_per_s, median, open_bench_device, reset_slots,
+    hf_forward, int_list, kernel_breakdown, log, markdown_table, matmul_flops_per_s, median, open_bench_device, reset_slots,
     resolve_plan_arguments, run_info, sample_ms, sized_plan, str_list,
 )
 from planner.config import PrefillAttention  # noqa: E402
@@ -77,6 +77,7 @@ class Cell:
     flash_kernel_ms: float = math.nan
     kernel_ms: float = math.nan
     notes: list[str] = field(default_factory=list)
+    kernel_breakdown: str = ""  # the profiled prefill's top kernels (--top-kernels)
 
 
 def prefill_gemm_flops(plan: MemoryPlan, prompt_tokens: int, num_steps: int) -> int:
@@ -107,10 +108,11 @@ def run_prefill(model: DecoderModel, chunks: list[RequestChunk]) -> None:
         model.step(plan_step(model.arena.plan, [chunk]))
 
 
-def kernel_times_ms(model: DecoderModel, chunks: list[RequestChunk]) -> tuple[float, float, float, float]:
-    """(GEMM kernel ms, causal-softmax kernel ms, FlashAttention kernel ms, all kernel ms) of one prefill under
-    torch.profiler (CUPTI sees the Numba kernels too). The GEMMs include GEMM attention's two per tile, not
-    only the weights'."""
+def kernel_times_ms(model: DecoderModel, chunks: list[RequestChunk],
+                    top_kernels: int) -> tuple[float, float, float, float, str]:
+    """(GEMM kernel ms, causal-softmax kernel ms, FlashAttention kernel ms, all kernel ms, the ``top_kernels``
+    breakdown) of one prefill under torch.profiler (CUPTI sees the Numba kernels too). The GEMMs include GEMM
+    attention's two per tile, not only the weights'."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -132,7 +134,8 @@ def kernel_times_ms(model: DecoderModel, chunks: list[RequestChunk]) -> tuple[fl
             softmax_us += duration_us
         elif "flash_attention" in event.name:
             flash_us += duration_us
-    return gemm_us / 1e3, softmax_us / 1e3, flash_us / 1e3, total_us / 1e3
+    breakdown = kernel_breakdown(prof.events(), top_kernels) if top_kernels > 0 else ""
+    return gemm_us / 1e3, softmax_us / 1e3, flash_us / 1e3, total_us / 1e3, breakdown
 
 
 def run_memplan(plan: MemoryPlan, cells: list[Cell], args: argparse.Namespace, device: Device) -> None:
@@ -160,7 +163,7 @@ def run_memplan(plan: MemoryPlan, cells: list[Cell], args: argparse.Namespace, d
             cell.plan_step_ms = median(host_ms)
             if args.profile and not device.is_sim:
                 (cell.gemm_kernel_ms, cell.softmax_kernel_ms, cell.flash_kernel_ms,
-                 cell.kernel_ms) = kernel_times_ms(model, chunks)
+                 cell.kernel_ms, cell.kernel_breakdown) = kernel_times_ms(model, chunks, args.top_kernels)
         except Exception as error:
             cell.notes.append(f"memplan error: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
             traceback.print_exc()
@@ -258,6 +261,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-repeats", type=int, default=3)
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-profile", dest="profile", action="store_false", help="skip the torch.profiler run")
+    parser.add_argument("--top-kernels", type=int, default=0,
+                        help="with the profiler: also each prompt's N longest-running kernels (default 0: none)")
     parser.add_argument("--matmul-size", type=int, default=8192)
     parser.add_argument("--prefill-attention", type=str_list, default=["auto"],
                         help="comma-separated serving prefill_attention backends to run side by side: auto, gemm, "
@@ -306,6 +311,10 @@ def main(argv: list[str] | None = None) -> None:
                 for cell, measured in zip(cells, first):
                     cell.hf_ms = measured.hf_ms
     body = table(all_cells, matmul_rate) + "\n\n" + notes(all_cells, plans, matmul_rate, args)
+    for cell in all_cells:
+        if cell.kernel_breakdown:
+            body += (f"\n\n### {cell.model} ({cell.prefill_attention}), prompt {cell.prompt_tokens:,}: the "
+                     f"{args.top_kernels} longest-running kernels\n\n{cell.kernel_breakdown}")
     emit("Prefill throughput and GEMM rate (bench/prefill.py)", info, body, args.out)
 
 

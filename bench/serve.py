@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (  # noqa: E402
     ROOT, add_plan_arguments, bench_parser, build_hf, copy_bandwidth_bytes_per_s, emit, fmt, free_device_memory,
-    int_list, log, markdown_table, matmul_flops_per_s, resolve_plan_arguments, run_info, sized_plan, str_list,
+    int_list, kernel_breakdown, log, markdown_table, matmul_flops_per_s, resolve_plan_arguments, run_info, sized_plan, str_list,
 )
 
 if TYPE_CHECKING:
@@ -316,6 +316,7 @@ class ServingRun:
     rows: list[Row]
     costs: list[tuple[str, WorkloadCost]]
     rates: Rates
+    kernel_breakdown: str = ""  # --profile-kernels: the first workload's top kernels, a second (untimed) run
 
 
 def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None, max_prefill_tokens: int | None,
@@ -351,11 +352,25 @@ def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None
         rows.append(Row("memplan", name, serving, workload, figures, ideal, counters=engine_counters))
         costs.append((workload.label, cost))
         workloads.append(workload)
+    breakdown = profile_kernels(served, workloads[0], args) if args.profile_kernels > 0 and not args.smoke else ""
     del served
     free_device_memory(device)
     if with_hf:
         rows += hf_rows(plan, workloads, [r.ideal for r in rows], args, device)
-    return ServingRun(name, serving, rows, costs, rates)
+    return ServingRun(name, serving, rows, costs, rates, breakdown)
+
+
+def profile_kernels(served: ServedModel, workload: Workload, args: argparse.Namespace) -> str:
+    """The workload once more, untimed, under torch.profiler: its ``--profile-kernels`` longest-running
+    kernels (where the serving run's GPU time goes)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    log(f"{workload.label}: profiled run")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_memplan(served, workload, args)
+        torch.cuda.synchronize()
+    return kernel_breakdown(prof.events(), args.profile_kernels)
 
 
 def serving_label(plan: MemoryPlan) -> str:
@@ -463,6 +478,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eager", action="store_true", help="no decode CUDA graphs")
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--profile-kernels", type=int, default=0,
+                        help="run the first workload once more under torch.profiler and list its N longest-running "
+                             "kernels (default 0: no profiled run)")
     args = parser.parse_args(argv)
     for key, value in (SMOKE_DEFAULTS if args.smoke else GPU_DEFAULTS).items():
         if getattr(args, key) is None:
@@ -497,6 +515,10 @@ def main(argv: list[str] | None = None) -> None:
     engine_lines = "\n".join(f"- {r.model} ({r.serving}), {r.workload.label}: {r.counters}" for r in rows if r.counters)
     body = "\n\n".join([f"tree {tree()}; {rates}", figures_table(rows), "memplan's engine counters:", engine_lines,
                         "Ideal time of each workload (planner/ideal_time.py):", ideal_table(runs)])
+    for run in runs:
+        if run.kernel_breakdown:
+            body += (f"\n\n### {run.model} ({run.serving}), {run.rows[0].workload.label}: the "
+                     f"{args.profile_kernels} longest-running kernels\n\n{run.kernel_breakdown}")
     emit("Serving throughput against the ideal time (bench/serve.py)", info, body, args.out)
 
 
