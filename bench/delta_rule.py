@@ -11,8 +11,10 @@ state. The script reports, per model's linear heads (Qwen3.5-9B: Hk 16, Hv 32; 2
 = 128) and batch:
 
 - chunked: ``executor.kernels.linear_attention.chunked_delta_rule.ChunkedGatedDeltaRule``, once per
-  ``--shapes`` entry (chunk:dv_tile:warps:solve_block[:buffers]; ``default`` is GPU_SHAPE), with the registers
-  and local (spilled) bytes a thread of each of its launches holds (prepare + scan);
+  ``--shapes`` entry (chunk:dv_tile:warps:solve_block[:buffers]; ``default`` is the launcher's routed shapes:
+  GPU_SHAPE, its scan at GPU_NARROW_SHAPE where GPU_SHAPE's scan grid leaves SMs idle; the row names the scan
+  shape it ran), with the registers and local (spilled) bytes a thread of each of its launches holds
+  (prepare + scan);
 - recurrent: ``executor.kernels.linear_attention.delta_rule.GatedDeltaRule`` (the default prefill route);
 - fla: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` when importable (q and k repeated to the
   value heads beforehand, untimed, as HF's layer calls it; ``cu_seqlens`` for several requests).
@@ -139,7 +141,7 @@ def measure(torch: Any, runtime: Any, heads: Heads, requests: int, tokens: int, 
     candidates = [("recurrent", recurrent_rule, "n/a")]
     for shape in shapes:
         rule = ChunkedGatedDeltaRule(codec, dk, recurrent_rule, shape)
-        used = rule.kernel(dv)[0]
+        used = rule.kernel(dv, rule.scan_shape(dv, hv, requests))[0]
         candidates.append((f"chunked {shape_name(used)}" + (" (default)" if shape is None else ""), rule, None))
     outputs: dict[str, Any] = {}
     times: dict[str, float | None] = {}
@@ -148,8 +150,10 @@ def measure(torch: Any, runtime: Any, heads: Heads, requests: int, tokens: int, 
         call, (out, _) = runner(rule)
         call()  # compiles; the first output is the one compared (every call starts from its own state copy)
         outputs[name] = out.clone()
-        registers[name] = regs if regs is not None else \
-            " + ".join(kernel_registers(kernel) for kernel, _ in rule.kernel(dv)[1])
+        if regs is None:  # the launches that ran: the prepare pass, the routed scan
+            prepare, scan = rule.kernel(dv)[1][0][0], rule.kernel(dv, rule.scan_shape(dv, hv, requests))[1][1][0]
+            regs = f"{kernel_registers(prepare)} + {kernel_registers(scan)}"
+        registers[name] = regs
         times[name] = None if smoke else event_median_us(call, repeats)
         log(f"{requests}x{tokens} {name}: {fmt(times[name], 1)} us")
     fla_out, fla_us = None, None

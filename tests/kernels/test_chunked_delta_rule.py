@@ -195,6 +195,30 @@ def test_tensor_core_warps_share_the_tiles_in_the_simulator(buffers):
     assert_close_rel(got_state, ref_state, TOL["bfloat16"])
 
 
+@pytest.mark.parametrize("lengths,narrow", [([20], True), ([20, 3, 9], False)])
+def test_tensor_core_scan_routes_by_the_wide_grid(lengths, narrow):
+    """A launcher with a narrow scan shape (16 state columns a block to the shape's 32) runs it where
+    the wide scan's grid has at most one block an SM (the simulator's 2 SMs): one request at two value
+    heads is 2 wide blocks, three requests 6. Either way the result is the recurrence's."""
+    hk, hv, dk, dv = 1, 2, 16, 32
+    gen = torch.Generator().manual_seed(32)
+    qkv, g, beta, state = inputs(gen, sum(lengths), len(lengths), "bfloat16", hk, hv, dk, dv)
+    wide, thin = ChunkShape(16, 32, 1, 8), ChunkShape(16, 16, 1, 8)
+    rule = ChunkedGatedDeltaRule(build_codec("bfloat16"), dk, shape=wide, narrow_shape=thin)
+    assert rule.scan_shape(dv, hv, len(lengths)) == (thin if narrow else wide)
+    slots = list(range(len(lengths)))
+    got, got_state = run(rule, qkv, g, beta, state, indptr(lengths), slots, "bfloat16", hv, dv)
+    ref, ref_state = recurrence(qkv, g, beta, state, indptr(lengths), slots, hk, hv, dk, dv)
+    assert_close_rel(got, ref, TOL["bfloat16"])
+    assert_close_rel(got_state, ref_state, TOL["bfloat16"])
+
+
+def test_narrow_scan_shape_must_share_the_prepare_pass():
+    with pytest.raises(ValueError, match="must share the chunk, warps and solve block"):
+        ChunkedGatedDeltaRule(build_codec("bfloat16"), 16, shape=ChunkShape(16, 16, 1, 8),
+                              narrow_shape=ChunkShape(16, 16, 1, 4))
+
+
 def test_misaligned_qkv_runs_the_fallback():
     """A qkv view whose rows are not 16-byte aligned goes to the recurrent launcher, unchanged."""
     calls = []

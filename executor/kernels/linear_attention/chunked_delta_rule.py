@@ -70,10 +70,12 @@ from typing import Any
 
 from planner.kernel_limits import DELTA_RULE_CHUNK, DELTA_RULE_ROW_SCALARS
 
+from executor.routing import CHUNKED_DELTA_RULE_NARROW_SCAN_MAX_BLOCKS_PER_SM
+
 from executor.kernels.linear_attention.delta_rule import L2_EPS, GatedDeltaRule, check_delta_rule_shapes, qkv_columns
 from executor.kernels.primitives.async_copy import build_async_copy, build_copy_groups, build_shared_address
 from executor.kernels.primitives.codec import Codec
-from executor.kernels.primitives.launch import BLOCK_THREADS, WARP_THREADS, Kernel
+from executor.kernels.primitives.launch import BLOCK_THREADS, WARP_THREADS, Kernel, multiprocessor_count
 from executor.kernels.primitives.mma import build_a_fragment_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.primitives.shared_tile import build_shared_tile
 from executor.kernels.primitives.vector import as_words, vector_aligned
@@ -121,6 +123,10 @@ class ChunkShape:
 #: (bench/delta_rule.py --shapes, docs/benchmarks.md) 32 state columns win only where one request
 #: leaves SMs idle, one scan buffer only from 8 requests on, by 3-4%.
 GPU_SHAPE = ChunkShape(chunk=DELTA_RULE_CHUNK, dv_tile=64, warps=8, solve_block=16)
+#: GPU_SHAPE's scan at 32 state columns: twice the blocks, each half the work a chunk, two an SM. The
+#: launcher runs it where GPU_SHAPE's scan grid leaves SMs idle (routing.py
+#: CHUNKED_DELTA_RULE_NARROW_SCAN_MAX_BLOCKS_PER_SM); the prepare pass is GPU_SHAPE's either way.
+GPU_NARROW_SHAPE = ChunkShape(chunk=DELTA_RULE_CHUNK, dv_tile=32, warps=8, solve_block=16)
 #: The GPU's float32 build (float32 storage): small tiles, every product a float32 loop (~46 KiB at dk 128).
 GPU_FLOAT32_SHAPE = ChunkShape(chunk=16, dv_tile=32, warps=4, solve_block=8)
 #: The simulator's: one warp, 16-token chunks, two diagonal blocks (the block merge runs).
@@ -1011,11 +1017,18 @@ def _scan_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles: _Tiles
     return chunked_delta_rule_scan
 
 
-def default_shape(tensor_cores: bool) -> ChunkShape:
-    """SIMULATOR_SHAPE in the simulator; on the GPU, GPU_SHAPE (tensor cores) or GPU_FLOAT32_SHAPE."""
+def default_shapes(tensor_cores: bool) -> tuple[ChunkShape, ChunkShape | None]:
+    """(shape, narrow scan shape): SIMULATOR_SHAPE in the simulator; on the GPU, GPU_SHAPE and
+    GPU_NARROW_SHAPE (tensor cores) or GPU_FLOAT32_SHAPE."""
     if simulator_enabled():
-        return SIMULATOR_SHAPE
-    return GPU_SHAPE if tensor_cores else GPU_FLOAT32_SHAPE
+        return SIMULATOR_SHAPE, None
+    return (GPU_SHAPE, GPU_NARROW_SHAPE) if tensor_cores else (GPU_FLOAT32_SHAPE, None)
+
+
+def narrow_scan(wide_blocks: int, num_sms: int) -> bool:
+    """Whether a scan of ``wide_blocks`` blocks of the wide shape runs the narrow shape instead: when
+    the wide grid has at most CHUNKED_DELTA_RULE_NARROW_SCAN_MAX_BLOCKS_PER_SM blocks an SM."""
+    return wide_blocks <= CHUNKED_DELTA_RULE_NARROW_SCAN_MAX_BLOCKS_PER_SM * num_sms
 
 
 @dataclass(frozen=True)
@@ -1038,28 +1051,44 @@ class ChunkedGatedDeltaRule:
     the tensor-core build, ``scratch`` (ChunkScratch). Rows of a request may be any number.
 
     bf16 storage runs the tensor-core build (two launches: prepare, then scan), any other the
-    float32 build (one launch, no scratch). ``shape`` (default ``default_shape(...)``): the block's
-    chunk, state columns, warps and solve block. The tensor-core build needs 16-byte aligned qkv rows
-    and dv a multiple of the dv tile; a call whose qkv is not so aligned runs ``fallback`` (the
-    recurrent launcher) instead, with identical semantics.
+    float32 build (one launch, no scratch). ``shape`` (default ``default_shapes(...)``): the block's
+    chunk, state columns, warps and solve block. ``narrow_shape`` (the default's on the GPU's tensor
+    cores, else none unless given): the scan's shape where ``shape``'s scan grid would leave SMs idle
+    (``narrow_scan``); it differs from ``shape`` only in state columns and buffers, so both scans
+    take the one prepare pass. The first call readies both scans (warm-up compiles or loads them, a
+    discovery pass lists them). The tensor-core build needs 16-byte aligned qkv rows and dv a
+    multiple of the dv tile; a call whose qkv is not so aligned runs ``fallback`` (the recurrent
+    launcher) instead, with identical semantics.
     """
 
     def __init__(self, codec: Codec, head_k_dim: int, fallback: GatedDeltaRule | None = None,
-                 shape: ChunkShape | None = None) -> None:
+                 shape: ChunkShape | None = None, narrow_shape: ChunkShape | None = None) -> None:
         self.codec, self.head_k_dim = codec, head_k_dim
         self.tensor_cores = codec.torch_dtype_name == "bfloat16"
-        self.shape = shape or default_shape(self.tensor_cores)
-        check_shape(head_k_dim, self.shape, self.tensor_cores)
+        if shape is None:
+            shape, default_narrow = default_shapes(self.tensor_cores)
+            narrow_shape = narrow_shape or default_narrow
+        self.shape, self.narrow_shape = shape, narrow_shape if self.tensor_cores else None
+        check_shape(head_k_dim, shape, self.tensor_cores)
+        if self.narrow_shape is not None:
+            check_shape(head_k_dim, self.narrow_shape, self.tensor_cores)
+            if (self.narrow_shape.chunk, self.narrow_shape.warps, self.narrow_shape.solve_block) != \
+                    (shape.chunk, shape.warps, shape.solve_block):
+                raise ValueError(f"chunked delta rule: the narrow scan shape {self.narrow_shape} must share the "
+                                 f"chunk, warps and solve block of {shape} (one prepare pass serves both)")
         self.fallback = fallback
-        # dv -> (shape, ((kernel, shared bytes) per launch))
-        self.kernels: dict[int, tuple[ChunkShape, tuple[tuple[Kernel, int], ...]]] = {}
+        self.num_sms = 0  # asked on the first tensor-core call
+        # (dv, shape) -> (the dv-fitted shape, ((kernel, shared bytes) per launch))
+        self.kernels: dict[tuple[int, ChunkShape], tuple[ChunkShape, tuple[tuple[Kernel, int], ...]]] = {}
+        self.readied: set[int] = set()  # dv whose scans are both ready
 
-    def kernel(self, dv: int) -> tuple[ChunkShape, tuple[tuple[Kernel, int], ...]]:
+    def kernel(self, dv: int, shape: ChunkShape | None = None) -> tuple[ChunkShape, tuple[tuple[Kernel, int], ...]]:
         """The block shape and, per launch, the kernel and its dynamic shared bytes for value heads of
-        ``dv`` (built once)."""
-        entry = self.kernels.get(dv)
+        ``dv`` at ``shape`` (default the launcher's shape; built once)."""
+        requested = shape or self.shape
+        entry = self.kernels.get((dv, requested))
         if entry is None:
-            shape = self.shape
+            shape = requested
             if shape.dv_tile > dv:  # one tile covers the head
                 shape = ChunkShape(shape.chunk, dv, shape.warps, shape.solve_block, shape.buffers)
             if self.tensor_cores and dv % shape.dv_tile:
@@ -1069,8 +1098,17 @@ class ChunkedGatedDeltaRule:
             built = build_chunked_delta_rule(self.codec, self.head_k_dim, dv, shape, self.tensor_cores)
             launches = tuple((Kernel(function, dynamic_shared_bytes=layout.bytes), layout.bytes)
                              for function, layout in zip(built, layouts))
-            entry = self.kernels[dv] = (shape, launches)
+            entry = self.kernels[(dv, requested)] = (shape, launches)
         return entry
+
+    def scan_shape(self, dv: int, v_heads: int, requests: int) -> ChunkShape:
+        """The shape whose scan serves a call (``narrow_scan`` between the launcher's two)."""
+        if self.narrow_shape is None:
+            return self.shape
+        if not self.num_sms:
+            self.num_sms = multiprocessor_count()
+        wide_blocks = -(-dv // self.shape.dv_tile) * v_heads * requests
+        return self.narrow_shape if narrow_scan(wide_blocks, self.num_sms) else self.shape
 
     def __call__(self, qkv: Any, g: Any, beta: Any, ssm_state: Any, q_indptr: Any, slot_ids: Any, out: Any,
                  scratch: ChunkScratch | None = None, stream: Any = 0) -> None:
@@ -1090,11 +1128,16 @@ class ChunkedGatedDeltaRule:
                 qkv, g, beta, ssm_state, q_indptr, slot_ids, out)
             return
         transform, gram, scalars = self.check_scratch(scratch, int(qkv.shape[0]), v_heads, shape.chunk)
-        (prepare, prepare_shared), (scan, scan_shared) = launches
+        (prepare, prepare_shared), _ = launches
         prepare[(int(qkv.shape[0]) // shape.chunk + requests, v_heads), shape.threads, stream, prepare_shared](
             qkv, g, beta, q_indptr, slot_ids, transform, gram, scalars)
-        scan[(dv // shape.dv_tile, v_heads, requests), shape.threads, stream, scan_shared](
-            qkv, ssm_state, q_indptr, slot_ids, transform, gram, scalars, as_words(out))
+        scan_args = (qkv, ssm_state, q_indptr, slot_ids, transform, gram, scalars, as_words(out))
+        if dv not in self.readied:  # the other scan, ready before a step of another request count needs it
+            for ready in {self.shape, self.narrow_shape} - {None}:
+                self.kernel(dv, ready)[1][1][0].prepare(*scan_args)
+            self.readied.add(dv)
+        scan_shape, (_, (scan, scan_shared)) = self.kernel(dv, self.scan_shape(dv, v_heads, requests))
+        scan[(dv // scan_shape.dv_tile, v_heads, requests), scan_shape.threads, stream, scan_shared](*scan_args)
 
     @staticmethod
     def check_scratch(scratch: ChunkScratch | None, rows: int, v_heads: int, chunk: int) -> tuple[Any, Any, Any]:

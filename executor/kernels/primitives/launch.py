@@ -107,6 +107,20 @@ class Kernel:
         self._launch(self._core_stream(stream), self._config(grid=grid, block=block, shmem_size=shared_bytes), kernel,
                      *params)
 
+    def prepare(self, *args: Any) -> None:
+        """Ready the overload a launch with ``args`` runs (loaded from the kernel cache or compiled, as a
+        first launch would), launching nothing; a discovery pass (meta tensors) notes its argument
+        types. For a launcher that routes between kernels of the same arguments: the kernel it does
+        not run yet is ready when a later step needs it."""
+        key = None if self.simulated else _launch_key(args)
+        if key is not None:
+            if key not in self._launches:
+                self._launches[key] = self._compile(args)
+        elif not self.simulated and _on_meta(args):
+            from executor.kernel_discovery import argument_types
+
+            self.discovered[argument_types(args)] = None
+
     def _compile(self, args: tuple, cached: bool = True) -> tuple[Any, tuple[Packer, ...]] | None:
         """The overload Numba would launch for ``args`` (from the kernel cache when ``cached`` and it has
         it, else compiled now if new) and its packers."""
