@@ -47,6 +47,7 @@ manager's warm-up; TTFT and TPOT come from its per-token timestamps. "x HF" = HF
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import os
 import subprocess
@@ -196,21 +197,49 @@ def serving_plan(model_name: str, args: argparse.Namespace, max_batch: int | Non
                       args.gpu_memory_utilization)
 
 
+class CollectorPauses:
+    """The garbage collector's pauses while it is entered (``gc.callbacks``): the serving loop's host
+    thread stops for each, so a long one shows up in TPOT p99."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.pauses_ms: dict[int, list[float]] = {}  # generation -> each collection's ms
+
+    def __enter__(self) -> CollectorPauses:
+        gc.callbacks.append(self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            self.pauses_ms.setdefault(info["generation"], []).append((time.perf_counter() - self.started) * 1e3)
+
+    def line(self) -> str:
+        parts = [f"gen {generation}: {len(ms):,} ({sum(ms):,.1f} ms, longest {max(ms):,.1f})"
+                 for generation, ms in sorted(self.pauses_ms.items())]
+        return "collector pauses " + ("; ".join(parts) if parts else "none")
+
+
 def run_memplan(served: ServedModel, workload: Workload, args: argparse.Namespace) -> tuple[ServingFigures, str]:
-    """The workload's figures and the engine's counters (see ``counters``)."""
+    """The workload's figures and the engine's counters (see ``counters``) with the collector's pauses."""
     from executor.workload import SHARED_PREFIX_ARRIVAL_STEP, RequestSpec
 
     specs = [RequestSpec(list(prompt), output, seed=args.seed,
                          arrival_step=SHARED_PREFIX_ARRIVAL_STEP if workload.shared_prefix and index else 0,
                          arrival_s=None if workload.arrivals_s is None else workload.arrivals_s[index])
              for index, (prompt, output) in enumerate(zip(workload.prompts, workload.outputs))]
-    report = served.run(specs, ignore_eos=True, prefix_caching=not args.no_prefix_caching,
-                        overlap=not args.no_overlap)
+    with CollectorPauses() as pauses:
+        report = served.run(specs, ignore_eos=True, prefix_caching=not args.no_prefix_caching,
+                            overlap=not args.no_overlap)
     ran = report.figures
     if ran.requests != len(specs) or ran.output_tokens != sum(workload.outputs):
         raise SystemExit(f"{workload.label}: memplan ran {ran.requests} of {len(specs)} requests and "
                          f"{ran.output_tokens} of {sum(workload.outputs)} tokens (rejected: {report.rejected})")
-    return ran, counters(report.engine)
+    return ran, f"{counters(report.engine)}, {pauses.line()}"
 
 
 def counters(report: EngineReport) -> str:
@@ -331,6 +360,8 @@ def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None
         f"{plan.serving.gpu_memory_utilization}")
     served = ServedModel.open(plan, "sim" if args.smoke else "cuda", weights=RANDOM_WEIGHTS, seed=args.seed,
                               eager=args.eager, log=sys.stderr)
+    if args.no_gc_freeze:
+        gc.unfreeze()  # what ServedModel.open froze: the collector scans start-up's objects again
     device = served.model.device.torch_device
     rates = measure_rates(device, plan.dtypes.weights, args)
     log(f"{name}: {rates.line()}")
@@ -478,6 +509,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eager", action="store_true", help="no decode CUDA graphs")
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--no-gc-freeze", action="store_true",
+                        help="unfreeze the garbage collector after opening (what ServedModel.open's gc.freeze saves)")
     parser.add_argument("--profile-kernels", type=int, default=0,
                         help="run the first workload once more under torch.profiler and list its N longest-running "
                              "kernels (default 0: no profiled run)")
