@@ -360,8 +360,6 @@ def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None
         f"{plan.serving.gpu_memory_utilization}")
     served = ServedModel.open(plan, "sim" if args.smoke else "cuda", weights=RANDOM_WEIGHTS, seed=args.seed,
                               eager=args.eager, log=sys.stderr)
-    if args.no_gc_freeze:
-        gc.unfreeze()  # what ServedModel.open froze: the collector scans start-up's objects again
     device = served.model.device.torch_device
     rates = measure_rates(device, plan.dtypes.weights, args)
     log(f"{name}: {rates.line()}")
@@ -509,8 +507,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eager", action="store_true", help="no decode CUDA graphs")
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--no-gc-freeze", action="store_true",
-                        help="unfreeze the garbage collector after opening (what ServedModel.open's gc.freeze saves)")
     parser.add_argument("--profile-kernels", type=int, default=0,
                         help="run the first workload once more under torch.profiler and list its N longest-running "
                              "kernels (default 0: no profiled run)")

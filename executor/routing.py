@@ -58,11 +58,12 @@ CHUNKED_DELTA_RULE_MIN_ROWS: int | None = 64
 
 #: The chunked delta rule's scan runs 32 state columns a block (GPU_NARROW_SHAPE: twice the blocks,
 #: two an SM) instead of 64 (one 171 KiB block an SM) when the 64-column grid, (dv / 64) x Hv x
-#: requests blocks, has at most this many blocks an SM: there the wide grid leaves SMs idle. At
-#: Qwen3.5-9B's heads on the H200 (bench/delta_rule.py --shapes default,64:32:8:16) the narrow scan
-#: takes 1,782 us to 2,095 at 1 x 16,384 rows and 520 to 575 at 1 x 4,096 (64 wide blocks), and
-#: the wide scan 1,493 us to 1,791 at 8 x 2,048 (512 wide blocks) and 3,053 to 3,653 at 64 x 512.
-CHUNKED_DELTA_RULE_NARROW_SCAN_MAX_BLOCKS_PER_SM = 1
+#: requests blocks, leaves at least this many SMs per block: there most SMs would idle, and the
+#: narrow blocks' second copy of each chunk's staging costs less than the idle SMs. At Qwen3.5-9B's
+#: heads on the H200 (bench/delta_rule.py --shapes default,64:32:8:16,64:64:8:16, 132 SMs) the narrow
+#: scan takes 1,850 us to the wide scan's 2,186 at 1 x 16,384 rows (64 wide blocks), and the wide scan
+#: 1,550 us to 1,848 at 2 x 8,192 (128 blocks) and 1,562 to 1,871 at 4 x 4,096 (256).
+CHUNKED_DELTA_RULE_NARROW_SCAN_SMS_PER_BLOCK = 2
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ ROUTES: tuple[Route, ...] = (
     Route("prefill", "gated delta rule (Qwen3.5)", "the rest: rows >= CHUNKED_DELTA_RULE_MIN_ROWS (None: never)",
           "linear_attention/chunked_delta_rule.py ChunkedGatedDeltaRule (bf16: a parallel prepare pass over "
           "chunks into the plan's delta_* scratch, then the scan, on tensor cores, at 32 state columns a "
-          "block where 64 leave at most CHUNKED_DELTA_RULE_NARROW_SCAN_MAX_BLOCKS_PER_SM blocks an SM; "
+          "block where 64 leave CHUNKED_DELTA_RULE_NARROW_SCAN_SMS_PER_BLOCK SMs a block; "
           "float32 loops otherwise)",
           "a chunk's rows as matrix products; the state carried once a chunk"),
     Route("prefill", "gated delta rule (Qwen3.5)", "otherwise", "linear_attention/delta_rule.py GatedDeltaRule",

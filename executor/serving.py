@@ -4,8 +4,7 @@ API (executor.api) both stand on it.
 
 ``ServedModel.open(plan, device, weights=..., tokenizer=...)`` materializes the plan (one allocation
 per pool), loads the weights (a checkpoint directory, or random ones from a seed), builds the model
-and, on a GPU, runs the warm-up step pair and captures the decode graphs; then it freezes what
-start-up built out of the garbage collector's scans (``gc.freeze``). ``run(specs, ...)`` serves
+and, on a GPU, runs the warm-up step pair and captures the decode graphs. ``run(specs, ...)`` serves
 ``RequestSpec``s: rejected-here ones are reported first, the others go through one ``Engine`` run;
 each request's output (its result and text) reaches ``on_output`` as it finishes, and a request's
 text can stream to ``stream`` while it is generated. ``RunReport`` is the run's report as an object;
@@ -19,7 +18,6 @@ error naming the rank, and ``close`` ends the other ranks.
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -186,11 +184,6 @@ class ServedModel:
                 served.graphs = capture_graphs(model)
                 clock.mark("graph capture", KernelCensus.of(model).since(before_capture).text())
         served.clock = clock
-        # What start-up built (torch, Numba's kernels, the model, the graphs) lives as long as the process:
-        # freezing it keeps the collector's full collections, which would scan it all (tens of ms on a
-        # serving host's thread), to the objects serving creates.
-        gc.collect()
-        gc.freeze()
         return served
 
     def run(self, specs: Sequence[RequestSpec], *, on_output: OutputCallback | None = None,

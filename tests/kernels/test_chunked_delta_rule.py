@@ -198,9 +198,9 @@ def test_tensor_core_warps_share_the_tiles_in_the_simulator(buffers):
 @pytest.mark.parametrize("lengths,narrow", [([20], True), ([20, 3, 9], False)])
 def test_tensor_core_scan_routes_by_the_wide_grid(lengths, narrow):
     """A launcher with a narrow scan shape (16 state columns a block to the shape's 32) runs it where
-    the wide scan's grid has at most one block an SM (the simulator's 2 SMs): one request at two value
-    heads is 2 wide blocks, three requests 6. Either way the result is the recurrence's."""
-    hk, hv, dk, dv = 1, 2, 16, 32
+    the wide scan's grid leaves two SMs a block (the simulator has 2): one request at one value head
+    is 1 wide block, three requests 3. Either way the result is the recurrence's."""
+    hk, hv, dk, dv = 1, 1, 16, 32
     gen = torch.Generator().manual_seed(32)
     qkv, g, beta, state = inputs(gen, sum(lengths), len(lengths), "bfloat16", hk, hv, dk, dv)
     wide, thin = ChunkShape(16, 32, 1, 8), ChunkShape(16, 16, 1, 8)

@@ -70,7 +70,7 @@ from typing import Any
 
 from planner.kernel_limits import DELTA_RULE_CHUNK, DELTA_RULE_ROW_SCALARS
 
-from executor.routing import CHUNKED_DELTA_RULE_NARROW_SCAN_MAX_BLOCKS_PER_SM
+from executor.routing import CHUNKED_DELTA_RULE_NARROW_SCAN_SMS_PER_BLOCK
 
 from executor.kernels.linear_attention.delta_rule import L2_EPS, GatedDeltaRule, check_delta_rule_shapes, qkv_columns
 from executor.kernels.primitives.async_copy import build_async_copy, build_copy_groups, build_shared_address
@@ -125,7 +125,7 @@ class ChunkShape:
 GPU_SHAPE = ChunkShape(chunk=DELTA_RULE_CHUNK, dv_tile=64, warps=8, solve_block=16)
 #: GPU_SHAPE's scan at 32 state columns: twice the blocks, each half the work a chunk, two an SM. The
 #: launcher runs it where GPU_SHAPE's scan grid leaves SMs idle (routing.py
-#: CHUNKED_DELTA_RULE_NARROW_SCAN_MAX_BLOCKS_PER_SM); the prepare pass is GPU_SHAPE's either way.
+#: CHUNKED_DELTA_RULE_NARROW_SCAN_SMS_PER_BLOCK); the prepare pass is GPU_SHAPE's either way.
 GPU_NARROW_SHAPE = ChunkShape(chunk=DELTA_RULE_CHUNK, dv_tile=32, warps=8, solve_block=16)
 #: The GPU's float32 build (float32 storage): small tiles, every product a float32 loop (~46 KiB at dk 128).
 GPU_FLOAT32_SHAPE = ChunkShape(chunk=16, dv_tile=32, warps=4, solve_block=8)
@@ -1027,8 +1027,8 @@ def default_shapes(tensor_cores: bool) -> tuple[ChunkShape, ChunkShape | None]:
 
 def narrow_scan(wide_blocks: int, num_sms: int) -> bool:
     """Whether a scan of ``wide_blocks`` blocks of the wide shape runs the narrow shape instead: when
-    the wide grid has at most CHUNKED_DELTA_RULE_NARROW_SCAN_MAX_BLOCKS_PER_SM blocks an SM."""
-    return wide_blocks <= CHUNKED_DELTA_RULE_NARROW_SCAN_MAX_BLOCKS_PER_SM * num_sms
+    the wide grid leaves at least CHUNKED_DELTA_RULE_NARROW_SCAN_SMS_PER_BLOCK SMs a block."""
+    return wide_blocks * CHUNKED_DELTA_RULE_NARROW_SCAN_SMS_PER_BLOCK <= num_sms
 
 
 @dataclass(frozen=True)
