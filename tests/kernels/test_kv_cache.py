@@ -36,8 +36,10 @@ def make_step(batch, page_size, num_pages, rng):
     }
 
 
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 6])
 @pytest.mark.parametrize("dtype_name", DTYPES)
-def test_write_kv_scatters_rows_into_pages(dtype_name):
+def test_write_kv_scatters_rows_into_pages(dtype_name, head_dim):
+    """D = 16: rows of whole 16-byte chunks, the vector kernel; D = 6 (12 or 24 bytes): the element kernel."""
     rng = np.random.default_rng(3)
     gen = torch.Generator().manual_seed(3)
     # Decode at position 6, a 5-row chunk after 3 earlier tokens (crosses a page), the
@@ -45,12 +47,12 @@ def test_write_kv_scatters_rows_into_pages(dtype_name):
     batch = [(1, 7), (5, 8), (1, 1), (1, 8)]
     step = make_step(batch, PAGE_SIZE, 9, rng)
     num_rows = len(step["positions"])
-    fused = to_storage(torch.randn(num_rows, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, generator=gen), dtype_name)
-    pool = poisoned((9, 2, 2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM), dtype_name)
+    fused = to_storage(torch.randn(num_rows, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * head_dim, generator=gen), dtype_name)
+    pool = poisoned((9, 2, 2, PAGE_SIZE, NUM_KV_HEADS, head_dim), dtype_name)
 
     # Strided views on device arrays (the simulator transfers only contiguous numpy arrays).
     fused_device, pool_device = cuda.to_device(fused), cuda.to_device(pool)
-    heads = fused_device.reshape(num_rows, NUM_Q_HEADS + 2 * NUM_KV_HEADS, HEAD_DIM)
+    heads = fused_device.reshape(num_rows, NUM_Q_HEADS + 2 * NUM_KV_HEADS, head_dim)
     k = heads[:, NUM_Q_HEADS : NUM_Q_HEADS + NUM_KV_HEADS]
     v = heads[:, NUM_Q_HEADS + NUM_KV_HEADS :]
     WriteKv()(k, v, pool_device[:, 1, 0], pool_device[:, 1, 1], step["batch_indices"], step["positions"],
@@ -58,7 +60,7 @@ def test_write_kv_scatters_rows_into_pages(dtype_name):
     got = pool_device.copy_to_host()
 
     expected = pool.copy()
-    rows = fused.reshape(num_rows, NUM_Q_HEADS + 2 * NUM_KV_HEADS, HEAD_DIM)
+    rows = fused.reshape(num_rows, NUM_Q_HEADS + 2 * NUM_KV_HEADS, head_dim)
     for t in range(num_rows):
         b, p = step["batch_indices"][t], step["positions"][t]
         page = step["page_lists"][b][p // PAGE_SIZE]
@@ -77,14 +79,16 @@ def test_write_kv_rejects_mismatched_shapes():
 
 
 def test_compiles_for_sm90():
-    """PTX for sm_90 with both storage dtypes."""
+    """PTX for sm_90 with both storage dtypes, both kernels."""
     compile_for_sm90(
         """
-        from executor.kernels.rows.kv_cache import write_kv_kernel
+        from executor.kernels.rows.kv_cache import build_write_kv_vector, write_kv_kernel
         i32 = arr("int32", 1)
+        vector = build_write_kv_vector()
         for name in DTYPES:
             rows, cache = arr(name, 3), arr(name, 4)
             ptx(write_kv_kernel, rows, rows, cache, cache, i32, i32, i32, i32)
+            vector_ptx(vector, rows, rows, cache, cache, i32, i32, i32, i32, types.int64)
         """
     )
 
