@@ -141,7 +141,7 @@ def measure(torch: Any, runtime: Any, heads: Heads, requests: int, tokens: int, 
     candidates = [("recurrent", recurrent_rule, "n/a")]
     for shape in shapes:
         rule = ChunkedGatedDeltaRule(codec, dk, recurrent_rule, shape)
-        used = rule.kernel(dv, rule.scan_shape(dv, hv, requests))[0]
+        used = rule.scan(dv, rule.scan_shape(dv, hv, requests))[0]
         candidates.append((f"chunked {shape_name(used)}" + (" (default)" if shape is None else ""), rule, None))
     outputs: dict[str, Any] = {}
     times: dict[str, float | None] = {}
@@ -151,7 +151,7 @@ def measure(torch: Any, runtime: Any, heads: Heads, requests: int, tokens: int, 
         call()  # compiles; the first output is the one compared (every call starts from its own state copy)
         outputs[name] = out.clone()
         if regs is None:  # the launches that ran: the prepare pass, the routed scan
-            prepare, scan = rule.kernel(dv)[1][0][0], rule.kernel(dv, rule.scan_shape(dv, hv, requests))[1][1][0]
+            prepare, scan = rule.kernel(dv)[1][0][0], rule.scan(dv, rule.scan_shape(dv, hv, requests))[1]
             regs = f"{kernel_registers(prepare)} + {kernel_registers(scan)}"
         registers[name] = regs
         times[name] = None if smoke else event_median_us(call, repeats)

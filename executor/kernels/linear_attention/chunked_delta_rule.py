@@ -70,8 +70,6 @@ from typing import Any
 
 from planner.kernel_limits import DELTA_RULE_CHUNK, DELTA_RULE_ROW_SCALARS
 
-from executor.routing import CHUNKED_DELTA_RULE_NARROW_SCAN_SMS_PER_BLOCK
-
 from executor.kernels.linear_attention.delta_rule import L2_EPS, GatedDeltaRule, check_delta_rule_shapes, qkv_columns
 from executor.kernels.primitives.async_copy import build_async_copy, build_copy_groups, build_shared_address
 from executor.kernels.primitives.codec import Codec
@@ -80,6 +78,7 @@ from executor.kernels.primitives.mma import build_a_fragment_load, build_fragmen
 from executor.kernels.primitives.shared_tile import build_shared_tile
 from executor.kernels.primitives.vector import as_words, vector_aligned
 from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
+from executor.routing import CHUNKED_DELTA_RULE_NARROW_SCAN_SMS_PER_BLOCK
 
 cuda = load_cuda()
 from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
@@ -1101,6 +1100,11 @@ class ChunkedGatedDeltaRule:
             entry = self.kernels[(dv, requested)] = (shape, launches)
         return entry
 
+    def scan(self, dv: int, shape: ChunkShape) -> tuple[ChunkShape, Kernel, int]:
+        """The scan of ``kernel(dv, shape)``: its dv-fitted shape, kernel and dynamic shared bytes."""
+        fitted, (_, (scan, shared)) = self.kernel(dv, shape)
+        return fitted, scan, shared
+
     def scan_shape(self, dv: int, v_heads: int, requests: int) -> ChunkShape:
         """The shape whose scan serves a call (``narrow_scan`` between the launcher's two)."""
         if self.narrow_shape is None:
@@ -1132,11 +1136,11 @@ class ChunkedGatedDeltaRule:
         prepare[(int(qkv.shape[0]) // shape.chunk + requests, v_heads), shape.threads, stream, prepare_shared](
             qkv, g, beta, q_indptr, slot_ids, transform, gram, scalars)
         scan_args = (qkv, ssm_state, q_indptr, slot_ids, transform, gram, scalars, as_words(out))
-        if dv not in self.readied:  # the other scan, ready before a step of another request count needs it
+        if dv not in self.readied:  # both scans, so a later step of another request count compiles nothing
             for ready in {self.shape, self.narrow_shape} - {None}:
-                self.kernel(dv, ready)[1][1][0].prepare(*scan_args)
+                self.scan(dv, ready)[1].prepare(*scan_args)
             self.readied.add(dv)
-        scan_shape, (_, (scan, scan_shared)) = self.kernel(dv, self.scan_shape(dv, v_heads, requests))
+        scan_shape, scan, scan_shared = self.scan(dv, self.scan_shape(dv, v_heads, requests))
         scan[(dv // scan_shape.dv_tile, v_heads, requests), scan_shape.threads, stream, scan_shared](*scan_args)
 
     @staticmethod
