@@ -28,23 +28,26 @@ from tests.kernels.storage import DTYPES, TOL, assert_close_rel
 PAGE_SIZE, HEAD_DIM, NUM_KV_HEADS, GROUP = 4, 16, 2, 3
 
 
-def _paged(num_tokens: int, num_pages: int, dtype: torch.dtype, generator: torch.Generator, device="cpu"):
+def _paged(num_tokens: int, num_pages: int, dtype: torch.dtype, generator: torch.Generator, device="cpu",
+           head_dim: int = HEAD_DIM):
     """Random K and V caches [pages, S, Hkv, D] and the shuffled page list of one request (page 0 unused)."""
-    shape = (num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_pages, PAGE_SIZE, NUM_KV_HEADS, head_dim)
     k_cache = torch.randn(shape, generator=generator).to(dtype).to(device)
     v_cache = torch.randn(shape, generator=generator).to(dtype).to(device)
     pages = (torch.randperm(num_pages - 1, generator=generator)[: -(-num_tokens // PAGE_SIZE)] + 1).to(torch.int32)
     return k_cache, v_cache, pages
 
 
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 6])
 @pytest.mark.parametrize("dtype_name", DTYPES)
-def test_gather_copies_a_requests_pages_in_token_order(dtype_name):
+def test_gather_copies_a_requests_pages_in_token_order(dtype_name, head_dim):
+    """D = 16: rows of whole 16-byte chunks, the vector kernel; D = 6 (3 or 6 words): the element kernel."""
     generator = torch.Generator().manual_seed(0)
     dtype = getattr(torch, dtype_name)
-    k_cache, v_cache, pages = _paged(10, 8, dtype, generator)
+    k_cache, v_cache, pages = _paged(10, 8, dtype, generator, head_dim=head_dim)
     page_indices = torch.cat([torch.tensor([7, 7], dtype=torch.int32), pages])  # another request's entries first
     capacity = 12
-    keys = torch.full((NUM_KV_HEADS, capacity, HEAD_DIM), float("nan"), dtype=dtype)
+    keys = torch.full((NUM_KV_HEADS, capacity, head_dim), float("nan"), dtype=dtype)
     values = keys.clone()
     words = lambda t: t.view(torch.int32).numpy()  # noqa: E731  (bf16 pairs as one int32)
     GatherKv()(words(k_cache), words(v_cache), page_indices.numpy(), 2, 10, words(keys), words(values))
@@ -115,12 +118,13 @@ def test_tiled_gemm_attention_matches_float64_on_gpu_at_qwen3_8b_tiles():
 
 
 def test_compiles_for_sm90():
-    """The gather kernel, with float32 math only."""
+    """Both gather kernels, with float32 math only; the vector one with 16-byte accesses."""
     compile_for_sm90(
         """
-        from executor.kernels.attention.gather import build_gather_kv
+        from executor.kernels.attention.gather import build_gather_kv, build_gather_kv_vector
         i32 = arr("int32", 1)
-        ptx(build_gather_kv(), arr("int32", 4), arr("int32", 4), i32, types.int32, types.int32, arr("int32", 3),
-            arr("int32", 3))
+        args = (arr("int32", 4), arr("int32", 4), i32, types.int32, types.int32, arr("int32", 3), arr("int32", 3))
+        ptx(build_gather_kv(), *args)
+        vector_ptx(build_gather_kv_vector(), *args)
         """
     )

@@ -7,7 +7,9 @@ Their operands must be contiguous, the KV cache is paged:
 - ``GatherKv``: one request's first ``num_tokens`` keys and values, copied out
   of their KV pages into the contiguous ``[Hkv, C, D]`` scratch a GEMM reads.
   A pure copy of storage elements (any 4-byte element type; callers pass bf16
-  pairs as int32).
+  pairs as int32): a thread per 16-byte chunk where every row of the caches and
+  the scratch is whole 16-byte aligned chunks (the engine's layouts), a thread per
+  element otherwise.
 
 Between the two GEMMs runs the causal softmax (causal_softmax.py).
 """
@@ -19,9 +21,11 @@ from typing import Any
 import numpy as np
 
 from executor.kernels.primitives.launch import Kernel
+from executor.kernels.primitives.vector import VECTOR_WORDS, build_vector_access, vector_aligned
 from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
+from numba import int32  # noqa: E402  (after load_cuda's numpy fix)
 
 #: gather: elements each thread copies (consecutive threads take consecutive elements).
 GATHER_PER_THREAD = 4
@@ -50,6 +54,34 @@ def build_gather_kv() -> Any:
     return gather_kv_kernel
 
 
+def build_gather_kv_vector() -> Any:
+    """``build_gather_kv``'s kernel with a thread per 16-byte chunk (VECTOR_WORDS words): the same
+    arguments, 4-byte elements, every row of the caches and the scratch 16-byte aligned and W a whole
+    number of chunks. A flat grid over num_tokens x Hkv x W / VECTOR_WORDS chunks in the pages'
+    order."""
+    load_vector, store_vector = build_vector_access()
+
+    @cuda.jit
+    def gather_kv_vector(k_cache, v_cache, page_indices, page_start, num_tokens, keys, values):
+        page_size, heads = k_cache.shape[1], k_cache.shape[2]
+        chunks = k_cache.shape[3] // VECTOR_WORDS
+        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if e >= num_tokens * heads * chunks:
+            return
+        w = (e % chunks) * VECTOR_WORDS
+        h = (e // chunks) % heads
+        j = e // (chunks * heads)
+        page = page_indices[page_start + j // page_size]
+        slot = j % page_size
+        words = cuda.local.array(VECTOR_WORDS, int32)
+        load_vector(k_cache, (page, slot, h, w), words, 0)
+        store_vector(keys, (h, j, w), words, 0)
+        load_vector(v_cache, (page, slot, h, w), words, 0)
+        store_vector(values, (h, j, w), words, 0)
+
+    return gather_kv_vector
+
+
 class GatherKv:
     """Launcher: copy one request's ``num_tokens`` keys and values from the paged cache.
 
@@ -61,6 +93,7 @@ class GatherKv:
 
     def __init__(self) -> None:
         self.kernel = Kernel(build_gather_kv())
+        self.vector = Kernel(build_gather_kv_vector())
         self.threads = 32 if simulator_enabled() else 256
 
     def __call__(self, k_cache: Any, v_cache: Any, page_indices: Any, page_start: int, num_tokens: int,
@@ -75,6 +108,11 @@ class GatherKv:
             raise ValueError(f"gather_kv: {num_tokens} tokens from page entry {page_start} run past the "
                              f"{page_indices.shape[0]}-entry page table")
         if num_tokens == 0:
+            return
+        if vector_aligned(k_cache, v_cache, keys, values):
+            blocks = -(-num_tokens * heads * (width // VECTOR_WORDS) // self.threads)
+            self.vector[blocks, self.threads, stream](k_cache, v_cache, page_indices, np.int32(page_start),
+                                                      np.int32(num_tokens), keys, values)
             return
         per_block = self.threads * GATHER_PER_THREAD
         blocks = -(-num_tokens * heads * width // per_block)
