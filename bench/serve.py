@@ -239,7 +239,38 @@ def run_memplan(served: ServedModel, workload: Workload, args: argparse.Namespac
     if ran.requests != len(specs) or ran.output_tokens != sum(workload.outputs):
         raise SystemExit(f"{workload.label}: memplan ran {ran.requests} of {len(specs)} requests and "
                          f"{ran.output_tokens} of {sum(workload.outputs)} tokens (rejected: {report.rejected})")
-    return ran, f"{counters(report.engine)}, {pauses.line()}"
+    return ran, f"{counters(report.engine)}, {pauses.line()}; {step_gaps(report.engine)}"
+
+
+#: Upper ends of the prefill-token groups a serving run's step gaps fall in (past the last: one more).
+GAP_GROUP_ENDS = (0, 512, 2048)
+
+
+def gap_group(prefill_tokens: int) -> int:
+    """The group of a step with ``prefill_tokens``: the index of the first GAP_GROUP_ENDS it is within."""
+    return next((i for i, end in enumerate(GAP_GROUP_ENDS) if prefill_tokens <= end), len(GAP_GROUP_ENDS))
+
+
+def gap_group_label(group: int) -> str:
+    if group == 0:
+        return "no prefill"
+    if group == len(GAP_GROUP_ENDS):
+        return f"> {GAP_GROUP_ENDS[-1]:,} prefill tokens"
+    return f"{GAP_GROUP_ENDS[group - 1] + 1:,}-{GAP_GROUP_ENDS[group]:,} prefill tokens"
+
+
+def step_gaps(report: EngineReport) -> str:
+    """The gaps between read-backs of the steps that carry decode rows (what their requests' TPOT is
+    made of), grouped by the step's prefill tokens: count, p50 and p99 ms a group."""
+    from executor.serving_figures import percentile_ms
+
+    groups: dict[int, list[float]] = {}
+    for timing in report.step_timings:
+        if timing.decode_rows:
+            groups.setdefault(gap_group(timing.prefill_tokens), []).append(timing.gap_s)
+    parts = [f"{gap_group_label(group)}: {len(gaps):,} (p50 {percentile_ms(gaps, 50):.1f}, p99 "
+             f"{percentile_ms(gaps, 99):.1f} ms)" for group, gaps in sorted(groups.items())]
+    return "step gaps with decode rows: " + ("; ".join(parts) if parts else "none")
 
 
 def counters(report: EngineReport) -> str:

@@ -66,6 +66,17 @@ class RequestResult:
         return [later - earlier for earlier, later in zip(times, times[1:])]
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """One step as the engine read it back: its decode rows and prefill tokens, and the seconds from
+    its launch, or from the read-back before it when that came later, to its read-back: the gap each
+    of its decode rows' requests saw between two tokens."""
+
+    decode_rows: int
+    prefill_tokens: int
+    gap_s: float
+
+
 @dataclass
 class EngineReport:
     results: list[RequestResult]
@@ -75,6 +86,7 @@ class EngineReport:
     steps: int
     wall_s: float
     allocations_after_warmup: int | None  # CUDA only: allocations from the second step to the end
+    step_timings: list[StepTiming] = field(default_factory=list)  # one a step, in step order
 
     @property
     def generated_tokens(self) -> int:
@@ -122,7 +134,9 @@ class Engine:
         results = {id(r): RequestResult(r.request_id, len(r.prompt_ids), [], None, None, 0.0) for r in requests}
         by_id = {r.request_id: r for r in requests}
         start, steps, allocations_start = time.perf_counter(), 0, None
-        in_flight: tuple[ScheduledStep, int] | None = None  # a launched step and its read-back buffer
+        in_flight: tuple[ScheduledStep, int, float] | None = None  # a launched step, its read-back buffer, launch s
+        timings: list[StepTiming] = []
+        last_read_s = 0.0
         while arrivals.pending or self.scheduler.has_unfinished or in_flight is not None:
             now = time.perf_counter() - start
             for index in arrivals.due(steps, now):
@@ -136,16 +150,20 @@ class Engine:
                 for slot in step.fresh_slots:
                     self.model.reset_slot(slot)
                 chunks = [_request_chunk(chunk, by_id[chunk.request_id]) for chunk in step.chunks]
+                launch_s = time.perf_counter() - start
                 sampled = self.model.step(plan_step(self.plan, chunks, self.page_tables))
-                launched = (step, self.read_back.start(sampled, steps))
+                launched = (step, self.read_back.start(sampled, steps), launch_s)
                 steps += 1
             elif in_flight is None:  # idle until the next arrival
                 steps = arrivals.idle(steps, time.perf_counter() - start)
                 continue
             if in_flight is not None:
-                done, buffer = in_flight
+                done, buffer, done_launch_s = in_flight
                 sampled_ids = self.read_back.wait(buffer, done.num_requests)
                 now = time.perf_counter() - start
+                timings.append(StepTiming(done.num_decode_rows, done.num_prefill_tokens,
+                                          now - max(done_launch_s, last_read_s)))
+                last_read_s = now
                 # Stamp the ids update() keeps (it drops those of requests finished or preempted since).
                 counts = {c.request_id: len(by_id[c.request_id].output_ids) for c in done.chunks if c.sample}
                 finished = self.scheduler.update(done, sampled_ids)
@@ -171,7 +189,7 @@ class Engine:
         end_count = _allocation_count(self.model)
         grown = None if allocations_start is None or end_count is None else end_count - allocations_start
         return EngineReport([results[id(r)] for r in requests], self.scheduler.stats(), self.prefix_caching,
-                            self.overlap, steps, time.perf_counter() - start, grown)
+                            self.overlap, steps, time.perf_counter() - start, grown, timings)
 
 
 class Arrivals:

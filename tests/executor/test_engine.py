@@ -92,6 +92,18 @@ def test_a_request_the_plan_cannot_hold_is_rejected_and_the_rest_runs(batched):
     assert report.stats.rejected == 1
 
 
+def test_step_timings_account_for_every_row_the_engine_ran(batched):
+    """One timing a step; its decode rows are the ids sampled after each request's first, its prefill
+    tokens the prompts less the prefix cache's hits (nothing is preempted in this workload)."""
+    _, _, prompts, _, report = batched
+    timings, stats = report.step_timings, report.stats
+    assert stats.preemptions == 0
+    assert len(timings) == report.steps and all(t.gap_s >= 0 for t in timings)
+    results = report.results[1:]  # the rejected request ran no row
+    assert sum(t.decode_rows for t in timings) == sum(len(r.output_ids) - 1 for r in results)
+    assert sum(t.prefill_tokens for t in timings) == sum(len(p) for p in prompts) - stats.prefix_hit_tokens
+
+
 #: Wall-clock arrivals of the workload's requests: nothing has arrived when the run starts (the engine
 #: sleeps until the first), request 2 arrives while the first step runs (a simulator step takes seconds).
 ARRIVAL_TIMES_S = (0.3, 0.3, 0.31)
