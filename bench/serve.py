@@ -61,7 +61,8 @@ from typing import TYPE_CHECKING
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (  # noqa: E402
     ROOT, add_plan_arguments, bench_parser, build_hf, copy_bandwidth_bytes_per_s, emit, fmt, free_device_memory,
-    int_list, kernel_breakdown, log, markdown_table, matmul_flops_per_s, resolve_plan_arguments, run_info, sized_plan, str_list,
+    int_list, kernel_breakdown, log, markdown_table, matmul_flops_per_s, resolve_plan_arguments, run_info, sized_plan,
+    str_list,
 )
 
 if TYPE_CHECKING:
