@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, get_args
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (  # noqa: E402
     add_plan_arguments, bench_parser, build_hf, build_memplan, emit, fmt, free_device_memory, hf_dynamic_cache,
-    hf_forward, int_list, kernel_breakdown, log, markdown_table, matmul_flops_per_s, median, open_bench_device, reset_slots,
-    resolve_plan_arguments, run_info, sample_ms, sized_plan, str_list,
+    hf_forward, int_list, kernel_breakdown, log, markdown_table, matmul_flops_per_s, median, open_bench_device,
+    reset_slots, resolve_plan_arguments, run_info, sample_ms, sized_plan, str_list,
 )
 from planner.config import PrefillAttention  # noqa: E402
 
