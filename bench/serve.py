@@ -38,6 +38,11 @@ A shared prefix counts once for either model (memplan's Qwen3.5 computes it per 
 is not paged). "ideal / wall" is the share of the ideal the engine reaches; an arrival workload's wall is set
 by its arrivals, so its row shows none.
 
+Each memplan row's counters also give the garbage collector's pauses during the run (``gc.callbacks``)
+and the gaps between the read-backs of the steps that carry decode rows, grouped by the step's prefill
+tokens (a p99 per group: which steps make the TPOT tail). ``--profile-kernels N`` runs the first workload
+once more under torch.profiler and lists its N longest-running kernels.
+
 ``--hf``: HF transformers continuous batching (the manager ``generate_batch`` drives, SDPA, greedy, EOS off)
 on the same prompts, output lengths and arrival times, after memplan's model is released; run outside
 ``torch.inference_mode`` (its background thread updates tensors in place). Its clock starts after the
