@@ -91,10 +91,7 @@ class Kernel:
         if entry is False:
             entry = self._launches[key] = self._compile(args)
         if entry is None:  # the simulator, an argument that is not a CUDA tensor or scalar, or an unpacked type
-            if key is None and not self.simulated and _on_meta(args):  # discovery: note the types, launch nothing
-                from executor.kernel_discovery import argument_types
-
-                self.discovered[argument_types(args)] = None
+            if key is None and self._discovered(args):
                 return
             if key is None and self.dynamic_shared_bytes and not self.simulated:
                 self._compile(args, cached=False)  # opts the overload Numba launches in to the dynamic shared memory
@@ -113,13 +110,20 @@ class Kernel:
         types. For a launcher that routes between kernels of the same arguments: the kernel it does
         not run yet is ready when a later step needs it."""
         key = None if self.simulated else _launch_key(args)
-        if key is not None:
-            if key not in self._launches:
-                self._launches[key] = self._compile(args)
-        elif not self.simulated and _on_meta(args):
-            from executor.kernel_discovery import argument_types
+        if key is None:
+            self._discovered(args)
+        elif key not in self._launches:
+            self._launches[key] = self._compile(args)
 
-            self.discovered[argument_types(args)] = None
+    def _discovered(self, args: tuple) -> bool:
+        """Whether ``args`` are a discovery pass's (meta tensors, on the GPU's path): then their argument
+        types are noted and nothing is launched or compiled."""
+        if self.simulated or not _on_meta(args):
+            return False
+        from executor.kernel_discovery import argument_types
+
+        self.discovered[argument_types(args)] = None
+        return True
 
     def _compile(self, args: tuple, cached: bool = True) -> tuple[Any, tuple[Packer, ...]] | None:
         """The overload Numba would launch for ``args`` (from the kernel cache when ``cached`` and it has
