@@ -90,7 +90,7 @@ def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, sha
             smoke: bool) -> list[list[str]]:
     """One row per block shape: [shape, prompt tokens, heads, registers, ours us, TFLOP/s, SDPA us, TFLOP/s,
     SDPA / ours, error]."""
-    from executor.kernels.attention.flash import FlashAttention, block_shape
+    from executor.kernels.attention.flash import FlashAttention, block_shape, single_request
     from tests.kernels.attention_reference import causal_attention
 
     width = 2 * heads.head_dim if heads.strided_q else heads.head_dim
@@ -99,6 +99,7 @@ def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, sha
     v = torch.randn(heads.kv_heads, tokens, heads.head_dim, device=device).bfloat16()
     out = torch.empty(tokens, heads.q_heads, heads.head_dim, device=device).bfloat16()
     bits = [t.view(torch.int16) for t in (q, k, v, out)]  # the simulator, too, takes torch tensors as they are
+    q_indptr, positions = (torch.as_tensor(a, device=device) for a in single_request(tokens, tokens))
     qt = q.transpose(0, 1)[None]  # [1, Hq, T, D], batched like HF's call
     group = heads.q_heads // heads.kv_heads
     k_repeated, v_repeated = (t.repeat_interleave(group, dim=0)[None] for t in (k, v))
@@ -121,7 +122,7 @@ def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, sha
         name = shape_name(used) + (" (default)" if shape is None else "")
 
         def ours() -> None:
-            flash(*bits, tokens, stream=runtime.current_stream())
+            flash(*bits, q_indptr, positions, 0, 1, tokens, tokens, stream=runtime.current_stream())
 
         out.fill_(float("nan"))
         ours()

@@ -73,7 +73,7 @@ from bench.common import (  # noqa: E402
 if TYPE_CHECKING:
     import torch
 
-    from executor.engine import EngineReport
+    from executor.engine import EngineReport, StepTiming
     from executor.serving import ServedModel
     from executor.serving_figures import ServingFigures
     from planner.ideal_time import IdealTime, WorkloadCost
@@ -267,15 +267,20 @@ def gap_group_label(group: int) -> str:
 
 def step_gaps(report: EngineReport) -> str:
     """The gaps between read-backs of the steps that carry decode rows (what their requests' TPOT is
-    made of), grouped by the step's prefill tokens: count, p50 and p99 ms a group."""
+    made of), grouped by the step's prefill tokens: count, p50 and p99 ms a group, and the p50 and p99
+    of the host's launch of those steps (a gap shorter than the next step's launch waits for it)."""
     from executor.serving_figures import percentile_ms
 
-    groups: dict[int, list[float]] = {}
+    groups: dict[int, list[StepTiming]] = {}
     for timing in report.step_timings:
         if timing.decode_rows:
-            groups.setdefault(gap_group(timing.prefill_tokens), []).append(timing.gap_s)
-    parts = [f"{gap_group_label(group)}: {len(gaps):,} (p50 {percentile_ms(gaps, 50):.1f}, p99 "
-             f"{percentile_ms(gaps, 99):.1f} ms)" for group, gaps in sorted(groups.items())]
+            groups.setdefault(gap_group(timing.prefill_tokens), []).append(timing)
+
+    def p50_p99(values: list[float]) -> str:
+        return f"p50 {percentile_ms(values, 50):.1f}, p99 {percentile_ms(values, 99):.1f}"
+
+    parts = [f"{gap_group_label(group)}: {len(timings):,} ({p50_p99([t.gap_s for t in timings])} ms; launch "
+             f"{p50_p99([t.launch_s for t in timings])} ms)" for group, timings in sorted(groups.items())]
     return "step gaps with decode rows: " + ("; ".join(parts) if parts else "none")
 
 

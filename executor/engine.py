@@ -70,11 +70,13 @@ class RequestResult:
 class StepTiming:
     """One step as the engine read it back: its decode rows and prefill tokens, and the seconds from
     its launch, or from the read-back before it when that came later, to its read-back: the gap each
-    of its decode rows' requests saw between two tokens."""
+    of its decode rows' requests saw between two tokens; and the host seconds its launch took (metadata,
+    kernel launches or the graph replay), which the step before it waits behind when longer than it."""
 
     decode_rows: int
     prefill_tokens: int
     gap_s: float
+    launch_s: float = 0.0
 
 
 @dataclass
@@ -134,7 +136,8 @@ class Engine:
         results = {id(r): RequestResult(r.request_id, len(r.prompt_ids), [], None, None, 0.0) for r in requests}
         by_id = {r.request_id: r for r in requests}
         start, steps, allocations_start = time.perf_counter(), 0, None
-        in_flight: tuple[ScheduledStep, int, float] | None = None  # a launched step, its read-back buffer, launch s
+        # A launched step, its read-back buffer, when its launch started and how long it took (s).
+        in_flight: tuple[ScheduledStep, int, float, float] | None = None
         timings: list[StepTiming] = []
         last_read_s = 0.0
         while arrivals.pending or self.scheduler.has_unfinished or in_flight is not None:
@@ -152,17 +155,18 @@ class Engine:
                 chunks = [_request_chunk(chunk, by_id[chunk.request_id]) for chunk in step.chunks]
                 launch_s = time.perf_counter() - start
                 sampled = self.model.step(plan_step(self.plan, chunks, self.page_tables))
-                launched = (step, self.read_back.start(sampled, steps), launch_s)
+                launched = (step, self.read_back.start(sampled, steps), launch_s,
+                            time.perf_counter() - start - launch_s)
                 steps += 1
             elif in_flight is None:  # idle until the next arrival
                 steps = arrivals.idle(steps, time.perf_counter() - start)
                 continue
             if in_flight is not None:
-                done, buffer, done_launch_s = in_flight
+                done, buffer, done_launch_s, done_launch_took_s = in_flight
                 sampled_ids = self.read_back.wait(buffer, done.num_requests)
                 now = time.perf_counter() - start
                 timings.append(StepTiming(done.num_decode_rows, done.num_prefill_tokens,
-                                          now - max(done_launch_s, last_read_s)))
+                                          now - max(done_launch_s, last_read_s), done_launch_took_s))
                 last_read_s = now
                 # Stamp the ids update() keeps (it drops those of requests finished or preempted since).
                 counts = {c.request_id: len(by_id[c.request_id].output_ids) for c in done.chunks if c.sample}

@@ -114,8 +114,9 @@ ROUTES: tuple[Route, ...] = (
           "248 decode rows at 1,100 tokens beside 8 x 1,024 prefill, Qwen3-8B on the H200: 7.5 ms a layer "
           "in the paged kernel (a 4-row tile a row), 0.33 ms in the decode kernel"),
     Route("prefill", "attention", "chunk >= gemm_attention_min_tokens, plan prefill_attention flash (bf16, "
-          "head_dim % 32 == 0)", "attention/gather.py GatherKv + attention/flash.py FlashAttention",
-          "tensor cores, no score buffer"),
+          "head_dim % 32 == 0)", "attention/gather.py PackedGatherKv + attention/flash.py FlashAttention: one "
+          "pair of launches over the step's long chunks (as many as their keys fit the gather scratch)",
+          "tensor cores, no score buffer; the chunks' blocks in one grid"),
     Route("prefill", "attention", "chunk >= gemm_attention_min_tokens, prefill_attention gemm (non-bf16 runs: "
           "float32 in the simulator, float16)", "GatherKv + torch GEMMs + attention/causal_softmax.py",
           "the path for dtypes the flash kernel does not take"),

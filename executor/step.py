@@ -88,6 +88,48 @@ class LongPrefillRequest:
 
 
 @dataclass(frozen=True)
+class LongPrefillGroup:
+    """Long prefill chunks that one packed gather and one FlashAttention launch serve together
+    (executor/kernels/attention/packed.py): the step's requests ``first_request .. first_request +
+    num_requests - 1``, of which those with at least serving gemm_attention_min_tokens rows are packed,
+    their keys one after another in the gather scratch.
+
+    kv_tokens   their kv_len summed: at most capacity.prefill_gather_tokens (the scratch)
+    max_rows    the longest chunk's rows (the launch's query grid)
+    max_kv_len  the longest kv_len (the gather's grid)
+    """
+
+    first_request: int
+    num_requests: int
+    kv_tokens: int
+    max_rows: int
+    max_kv_len: int
+
+
+def long_prefill_groups(requests: Sequence[LongPrefillRequest], gather_tokens: int) -> tuple[LongPrefillGroup, ...]:
+    """``requests`` (in step order) as consecutive groups whose kv_len add up to at most ``gather_tokens``,
+    each as long as it can be: one group where the step's keys fit the scratch together. A request's
+    kv_len is at most max_context = gather_tokens, so each fits alone."""
+    groups: list[LongPrefillGroup] = []
+    members: list[LongPrefillRequest] = []
+
+    def close() -> None:
+        if members:
+            groups.append(LongPrefillGroup(members[0].request, members[-1].request - members[0].request + 1,
+                                           sum(r.kv_len for r in members), max(r.num_rows for r in members),
+                                           max(r.kv_len for r in members)))
+            members.clear()
+
+    for request in requests:
+        assert request.kv_len <= gather_tokens, "the planner sizes prefill_gather_tokens to max_context"
+        if members and sum(r.kv_len for r in members) + request.kv_len > gather_tokens:
+            close()
+        members.append(request)
+    close()
+    return tuple(groups)
+
+
+@dataclass(frozen=True)
 class StepMetadata:
     """Host arrays of one step (active lengths only) and its counts."""
 
@@ -113,6 +155,7 @@ class StepMetadata:
     seeds: np.ndarray  # [requests] int64
     sample_steps: np.ndarray  # [requests] int32
     long_prefill_requests: tuple[LongPrefillRequest, ...] = ()  # the prefill_attention backend's (host only)
+    long_prefill_groups: tuple[LongPrefillGroup, ...] = ()  # the same chunks as the flash backend's launches
     # Prefill steps: the last this many tiles are the decode rows' (one-row chunks), which the decode
     # attention kernel serves (routing.py); the tiles before them are the paged kernel's. 0 in decode steps.
     num_decode_row_tiles: int = 0
@@ -199,6 +242,7 @@ def plan_step(plan: MemoryPlan, chunks: Sequence[RequestChunk], page_tables: Pag
         seeds=np.array([c.seed for c in chunks], dtype=np.int64),
         sample_steps=_i32([c.sample_step for c in chunks]),
         long_prefill_requests=long_requests,
+        long_prefill_groups=long_prefill_groups(long_requests, cap.prefill_gather_tokens),
         num_decode_row_tiles=num_decode_row_tiles,
         leading_decode_rows=0 if pool == "decode" else int(np.argmax(new_tokens != 1)),
     )

@@ -101,7 +101,8 @@ def _long_prefill_attention(arena: Arena, kernels: Kernels, k_cache: torch.Tenso
     if not plan.capacity.prefill_gather_tokens:
         return None
     if plan.capacity.prefill_attention == "flash":
-        return FlashPrefillAttention(kernels.gather_kv, kernels.flash_attention, k_cache, v_cache)
+        return FlashPrefillAttention(kernels.packed_gather_kv, kernels.flash_attention, k_cache, v_cache,
+                                     plan.serving.gemm_attention_min_tokens)
     return GemmPrefillAttention(kernels.gather_kv, kernels.causal_softmax, kernels.chunk_copy, k_cache, v_cache,
                                 g.num_kv_heads, g.gqa_group, scale)
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from executor.arena import Arena
-from executor.step import LongPrefillRequest, StepMetadata
+from executor.step import LongPrefillGroup, LongPrefillRequest, StepMetadata
 
 
 #: The attention-plan buffers of an attention launch, in its argument order.
@@ -33,6 +33,7 @@ class StepViews:
     arena: Arena
     stream: Any  # the Numba stream kernels launch on: torch's current stream (device.current_stream())
     long_prefill_requests: tuple[LongPrefillRequest, ...] = ()  # chunks the prefill_attention backend runs
+    long_prefill_groups: tuple[LongPrefillGroup, ...] = ()  # the same chunks, packed (the flash backend's)
     num_decode_row_tiles: int = 0  # prefill steps: the last tiles, the decode rows' (StepMetadata)
     leading_decode_rows: int = 0  # prefill steps: the one-row chunks the step starts with (StepMetadata)
 
@@ -92,6 +93,7 @@ def step_views(arena: Arena, meta: StepMetadata) -> StepViews:
         arena=arena,
         stream=arena.device.current_stream(),
         long_prefill_requests=meta.long_prefill_requests,
+        long_prefill_groups=meta.long_prefill_groups,
         num_decode_row_tiles=meta.num_decode_row_tiles,
         leading_decode_rows=meta.leading_decode_rows,
     )

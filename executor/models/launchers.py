@@ -20,7 +20,7 @@ from executor.kernels.rows.embedding import Embedding
 from executor.kernels.attention.flash import FlashAttention
 from executor.kernels.rows.gated_norm import GatedRmsNorm
 from executor.kernels.gemv import Gemv
-from executor.kernels.attention.gather import GatherKv
+from executor.kernels.attention.gather import GatherKv, PackedGatherKv
 from executor.kernels.rows.norm import AddRmsNormInplace, RmsNorm
 from executor.kernels.rows.output_gate import SigmoidMulInplace
 from executor.kernels.rope.fused_kv_write import QkNormRopeWriteKv
@@ -57,6 +57,7 @@ class Kernels:
     causal_softmax: CausalSoftmax  # GEMM prefill attention: scores -> probabilities
     chunk_copy: ChunkCopy  # GEMM prefill attention: query rows packed by kv head, outputs back
     flash_attention: FlashAttention  # FlashAttention prefill (compiled on first use: flash plans only)
+    packed_gather_kv: PackedGatherKv  # FlashAttention prefill: the step's long chunks' KV pages -> scratch
     output_gate: SigmoidMulInplace
     silu_mul: SiluMul
     gemv: Gemv  # small-batch decode projections with the norm, SwiGLU or residual add fused in
@@ -111,6 +112,7 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle, nu
         causal_softmax=CausalSoftmax(codec),
         chunk_copy=ChunkCopy(),
         flash_attention=FlashAttention(),
+        packed_gather_kv=PackedGatherKv(),
         output_gate=SigmoidMulInplace(codec),
         silu_mul=SiluMul(codec),
         gemv=Gemv(codec, norm.round_before_weight),

@@ -98,7 +98,7 @@ def test_step_timings_account_for_every_row_the_engine_ran(batched):
     _, _, prompts, _, report = batched
     timings, stats = report.step_timings, report.stats
     assert stats.preemptions == 0
-    assert len(timings) == report.steps and all(t.gap_s >= 0 for t in timings)
+    assert len(timings) == report.steps and all(t.gap_s >= 0 and t.launch_s > 0 for t in timings)
     results = report.results[1:]  # the rejected request ran no row
     assert sum(t.decode_rows for t in timings) == sum(len(r.output_ids) - 1 for r in results)
     assert sum(t.prefill_tokens for t in timings) == sum(len(p) for p in prompts) - stats.prefix_hit_tokens

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.kernels.attention.flash import FlashAttention
+from executor.kernels.attention.flash import FlashAttention, single_request
 from executor.models.flash_prefill_attention import FlashPrefillAttention
 from executor.step import RequestChunk, plan_step
 from planner.kernel_limits import FLASH_HEAD_DIM_MULTIPLE
@@ -52,7 +52,7 @@ def test_the_planners_head_dim_multiple_is_the_kernels():
     q = torch.zeros(1, 2, half, dtype=torch.int16)
     k = torch.zeros(1, 4, half, dtype=torch.int16)
     with pytest.raises(ValueError, match=f"head_dim {half}"):
-        FlashAttention()(q, k, k.clone(), q.clone(), 1)
+        FlashAttention()(q, k, k.clone(), q.clone(), *single_request(1, 1), 0, 1, 1, 1)
 
 
 def test_flash_prefill_matches_the_paged_kernel_and_hf():

@@ -200,3 +200,23 @@ def test_a_long_chunk_runs_in_score_tiles_with_gemm_and_in_one_launch_with_flash
     (routed,) = meta.long_prefill_requests
     assert (routed.num_rows, routed.kv_len, routed.rows_per_tile) == (4096, 40960, rows_per_tile)
     assert meta.num_tiles == 0  # no paged-attention tile
+
+
+def test_long_chunks_pack_into_launches_whose_keys_fit_the_gather_scratch():
+    """Qwen3-8B flash at C = 8192, chunks of >= 256 rows: a step of a decode row, 1,024 rows after 5,000
+    cached tokens, a 100-row chunk (the paged kernel's), 2,048 rows and 1,024 rows after 2,000. Their
+    kv_len 6,024 + 2,048 fit the 8,192-key scratch together (one launch over requests 1..3, the short one
+    among them skipped); the 3,024 of the last do not, so it takes a second launch."""
+    plan = build_plan(load_model("qwen3-8b"), load_hardware("h200"),
+                      load_serving("default", {"max_context": 8192, "max_prefill_tokens": 8192, "max_batch": 8,
+                                               "prefill_attention": "flash", "gemm_attention_min_tokens": 256}))
+    assert plan.capacity.prefill_gather_tokens == 8192
+    per_request = plan.capacity.pages_per_request
+    chunks = [(1, 300), (1024, 5000), (100, 0), (2048, 0), (1024, 2000)]  # (rows, cached)
+    step = [RequestChunk([1] * rows, cached, list(range(1 + i * per_request, 1 + (i + 1) * per_request)))
+            for i, (rows, cached) in enumerate(chunks)]
+    meta = plan_step(plan, step)
+    assert [r.request for r in meta.long_prefill_requests] == [1, 3, 4]
+    groups = [(g.first_request, g.num_requests, g.kv_tokens, g.max_rows, g.max_kv_len)
+              for g in meta.long_prefill_groups]
+    assert groups == [(1, 3, 6024 + 2048, 2048, 6024), (4, 1, 3024, 1024, 3024)]

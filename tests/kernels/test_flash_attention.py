@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from executor.kernels.attention.flash import (
-    STATIC_SHARED_BYTES, BlockShape, FlashAttention, block_shape, query_tile_bytes, staged_bytes)
+    STATIC_SHARED_BYTES, BlockShape, FlashAttention, block_shape, query_tile_bytes, single_request, staged_bytes)
 from executor.numba_cuda import simulator_enabled
 from tests.kernels.attention_reference import causal_attention
 from tests.kernels.compile_check import compile_for_sm90
@@ -30,18 +30,19 @@ def run_case(rows, kv_len, q_heads, kv_heads, head_dim, device, strided_q=False,
     v = torch.randn(kv_heads, capacity, head_dim, generator=gen, device=device).bfloat16()
     k[:, kv_len:] = 1e4  # stale keys past kv_len: reading one would swamp the softmax
     out = torch.full((rows, q_heads, head_dim), float("nan"), device=device).bfloat16()
-    FlashAttention(shape)(*[t.view(torch.int16) for t in (q, k, v, out)], kv_len)  # the simulator takes torch views too
+    q_indptr, positions = (torch.as_tensor(a, device=device) for a in single_request(rows, kv_len))
+    FlashAttention(shape)(*[t.view(torch.int16) for t in (q, k, v, out)], q_indptr, positions, 0, 1, rows,
+                          kv_len)  # the simulator takes torch views too
     expected = causal_attention(q, k, v, kv_len)
     error = (out.double() - expected).abs().max().item()
     assert error <= TOLERANCE, f"max |out - float64| = {error:.4f} > {TOLERANCE}"
 
 
-@pytest.mark.parametrize("rows,kv_len", [(70, 70), (9, 100)])
-def test_matches_float64_in_the_simulator(rows, kv_len):
-    """Head dim 32's own shape: 64 keys a round, two m-tiles a warp, 128 rows a block. A 70-row
-    prompt: two key blocks (the online softmax rescales), ragged ends. A 9-row chunk after 91
-    cached tokens: a whole key block before the diagonal. GQA group 2."""
-    run_case(rows, kv_len, q_heads=2, kv_heads=1, head_dim=32, device="cpu" if simulator_enabled() else "cuda")
+def test_matches_float64_in_the_simulator():
+    """Head dim 32's own shape: 32 keys a round, two m-tiles a warp, 128 rows a block. A 70-row
+    prompt: three key blocks (the online softmax rescales), ragged ends. GQA group 2. (A chunk
+    after cached tokens: the packed test below.)"""
+    run_case(70, 70, q_heads=2, kv_heads=1, head_dim=32, device="cpu" if simulator_enabled() else "cuda")
 
 
 @pytest.mark.parametrize("shape", [
@@ -55,6 +56,41 @@ def test_small_blocks_match_float64_in_the_simulator(shape):
     the diagonal ones masked."""
     run_case(70, 70, q_heads=2, kv_heads=1, head_dim=32, device="cpu" if simulator_enabled() else "cuda",
              shape=shape)
+
+
+def test_one_launch_serves_packed_chunks_and_skips_the_others():
+    """One launch over a step of four requests: a decode row (skipped), a 40-row prompt (packed first),
+    a 3-row chunk short of min_rows 4 (skipped: the paged kernel's), and a 9-row chunk after 91 cached
+    tokens (packed second, its keys right after the prompt's 40: whole key blocks before its diagonal).
+    The packed chunks' rows match float64 attention over their own keys; the skipped requests' rows
+    stay untouched."""
+    device = "cpu" if simulator_enabled() else "cuda"
+    gen = torch.Generator(device=device).manual_seed(3)
+    chunks = [(1, 12), (40, 40), (3, 20), (9, 100)]  # (rows, kv_len) of each request, in step order
+    packed = [1, 3]
+    q_heads, kv_heads, head_dim = 1, 1, 32  # one head: a simulated block costs seconds
+    num_rows = sum(rows for rows, _ in chunks)
+    q = torch.randn(num_rows, q_heads, head_dim, generator=gen, device=device).bfloat16()
+    capacity = sum(chunks[i][1] for i in packed) + 5
+    k = torch.randn(kv_heads, capacity, head_dim, generator=gen, device=device).bfloat16()
+    v = torch.randn(kv_heads, capacity, head_dim, generator=gen, device=device).bfloat16()
+    k[:, capacity - 5:] = 1e4  # past the packed keys: reading one would swamp the softmax
+    q_indptr = torch.tensor([0, *np.cumsum([rows for rows, _ in chunks])], dtype=torch.int32, device=device)
+    positions = torch.cat([torch.arange(kv - rows, kv, dtype=torch.int32, device=device) for rows, kv in chunks])
+    out = torch.full((num_rows, q_heads, head_dim), float("nan"), device=device).bfloat16()
+    kv_tokens = sum(chunks[i][1] for i in packed)
+    FlashAttention()(*[t.view(torch.int16) for t in (q, k, v, out)], q_indptr, positions, 1, 3, 40, kv_tokens,
+                     min_rows=4)
+    offset = 0
+    for index, (rows, kv_len) in enumerate(chunks):
+        span = slice(int(q_indptr[index]), int(q_indptr[index + 1]))
+        if index not in packed:
+            assert out[span].isnan().all(), f"request {index} is not packed: its rows must stay untouched"
+            continue
+        expected = causal_attention(q[span], k[:, offset:], v[:, offset:], kv_len)
+        error = (out[span].double() - expected).abs().max().item()
+        assert error <= TOLERANCE, f"request {index}: max |out - float64| = {error:.4f} > {TOLERANCE}"
+        offset += kv_len
 
 
 def test_block_shapes_fit_shared_memory():
@@ -72,15 +108,18 @@ def test_shape_errors_name_the_shapes():
     flash = FlashAttention()
     q = np.zeros((4, 2, 32), np.int16)
     kv = np.zeros((1, 6, 32), np.int16)
-    with pytest.raises(ValueError, match="kv_len 7 .* 6 keys"):
-        flash(q, kv, kv, q.copy(), 7)
-    with pytest.raises(ValueError, match="kv_len 3 .* 4 rows"):
-        flash(q, kv, kv, q.copy(), 3)
+    q_indptr, positions = single_request(4, 6)
+    with pytest.raises(ValueError, match="7 keys do not fit the 6 keys"):
+        flash(q, kv, kv, q.copy(), q_indptr, positions, 0, 1, 4, 7)
+    with pytest.raises(ValueError, match="requests 0..1 outside the step's 1"):
+        flash(q, kv, kv, q.copy(), q_indptr, positions, 0, 2, 4, 6)
     with pytest.raises(ValueError, match="head_dim 24"):
         flash(np.zeros((4, 2, 24), np.int16), np.zeros((1, 4, 24), np.int16), np.zeros((1, 4, 24), np.int16),
-              np.zeros((4, 2, 24), np.int16), 4)
+              np.zeros((4, 2, 24), np.int16), q_indptr, positions, 0, 1, 4, 4)
     with pytest.raises(ValueError, match="must match"):
-        flash(q, kv, kv, np.zeros((4, 2, 16), np.int16), 4)
+        flash(q, kv, kv, np.zeros((4, 2, 16), np.int16), q_indptr, positions, 0, 1, 4, 4)
+    with pytest.raises(ValueError, match="a chunk of 5 rows must be 1..kv_len 4"):
+        single_request(5, 4)
 
 
 @pytest.mark.gpu
@@ -103,7 +142,8 @@ def test_compiles_to_unrolled_mmas_in_registers_on_sm90():
         for head_dim, group in ((128, 4), (256, 4)):
             shape = block_shape(head_dim)
             text = ptx(build_flash_attention(head_dim, group, shape),
-                       *[arr("int32", 3)] * 4, types.int32, types.int32, types.int32, types.float32)
+                       *[arr("int32", 3)] * 4, arr("int32", 1), arr("int32", 1), types.int32, types.int32,
+                       types.float32)
             mmas = text.count("mma.sync.aligned")
             assert mmas == 2 * head_dim * shape.keys * shape.m_tiles // 128, (head_dim, mmas)
             # A K or V ldmatrix.x4 feeds two MMAs of each m-tile; a shared Q's fragments load once a key

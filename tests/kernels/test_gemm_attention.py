@@ -19,7 +19,7 @@ from executor.device import open_device
 from executor.kernels.primitives.codec import build_codec
 from executor.kernels.attention.causal_softmax import CausalSoftmax
 from executor.kernels.rows.chunk_copy import ChunkCopy
-from executor.kernels.attention.gather import GatherKv
+from executor.kernels.attention.gather import GatherKv, PackedGatherKv
 from executor.models.prefill_attention import GemmPrefillAttention
 from executor.step import LongPrefillRequest
 from tests.kernels.compile_check import compile_for_sm90
@@ -56,6 +56,51 @@ def test_gather_copies_a_requests_pages_in_token_order(dtype_name, head_dim):
     assert torch.equal(keys[:, :10], k_cache[token_pages, offsets].transpose(0, 1))
     assert torch.equal(values[:, :10], v_cache[token_pages, offsets].transpose(0, 1))
     assert keys[:, 10:].isnan().all()  # nothing past num_tokens written
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_packed_gather_lays_the_packed_requests_keys_one_after_another(dtype_name):
+    """One launch over a step of four requests: a 10-token chunk after 0 cached (packed), a decode row
+    (skipped: below min_rows 2), a 3-row chunk after 4 cached tokens (packed: kv_len 7) and a 5-row
+    chunk (packed). Their keys land at scratch rows 0, 10 and 17 in token order; nothing else is
+    written."""
+    generator = torch.Generator().manual_seed(1)
+    dtype = getattr(torch, dtype_name)
+    chunks = [(10, 10), (1, 9), (3, 7), (5, 5)]  # (rows, kv_len)
+    shape = (16, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    page_lists = []
+    free = (torch.randperm(15, generator=generator) + 1).tolist()
+    for _, kv_len in chunks:
+        count = -(-kv_len // PAGE_SIZE)
+        page_lists.append(free[:count])
+        free = free[count:]
+    page_indices = torch.tensor([p for pages in page_lists for p in pages], dtype=torch.int32)
+    page_indptr = torch.tensor([0, *torch.cumsum(torch.tensor([len(p) for p in page_lists]), 0).tolist()],
+                               dtype=torch.int32)
+    q_indptr = torch.tensor([0, *torch.cumsum(torch.tensor([rows for rows, _ in chunks]), 0).tolist()],
+                            dtype=torch.int32)
+    positions = torch.cat([torch.arange(kv - rows, kv, dtype=torch.int32) for rows, kv in chunks])
+    capacity = 25
+    keys = torch.full((NUM_KV_HEADS, capacity, HEAD_DIM), float("nan"), dtype=dtype)
+    values = keys.clone()
+    words = lambda t: t.view(torch.int32).numpy()  # noqa: E731  (bf16 pairs as one int32)
+    PackedGatherKv()(words(k_cache), words(v_cache), page_indices.numpy(), page_indptr.numpy(), q_indptr.numpy(),
+                     positions.numpy(), 0, 4, 10, 22, words(keys), words(values), min_rows=2)
+    offset = 0
+    for index in (0, 2, 3):
+        kv_len = chunks[index][1]
+        pages = torch.tensor(page_lists[index])
+        token_pages, slots = pages[torch.arange(kv_len) // PAGE_SIZE], torch.arange(kv_len) % PAGE_SIZE
+        assert torch.equal(keys[:, offset:offset + kv_len], k_cache[token_pages, slots].transpose(0, 1)), index
+        assert torch.equal(values[:, offset:offset + kv_len], v_cache[token_pages, slots].transpose(0, 1)), index
+        offset += kv_len
+    assert offset == 22 and keys[:, offset:].isnan().all() and values[:, offset:].isnan().all()
+    with pytest.raises(ValueError, match="23 tokens, scratch holds 22"):
+        PackedGatherKv()(words(k_cache), words(v_cache), page_indices.numpy(), page_indptr.numpy(),
+                         q_indptr.numpy(), positions.numpy(), 0, 4, 10, 23, words(keys[:, :22]),
+                         words(values[:, :22]), min_rows=2)
 
 
 def _reference_attention(q, k_cache, v_cache, pages, kv_len, scale):
@@ -118,13 +163,15 @@ def test_tiled_gemm_attention_matches_float64_on_gpu_at_qwen3_8b_tiles():
 
 
 def test_compiles_for_sm90():
-    """Both gather kernels, with float32 math only; the vector one with 16-byte accesses."""
+    """The gather kernels, with float32 math only; the vector and packed ones with 16-byte accesses."""
     compile_for_sm90(
         """
-        from executor.kernels.attention.gather import build_gather_kv, build_gather_kv_vector
+        from executor.kernels.attention.gather import build_gather_kv, build_gather_kv_packed, build_gather_kv_vector
         i32 = arr("int32", 1)
-        args = (arr("int32", 4), arr("int32", 4), i32, types.int32, types.int32, arr("int32", 3), arr("int32", 3))
+        caches, scratch = (arr("int32", 4), arr("int32", 4)), (arr("int32", 3), arr("int32", 3))
+        args = (*caches, i32, types.int32, types.int32, *scratch)
         ptx(build_gather_kv(), *args)
         vector_ptx(build_gather_kv_vector(), *args)
+        vector_ptx(build_gather_kv_packed(), *caches, i32, i32, i32, i32, types.int32, types.int32, *scratch)
         """
     )

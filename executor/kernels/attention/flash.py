@@ -1,13 +1,18 @@
 """Causal prefill attention on tensor cores, without materialized scores (FlashAttention-2's loop).
 
-For one request's chunk of ``rows`` query rows, the last rows of its ``kv_len`` tokens (row r
-at position ``first_position + r``, first_position = kv_len - rows), over its keys at positions
-0..kv_len-1, its K/V head-major as GEMM attention's GatherKv writes them ([Hkv, C, D] scratch,
-C >= kv_len: a kv head's keys are one contiguous run, read 16 bytes a thread):
+For each request of a launch's packed range (executor/kernels/attention/packed.py: the step's
+requests first_request.., those with at least min_rows rows), its chunk of ``rows`` query rows,
+the last rows of its ``kv_len`` tokens (row r at position ``first_position + r``, first_position =
+kv_len - rows), over its keys at positions 0..kv_len-1, its K/V head-major as GatherKv's packed
+gather writes them ([Hkv, C, D] scratch, the packed requests' runs one after another: a kv head's
+keys of a request are one contiguous run, read 16 bytes a thread):
 
     out[r, h] = softmax_k(q[r, h] . k[h // group, k] * D^-0.5, keys k <= first_position + r) @ v[h // group]
 
-All tensors are bf16; q and out are [rows, Hq, D], k and v [Hkv, >= kv_len, D]. The kernel reads
+One launch serves all of a step's long chunks (grid z runs over the requests): a step of several
+chunks of ~1,024 rows is one grid of all their blocks, where a launch a chunk leaves SMs idle.
+
+All tensors are bf16; q and out are the step's [T, Hq, D] rows, k and v [Hkv, C, D]. The kernel reads
 them as int32 words (two bf16 a word) and accumulates in float32. Like FlashAttention, it rounds
 the probabilities P to bf16 for the P V product. The scores never reach memory: a block keeps
 an online softmax (running row maximum and sum, in exp2 units) across key blocks.
@@ -49,6 +54,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from executor.kernels.attention.packed import build_packed_request
 from executor.kernels.primitives.launch import Kernel
 from executor.kernels.primitives.async_copy import build_async_copy, build_row_copy, build_shared_address
 from executor.kernels.primitives.fast_math import build_exp2_scaled
@@ -122,9 +128,11 @@ def query_tile_bytes(head_dim: int, shape: BlockShape) -> int:
 
 
 def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Callable[..., Any]:
-    """Kernel ``(q [rows, Hq, D/2], k, v [Hkv, >= kv_len, D/2], out [rows, Hq, D/2] int32 words,
-    rows, kv_len, first_position int32, scale_log2 f32)``; grid (ceil(rows / shape.rows), Hq),
-    shape.threads threads, ``query_tile_bytes`` of dynamic shared memory.
+    """Kernel ``(q [T, Hq, D/2], k, v [Hkv, C, D/2], out [T, Hq, D/2] int32 words, q_indptr [R + 1],
+    positions [T] int32, first_request, min_rows int32, scale_log2 f32)``; grid (ceil(longest packed
+    chunk's rows / shape.rows), Hq, requests of the range), shape.threads threads,
+    ``query_tile_bytes`` of dynamic shared memory. A block past its chunk's rows, or of a request
+    that is not packed, returns at once.
 
     head_dim a multiple of 32 (a fragment load covers two k-steps of Q K^T), keys of 16, q head h
     reads kv head h // group. scale_log2 is D^-0.5 * log2(e).
@@ -160,6 +168,7 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     query_tile = build_shared_tile(ROWS_PER_BLOCK, ROW_WORDS)
     quad_max = build_group_max()
     quad_sum = build_group_sum()
+    chunk_of, kv_offset_of = build_packed_request()
     # ldmatrix and cp.async need 16-byte aligned rows; the simulator takes no alignment (and needs none).
     TILE_ALIGNMENT = None if simulator_enabled() else 16
     SCRATCH_VALUES = THREADS if simulator_enabled() else 1  # the simulator's quad reductions
@@ -195,11 +204,11 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
 
     if Q_IN_SHARED:
         @cuda.jit(device=True, inline=True)
-        def start_queries(q, h, first_row, rows, warp_row, dynamic, ks, qa):
-            """Start copying the block's query rows of head h into the dynamic query tile (zeros past
-            the chunk's rows); returns the tile."""
+        def start_queries(q, h, first, limit, warp_row, dynamic, ks, qa):
+            """Start copying the block's query rows of head h, step rows first.., into the dynamic
+            query tile (zeros from the chunk's end, step row ``limit``, on); returns the tile."""
             qs = query_tile(dynamic, 0)
-            stage_queries(q, h, first_row, rows, qs, shared_address(qs, (0, 0)))
+            stage_queries(q, h, first, limit, qs, shared_address(qs, (0, 0)))
             return qs
 
         @cuda.jit(device=True, inline=True)
@@ -211,18 +220,19 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
         QA_STEP = 0  # m-tile i's fragment of any k-step sits at qa[4 i]
     else:
         @cuda.jit(device=True, inline=True)
-        def start_queries(q, h, first_row, rows, warp_row, dynamic, ks, qa):
-            """qa[4 s ..] <- the warp's A fragments of every k-step, from global memory (zeros past the
-            chunk's rows); returns a stand-in tile (K's) that nothing reads as queries."""
+        def start_queries(q, h, first, limit, warp_row, dynamic, ks, qa):
+            """qa[4 s ..] <- the warp's A fragments of every k-step, from global memory, the block's
+            rows from step row ``first`` (zeros from step row ``limit`` on); returns a stand-in tile
+            (K's) that nothing reads as queries."""
             lane = cuda.threadIdx.x % 32
             t = lane % 4
-            r0 = first_row + warp_row + lane // 4
+            r0 = first + warp_row + lane // 4
             r1 = r0 + 8
             for s in range(K_STEPS):
-                qa[4 * s] = q[r0, h, 8 * s + t] if r0 < rows else 0
-                qa[4 * s + 1] = q[r1, h, 8 * s + t] if r1 < rows else 0
-                qa[4 * s + 2] = q[r0, h, 8 * s + t + 4] if r0 < rows else 0
-                qa[4 * s + 3] = q[r1, h, 8 * s + t + 4] if r1 < rows else 0
+                qa[4 * s] = q[r0, h, 8 * s + t] if r0 < limit else 0
+                qa[4 * s + 1] = q[r1, h, 8 * s + t] if r1 < limit else 0
+                qa[4 * s + 2] = q[r0, h, 8 * s + t + 4] if r0 < limit else 0
+                qa[4 * s + 3] = q[r1, h, 8 * s + t + 4] if r1 < limit else 0
             return ks
 
         @cuda.jit(device=True, inline=True)
@@ -338,7 +348,7 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
             o[first + 4 * j + 1] *= alpha
 
     @cuda.jit(**launch_bounds(None if shape.blocks_per_sm is None else (THREADS, shape.blocks_per_sm)))
-    def flash_attention(q, k, v, out, rows, kv_len, first_position, scale_log2):
+    def flash_attention(q, k, v, out, q_indptr, positions, first_request, min_rows, scale_log2):
         scratch = cuda.shared.array(SCRATCH_VALUES, float32)
         dynamic = cuda.shared.array(0, int32, alignment=TILE_ALIGNMENT)
         ks = cuda.shared.array((KB, ROW_WORDS), int32, alignment=TILE_ALIGNMENT)
@@ -355,11 +365,17 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
         t = lane % 4
         h = cuda.blockIdx.y
         kvh = h // group
+        request = first_request + cuda.blockIdx.z
+        q_start, rows, kv_len = chunk_of(q_indptr, positions, request)
         # Causal blocks differ in work: the last query rows see the most keys. Launch them first so
         # the short blocks fill the tail of the grid.
         first_row = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * ROWS_PER_BLOCK
+        if rows < min_rows or first_row >= rows:
+            return  # a request the launch skips (packed.py), or past a shorter chunk's rows: the whole block
+        first_position = kv_len - rows
+        kv_offset = kv_offset_of(q_indptr, positions, first_request, request, min_rows)
         warp_row = (cuda.threadIdx.x // 32) * WARP_ROWS  # the warp's first row in the block
-        qs = start_queries(q, h, first_row, rows, warp_row, dynamic, ks, qa)
+        qs = start_queries(q, h, q_start + first_row, q_start + rows, warp_row, dynamic, ks, qa)
         # Shared addresses taken once: each copy and fragment load then adds a constant offset. A's
         # quarters are the transposed load's matrices, untransposed: Q's, and K's two n-tiles at a time.
         ks_address = shared_address(ks, (0, 0))
@@ -378,8 +394,8 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
         # Pipeline: a shared Q lands with the first K; V of a key block lands during its Q K^T and
         # softmax, K of the next during its P V.
         col = (cuda.threadIdx.x % CHUNKS_PER_ROW) * 4
-        k_cursor = row_cursor(k, (kvh, 0, col))
-        v_cursor = row_cursor(v, (kvh, 0, col))
+        k_cursor = row_cursor(k, (kvh, kv_offset, col))
+        v_cursor = row_cursor(v, (kvh, kv_offset, col))
         stage(k, k_cursor, 0, kv_len, ks, ks_address)
         for first_key in range(0, key_end, KB):
             copy_async_wait_all()
@@ -405,18 +421,28 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
             c = (r // 2) * O_VALUES + 2 * (r % 2)
             if row < rows:
                 for j in range(O_TILES):
-                    out[row, h, 4 * j + t] = pack(o[c + 4 * j] * inv_sum, o[c + 4 * j + 1] * inv_sum)
+                    out[q_start + row, h, 4 * j + t] = pack(o[c + 4 * j] * inv_sum, o[c + 4 * j + 1] * inv_sum)
 
     return flash_attention
 
 
-class FlashAttention:
-    """Launcher: causal attention of one request's query chunk over its keys, bf16 (or its int16 bits).
+def single_request(rows: int, kv_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(q_indptr, positions)`` int32 of one request's chunk of ``rows`` rows, the last of its ``kv_len``
+    tokens: the metadata of a one-request launch (benchmarks, tests)."""
+    if not 1 <= rows <= kv_len:
+        raise ValueError(f"flash attention: a chunk of {rows} rows must be 1..kv_len {kv_len}")
+    return (np.array([0, rows], dtype=np.int32), np.arange(kv_len - rows, kv_len, dtype=np.int32))
 
-    q, out [rows, Hq, D]; k, v [Hkv, C, D] with C >= kv_len (GatherKv's scratch; only the first
-    kv_len keys are read); Hq a multiple of Hkv; D a multiple of 32; every row's heads 16-byte
-    aligned (a strided q such as Qwen3.5's gated one is fine). Query row r is at position
-    kv_len - rows + r and sees keys 0..kv_len - rows + r.
+
+class FlashAttention:
+    """Launcher: causal attention of a packed range of a step's chunks over their gathered keys, bf16
+    (or its int16 bits).
+
+    q, out [T, Hq, D] (the step's rows); k, v [Hkv, C, D] (GatherKv.packed's scratch); Hq a multiple
+    of Hkv; D a multiple of 32; every row's heads 16-byte aligned (a strided q such as Qwen3.5's gated
+    one is fine). q_indptr [R + 1] and positions [T] int32 are the step's metadata; the launch serves
+    requests ``first_request .. first_request + num_requests - 1`` with at least ``min_rows`` rows
+    (packed.py), whose kv_len add up to ``kv_tokens`` and whose longest chunk has ``max_rows`` rows.
     """
 
     def __init__(self, shape: BlockShape | None = None) -> None:
@@ -434,10 +460,10 @@ class FlashAttention:
             entry = self._kernels[(head_dim, group)] = (shape, kernel)
         return entry
 
-    def __call__(self, q: Any, k: Any, v: Any, out: Any, kv_len: int, stream: Any = 0) -> None:
-        """Attention of the chunk's rows, the last ``rows`` of the request's ``kv_len`` tokens (query
-        row r at position kv_len - rows + r), over k[:, :kv_len] and v[:, :kv_len]."""
-        rows, q_heads, head_dim = q.shape
+    def __call__(self, q: Any, k: Any, v: Any, out: Any, q_indptr: Any, positions: Any, first_request: int,
+                 num_requests: int, max_rows: int, kv_tokens: int, min_rows: int = 1, stream: Any = 0) -> None:
+        """Attention of the packed chunks' rows into their rows of ``out``."""
+        _, q_heads, head_dim = q.shape
         kv_heads, capacity, _ = k.shape
         if tuple(out.shape) != tuple(q.shape) or tuple(v.shape) != tuple(k.shape) or k.shape[2] != head_dim:
             raise ValueError(f"flash attention: q {tuple(q.shape)}, out {tuple(out.shape)}, k {tuple(k.shape)}, "
@@ -445,20 +471,22 @@ class FlashAttention:
         if head_dim % 32 or kv_heads == 0 or q_heads % kv_heads:
             raise ValueError(f"flash attention: head_dim {head_dim} must be a multiple of 32 and q heads {q_heads} "
                              f"a multiple of kv heads {kv_heads}")
-        if not rows <= kv_len <= capacity:
-            raise ValueError(f"flash attention: kv_len {kv_len} must hold the chunk's {rows} rows and fit the "
-                             f"{capacity} keys of k and v")
+        if kv_tokens > capacity:
+            raise ValueError(f"flash attention: the packed requests' {kv_tokens} keys do not fit the {capacity} "
+                             f"keys of k and v")
+        if not 0 <= first_request <= first_request + num_requests <= q_indptr.shape[0] - 1:
+            raise ValueError(f"flash attention: requests {first_request}..{first_request + num_requests - 1} "
+                             f"outside the step's {q_indptr.shape[0] - 1}")
         if k.stride(1) != head_dim or v.stride(1) != head_dim:
             raise ValueError(f"flash attention: k and v rows must lie head_dim {head_dim} elements apart (a kv head's "
                              f"keys one run), not {k.stride(1)} and {v.stride(1)}")
         if not vector_aligned(q, k, v, out):
             raise ValueError("flash attention: every head of q, k, v and out must be 16-byte aligned and contiguous")
-        if rows == 0:
+        if num_requests == 0 or max_rows == 0:
             return
         shape, kernel = self.kernel(head_dim, q_heads // kv_heads)
-        grid = (-(-rows // shape.rows), q_heads)
+        grid = (-(-max_rows // shape.rows), q_heads, num_requests)
         scale_log2 = np.float32(LOG2_E / math.sqrt(head_dim))
         kernel[grid, shape.threads, stream, query_tile_bytes(head_dim, shape)](
-            as_words(q), as_words(k), as_words(v), as_words(out), np.int32(rows), np.int32(kv_len),
-            np.int32(kv_len - rows), scale_log2)
-
+            as_words(q), as_words(k), as_words(v), as_words(out), q_indptr, positions, np.int32(first_request),
+            np.int32(min_rows), scale_log2)

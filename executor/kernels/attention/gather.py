@@ -10,6 +10,9 @@ Their operands must be contiguous, the KV cache is paged:
   pairs as int32): a thread per 16-byte chunk where every row of the caches and
   the scratch is whole 16-byte aligned chunks (the engine's layouts), a thread per
   element otherwise.
+- ``PackedGatherKv``: FlashAttention's gather, every packed request of a range of
+  the step's (packed.py) in one launch, their keys one after another in the
+  scratch; a thread per 16-byte chunk (the flash backend's layouts are aligned).
 
 Between the two GEMMs runs the causal softmax (causal_softmax.py).
 """
@@ -20,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from executor.kernels.attention.packed import build_packed_request
 from executor.kernels.primitives.launch import Kernel
 from executor.kernels.primitives.vector import VECTOR_WORDS, build_vector_access, vector_aligned
 from executor.numba_cuda import load_cuda, simulator_enabled
@@ -82,6 +86,40 @@ def build_gather_kv_vector() -> Any:
     return gather_kv_vector
 
 
+def build_gather_kv_packed() -> Any:
+    """Kernel ``(k_cache, v_cache [pages, S, Hkv, W], page_indices, page_indptr [R + 1], q_indptr [R + 1],
+    positions [T] int32, first_request, min_rows int32, keys, values [Hkv, C, W])``: for each packed
+    request r of the range (packed.py), keys[h, kv_offset + j, :] = k_cache[page_indices[page_indptr[r] +
+    j // S], j % S, h, :] for j < kv_len (and the same for values). Grid (ceil(longest kv_len x Hkv x
+    W / VECTOR_WORDS / threads), requests of the range): a thread per 16-byte chunk in the pages' order."""
+    load_vector, store_vector = build_vector_access()
+    chunk_of, kv_offset_of = build_packed_request()
+
+    @cuda.jit
+    def gather_kv_packed(k_cache, v_cache, page_indices, page_indptr, q_indptr, positions, first_request, min_rows,
+                         keys, values):
+        page_size, heads = k_cache.shape[1], k_cache.shape[2]
+        chunks = k_cache.shape[3] // VECTOR_WORDS
+        request = first_request + cuda.blockIdx.y
+        _, rows, kv_len = chunk_of(q_indptr, positions, request)
+        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if rows < min_rows or e >= kv_len * heads * chunks:
+            return
+        w = (e % chunks) * VECTOR_WORDS
+        h = (e // chunks) % heads
+        j = e // (chunks * heads)
+        page = page_indices[page_indptr[request] + j // page_size]
+        slot = j % page_size
+        row = kv_offset_of(q_indptr, positions, first_request, request, min_rows) + j
+        words = cuda.local.array(VECTOR_WORDS, int32)
+        load_vector(k_cache, (page, slot, h, w), words, 0)
+        store_vector(keys, (h, row, w), words, 0)
+        load_vector(v_cache, (page, slot, h, w), words, 0)
+        store_vector(values, (h, row, w), words, 0)
+
+    return gather_kv_packed
+
+
 class GatherKv:
     """Launcher: copy one request's ``num_tokens`` keys and values from the paged cache.
 
@@ -118,3 +156,36 @@ class GatherKv:
         blocks = -(-num_tokens * heads * width // per_block)
         self.kernel[blocks, self.threads, stream](k_cache, v_cache, page_indices, np.int32(page_start),
                                                   np.int32(num_tokens), keys, values)
+
+
+class PackedGatherKv:
+    """Launcher: the keys and values of a packed range of a step's requests (packed.py) into the scratch,
+    one launch.
+
+    - k_cache, v_cache [pages, S, Hkv, W]: one layer's cache, 4-byte elements (bf16 pairs as int32).
+    - page_indices, page_indptr, q_indptr, positions: the step's int32 metadata.
+    - keys, values [Hkv, C, W]: the planned gather scratch; C >= ``kv_tokens``, the packed requests'
+      kv_len summed; ``max_kv_len`` the longest of them (the grid).
+    """
+
+    def __init__(self) -> None:
+        self.kernel = Kernel(build_gather_kv_packed())
+        self.threads = 32 if simulator_enabled() else 256
+
+    def __call__(self, k_cache: Any, v_cache: Any, page_indices: Any, page_indptr: Any, q_indptr: Any,
+                 positions: Any, first_request: int, num_requests: int, max_kv_len: int, kv_tokens: int,
+                 keys: Any, values: Any, min_rows: int = 1, stream: Any = 0) -> None:
+        _, _, heads, width = (int(n) for n in k_cache.shape)
+        if tuple(keys.shape[::2]) != (heads, width) or keys.shape != values.shape:
+            raise ValueError(f"gather_kv: keys/values must be [{heads}, C, {width}], got {tuple(keys.shape)} "
+                             f"and {tuple(values.shape)}")
+        if kv_tokens > keys.shape[1]:
+            raise ValueError(f"gather_kv: the packed requests' {kv_tokens} tokens, scratch holds {keys.shape[1]}")
+        if not vector_aligned(k_cache, v_cache, keys, values):
+            raise ValueError("gather_kv: the packed gather needs 16-byte aligned rows of whole 16-byte chunks")
+        if num_requests == 0 or max_kv_len == 0:
+            return
+        blocks = -(-max_kv_len * heads * (width // VECTOR_WORDS) // self.threads)
+        self.kernel[(blocks, num_requests), self.threads, stream](
+            k_cache, v_cache, page_indices, page_indptr, q_indptr, positions, np.int32(first_request),
+            np.int32(min_rows), keys, values)
