@@ -108,8 +108,9 @@ class LongPrefillGroup:
 
 def long_prefill_groups(requests: Sequence[LongPrefillRequest], gather_tokens: int) -> tuple[LongPrefillGroup, ...]:
     """``requests`` (in step order) as consecutive groups whose kv_len add up to at most ``gather_tokens``,
-    each as long as it can be: one group where the step's keys fit the scratch together. A request's
-    kv_len is at most max_context = gather_tokens, so each fits alone."""
+    each as long as it can be: one group where the step's keys fit the scratch together (the planner's
+    max(C, max_prefill_tokens) holds all of a step's fresh prompts). A request's kv_len is at most
+    max_context <= gather_tokens, so each fits alone."""
     groups: list[LongPrefillGroup] = []
     members: list[LongPrefillRequest] = []
 
@@ -121,7 +122,7 @@ def long_prefill_groups(requests: Sequence[LongPrefillRequest], gather_tokens: i
             members.clear()
 
     for request in requests:
-        assert request.kv_len <= gather_tokens, "the planner sizes prefill_gather_tokens to max_context"
+        assert request.kv_len <= gather_tokens, "the planner sizes prefill_gather_tokens to at least max_context"
         if members and sum(r.kv_len for r in members) + request.kv_len > gather_tokens:
             close()
         members.append(request)

@@ -37,10 +37,12 @@ class Capacity(BaseModel):
     prefill_attention: PrefillAttention = Field("gemm", description="backend of long prefill chunks' attention: "
                                                 "serving prefill_attention, with auto decided (flash where the "
                                                 "kernel takes the model and dtypes)")
-    prefill_gather_tokens: int = Field(0, description="keys (and values) of one request that the prefill pool's "
-                                       "attn_keys / attn_values [Hkv, this, D] scratch holds for long-chunk attention "
-                                       "(serving gemm_attention_min_tokens), either backend: C, or 0 when no chunk "
-                                       "is that long or the model has no full-attention layer")
+    prefill_gather_tokens: int = Field(0, description="keys (and values) that the prefill pool's attn_keys / "
+                                       "attn_values [Hkv, this, D] scratch holds for long-chunk attention (serving "
+                                       "gemm_attention_min_tokens): gemm, one request's, C; flash, a step's long "
+                                       "chunks' packed together, max(C, max_prefill_tokens) (all of a step's fresh "
+                                       "prompts, or one request's whole context); 0 when no chunk is that long or the "
+                                       "model has no full-attention layer")
     prefill_score_elements: int = Field(0, description="scores of one GEMM prefill-attention tile (0: no GEMM "
                                         "attention, e.g. prefill_attention flash): "
                                         "min(Hq x T x C, max(2^26, Hq x C))")
@@ -93,6 +95,11 @@ def build_capacity(
         one_row = checked.mul("prefill scores of one row", num_q_heads, max_context, width=I32)
         whole_step = checked.mul("prefill scores of a step", one_row, tokens, width=checked.I64)
         score_elements = min(whole_step, max(MAX_PREFILL_SCORE_ELEMENTS, one_row))
+    # flash packs a step's long chunks in one launch (executor/kernels/attention/packed.py): fresh prompts'
+    # keys add up to at most max_prefill_tokens; gemm gathers one request at a time.
+    gather_tokens = 0
+    if long_chunks:
+        gather_tokens = max(max_context, max_prefill_tokens) if prefill_attention == "flash" else max_context
     return Capacity(
         max_batch=max_batch,
         max_context=max_context,
@@ -106,7 +113,7 @@ def build_capacity(
                   checked.mul("decode tiles", max_batch, kv_splits, width=I32)),
         decode_kv_splits=kv_splits,
         prefill_attention=prefill_attention,
-        prefill_gather_tokens=max_context if long_chunks else 0,
+        prefill_gather_tokens=gather_tokens,
         prefill_score_elements=score_elements,
         decode_gemv_batch=decode_gemv_batch,
         delta_rule_chunk=DELTA_RULE_CHUNK if delta_rule_scratch else 0,

@@ -63,7 +63,7 @@ def test_flash_prefill_matches_the_paged_kernel_and_hf():
     loaded = load_tiny(_flash_model(), dtype="bfloat16", prefill_attention="flash")
     plan, model = loaded.plan, loaded.model
     assert plan.serving.gemm_attention_min_tokens == 4
-    assert plan.capacity.prefill_gather_tokens == plan.capacity.max_context
+    assert plan.capacity.prefill_gather_tokens == max(plan.capacity.max_context, plan.capacity.max_prefill_tokens)
     assert plan.capacity.prefill_score_elements == 0
     (layer,) = model.layers
     assert isinstance(layer.mixer.long_prefill_attention, FlashPrefillAttention)

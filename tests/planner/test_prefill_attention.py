@@ -50,8 +50,9 @@ def test_auto_falls_back_to_gemm_for_float32():
 
 
 def test_flash_plans_the_gather_scratch_and_no_score_tile(plan_for):
-    """Qwen3-8B, default serving at C = 8192: both backends gather a request's keys and values into
-    [Hkv, C, D]; only gemm has the packed queries and the score tile."""
+    """Qwen3-8B, default serving at C = 8192: both backends gather keys and values into [Hkv, C, D];
+    only gemm has the packed queries and the score tile. At C = 1,152 and 8,192-token steps, gemm still
+    gathers one request's C keys, flash a step's 8,192 (its fresh prompts' keys packed together)."""
     gemm, flash = (plan_for("qwen3-8b", prefill_attention=backend, max_context=8192) for backend in ("gemm", "flash"))
     assert _attention_scratch(gemm) == GATHER | GEMM_ONLY
     assert _attention_scratch(flash) == GATHER
@@ -59,6 +60,10 @@ def test_flash_plans_the_gather_scratch_and_no_score_tile(plan_for):
         assert plan.capacity.prefill_gather_tokens == 8192
         assert plan.pool("prefill").buffer("attn_keys").shape == (8, 8192, 128)
         assert plan.pool("prefill").buffer("attn_values").shape == (8, 8192, 128)
+    short = {"max_context": 1152, "max_prefill_tokens": 8192}
+    gemm, flash = (plan_for("qwen3-8b", prefill_attention=backend, **short) for backend in ("gemm", "flash"))
+    assert (gemm.capacity.prefill_gather_tokens, flash.capacity.prefill_gather_tokens) == (1152, 8192)
+    assert flash.pool("prefill").buffer("attn_keys").shape == (8, 8192, 128)
     assert gemm.capacity.prefill_score_elements == 1 << 26
     assert flash.capacity.prefill_score_elements == 0
 
