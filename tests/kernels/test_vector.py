@@ -44,6 +44,23 @@ def test_vector_aligned_layouts():
     assert not vector_aligned(np.zeros((), np.float32))
 
 
+def test_torch_tensors_get_the_same_answers_as_their_numpy_views():
+    """The checks read torch tensors directly (a launch's fast path): on the views of
+    test_vector_aligned_layouts and a few more, as tensors, they answer as on the numpy arrays."""
+    from executor.kernels.primitives.vector import contiguous_aligned
+
+    base = at_offset((4, 16), np.float32, 0)
+    views = [base, base[1:3], base[:, 4:12], base[:, 1:9], base[:, :6], base[:, ::2], base[::2], base.T,
+             at_offset((4, 16), np.float32, 4), at_offset((4, 10), np.float32, 0)[:, :8],
+             at_offset((4, 10), np.float32, 0)[:1, :8], at_offset((3, 2, 8), np.int16, 0),
+             at_offset((3, 2, 4), np.int16, 0), at_offset((3, 2, 8), np.int16, 0)[:, :1], np.zeros((), np.float32),
+             at_offset((0, 8), np.float32, 0)]
+    for index, view in enumerate(views):
+        tensor = torch.from_numpy(view)
+        assert vector_aligned(tensor) == vector_aligned(view), index
+        assert contiguous_aligned(tensor) == contiguous_aligned(view), index
+
+
 def test_array_layout_of_torch_and_device_arrays():
     t = torch.zeros(5, 24, dtype=torch.bfloat16)
     view = t.view(torch.int16)[1:4, 8:]

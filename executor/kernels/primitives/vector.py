@@ -127,10 +127,26 @@ def array_layout(a: Any) -> ArrayLayout:
     return ArrayLayout(int(a.__array_interface__["data"][0]), shape, strides, itemsize)
 
 
+def _torch_layout(a: Any) -> tuple[int, Any, tuple[int, ...], int]:
+    """(address, shape, strides in elements, element bytes) of a torch tensor: the launchers' common case,
+    read without building an ArrayLayout (these checks run on every launch)."""
+    return a.data_ptr(), a.shape, a.stride(), a.element_size()
+
+
 def contiguous_aligned(*arrays: Any) -> bool:
     """Whether every array is C-contiguous from a 16-byte aligned address: the vector kernels' need.
     Unlike vector_aligned, rows need not be whole chunks (the kernels align each row)."""
     for a in arrays:
+        if hasattr(a, "data_ptr"):
+            address, shape, strides, itemsize = _torch_layout(a)
+            if address % VECTOR_BYTES:
+                return False
+            expected = 1
+            for length, stride in zip(reversed(shape), reversed(strides)):
+                if length > 1 and stride != expected:
+                    return False
+                expected *= length
+            continue
         layout = array_layout(a)
         if layout.address % VECTOR_BYTES:
             return False
@@ -150,6 +166,17 @@ def vector_aligned(*arrays: Any) -> bool:
     of 16 bytes (an axis of length 1 is never stepped, so its stride is free).
     """
     for a in arrays:
+        if hasattr(a, "data_ptr"):
+            address, shape, strides, itemsize = _torch_layout(a)
+            if not shape or address % VECTOR_BYTES:
+                return False
+            length = shape[-1]
+            if (length * itemsize) % VECTOR_BYTES or (length > 1 and strides[-1] != 1):
+                return False
+            for n, stride in zip(shape[:-1], strides[:-1]):
+                if n > 1 and (stride * itemsize) % VECTOR_BYTES:
+                    return False
+            continue
         layout = array_layout(a)
         if not layout.shape or layout.address % VECTOR_BYTES:
             return False
