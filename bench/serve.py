@@ -40,8 +40,10 @@ by its arrivals, so its row shows none.
 
 Each memplan row's counters also give the garbage collector's pauses during the run (``gc.callbacks``)
 and the gaps between the read-backs of the steps that carry decode rows, grouped by the step's prefill
-tokens (a p99 per group: which steps make the TPOT tail). ``--profile-kernels N`` runs the first workload
-once more under torch.profiler and lists its N longest-running kernels.
+tokens (a p99 per group: which steps make the TPOT tail), with the host seconds their launches took.
+``--profile-kernels N`` runs the first workload once more under torch.profiler and lists its N
+longest-running kernels; ``--profile-host N`` runs the last one once more under cProfile and lists the N
+functions the host spent the most of its own time in (where a launch's host time goes).
 
 ``--hf``: HF transformers continuous batching (the manager ``generate_batch`` drives, SDPA, greedy, EOS off)
 on the same prompts, output lengths and arrival times, after memplan's model is released; run outside
@@ -388,6 +390,7 @@ class ServingRun:
     costs: list[tuple[str, WorkloadCost]]
     rates: Rates
     kernel_breakdown: str = ""  # --profile-kernels: the first workload's top kernels, a second (untimed) run
+    host_breakdown: str = ""  # --profile-host: the last workload's top host functions, another (untimed) run
 
 
 def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None, max_prefill_tokens: int | None,
@@ -424,11 +427,32 @@ def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None
         costs.append((workload.label, cost))
         workloads.append(workload)
     breakdown = profile_kernels(served, workloads[0], args) if args.profile_kernels > 0 and not args.smoke else ""
+    host = profile_host(served, workloads[-1], args) if args.profile_host > 0 else ""
     del served
     free_device_memory(device)
     if with_hf:
         rows += hf_rows(plan, workloads, [r.ideal for r in rows], args, device)
-    return ServingRun(name, serving, rows, costs, rates, breakdown)
+    return ServingRun(name, serving, rows, costs, rates, breakdown, host)
+
+
+def profile_host(served: ServedModel, workload: Workload, args: argparse.Namespace) -> str:
+    """The workload once more, untimed, under cProfile: a table of the ``--profile-host`` functions with
+    the most host time of their own (calls, own ms, cumulative ms; the profiler slows every call)."""
+    import cProfile
+    import pstats
+
+    log(f"{workload.label}: host-profiled run")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run_memplan(served, workload, args)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, _)
+    top = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[: args.profile_host]
+    lines = ["| function | calls | own ms | cumulative ms |", "| --- | ---: | ---: | ---: |"]
+    for (file, line, function), (calls, _, own_s, cumulative_s, _) in top:
+        where = f"{os.path.relpath(file) if os.path.isabs(file) else file}:{line} {function}"
+        lines.append(f"| `{where[-100:]}` | {calls:,} | {1e3 * own_s:,.1f} | {1e3 * cumulative_s:,.1f} |")
+    return "\n".join(lines)
 
 
 def profile_kernels(served: ServedModel, workload: Workload, args: argparse.Namespace) -> str:
@@ -552,6 +576,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile-kernels", type=int, default=0,
                         help="run the first workload once more under torch.profiler and list its N longest-running "
                              "kernels (default 0: no profiled run)")
+    parser.add_argument("--profile-host", type=int, default=0,
+                        help="run the last workload once more under cProfile and list the N functions with the most "
+                             "host time of their own (default 0: no profiled run)")
     args = parser.parse_args(argv)
     for key, value in (SMOKE_DEFAULTS if args.smoke else GPU_DEFAULTS).items():
         if getattr(args, key) is None:
@@ -590,6 +617,10 @@ def main(argv: list[str] | None = None) -> None:
         if run.kernel_breakdown:
             body += (f"\n\n### {run.model} ({run.serving}), {run.rows[0].workload.label}: the "
                      f"{args.profile_kernels} longest-running kernels\n\n{run.kernel_breakdown}")
+        if run.host_breakdown:
+            last = next(row for row in reversed(run.rows) if row.engine == "memplan")
+            body += (f"\n\n### {run.model} ({run.serving}), {last.workload.label}: the {args.profile_host} "
+                     f"host functions with the most time of their own (cProfile)\n\n{run.host_breakdown}")
     emit("Serving throughput against the ideal time (bench/serve.py)", info, body, args.out)
 
 

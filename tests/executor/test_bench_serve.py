@@ -1,5 +1,5 @@
 """``bench/serve.py --smoke``: the serving benchmark end to end in the simulator (tiny random-weight Qwen3), a
-throughput and an arrival workload, its markdown table written to ``--out``."""
+throughput and an arrival workload, its markdown table written to ``--out``, with the host profile of the last."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def test_serve_smoke_writes_the_figures_beside_the_ideal_time(tmp_path):
     out = tmp_path / "serve.md"
     command = [sys.executable, str(ROOT / "bench" / "serve.py"), "--smoke", "--models", "qwen3-8b",
                "--workloads", "fixed,poisson", "--num-requests", "2", "--input-len", "3", "--output-len", "2",
-               "--request-rate", "50", "--out", str(out)]
+               "--request-rate", "50", "--profile-host", "4", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_ENABLE_CUDASIM": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -33,3 +33,7 @@ def test_serve_smoke_writes_the_figures_beside_the_ideal_time(tmp_path):
     ideal = next(line for line in text.splitlines() if line.startswith("| tiny-qwen3 | batch 4, prefill 16 | fixed"))
     cells = ideal.strip("| ").split(" | ")
     assert (cells[3], cells[6]) == ("6", "1")
+    # --profile-host 4: the arrival workload's four functions with the most host time of their own
+    host = text.split("poisson 2 x (3 -> 2), 50.00 req/s: the 4 host functions with the most time of their own")[1]
+    table = [line for line in host.split("\n\n")[1].splitlines() if line.startswith("| `")]
+    assert len(table) == 4 and all(float(line.split(" | ")[2].replace(",", "")) >= 0 for line in table)
