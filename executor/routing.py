@@ -116,7 +116,8 @@ ROUTES: tuple[Route, ...] = (
     Route("prefill", "attention", "chunk >= gemm_attention_min_tokens, plan prefill_attention flash (bf16, "
           "head_dim % 32 == 0)", "attention/gather.py PackedGatherKv + attention/flash.py FlashAttention: one "
           "pair of launches over the step's long chunks (as many as their keys fit the gather scratch)",
-          "tensor cores, no score buffer; the chunks' blocks in one grid"),
+          "tensor cores, no score buffer; the chunks' blocks in one grid (Qwen3-8B serving 512 x 1,024 on the "
+          "H200: 1,035 ms in 2,304 launches against 1,514 ms in 18,432, a launch a chunk)"),
     Route("prefill", "attention", "chunk >= gemm_attention_min_tokens, prefill_attention gemm (non-bf16 runs: "
           "float32 in the simulator, float16)", "GatherKv + torch GEMMs + attention/causal_softmax.py",
           "the path for dtypes the flash kernel does not take"),
