@@ -11,7 +11,7 @@ One request per prompt length, random ids, random bf16 weights of the real shape
   recurrent slot is reset between repeats. Time = the whole prefill, median of ``--repeats``.
 - ``--prefill-attention``: the serving prefill_attention backend(s) of chunks of >= gemm_attention_min_tokens
   tokens: auto (the serving default, which plans flash where the kernel takes the model, else gemm), gemm
-  (two batched GEMMs over a score tile) and/or flash (one FlashAttention launch a chunk; bf16 models with
+  (two batched GEMMs over a score tile) and/or flash (one FlashAttention launch over a step's long chunks; bf16 models with
   head_dim a multiple of 32, so not the float32 --smoke configs). One plan, arena and row set per backend,
   run one after the other in the same process; rows name the plan's backend.
 - HF eager (SDPA): one forward of the prompt into a fresh DynamicCache, logits of the last row only (once
@@ -245,7 +245,7 @@ def _long_chunks(plan: MemoryPlan) -> str:
     if not plan.capacity.prefill_gather_tokens:
         return f"no {threshold} fit a step: every chunk runs the paged kernel."
     if plan.capacity.prefill_attention == "flash":
-        return f"{threshold} run FlashAttention, one launch a chunk, no score scratch."
+        return f"{threshold} run FlashAttention, one launch over a step's long chunks, no score scratch."
     return (f"{threshold} run attention as GEMMs over {plan.capacity.prefill_score_elements:,} planned score "
             "elements per tile.")
 

@@ -319,7 +319,7 @@ class ServingConfig(_Frozen):
     prefill_attention: Literal["auto", "gemm", "flash"] = Field(
         "auto", description="Backend of those long prefill chunks' attention. gemm: two batched GEMMs (cuBLAS) "
         "with a causal softmax between them, over a planned float32 score tile. flash: one tensor-core "
-        "FlashAttention-2 kernel launch per chunk, no score scratch; needs bfloat16 activations and KV cache "
+        "FlashAttention-2 kernel launch over a step's long chunks, no score scratch; needs bfloat16 activations and KV cache "
         f"and a head_dim that is a multiple of {FLASH_HEAD_DIM_MULTIPLE}. auto: flash where the model and dtypes "
         "allow it (faster on the H200: docs/benchmarks.md), else gemm; the plan's capacity says which."
     )
