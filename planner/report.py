@@ -51,7 +51,8 @@ def format_table(plan: MemoryPlan) -> str:
         tile = (f", score tile {capacity.prefill_score_elements:,} elements" if capacity.prefill_score_elements
                 else ", no score scratch")
         lines.append(f"prefill attention of chunks >= {plan.serving.gemm_attention_min_tokens:,} tokens: "
-                     f"{capacity.prefill_attention} (serving {plan.serving.prefill_attention}){tile}")
+                     f"{capacity.prefill_attention} (serving {plan.serving.prefill_attention}){tile}, "
+                     f"gather scratch {capacity.prefill_gather_tokens:,} keys")
     lines.append(f"decode projections: fused GEMVs at batch <= {capacity.decode_gemv_batch} "
                  f"(serving decode_gemv_max_batch {plan.serving.decode_gemv_max_batch}), cuBLAS above"
                  if capacity.decode_gemv_batch else "decode projections: cuBLAS at every batch")

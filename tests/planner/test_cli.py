@@ -39,13 +39,15 @@ def test_plan_table_names_kv_capacity_and_largest_buffers(capsys):
     assert code == 0
     assert "KV pages:" in out and "max concurrency at max_context 32,768:" in out
     assert "largest transient buffers: prefill/" in out
-    assert "prefill attention of chunks >= 256 tokens: flash (serving auto), no score scratch" in out
+    assert ("prefill attention of chunks >= 256 tokens: flash (serving auto), no score scratch, gather scratch "
+            "32,768 keys") in out
 
 
 def test_plan_table_names_the_gemm_score_tile(capsys):
     code, out, _ = _run(capsys, "plan", "--model", "qwen3-8b", "--prefill-attention", "gemm", "--format", "table")
     assert code == 0
-    assert "prefill attention of chunks >= 256 tokens: gemm (serving gemm), score tile 67,108,864 elements" in out
+    assert ("prefill attention of chunks >= 256 tokens: gemm (serving gemm), score tile 67,108,864 elements, "
+            "gather scratch 40,960 keys") in out
 
 
 def test_plan_from_hf_config_json(capsys, tmp_path):
