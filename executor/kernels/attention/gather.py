@@ -58,20 +58,17 @@ def build_gather_kv() -> Any:
     return gather_kv_kernel
 
 
-def build_gather_kv_vector() -> Any:
-    """``build_gather_kv``'s kernel with a thread per 16-byte chunk (VECTOR_WORDS words): the same
-    arguments, 4-byte elements, every row of the caches and the scratch 16-byte aligned and W a whole
-    number of chunks. A flat grid over num_tokens x Hkv x W / VECTOR_WORDS chunks in the pages'
-    order."""
+def _build_copy_chunk() -> Any:
+    """Device function ``copy_chunk(k_cache, v_cache, page_indices, page_start, e, keys, values, first_row)``:
+    chunk ``e`` of a request's tokens in the pages' order (token j = e // (Hkv x chunks a row), then head,
+    then chunk) from its KV pages, listed from ``page_indices[page_start]``, to row ``first_row + j`` of
+    the scratch; the caller checks e < tokens x Hkv x chunks."""
     load_vector, store_vector = build_vector_access()
 
-    @cuda.jit
-    def gather_kv_vector(k_cache, v_cache, page_indices, page_start, num_tokens, keys, values):
+    @cuda.jit(device=True, inline=True)
+    def copy_chunk(k_cache, v_cache, page_indices, page_start, e, keys, values, first_row):
         page_size, heads = k_cache.shape[1], k_cache.shape[2]
         chunks = k_cache.shape[3] // VECTOR_WORDS
-        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if e >= num_tokens * heads * chunks:
-            return
         w = (e % chunks) * VECTOR_WORDS
         h = (e // chunks) % heads
         j = e // (chunks * heads)
@@ -79,9 +76,25 @@ def build_gather_kv_vector() -> Any:
         slot = j % page_size
         words = cuda.local.array(VECTOR_WORDS, int32)
         load_vector(k_cache, (page, slot, h, w), words, 0)
-        store_vector(keys, (h, j, w), words, 0)
+        store_vector(keys, (h, first_row + j, w), words, 0)
         load_vector(v_cache, (page, slot, h, w), words, 0)
-        store_vector(values, (h, j, w), words, 0)
+        store_vector(values, (h, first_row + j, w), words, 0)
+
+    return copy_chunk
+
+
+def build_gather_kv_vector() -> Any:
+    """``build_gather_kv``'s kernel with a thread per 16-byte chunk (VECTOR_WORDS words): the same
+    arguments, 4-byte elements, every row of the caches and the scratch 16-byte aligned and W a whole
+    number of chunks. A flat grid over num_tokens x Hkv x W / VECTOR_WORDS chunks in the pages'
+    order."""
+    copy_chunk = _build_copy_chunk()
+
+    @cuda.jit
+    def gather_kv_vector(k_cache, v_cache, page_indices, page_start, num_tokens, keys, values):
+        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if e < num_tokens * k_cache.shape[2] * (k_cache.shape[3] // VECTOR_WORDS):
+            copy_chunk(k_cache, v_cache, page_indices, page_start, e, keys, values, 0)
 
     return gather_kv_vector
 
@@ -92,30 +105,18 @@ def build_gather_kv_packed() -> Any:
     request r of the range (packed.py), keys[h, kv_offset + j, :] = k_cache[page_indices[page_indptr[r] +
     j // S], j % S, h, :] for j < kv_len (and the same for values). Grid (ceil(longest kv_len x Hkv x
     W / VECTOR_WORDS / threads), requests of the range): a thread per 16-byte chunk in the pages' order."""
-    load_vector, store_vector = build_vector_access()
+    copy_chunk = _build_copy_chunk()
     chunk_of, kv_offset_of = build_packed_request()
 
     @cuda.jit
     def gather_kv_packed(k_cache, v_cache, page_indices, page_indptr, q_indptr, positions, first_request, min_rows,
                          keys, values):
-        page_size, heads = k_cache.shape[1], k_cache.shape[2]
-        chunks = k_cache.shape[3] // VECTOR_WORDS
         request = first_request + cuda.blockIdx.y
         _, rows, kv_len = chunk_of(q_indptr, positions, request)
         e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if rows < min_rows or e >= kv_len * heads * chunks:
-            return
-        w = (e % chunks) * VECTOR_WORDS
-        h = (e // chunks) % heads
-        j = e // (chunks * heads)
-        page = page_indices[page_indptr[request] + j // page_size]
-        slot = j % page_size
-        row = kv_offset_of(q_indptr, positions, first_request, request, min_rows) + j
-        words = cuda.local.array(VECTOR_WORDS, int32)
-        load_vector(k_cache, (page, slot, h, w), words, 0)
-        store_vector(keys, (h, row, w), words, 0)
-        load_vector(v_cache, (page, slot, h, w), words, 0)
-        store_vector(values, (h, row, w), words, 0)
+        if rows >= min_rows and e < kv_len * k_cache.shape[2] * (k_cache.shape[3] // VECTOR_WORDS):
+            copy_chunk(k_cache, v_cache, page_indices, page_indptr[request], e, keys, values,
+                       kv_offset_of(q_indptr, positions, first_request, request, min_rows))
 
     return gather_kv_packed
 
@@ -136,12 +137,7 @@ class GatherKv:
 
     def __call__(self, k_cache: Any, v_cache: Any, page_indices: Any, page_start: int, num_tokens: int,
                  keys: Any, values: Any, stream: Any = 0) -> None:
-        _, page_size, heads, width = (int(n) for n in k_cache.shape)
-        if tuple(keys.shape[::2]) != (heads, width) or keys.shape != values.shape:
-            raise ValueError(f"gather_kv: keys/values must be [{heads}, C, {width}], got {tuple(keys.shape)} "
-                             f"and {tuple(values.shape)}")
-        if num_tokens > keys.shape[1]:
-            raise ValueError(f"gather_kv: {num_tokens} tokens, scratch holds {keys.shape[1]}")
+        _, page_size, heads, width = _check_scratch(k_cache, keys, values, num_tokens, "")
         if page_start + -(-num_tokens // page_size) > page_indices.shape[0]:
             raise ValueError(f"gather_kv: {num_tokens} tokens from page entry {page_start} run past the "
                              f"{page_indices.shape[0]}-entry page table")
@@ -175,12 +171,7 @@ class PackedGatherKv:
     def __call__(self, k_cache: Any, v_cache: Any, page_indices: Any, page_indptr: Any, q_indptr: Any,
                  positions: Any, first_request: int, num_requests: int, max_kv_len: int, kv_tokens: int,
                  keys: Any, values: Any, min_rows: int = 1, stream: Any = 0) -> None:
-        _, _, heads, width = (int(n) for n in k_cache.shape)
-        if tuple(keys.shape[::2]) != (heads, width) or keys.shape != values.shape:
-            raise ValueError(f"gather_kv: keys/values must be [{heads}, C, {width}], got {tuple(keys.shape)} "
-                             f"and {tuple(values.shape)}")
-        if kv_tokens > keys.shape[1]:
-            raise ValueError(f"gather_kv: the packed requests' {kv_tokens} tokens, scratch holds {keys.shape[1]}")
+        _, _, heads, width = _check_scratch(k_cache, keys, values, kv_tokens, "the packed requests' ")
         if not vector_aligned(k_cache, v_cache, keys, values):
             raise ValueError("gather_kv: the packed gather needs 16-byte aligned rows of whole 16-byte chunks")
         if num_requests == 0 or max_kv_len == 0:
@@ -189,3 +180,14 @@ class PackedGatherKv:
         self.kernel[(blocks, num_requests), self.threads, stream](
             k_cache, v_cache, page_indices, page_indptr, q_indptr, positions, np.int32(first_request),
             np.int32(min_rows), keys, values)
+
+
+def _check_scratch(k_cache: Any, keys: Any, values: Any, tokens: int, whose: str) -> tuple[int, int, int, int]:
+    """The cache's [pages, S, Hkv, W] after checking that keys and values are [Hkv, C, W] with C >= tokens."""
+    pages, page_size, heads, width = (int(n) for n in k_cache.shape)
+    if tuple(keys.shape[::2]) != (heads, width) or keys.shape != values.shape:
+        raise ValueError(f"gather_kv: keys/values must be [{heads}, C, {width}], got {tuple(keys.shape)} "
+                         f"and {tuple(values.shape)}")
+    if tokens > keys.shape[1]:
+        raise ValueError(f"gather_kv: {whose}{tokens} tokens, scratch holds {keys.shape[1]}")
+    return pages, page_size, heads, width
