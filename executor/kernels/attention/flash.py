@@ -3,8 +3,8 @@
 For each request of a launch's packed range (executor/kernels/attention/packed.py: the step's
 requests first_request.., those with at least min_rows rows), its chunk of ``rows`` query rows,
 the last rows of its ``kv_len`` tokens (row r at position ``first_position + r``, first_position =
-kv_len - rows), over its keys at positions 0..kv_len-1, its K/V head-major as GatherKv's packed
-gather writes them ([Hkv, C, D] scratch, the packed requests' runs one after another: a kv head's
+kv_len - rows), over its keys at positions 0..kv_len-1, its K/V head-major as PackedGatherKv
+writes them ([Hkv, C, D] scratch, the packed requests' runs one after another: a kv head's
 keys of a request are one contiguous run, read 16 bytes a thread):
 
     out[r, h] = softmax_k(q[r, h] . k[h // group, k] * D^-0.5, keys k <= first_position + r) @ v[h // group]
@@ -438,7 +438,7 @@ class FlashAttention:
     """Launcher: causal attention of a packed range of a step's chunks over their gathered keys, bf16
     (or its int16 bits).
 
-    q, out [T, Hq, D] (the step's rows); k, v [Hkv, C, D] (GatherKv.packed's scratch); Hq a multiple
+    q, out [T, Hq, D] (the step's rows); k, v [Hkv, C, D] (PackedGatherKv's scratch); Hq a multiple
     of Hkv; D a multiple of 32; every row's heads 16-byte aligned (a strided q such as Qwen3.5's gated
     one is fine). q_indptr [R + 1] and positions [T] int32 are the step's metadata; the launch serves
     requests ``first_request .. first_request + num_requests - 1`` with at least ``min_rows`` rows
