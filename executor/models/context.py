@@ -42,11 +42,24 @@ class StepViews:
         return self.arena.tensor(self.pool, name)
 
     def role(self, name: str) -> torch.Tensor:
-        """A role buffer of the step's pool (decode or prefill), first ``num_rows`` rows."""
-        return self.arena.tensor(self.pool, name)[: self.num_rows]
+        """A role buffer of the step's pool (decode or prefill), first ``num_rows`` rows (sliced once a step:
+        every layer asks for the same views)."""
+        view = self._roles.get(name)
+        if view is None:
+            view = self._roles[name] = self.arena.tensor(self.pool, name)[: self.num_rows]
+        return view
 
     def meta(self, name: str) -> torch.Tensor:
         """An attention-plan buffer sliced to this step's active length."""
+        return self._meta[name]
+
+    @cached_property
+    def _roles(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    @cached_property
+    def _meta(self) -> dict[str, torch.Tensor]:
+        """Every attention-plan buffer sliced to the step's active length, once a step."""
         lengths = {
             "page_indices": self.num_pages,
             "page_indptr": self.num_requests + 1,
@@ -60,7 +73,7 @@ class StepViews:
             "kv_tile_indices": self.num_tiles,
             "total_num_rows": 1,
         }
-        return self.arena.tensor("attention_plan", name)[: lengths[name]]
+        return {name: self.arena.tensor("attention_plan", name)[:length] for name, length in lengths.items()}
 
     @cached_property
     def tile_meta(self) -> tuple[torch.Tensor, ...]:
