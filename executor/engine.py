@@ -76,7 +76,7 @@ class StepTiming:
     decode_rows: int
     prefill_tokens: int
     gap_s: float
-    launch_s: float = 0.0
+    launch_s: float
 
 
 @dataclass
