@@ -405,6 +405,11 @@ def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None
         f"{plan.serving.gpu_memory_utilization}")
     served = ServedModel.open(plan, "sim" if args.smoke else "cuda", weights=RANDOM_WEIGHTS, seed=args.seed,
                               eager=args.eager, log=sys.stderr)
+    if served.graphs is not None:
+        g = served.graphs
+        log(f"{name}: decode graphs {list(g.buckets)} in {g.seconds:.2f} s ({g.reserved_bytes:,} B reserved); "
+            f"prefill graphs {g.prefill_pieces} pieces x {list(g.prefill_buckets)} rows in {g.prefill_seconds:.2f} s "
+            f"({g.prefill_reserved_bytes:,} B reserved)")
     device = served.model.device.torch_device
     rates = measure_rates(device, plan.dtypes.weights, args)
     log(f"{name}: {rates.line()}")
@@ -446,6 +451,8 @@ def profile_host(served: ServedModel, workload: Workload, args: argparse.Namespa
     profiler.enable()
     run_memplan(served, workload, args)
     profiler.disable()
+    if args.profile_host_stats:
+        profiler.dump_stats(args.profile_host_stats)
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, _)
     top = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[: args.profile_host]
     lines = ["| function | calls | own ms | cumulative ms |", "| --- | ---: | ---: | ---: |"]
@@ -570,7 +577,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--matmul-size", type=int, default=None, help="default 8192")
     parser.add_argument("--copy-bytes", type=int, default=None, help="default 1 GiB")
     parser.add_argument("--hf", action="store_true", help="also run HF transformers continuous batching")
-    parser.add_argument("--eager", action="store_true", help="no decode CUDA graphs")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (decode graphs or prefill pieces)")
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--profile-kernels", type=int, default=0,
@@ -579,6 +586,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile-host", type=int, default=0,
                         help="run the last workload once more under cProfile and list the N functions with the most "
                              "host time of their own (default 0: no profiled run)")
+    parser.add_argument("--profile-host-stats", default=None, metavar="FILE",
+                        help="with --profile-host: also write the cProfile statistics to FILE (pstats format)")
     args = parser.parse_args(argv)
     for key, value in (SMOKE_DEFAULTS if args.smoke else GPU_DEFAULTS).items():
         if getattr(args, key) is None:

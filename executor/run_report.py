@@ -18,11 +18,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class GraphCapture:
-    """What capturing the decode graphs cost: wall time and the allocator bytes their pool reserved."""
+    """What capturing the decode graphs and the prefill graphs' pieces cost: wall time and the allocator
+    bytes their pools reserved."""
 
     buckets: tuple[int, ...]
     seconds: float
     reserved_bytes: int
+    prefill_buckets: tuple[int, ...] = ()
+    prefill_pieces: int = 0
+    prefill_seconds: float = 0.0
+    prefill_reserved_bytes: int = 0
 
 
 def materialized_bytes(plan: MemoryPlan) -> int:
@@ -51,6 +56,7 @@ def summary(plan: MemoryPlan, arena: Arena, report: EngineReport, specs: list[Re
         lines.append(f"warm-up: one prefill and one decode step before the clock started, {warm_up_s:.2f} s "
                      "(first-call kernel loading or compilation)")
     lines.append(f"decode graphs: {_graphs_line(plan, arena, graphs)}")
+    lines.append(f"prefill graphs: {_prefill_graphs_line(plan, arena, graphs)}")
     lines.append(f"requests: {len(specs)} ({len(specs) - rejected} run, {rejected} rejected); "
                  f"{report.generated_tokens} tokens generated")
     lines += extra_lines or []
@@ -108,6 +114,20 @@ def _graphs_line(plan: MemoryPlan, arena: Arena, graphs: GraphCapture | None) ->
                    if b.name == "cuda_graphs")
     return (f"buckets {list(graphs.buckets)} captured in {graphs.seconds:.2f} s; their pool reserved "
             f"{graphs.reserved_bytes:,} bytes vs {planned:,} planned (cuda_graphs)")
+
+
+def _prefill_graphs_line(plan: MemoryPlan, arena: Arena, graphs: GraphCapture | None) -> str:
+    if arena.device.is_sim:
+        return "off (the simulator has no CUDA graphs)"
+    if graphs is None:
+        return "off (--eager)"
+    if not graphs.prefill_buckets:
+        return "none (the plan lists no prefill_graph_rows)"
+    planned = next(b.bytes for pool in plan.pools if pool.name == "runtime" for b in pool.buffers
+                   if b.name == "prefill_graphs")
+    return (f"{graphs.prefill_pieces} pieces a step at rows {list(graphs.prefill_buckets)} captured in "
+            f"{graphs.prefill_seconds:.2f} s; their pool reserved {graphs.prefill_reserved_bytes:,} bytes vs "
+            f"{planned:,} planned (prefill_graphs)")
 
 
 def _allocations_line(report: EngineReport, simulator: bool) -> str:

@@ -4,8 +4,9 @@ API (executor.api) both stand on it.
 
 ``ServedModel.open(plan, device, weights=..., tokenizer=...)`` materializes the plan (one allocation
 per pool), loads the weights (a checkpoint directory, or random ones from a seed), builds the model
-and, on a GPU, runs the warm-up step pair and captures the decode graphs. ``run(specs, ...)`` serves
-``RequestSpec``s: rejected-here ones are reported first, the others go through one ``Engine`` run;
+and, on a GPU, runs the warm-up step pair and captures the decode graphs and the prefill graphs' pieces.
+``run(specs, ...)`` serves ``RequestSpec``s: rejected-here ones are reported first, the others go through
+one ``Engine`` run;
 each request's output (its result and text) reaches ``on_output`` as it finishes, and a request's
 text can stream to ``stream`` while it is generated. ``RunReport`` is the run's report as an object;
 its ``text`` is what ``memplan run`` prints on stderr.
@@ -122,8 +123,8 @@ class ServedModel:
              compiling: StartupCompile | None = None, ranks: Ranks | None = None) -> ServedModel:
         """Materialize ``plan`` on ``device`` ("auto", "cuda", "sim"), fill its weights from ``weights`` (a
         checkpoint directory, or RANDOM_WEIGHTS from ``seed``), build the model; on a GPU warm it up and
-        capture the decode graphs unless ``eager``. ``generation``: the checkpoint's defaults (read from
-        the weights' directory when None). On a GPU the kernels start-up needs that the persistent kernel
+        capture the decode graphs and the prefill graphs' pieces unless ``eager``. ``generation``: the
+        checkpoint's defaults (read from the weights' directory when None). On a GPU the kernels start-up needs that the persistent kernel
         cache lacks compile in processes while the plan materializes and the weights load (executor/compile.py):
         ``compiling``, when the caller started that compile (for the plan's hardware, before torch
         loaded), else started here for the device. ``clock`` records the start-up phases, and ``log``
@@ -352,11 +353,19 @@ def compile_for(opened: Device, plan: MemoryPlan, started: StartupCompile | None
 
 
 def capture_graphs(model: DecoderModel) -> GraphCapture:
+    """Capture the decode graphs, then the prefill graphs' pieces, timing each and the bytes its pool reserved."""
     import torch
 
     device = model.device.torch_device
     torch.cuda.synchronize(device)
     reserved, start = torch.cuda.memory_reserved(device), time.perf_counter()
     model.capture_decode_graphs()
-    return GraphCapture(model.graphs.buckets, time.perf_counter() - start,
-                        torch.cuda.memory_reserved(device) - reserved)
+    decode_s, decode_bytes = time.perf_counter() - start, torch.cuda.memory_reserved(device) - reserved
+    reserved, start = torch.cuda.memory_reserved(device), time.perf_counter()
+    model.capture_prefill_graphs()
+    prefill = model.prefill_graphs
+    return GraphCapture(model.graphs.buckets, decode_s, decode_bytes,
+                        prefill_buckets=prefill.buckets if prefill is not None else (),
+                        prefill_pieces=prefill.num_pieces if prefill is not None else 0,
+                        prefill_seconds=time.perf_counter() - start,
+                        prefill_reserved_bytes=torch.cuda.memory_reserved(device) - reserved)

@@ -53,6 +53,8 @@ class Capacity(BaseModel):
                                    "projections: serving decode_gemv_max_batch, capped by max_batch and by "
                                    "B x hidden x 4 + 512 bytes of shared memory <= 48 KiB; 0 when some projection "
                                    "input is not whole 16-byte chunks")
+    prefill_graph_rows: tuple[int, ...] = Field((), description="row buckets of the prefill graphs: serving "
+                                                "prefill_graph_token_sizes up to T; empty with tensor parallelism")
     recurrent_slots: int = Field(0, description="recurrent-state slots: B x states_per_slot (Qwen3.5)")
     kv_pages: int = Field(0, description="KV pages allocated, page 0 (padding) included")
     kv_tokens: int = Field(0, description="tokens the usable KV pages hold: (kv_pages - 1) x S")
@@ -78,14 +80,15 @@ def build_capacity(
     *, max_batch: int, max_context: int, page_size: int, max_prefill_tokens: int, gqa_group: int,
     recurrent_slots_per_request: int, num_q_heads: int = 0, gemm_attention_min_tokens: int = 1,
     prefill_attention: PrefillAttention = "gemm", decode_gemv_batch: int = 0, delta_rule_scratch: bool = False,
-    prefill_tokens_beside_decode: int | None = None,
+    prefill_tokens_beside_decode: int | None = None, prefill_graph_token_sizes: tuple[int, ...] = (),
 ) -> Capacity:
     """Capacities before the KV pool is sized (kv_pages and kv_tokens stay 0). ``num_q_heads`` 0
     (no full-attention layer) or ``gemm_attention_min_tokens`` above ``max_prefill_tokens``: no
     long-chunk prefill attention, so no gather scratch and no score tile. ``prefill_attention``
     "flash" gathers keys too, but its kernel keeps the scores on chip: no score tile.
     ``delta_rule_scratch``: the model's linear-attention prefill runs the two-pass chunked delta rule
-    (bf16 activations), whose per-row scratch the prefill pool holds."""
+    (bf16 activations), whose per-row scratch the prefill pool holds. ``prefill_graph_token_sizes``: the
+    prefill graphs' row buckets asked for (those above the step's rows are dropped)."""
     tokens = max(checked.add("max_tokens_per_step", max_prefill_tokens, max_batch - 1, width=I32), max_batch)
     pages_per_request = checked.ceil_div("pages_per_request", max_context, page_size, width=I32)
     kv_splits = min(MAX_DECODE_KV_SPLITS, checked.ceil_div("decode_kv_splits", max_context, MIN_KV_CHUNK_TOKENS))
@@ -116,6 +119,7 @@ def build_capacity(
         prefill_gather_tokens=gather_tokens,
         prefill_score_elements=score_elements,
         decode_gemv_batch=decode_gemv_batch,
+        prefill_graph_rows=tuple(rows for rows in prefill_graph_token_sizes if rows <= tokens),
         delta_rule_chunk=DELTA_RULE_CHUNK if delta_rule_scratch else 0,
         recurrent_slots=checked.mul("recurrent_slots", max_batch, recurrent_slots_per_request, width=I32),
     )

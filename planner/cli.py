@@ -291,7 +291,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wait for each step's sampled ids before scheduling the next (default: schedule and "
                              "launch the next step first, one step in flight)")
     parser.add_argument("--eager", action="store_true",
-                        help="run decode steps eagerly instead of replaying the captured CUDA graphs")
+                        help="run every step eagerly: no decode CUDA graphs and no prefill graph pieces")
     parser.add_argument("--no-kernel-cache", action="store_true",
                         help="neither load compiled kernels from the persistent cache nor store them (the same as "
                              "MEMPLAN_KERNEL_CACHE=0)")

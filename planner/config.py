@@ -165,6 +165,10 @@ class HardwareConfig(_Frozen):
     cuda_graph_bytes: Annotated[int, Field(ge=0, le=1 << 36)] = Field(
         0, description="Device memory one captured decode graph's pool is budgeted, bytes."
     )
+    cuda_graph_piece_bytes: Annotated[int, Field(ge=0, le=1 << 36)] = Field(
+        0, description="Device memory one captured piece of a prefill step (the row-wise kernels between two "
+        "attention launches, at one token bucket) is budgeted, bytes."
+    )
     runtime_reserve: tuple[RuntimeLine, ...] = Field(
         (), description="Named fixed costs outside the arena (context, module images, workspace, margin)."
     )
@@ -196,6 +200,13 @@ VLLM_SERVING_NAMES = {
 #: Default decode graph buckets stop at this batch (vLLM's default capture sizes stop at 512 too);
 #: larger decode steps run eagerly.
 MAX_DEFAULT_GRAPH_BATCH = 512
+#: Default token buckets of the prefill graphs (ServingConfig.prefill_graph_token_sizes). A prefill or mixed
+#: step's eager launches cost the H200's host about 19 ms at Qwen3-8B whatever its size, its GPU work about
+#: 20 us a row (the GEMMs at ~750 TFLOP/s): steps of up to ~2,048 rows are launch-bound and replay pieces;
+#: larger ones run eagerly. Steps of 64 up to 512 rows, then 128, then 256 keep the padding at most 1/8 of a
+#: step of more than 512 rows (docs/benchmarks.md, "Serving throughput").
+DEFAULT_PREFILL_GRAPH_TOKEN_SIZES = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280,
+                                     1536, 1792, 2048)
 _TOKEN_COUNT = re.compile(r"^(\d+(?:\.\d+)?)([kmgKMG]?)$")
 _TOKEN_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -336,6 +347,15 @@ class ServingConfig(_Frozen):
         f"below max_batch, then max_batch (up to {MAX_DEFAULT_GRAPH_BATCH}), following max_batch when a flag "
         "changes it.",
     )
+    prefill_graph_token_sizes: tuple[Annotated[int, Field(ge=1, le=1 << 20)], ...] = Field(
+        DEFAULT_PREFILL_GRAPH_TOKEN_SIZES,
+        description="Row buckets of prefill and mixed steps captured as piecewise CUDA graphs: each layer's "
+        "row-wise kernels (norms, projections, SwiGLU, gates) replay at the smallest bucket that holds the "
+        "step's rows, and attention (whose launches depend on the step's requests) runs eagerly between them. "
+        "Buckets above the step's row capacity are dropped (the plan's capacity prefill_graph_rows lists the "
+        "rest); steps of more rows than the largest run eagerly; empty: none. With tensor_parallel_size > 1 "
+        "prefill steps run eagerly.",
+    )
 
     @field_validator("max_context", mode="before")
     @classmethod
@@ -373,6 +393,8 @@ class ServingConfig(_Frozen):
             )
         if list(self.decode_graph_batch_sizes) != sorted(set(self.decode_graph_batch_sizes)):
             raise ValueError("decode_graph_batch_sizes must be strictly increasing")
+        if list(self.prefill_graph_token_sizes) != sorted(set(self.prefill_graph_token_sizes)):
+            raise ValueError("prefill_graph_token_sizes must be strictly increasing")
         return self
 
 

@@ -114,6 +114,7 @@ class Drafter:
                                                geometry.hidden_size, gemv_inputs, dtype_bytes(dtypes.activations)),
             delta_rule_scratch=bool(geometry.num_linear_layers) and dtypes.activations == DELTA_RULE_SCRATCH_DTYPE,
             prefill_tokens_beside_decode=serving.max_prefill_tokens_beside_decode,
+            prefill_graph_token_sizes=serving.prefill_graph_token_sizes if serving.tensor_parallel_size == 1 else (),
         )
         act = dtypes.activations
         pools = [self._weights_pool(geometry, serving.tensor_parallel_size, dtypes.weights)]
@@ -127,7 +128,7 @@ class Drafter:
                             score_elements=capacity.prefill_score_elements,
                             delta_rule_chunk=capacity.delta_rule_chunk),
             build_sampling(geometry, capacity.max_batch, act),
-            budget_pool("runtime", runtime_lines(hardware, serving)),
+            budget_pool("runtime", runtime_lines(hardware, serving, capacity, geometry.num_layers)),
         ]
         non_kv = checked.add("non-KV bytes", *(p.bytes for p in pools))
         usable = usable_bytes(hardware.device_memory_bytes, serving.gpu_memory_utilization)
@@ -151,10 +152,15 @@ class Drafter:
         return self._weights[key]
 
 
-def runtime_lines(hardware: HardwareConfig, serving: ServingConfig) -> list[tuple[str, int]]:
+def runtime_lines(hardware: HardwareConfig, serving: ServingConfig, capacity: Capacity,
+                  num_layers: int) -> list[tuple[str, int]]:
+    """The runtime pool's lines: the hardware's reserve, the decode graphs, the prefill graphs' pieces (one per
+    layer and one more, executor/models/graphs.py, at each bucket) and with tensor parallelism the communicator."""
     lines = [(line.name, line.bytes) for line in hardware.runtime_reserve]
     graphs = checked.mul("cuda_graphs bytes", len(serving.decode_graph_batch_sizes), hardware.cuda_graph_bytes)
     lines.append(("cuda_graphs", graphs))
+    pieces = checked.mul("prefill graph pieces", len(capacity.prefill_graph_rows), num_layers + 1)
+    lines.append(("prefill_graphs", checked.mul("prefill_graphs bytes", pieces, hardware.cuda_graph_piece_bytes)))
     if serving.tensor_parallel_size > 1:  # one communicator per rank: the collectives of executor/parallel.py
         lines.append(("nccl_communicator", hardware.nccl_communicator_bytes))
     return lines

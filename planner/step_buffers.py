@@ -28,8 +28,8 @@ STAGES = (
     "attn.output_gate",  # attn_out *= sigmoid(gate part of qkv) (Qwen3.5)
     "attn.o_proj",  # attn_out -> proj_out
     "linear.in_proj",  # normed -> in_proj [qkv | z | b | a]
-    "linear.conv",  # in_proj qkv part + conv state -> conv_out
     "linear.gates",  # in_proj b, a -> gate_g, gate_beta
+    "linear.conv",  # in_proj qkv part + conv state -> conv_out
     "linear.delta_rule",  # conv_out, gates + ssm state -> delta_out
     "linear.gated_norm",  # delta_out, in_proj z -> gated_out
     "linear.out_proj",  # gated_out -> proj_out

@@ -8,6 +8,7 @@ update the residual stream themselves); a forward call only slices planned buffe
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -19,6 +20,17 @@ from executor.models.flash_prefill_attention import FlashPrefillAttention
 from executor.models.launchers import Kernels, NormStyle
 from executor.models.prefill_attention import GemmPrefillAttention
 from executor.models.projections import Projections
+
+
+class Mixer(Protocol):
+    """A layer's token mixer. ``__call__`` is the whole block; the GEMM forward calls its three parts
+    apart (decoder.py), so that the row-wise ``project`` and ``finish`` can replay in prefill graph
+    pieces around the eager ``attend`` (graphs.py)."""
+
+    def __call__(self, step: StepViews) -> None: ...
+    def project(self, step: StepViews) -> None: ...
+    def attend(self, step: StepViews) -> None: ...
+    def finish(self, step: StepViews) -> None: ...
 
 
 class FullAttention:
@@ -55,42 +67,57 @@ class FullAttention:
         self.long_prefill_attention = _long_prefill_attention(arena, kernels, self.k_cache, self.v_cache, self.scale)
 
     def __call__(self, step: StepViews) -> None:
+        self.project(step)
+        self.attend(step)
+        self.finish(step)
+
+    def project(self, step: StepViews) -> None:
+        """The fused QKV projection of the block's normed input (row-wise: a prefill graph piece's)."""
+        self.proj.normed(step, self.qkv_weight, step.role("qkv"))
+
+    def attend(self, step: StepViews) -> None:
+        """q/k norm + RoPE, the KV write and attention into ``attn_out`` (the step's requests decide the
+        launches: eager between the prefill graph pieces)."""
         k_ = self.kernels
-        n, d = step.num_rows, self.head_dim
-        qkv = step.role("qkv")
-        self.proj.normed(step, self.qkv_weight, qkv)
-        q_part = qkv[:, : self.q_rows]
-        if self.output_gate:  # per head [q | gate]
-            q_and_gate = q_part.view(n, self.q_heads, 2 * d)
-            q, gate = q_and_gate[..., :d], q_and_gate[..., d:]
-        else:
-            q = q_part.view(n, self.q_heads, d)
-        k = qkv[:, self.q_rows : self.q_rows + self.kv_rows].view(n, self.kv_heads, d)
-        v = qkv[:, self.q_rows + self.kv_rows :].view(n, self.kv_heads, d)
-        attn_out = step.role("attn_out").view(n, self.q_heads, d)
+        q, k, v = self._qkv(step)
+        attn_out = step.role("attn_out").view(step.num_rows, self.q_heads, self.head_dim)
         tile_meta = step.tile_meta
         if step.pool == "decode":  # one launch where it can (kernels/attention/decode_rope.py)
             split = (step.role("attn_partial_out"), step.role("attn_partial_lse")) if self.split_decode else ()
             k_.decode_rope_attention(q, k, v, self.q_norm, self.k_norm, self.eps, self.norm.weight_offset,
                                      self.rotary_dim, self.theta, self.k_cache, self.v_cache, *tile_meta, attn_out,
                                      self.scale, *split, stream=step.stream)
-        else:
-            k_.qk_norm_rope_write_kv(q, k, v, self.q_norm, self.k_norm, step.meta("positions"), self.eps,
-                                     self.norm.weight_offset, self.rotary_dim, self.theta, self.k_cache, self.v_cache,
-                                     step.meta("batch_indices"), step.meta("page_indices"), step.meta("page_indptr"),
-                                     stream=step.stream)
-            paged, decode_rows = step.split_tile_meta
-            if step.num_tiles > step.num_decode_row_tiles:  # chunks of several rows short of the long backend
-                k_.attention(q, self.k_cache, self.v_cache, *paged, attn_out, self.scale, stream=step.stream)
-            if step.num_decode_row_tiles:  # decode rows beside prefill chunks: the decode kernel, unsplit
-                k_.decode_rope_attention.attention(q, self.k_cache, self.v_cache, *decode_rows, attn_out, self.scale,
-                                                   shape_rows=self.mixed_decode_shape_rows,
-                                                   stream=step.stream)
-            if step.long_prefill_requests:  # the long prefill chunks, which got no paged-attention tile
-                self.long_prefill_attention(step, q, attn_out)
+            return
+        k_.qk_norm_rope_write_kv(q, k, v, self.q_norm, self.k_norm, step.meta("positions"), self.eps,
+                                 self.norm.weight_offset, self.rotary_dim, self.theta, self.k_cache, self.v_cache,
+                                 step.meta("batch_indices"), step.meta("page_indices"), step.meta("page_indptr"),
+                                 stream=step.stream)
+        paged, decode_rows = step.split_tile_meta
+        if step.num_tiles > step.num_decode_row_tiles:  # chunks of several rows short of the long backend
+            k_.attention(q, self.k_cache, self.v_cache, *paged, attn_out, self.scale, stream=step.stream)
+        if step.num_decode_row_tiles:  # decode rows beside prefill chunks: the decode kernel, unsplit
+            k_.decode_rope_attention.attention(q, self.k_cache, self.v_cache, *decode_rows, attn_out, self.scale,
+                                               shape_rows=self.mixed_decode_shape_rows, stream=step.stream)
+        if step.long_prefill_requests:  # the long prefill chunks, which got no paged-attention tile
+            self.long_prefill_attention(step, q, attn_out)
+
+    def finish(self, step: StepViews) -> None:
+        """The output gate (Qwen3.5) and o_proj into the residual stream (row-wise)."""
         if self.output_gate:
-            k_.output_gate(attn_out, gate, stream=step.stream)
+            n, d = step.num_rows, self.head_dim
+            attn_out = step.role("attn_out").view(n, self.q_heads, d)
+            gate = step.role("qkv")[:, : self.q_rows].view(n, self.q_heads, 2 * d)[..., d:]
+            self.kernels.output_gate(attn_out, gate, stream=step.stream)
         self.proj.residual(step, step.role("attn_out"), self.o_weight)
+
+    def _qkv(self, step: StepViews) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [n, Hq, D] (per head [q | gate] with the output gate: its first half), k and v [n, Hkv, D]."""
+        n, d, qkv = step.num_rows, self.head_dim, step.role("qkv")
+        q_part = qkv[:, : self.q_rows]
+        q = q_part.view(n, self.q_heads, 2 * d)[..., :d] if self.output_gate else q_part.view(n, self.q_heads, d)
+        k = qkv[:, self.q_rows : self.q_rows + self.kv_rows].view(n, self.kv_heads, d)
+        v = qkv[:, self.q_rows + self.kv_rows :].view(n, self.kv_heads, d)
+        return q, k, v
 
 
 def _long_prefill_attention(arena: Arena, kernels: Kernels, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -139,34 +166,55 @@ class LinearAttention:
         return ChunkScratch(step.role("delta_transform"), step.role("delta_gram"), step.role("delta_scalars"))
 
     def __call__(self, step: StepViews) -> None:
-        k_, stream = self.kernels, step.stream
-        n = step.num_rows
+        self.project(step)
+        self.attend(step)
+        self.finish(step)
+
+    def project(self, step: StepViews) -> None:
+        """The fused in_proj of the block's normed input and the gates g, beta (row-wise: a prefill graph
+        piece's)."""
         in_proj = step.role("in_proj")
         self.proj.normed(step, self.in_weight, in_proj)
-        c, w, h = self.conv_dim, self.value_width, self.heads
-        mixed, z = in_proj[:, :c], in_proj[:, c : c + w]
-        b, gate_a = in_proj[:, c + w : c + w + h], in_proj[:, c + w + h :]
+        b, gate_a = self._gate_inputs(in_proj)
+        self.kernels.gdn_gates(gate_a, b, self.a_log, self.dt_bias, step.role("gate_g"), step.role("gate_beta"),
+                               stream=step.stream)
+
+    def attend(self, step: StepViews) -> None:
+        """The causal conv1d and the delta rule with their states, into ``delta_out`` (the step's requests
+        decide the launches: eager between the prefill graph pieces)."""
+        k_, stream = self.kernels, step.stream
+        n = step.num_rows
+        mixed = step.role("in_proj")[:, : self.conv_dim]
         q_indptr, slot_ids = step.meta("q_indptr"), step.slot_ids()
         conv_out = step.role("conv_out")
         k_.conv1d(mixed, self.conv_weight, self.conv_state, q_indptr, slot_ids, conv_out, stream=stream)
         g, beta = step.role("gate_g"), step.role("gate_beta")
-        k_.gdn_gates(gate_a, b, self.a_log, self.dt_bias, g, beta, stream=stream)
-        delta_out = step.role("delta_out").view(n, h, self.dv)
+        delta_out = step.role("delta_out").view(n, self.heads, self.dv)
         if step.pool == "decode":
             k_.delta_rule_decode(conv_out, g, beta, self.ssm_state, q_indptr, slot_ids, delta_out, stream=stream)
-        else:  # executor/routing.py: the leading decode rows, then the chunks
-            d = step.leading_decode_rows
-            if d:
-                k_.delta_rule_decode(conv_out, g, beta, self.ssm_state, q_indptr[: d + 1], slot_ids[:d], delta_out,
-                                     stream=stream)
-            if k_.delta_rule_chunked is not None and n - d >= k_.chunked_delta_rule_min_rows:  # CHUNKED_DELTA_RULE_MIN_ROWS
-                k_.delta_rule_chunked(conv_out, g, beta, self.ssm_state, q_indptr[d:], slot_ids[d:], delta_out,
-                                      self.chunk_scratch(step), stream=stream)
-            else:
-                k_.delta_rule(conv_out, g, beta, self.ssm_state, q_indptr[d:], slot_ids[d:], delta_out, stream=stream)
+            return
+        d = step.leading_decode_rows  # executor/routing.py: the leading decode rows, then the chunks
+        if d:
+            k_.delta_rule_decode(conv_out, g, beta, self.ssm_state, q_indptr[: d + 1], slot_ids[:d], delta_out,
+                                 stream=stream)
+        if k_.delta_rule_chunked is not None and n - d >= k_.chunked_delta_rule_min_rows:  # CHUNKED_DELTA_RULE_MIN_ROWS
+            k_.delta_rule_chunked(conv_out, g, beta, self.ssm_state, q_indptr[d:], slot_ids[d:], delta_out,
+                                  self.chunk_scratch(step), stream=stream)
+        else:
+            k_.delta_rule(conv_out, g, beta, self.ssm_state, q_indptr[d:], slot_ids[d:], delta_out, stream=stream)
+
+    def finish(self, step: StepViews) -> None:
+        """The gated RMSNorm (gate z) and out_proj into the residual stream (row-wise)."""
+        z = step.role("in_proj")[:, self.conv_dim : self.conv_dim + self.value_width]
+        delta_out = step.role("delta_out").view(step.num_rows, self.heads, self.dv)
         gated = step.role("gated_out")
-        k_.gated_norm(delta_out, z, self.norm_weight, gated, self.eps, stream=stream)
+        self.kernels.gated_norm(delta_out, z, self.norm_weight, gated, self.eps, stream=step.stream)
         self.proj.residual(step, gated, self.out_weight)
+
+    def _gate_inputs(self, in_proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """in_proj's b and a columns (after the conv input and z)."""
+        start = self.conv_dim + self.value_width
+        return in_proj[:, start : start + self.heads], in_proj[:, start + self.heads :]
 
 
 class Mlp:

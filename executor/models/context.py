@@ -125,3 +125,17 @@ def bucket_views(arena: Arena, bucket: int, num_tiles: int) -> StepViews:
         arena=arena,
         stream=arena.device.current_stream(),
     )
+
+
+def prefill_bucket_views(arena: Arena, bucket: int) -> StepViews:
+    """The row views of a prefill step padded to ``bucket`` rows, as the prefill graphs' pieces see it:
+    they read and write row buffers only (no attention metadata, no request)."""
+    return StepViews(
+        num_rows=bucket,
+        num_requests=0,
+        num_pages=0,
+        num_tiles=0,
+        pool="prefill",
+        arena=arena,
+        stream=arena.device.current_stream(),
+    )

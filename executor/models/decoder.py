@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from executor.arena import Arena
-from executor.models.blocks import Mlp
+from executor.models.blocks import Mixer, Mlp
 from executor.models.context import StepViews, bucket_views, step_views
-from executor.models.graphs import DecodeGraphs
+from executor.models.graphs import DecodeGraphs, PrefillGraphs
 from executor.models.launchers import Kernels, NormStyle
 from executor.models.projections import GemmProjections, GemvProjections, Projections
 from executor.parallel import TensorParallel
@@ -32,12 +32,12 @@ from executor.step_writer import StepWriter
 
 Block = Callable[[StepViews], None]
 #: A model's mixer of layer ``index`` (attention or linear attention) on the given projections.
-MixerBuilder = Callable[[int, Projections], Block]
+MixerBuilder = Callable[[int, Projections], Mixer]
 
 
 @dataclass(frozen=True)
 class Layer:
-    mixer: Block  # attention or linear attention, on the layer's projections (projections.py)
+    mixer: Mixer  # attention or linear attention, on the layer's projections (projections.py)
     mlp: Block
     input_norm: torch.Tensor  # the GEMM forward's add + RMSNorm weights (GEMV projections hold their own)
     post_norm: torch.Tensor
@@ -75,6 +75,7 @@ class DecoderModel:
         # embedding reads them before this step's sampler overwrites them (stream order).
         self.previous_ids = arena.tensor("sampling", "sampled_ids")
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
 
     def _layer(self, index: int, build_mixer: MixerBuilder, gemm: GemmProjections | None) -> Layer:
         """Layer ``index`` on the shared GEMM projections, or (``gemm`` None) on GEMV projections that
@@ -96,6 +97,19 @@ class DecoderModel:
         graphs = DecodeGraphs(self.arena, self.writer, self._forward, self.arena.plan.serving.decode_graph_batch_sizes)
         graphs.capture()
         self.graphs = graphs
+
+    def capture_prefill_graphs(self) -> None:
+        """Capture the pieces of prefill steps at each of the plan's row buckets (capacity.prefill_graph_rows;
+        CUDA only, once, after the weights are loaded; none with tensor parallelism, whose collectives stay
+        eager). Later prefill steps of at most the largest bucket replay them between their eager attention."""
+        if self.device.is_sim:
+            raise RuntimeError("the Numba CUDA simulator has no CUDA graphs; run prefill eagerly")
+        buckets = self.arena.plan.capacity.prefill_graph_rows
+        if not buckets or self.parallel is not None:
+            return
+        graphs = PrefillGraphs(self.arena, self._piece, len(self.layers) + 1, buckets)
+        graphs.capture()
+        self.prefill_graphs = graphs
 
     def step(self, meta: StepMetadata, pad_to: int | None = None) -> torch.Tensor:
         """Copy the step's metadata in place, run the forward, and return the sampled ids view [B] int32.
@@ -175,19 +189,45 @@ class DecoderModel:
         self._sample(step)
 
     def _forward_gemm(self, step: StepViews) -> None:
-        stream, k_ = step.stream, self.kernels
-        hidden, normed, proj_out = step.role("hidden"), step.role("normed"), step.role("proj_out")
+        """The GEMM forward: the embedding, then the pieces (``_piece``) with each layer's attention between
+        them, then the lm_head. A prefill step of at most the largest prefill-graph bucket replays its
+        bucket's pieces instead of launching them."""
+        graphs = self.prefill_graphs if step.pool == "prefill" else None
+        bucket = graphs.bucket_for(step.num_rows) if graphs is not None else None
         self._embed(step)
-        offset = self.norm.weight_offset
         for index, layer in enumerate(self.layers):
-            if index == 0:
-                k_.rms_norm(hidden, layer.input_norm, normed, self.eps, offset, stream=stream)
-            else:  # hidden += previous layer's MLP output; normed = norm(hidden)
-                k_.add_rms_norm(proj_out, hidden, layer.input_norm, normed, self.eps, offset, stream=stream)
-            layer.mixer(step)
-            k_.add_rms_norm(proj_out, hidden, layer.post_norm, normed, self.eps, offset, stream=stream)
-            layer.mlp(step)
-        k_.add_rms_norm(proj_out, hidden, self.final_norm, normed, self.eps, offset, stream=stream)
+            self._run_piece(index, step, bucket)
+            layer.mixer.attend(step)
+        self._run_piece(len(self.layers), step, bucket)
+        self._head(step)
+
+    def _run_piece(self, index: int, step: StepViews, bucket: int | None) -> None:
+        if bucket is None:
+            self._piece(index, step)
+        else:
+            self.prefill_graphs.replay(bucket, index)
+
+    def _piece(self, index: int, step: StepViews) -> None:
+        """Piece ``index`` (0 .. num_layers) of the GEMM forward, the row-wise work between two attentions:
+        layer ``index - 1``'s mixer output, post-attention norm and MLP, then layer ``index``'s input norm
+        and input projection (the final norm after the last layer)."""
+        k_, stream, offset = self.kernels, step.stream, self.norm.weight_offset
+        hidden, normed, proj_out = step.role("hidden"), step.role("normed"), step.role("proj_out")
+        if index == 0:
+            k_.rms_norm(hidden, self.layers[0].input_norm, normed, self.eps, offset, stream=stream)
+        else:  # hidden += the block's output; normed = norm(hidden)
+            before = self.layers[index - 1]
+            before.mixer.finish(step)
+            k_.add_rms_norm(proj_out, hidden, before.post_norm, normed, self.eps, offset, stream=stream)
+            before.mlp(step)
+            norm = self.layers[index].input_norm if index < len(self.layers) else self.final_norm
+            k_.add_rms_norm(proj_out, hidden, norm, normed, self.eps, offset, stream=stream)
+        if index < len(self.layers):
+            self.layers[index].mixer.project(step)
+
+    def _head(self, step: StepViews) -> None:
+        """The requests' last rows of ``normed`` through lm_head, then sampling."""
+        normed = step.role("normed")
         last_hidden = self._sampling(step, "last_hidden")
         torch.index_select(normed, 0, self._sampling(step, "logits_indices"), out=last_hidden)
         if self.tensor_parallel_size == 1:

@@ -1,4 +1,6 @@
-"""Decode as CUDA graphs: one graph per batch bucket, captured once after materialize.
+"""Decode and prefill steps as CUDA graphs, captured once after materialize.
+
+Decode (``DecodeGraphs``): one graph of the whole forward per batch bucket.
 
 A Numba launch costs tens of microseconds of host time, more than the
 weight-streaming floor of a small decode step, so decode replays graphs (a few
@@ -8,6 +10,15 @@ bucket's: a step of ``b`` requests is padded to the smallest bucket ``>= b``
 (``step.pad_decode``) and its metadata copied into the same planned buffers the
 graph reads. The serving config lists the buckets and the plan budgets their
 pools as the ``cuda_graphs`` runtime line.
+
+Prefill and mixed steps (``PrefillGraphs``): piecewise. Their attention launches follow the step's
+requests (tiles, long chunks, the delta rule's route), so those run eagerly; everything between two
+of them (the decoder's ``num_layers + 1`` pieces: o_proj or out_proj, the norms, the MLP, the next
+layer's input projection) works on rows alone and replays, per row bucket, as one graph each. A
+step of ``n`` rows replays the pieces of the smallest bucket ``>= n``: the pieces compute the
+padded rows too, which nothing reads (row-wise kernels never mix rows, and the eager launches and
+the lm_head read only the step's rows). The plan lists the buckets (capacity.prefill_graph_rows)
+and budgets the pieces as the ``prefill_graphs`` runtime line.
 """
 
 from __future__ import annotations
@@ -18,11 +29,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from executor.arena import Arena
-from executor.models.context import StepViews, bucket_views
+from executor.models.context import StepViews, bucket_views, prefill_bucket_views
 from executor.step import StepMetadata, decode_grid_tiles, pad_decode, plan_step
 from executor.step_writer import StepWriter
 
 Forward = Callable[[StepViews], None]
+#: Piece ``index`` (0 .. num_layers) of the decoder's GEMM forward over a step's views.
+Piece = Callable[[int, StepViews], None]
 
 
 class DecodeGraphs:
@@ -78,3 +91,49 @@ class DecodeGraphs:
         self.writer.write(pad_decode(self.arena.plan, meta, bucket))
         self.graphs[bucket].replay()
 
+
+
+class PrefillGraphs:
+    """The captured pieces of prefill steps, by row bucket (CUDA only)."""
+
+    def __init__(self, arena: Arena, piece: Piece, num_pieces: int, buckets: Sequence[int]):
+        assert not arena.device.is_sim, "the simulator has no CUDA graphs"
+        self.arena, self.piece, self.num_pieces = arena, piece, num_pieces
+        self.buckets = tuple(sorted(buckets))
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, ...]] = {}
+
+    def bucket_for(self, num_rows: int) -> int | None:
+        """The smallest captured bucket of at least ``num_rows`` rows, or None."""
+        index = bisect.bisect_left(self.buckets, num_rows)
+        return self.buckets[index] if index < len(self.buckets) else None
+
+    def capture(self) -> None:
+        """Capture every bucket's pieces, largest bucket first, into one shared memory pool.
+
+        Each piece first runs once eagerly on the capture stream (cuBLAS picks and sets up its GEMMs
+        at the bucket's rows), then is recorded. The pieces read and write only the prefill pool's row
+        buffers and the weights, so running them over whatever those rows hold at start-up touches no
+        request's state (KV pages, recurrent state, sampling buffers).
+        """
+        device = self.arena.device
+        pool = torch.cuda.graph_pool_handle()
+        capture_stream = torch.cuda.Stream(device.torch_device)
+        capture_stream.wait_stream(torch.cuda.current_stream(device.torch_device))
+        for bucket in reversed(self.buckets):
+            with torch.cuda.stream(capture_stream):
+                views = prefill_bucket_views(self.arena, bucket)  # on the capture stream
+                for index in range(self.num_pieces):
+                    self.piece(index, views)
+            pieces = []
+            for index in range(self.num_pieces):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
+                    self.piece(index, views)
+                pieces.append(graph)
+            self.graphs[bucket] = tuple(pieces)
+        torch.cuda.current_stream(device.torch_device).wait_stream(capture_stream)
+        torch.cuda.synchronize(device.torch_device)
+
+    def replay(self, bucket: int, index: int) -> None:
+        """Replay piece ``index`` of ``bucket`` on the current stream."""
+        self.graphs[bucket][index].replay()

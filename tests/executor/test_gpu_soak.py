@@ -2,8 +2,9 @@
 
 Zero allocation growth, zero pointer changes, every output equal to its solo run,
 and page and slot accounting back to empty at the end. Decode replays the captured
-CUDA graphs (buckets up to 16), so a request's decode steps run padded to
-different buckets in the batched run and in its solo run. The model runs in
+CUDA graphs (buckets up to 16) and prefill steps their buckets' pieces (up to 256
+rows), so a request's steps run padded to different buckets in the batched run and
+in its solo run. The model runs in
 float32: bf16 GEMMs of different row counts may round differently, which flips a
 greedy near-tie now and then and would make "equal to its solo run" a coin toss
 over 800 requests.
@@ -29,6 +30,8 @@ def test_soak_2000_steps(name):
     loaded = load_with_hf(name, "h200", "default", max_batch=16, max_context=512, max_prefill_tokens=256,
                           gpu_memory_utilization=0.15, dtype="float32")
     loaded.model.capture_decode_graphs()
+    loaded.model.capture_prefill_graphs()
+    assert loaded.model.prefill_graphs.buckets[-1] == 256
     rng = random.Random(0)
     vocab = loaded.plan.model.vocab_size
     prefixes = [[rng.randrange(vocab) for _ in range(64)] for _ in range(4)]
