@@ -56,6 +56,10 @@ def format_table(plan: MemoryPlan) -> str:
     lines.append(f"decode projections: fused GEMVs at batch <= {capacity.decode_gemv_batch} "
                  f"(serving decode_gemv_max_batch {plan.serving.decode_gemv_max_batch}), cuBLAS above"
                  if capacity.decode_gemv_batch else "decode projections: cuBLAS at every batch")
+    rows = capacity.prefill_graph_rows
+    lines.append(f"graphs: decode at batch {list(plan.serving.decode_graph_batch_sizes)}; prefill pieces at "
+                 f"{len(rows)} row buckets {rows[0]:,}..{rows[-1]:,} (larger steps eager)"
+                 if rows else f"graphs: decode at batch {list(plan.serving.decode_graph_batch_sizes)}; prefill eager")
     transient = sorted(
         ((pool.name, b) for pool in plan.pools if pool.name in ("decode", "prefill") for b in pool.buffers),
         key=lambda item: -item[1].bytes,
