@@ -22,7 +22,8 @@ PREFILL_ROWS_PER_TILE = 4
 #: q/k norm + RoPE + KV write run as one fused launch for steps of at most this many rows (decode
 #: steps and short chunks, where launches dominate: 7.5 us a Qwen3-8B layer at batch 1 on the
 #: H200 against 12.3 us for three launches); longer steps take the separate kernels, which were
-#: about 40 us a layer faster at 4,096 rows.
+#: about 40 us a layer faster at 4,096 rows, and whose q/k norm + RoPE, row-wise, runs in the
+#: layer's input piece of a prefill graph (only the KV write stays eager).
 FUSED_ROPE_KV_MAX_ROWS = 128
 
 #: bf16 q/k norm + RoPE calls of at least this many rows take the kernel specialized to its shape
@@ -102,9 +103,11 @@ ROUTES: tuple[Route, ...] = (
     Route("prefill", "q/k norm + RoPE + KV write", f"rows <= {FUSED_ROPE_KV_MAX_ROWS}",
           "rope/fused_kv_write.py (fused)", "launch-bound"),
     Route("prefill", "q/k norm + RoPE", f"rows > {FUSED_ROPE_KV_MAX_ROWS}, bf16, rows >= {SPECIALIZED_ROPE_MIN_ROWS}",
-          "rope/specialized.py, then rows/kv_cache.py WriteKv", "bandwidth-bound; shape compiled in"),
+          "rope/specialized.py in the layer's input piece (a prefill graph's, graphs.py), then rows/kv_cache.py "
+          "WriteKv eagerly", "bandwidth-bound; shape compiled in; row-wise, so it replays with the projection"),
     Route("prefill", "q/k norm + RoPE", f"rows > {FUSED_ROPE_KV_MAX_ROWS}, otherwise",
-          "rope/qk_norm_rope.py (vector, scalar for unaligned views), then WriteKv", "general shapes"),
+          "rope/qk_norm_rope.py (vector, scalar for unaligned views) in the input piece, then WriteKv eagerly",
+          "general shapes"),
     Route("prefill", "attention", "chunk of 2 .. gemm_attention_min_tokens - 1 rows",
           f"attention/paged.py PagedAttention ({PREFILL_ROWS_PER_TILE} rows a tile)",
           "short chunks of any mix in one launch"),

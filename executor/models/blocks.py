@@ -72,8 +72,14 @@ class FullAttention:
         self.finish(step)
 
     def project(self, step: StepViews) -> None:
-        """The fused QKV projection of the block's normed input (row-wise: a prefill graph piece's)."""
+        """The fused QKV projection of the block's normed input and, where a prefill step takes the separate
+        q/k norm + RoPE launches (fused_kv_write.py ``separate``), those (row-wise: a prefill graph piece's)."""
         self.proj.normed(step, self.qkv_weight, step.role("qkv"))
+        if self._rope_in_piece(step):
+            q, k, _ = self._qkv(step)
+            self.kernels.qk_norm_rope_write_kv.norm_rope(q, k, self.q_norm, self.k_norm, step.meta("positions"),
+                                                         self.eps, self.norm.weight_offset, self.rotary_dim,
+                                                         self.theta, stream=step.stream)
 
     def attend(self, step: StepViews) -> None:
         """q/k norm + RoPE, the KV write and attention into ``attn_out`` (the step's requests decide the
@@ -88,10 +94,15 @@ class FullAttention:
                                      self.rotary_dim, self.theta, self.k_cache, self.v_cache, *tile_meta, attn_out,
                                      self.scale, *split, stream=step.stream)
             return
-        k_.qk_norm_rope_write_kv(q, k, v, self.q_norm, self.k_norm, step.meta("positions"), self.eps,
-                                 self.norm.weight_offset, self.rotary_dim, self.theta, self.k_cache, self.v_cache,
-                                 step.meta("batch_indices"), step.meta("page_indices"), step.meta("page_indptr"),
-                                 stream=step.stream)
+        if self._rope_in_piece(step):  # q and k normed and rotated in place by the input piece
+            k_.qk_norm_rope_write_kv.write_kv(k, v, self.k_cache, self.v_cache, step.meta("batch_indices"),
+                                              step.meta("positions"), step.meta("page_indices"),
+                                              step.meta("page_indptr"), stream=step.stream)
+        else:
+            k_.qk_norm_rope_write_kv(q, k, v, self.q_norm, self.k_norm, step.meta("positions"), self.eps,
+                                     self.norm.weight_offset, self.rotary_dim, self.theta, self.k_cache, self.v_cache,
+                                     step.meta("batch_indices"), step.meta("page_indices"), step.meta("page_indptr"),
+                                     stream=step.stream)
         paged, decode_rows = step.split_tile_meta
         if step.num_tiles > step.num_decode_row_tiles:  # chunks of several rows short of the long backend
             k_.attention(q, self.k_cache, self.v_cache, *paged, attn_out, self.scale, stream=step.stream)
@@ -109,6 +120,11 @@ class FullAttention:
             gate = step.role("qkv")[:, : self.q_rows].view(n, self.q_heads, 2 * d)[..., d:]
             self.kernels.output_gate(attn_out, gate, stream=step.stream)
         self.proj.residual(step, step.role("attn_out"), self.o_weight)
+
+    def _rope_in_piece(self, step: StepViews) -> bool:
+        """Whether the prefill step's q/k norm + RoPE runs in the input piece, apart from the KV write: it
+        does when the step's pieces run at rows that take the separate launches."""
+        return step.pool == "prefill" and self.kernels.qk_norm_rope_write_kv.separate(step.piece_rows)
 
     def _qkv(self, step: StepViews) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [n, Hq, D] (per head [q | gate] with the output gate: its first half), k and v [n, Hkv, D]."""

@@ -36,6 +36,13 @@ class StepViews:
     long_prefill_groups: tuple[LongPrefillGroup, ...] = ()  # the same chunks, packed (the flash backend's)
     num_decode_row_tiles: int = 0  # prefill steps: the last tiles, the decode rows' (StepMetadata)
     leading_decode_rows: int = 0  # prefill steps: the one-row chunks the step starts with (StepMetadata)
+    # Rows the step's row-wise pieces run at: its prefill graph bucket when it replays one (graphs.py), else
+    # num_rows. A block that splits work between a piece and its eager part decides by this, so both agree.
+    piece_rows: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.piece_rows:
+            object.__setattr__(self, "piece_rows", self.num_rows)
 
     def scratch(self, name: str) -> torch.Tensor:
         """A whole planned buffer of the step's pool (scratch not laid out by row)."""

@@ -15,6 +15,7 @@ GEMV took 272.8 us for all four; docs/benchmarks.md, "Decode step profile".)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -194,6 +195,8 @@ class DecoderModel:
         bucket's pieces instead of launching them."""
         graphs = self.prefill_graphs if step.pool == "prefill" else None
         bucket = graphs.bucket_for(step.num_rows) if graphs is not None else None
+        if bucket is not None:
+            step = dataclasses.replace(step, piece_rows=bucket)
         self._embed(step)
         for index, layer in enumerate(self.layers):
             self._run_piece(index, step, bucket)

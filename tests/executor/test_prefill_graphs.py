@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from executor.kernels.rope import fused_kv_write
 from executor.models.context import prefill_bucket_views
 from executor.step import RequestChunk, plan_step
 from planner.loader import load_hardware, load_model, load_serving
@@ -59,10 +60,15 @@ def test_plan_keeps_the_buckets_a_step_holds():
     assert line.bytes == len(plan.capacity.prefill_graph_rows) * 29 * plan.hardware.cuda_graph_piece_bytes > 0
 
 
+@pytest.mark.parametrize("fused_rows", [None, 8], ids=["rope-eager", "rope-in-piece"])
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3.5"])
-def test_pieces_at_a_padded_bucket_leave_the_step_unchanged(name):
+def test_pieces_at_a_padded_bucket_leave_the_step_unchanged(name, fused_rows, monkeypatch):
     """The pieces run over padded rows (whatever those rows hold) without changing the step's rows, the
-    KV cache or the recurrent state: the simulator's float32 forward, unpadded against padded."""
+    KV cache or the recurrent state: the simulator's float32 forward, unpadded against padded. With the
+    fused q/k norm + RoPE + KV write limited to 8 rows, both steps norm and rotate q and k in their input
+    pieces and write the KV cache eagerly."""
+    if fused_rows is not None:
+        monkeypatch.setattr(fused_kv_write, "FUSED_ROPE_KV_MAX_ROWS", fused_rows)
     loaded = load_tiny(name)
     lengths = [3, 4, 5, 6]  # 12 rows, then 3 decode rows and 6: 9 (the plan's steps hold 19)
     plain_logits, plain_tokens = _two_steps(loaded, lengths)

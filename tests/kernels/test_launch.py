@@ -104,3 +104,29 @@ def test_gpu_fast_launch_matches_numbas_for_every_layout():
             assert key[0] == (dtype, 2, _tensor_layout(src)) and kernel._launches[key] is not None
             for out in got:
                 assert torch.equal(out, expected), (dtype, tuple(src.shape), src.stride())
+
+
+@pytest.mark.gpu
+def test_gpu_launch_memo_follows_each_view_object():
+    """The per-tensor memo (launch.py ``_TensorMemo``) packs each view object once: views made afresh
+    for every launch (new objects at other offsets and shapes, the memo's oldest entries dropped on
+    the way) each reach the kernel with their own address and shape, and a remembered view launches
+    again to the same result."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    from executor.kernels.primitives.launch import TENSOR_MEMO_ENTRIES
+
+    kernel, stream = Kernel(_scale_rows), cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+    src = torch.randn(64, 96, device="cuda")
+    out = torch.zeros(64, 96, device="cuda")
+    kept = src[1:9, 2:10], out[1:9, 2:10]
+    kernel[(1, 1), (16, 16), stream](*kept, np.float32(2.0), np.float32(0.0))
+    for index in range(TENSOR_MEMO_ENTRIES + 40):
+        rows, start = 1 + index % 7, index % 50
+        kernel[(1, 1), (16, 16), stream](src[start : start + rows, :16], out[start : start + rows, 16:32],
+                                         np.float32(3.0), np.float32(float(index)))
+        expected = src[start : start + rows, :16] * 3.0 + float(index)
+        assert torch.equal(out[start : start + rows, 16:32], expected), index
+    kernel[(1, 1), (16, 16), stream](*kept, np.float32(2.0), np.float32(1.0))
+    assert torch.equal(kept[1], kept[0] * 2.0 + 1.0)
+    assert len(kernel._tensors.entries) <= TENSOR_MEMO_ENTRIES

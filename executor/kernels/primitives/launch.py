@@ -19,6 +19,12 @@ case) it:
   float scalar its ctypes value of the compiled type;
 - launches through ``cuda.core.launch``, as Numba does.
 
+A forward passes the same view objects to a launcher at every layer (StepViews slices a step's
+buffers once), so each ``Kernel`` keeps, per tensor object, its key part and packed parameters
+(``_TensorMemo``): a tensor seen before costs a dictionary lookup instead of a dozen attribute
+reads. The memo holds the tensor, so its ``id`` is not reused while the entry lives; a torch view's
+shape, strides and address never change (nothing here resizes a tensor in place).
+
 The packing and the overload lookup follow numba-cuda 0.30.4's ``_Kernel`` (``argument_types``,
 ``_codelibrary``; the project's pinned, maintenance-mode target); tests/kernels/test_launch.py
 holds both to Numba's own results on the GPU. bf16 tensors go in as their int16 bits (the
@@ -51,6 +57,9 @@ SM_BLOCKS = 32  # resident blocks an SM
 SM_REGISTERS = 65536  # 32-bit registers an SM
 #: Scalar types a fast launch packs (anything else takes Numba's path).
 _SCALARS = (np.integer, np.floating, np.bool_, int, float, bool)
+#: Tensors a Kernel remembers the key part and parameters of (oldest dropped first): several steps' views
+#: of every argument a launcher takes, across layers.
+TENSOR_MEMO_ENTRIES = 1024
 
 Packer = Callable[[Any, list], None]
 
@@ -74,6 +83,7 @@ class Kernel:
         # key -> (cuda.core kernel, one packer per argument), or None: the key takes Numba's path.
         self._launches: dict[tuple, tuple[Any, tuple[Packer, ...]] | None] = {}
         self._streams: dict[int, tuple[Any, Any]] = {}  # id(stream) -> (stream, its cuda.core stream)
+        self._tensors = _TensorMemo()
         # The persistent kernel cache (executor/kernel_compiler.py): argument types -> "cache" (loaded) or
         # "compiled" (here), and the argument types a discovery pass over meta tensors asked for.
         self.origins: dict[tuple, str] = {}
@@ -86,7 +96,9 @@ class Kernel:
         return lambda *args: self.launch(grid, block, stream, shared_bytes, args)
 
     def launch(self, grid: Any, block: Any, stream: Any, shared_bytes: int, args: tuple) -> None:
-        key = None if self.simulated else _launch_key(args)
+        # Plain CUDA tensors and scalars: the key and the tensors' parameters from the memo.
+        known = None if self.simulated else self._tensors.lookup(args)
+        key, packed = known if known is not None else (None if self.simulated else _launch_key(args), None)
         entry = self._launches.get(key, False) if key is not None else None
         if entry is False:
             entry = self._launches[key] = self._compile(args)
@@ -99,8 +111,15 @@ class Kernel:
             return
         kernel, packers = entry
         params: list = []
-        for pack, value in zip(packers, args):
-            pack(value, params)
+        if packed is None:
+            for pack, value in zip(packers, args):
+                pack(value, params)
+        else:
+            for pack, value, ready in zip(packers, args, packed):
+                if ready is None:
+                    pack(value, params)
+                else:
+                    params += ready
         self._launch(self._core_stream(stream), self._config(grid=grid, block=block, shmem_size=shared_bytes), kernel,
                      *params)
 
@@ -158,6 +177,39 @@ class Kernel:
 
             entry = self._streams[id(stream)] = (stream, _to_core_stream(stream))
         return entry[1]
+
+
+class _TensorMemo:
+    """Per tensor object (by ``id``, holding the tensor): its launch-key part and packed array
+    parameters, for a launch whose tensors are all CUDA tensors seen before."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, tuple[torch.Tensor, tuple, tuple]] = {}
+
+    def lookup(self, args: tuple) -> tuple[tuple, tuple] | None:
+        """``(launch key, per-argument parameters or None for a scalar)``, or None when an argument is
+        neither a plain CUDA tensor nor a scalar (then the launch takes the general path)."""
+        key, packed = [], []
+        entries = self.entries
+        for a in args:
+            if type(a) is torch.Tensor:
+                entry = entries.get(id(a))
+                if entry is None or entry[0] is not a:
+                    if not a.is_cuda:
+                        return None
+                    params: list = []
+                    _pack_array(a, params)
+                    entry = entries[id(a)] = (a, (a.dtype, a.dim(), _tensor_layout(a)), tuple(params))
+                    if len(entries) > TENSOR_MEMO_ENTRIES:
+                        del entries[next(iter(entries))]
+                key.append(entry[1])
+                packed.append(entry[2])
+            elif isinstance(a, _SCALARS):
+                key.append(type(a))
+                packed.append(None)
+            else:
+                return None
+        return tuple(key), tuple(packed)
 
 
 def _allow_dynamic_shared(function: Any, shared_bytes: int) -> None:

@@ -264,6 +264,19 @@ class QkNormRopeWriteKv:
         self.kernel = Kernel(build_qk_norm_rope_write_kv_kernel(codec, round_before_weight)) if vectorize else None
         self.lanes = lanes_for(codec)
 
+    @staticmethod
+    def separate(rows: int) -> bool:
+        """Whether a call of ``rows`` rows makes the separate launches whatever its arrays
+        (routing.FUSED_ROPE_KV_MAX_ROWS): then its q/k norm + RoPE (``norm_rope``) depends on its rows
+        alone and may run apart from the KV write (``write_kv``), as a prefill graph piece does."""
+        return rows > FUSED_ROPE_KV_MAX_ROWS
+
+    def norm_rope(self, q: Any, k: Any, q_weight: Any, k_weight: Any, positions: Any, eps: float,
+                  weight_offset: float, rotary_dim: int, theta: float, stream: Any = 0) -> None:
+        """The separate launches' q/k norm + RoPE, in place (the KV write not included)."""
+        for x, weight in ((q, q_weight), (k, k_weight)):
+            self.qk_norm_rope(x, weight, positions, eps, weight_offset, rotary_dim, theta, stream=stream)
+
     def uses_vector(self, q: Any, k: Any, v: Any, q_weight: Any, k_weight: Any, k_cache: Any, v_cache: Any,
                     rotary_dim: int) -> bool:
         """Whether a call with these arrays and rotary_dim runs the fused kernel."""
@@ -310,9 +323,8 @@ class QkNormRopeWriteKv:
         check_rotary_dim(rotary_dim, head_dim)
         if rows == 0:
             return
-        if rows > FUSED_ROPE_KV_MAX_ROWS or not self.uses_vector(q, k, v, q_weight, k_weight, k_cache, v_cache, rotary_dim):
-            for x, weight in ((q, q_weight), (k, k_weight)):
-                self.qk_norm_rope(x, weight, positions, eps, weight_offset, rotary_dim, theta, stream=stream)
+        if self.separate(rows) or not self.uses_vector(q, k, v, q_weight, k_weight, k_cache, v_cache, rotary_dim):
+            self.norm_rope(q, k, q_weight, k_weight, positions, eps, weight_offset, rotary_dim, theta, stream=stream)
             self.write_kv(k, v, k_cache, v_cache, batch_indices, positions, page_indices, page_indptr, stream=stream)
             return
         group = vector_group_threads(head_dim, rotary_dim, self.lanes)
