@@ -10,7 +10,7 @@ module loads and allocator start from nothing. The child, in order:
 2. materializes the plan of bench/decode.py (``materialize``), fills random weights (``weights``);
 3. warms up: one prefill step, then one decode step per (batch, context) cell (``warm-up``: every
    module the steps use is loaded now);
-4. captures the decode CUDA graphs when the executor has ``capture_decode_graphs`` (``graphs``);
+4. captures the decode CUDA graphs (``graphs``), then the prefill graphs' pieces (``prefill graphs``);
 5. counts allocations over ``--steps`` more steps (decode cells in turn, then one prefill step):
    ``torch.cuda.memory_stats()["allocation.all.allocated"]`` after minus before.
 
@@ -23,9 +23,10 @@ At each checkpoint: ``torch.cuda.memory_allocated``, ``memory_reserved`` and the
   the caching allocator that the first steps brought (kernel images: cuBLAS, torch, Numba);
 - gemm_workspace: allocator growth (allocated) from ``weights`` to ``warm-up``: cuBLAS workspaces and
   anything else the steps allocated;
-- cuda_graphs: device used growth over the capture (graph memory pools and the driver's graph state);
-- safety_margin: reserved - allocated after the capture (the allocator slack the margin absorbs);
-- total: device used after the capture vs the plan's non-KV + KV bytes.
+- cuda_graphs: device used growth over the decode capture (graph memory pools and the driver's graph state);
+- prefill_graphs: device used growth over the pieces' capture, the same way;
+- safety_margin: reserved - allocated after the captures (the allocator slack the margin absorbs);
+- total: device used after the captures vs the plan's non-KV + KV bytes.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 
 #: Marks the child's result line on its stdout.
 RESULT_MARKER = "MEMPLAN_MEMORY_RESULT "
-CHECKPOINTS = ("context", "materialize", "weights", "warm-up", "graphs")
+CHECKPOINTS = ("context", "materialize", "weights", "warm-up", "graphs", "prefill graphs")
 
 
 # -- the child: one model, one fresh process ------------------------------------------------------------------------
@@ -131,8 +132,11 @@ def measure(model_name: str, args: argparse.Namespace) -> dict[str, Any]:
     snaps["warm-up"] = snapshot(device)
     graphs = capture_decode_graphs(model)
     snaps["graphs"] = snapshot(device)
+    if not device.is_sim:
+        model.capture_prefill_graphs()
+    snaps["prefill graphs"] = snapshot(device)
     log(f"{model_name}: graphs {graphs}; counting allocations over {args.steps} steps")
-    before, snap_before = allocation_count(device), snaps["graphs"]
+    before, snap_before = allocation_count(device), snaps["prefill graphs"]
     for index in range(args.steps - 1):
         decode_step(model, *cells[index % len(cells)], rng)
     prefill_step(model, rng)
@@ -169,8 +173,9 @@ def budget_rows(plan: MemoryPlan, pool_bytes: dict[str, int], snaps: dict[str, d
                  "memory_allocated growth over materialize"])
     rows.append(["weights load", 0, delta("weights", "materialize", "allocated"),
                  "memory_allocated growth while filling weights"])
-    context, warm, graphs = outside_allocator("context"), outside_allocator("warm-up"), snaps["graphs"]
+    context, warm, graphs = outside_allocator("context"), outside_allocator("warm-up"), snaps["prefill graphs"]
     graph_reserved = fmt_bytes(delta("graphs", "warm-up", "reserved"))
+    piece_reserved = fmt_bytes(delta("prefill graphs", "graphs", "reserved"))
     measured = {
         "cuda_context": (context, "device used - reserved after a 1-element tensor"),
         "module_images": (None if context is None or warm is None else warm - context,
@@ -178,15 +183,17 @@ def budget_rows(plan: MemoryPlan, pool_bytes: dict[str, int], snaps: dict[str, d
         "gemm_workspace": (delta("warm-up", "weights", "allocated"), "memory_allocated growth over the warm-up steps"),
         "cuda_graphs": (delta("graphs", "warm-up", "used"),
                         f"device used growth over the capture (reserved {graph_reserved})"),
+        "prefill_graphs": (delta("prefill graphs", "graphs", "used"),
+                           f"device used growth over the pieces' capture (reserved {piece_reserved})"),
         "safety_margin": (None if graphs is None else graphs["reserved"] - graphs["allocated"],
-                          "allocator slack: reserved - allocated after the capture"),
+                          "allocator slack: reserved - allocated after the captures"),
     }
     for line in plan.pool("runtime").buffers:
         value, how = measured.get(line.name, (None, "not measured"))
         rows.append([line.name, line.bytes, value, how])
     planned_total = plan.budget.non_kv_bytes + plan.budget.kv_bytes
-    total = None if snaps["graphs"] is None else snaps["graphs"]["used"]
-    rows.append(["total", planned_total, total, "device used (total - free) after the capture vs non-KV + KV"])
+    total = None if snaps["prefill graphs"] is None else snaps["prefill graphs"]["used"]
+    rows.append(["total", planned_total, total, "device used (total - free) after the captures vs non-KV + KV"])
     return rows
 
 

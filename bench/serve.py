@@ -43,7 +43,8 @@ and the gaps between the read-backs of the steps that carry decode rows, grouped
 tokens (a p99 per group: which steps make the TPOT tail), with the host seconds their launches took.
 ``--profile-kernels N`` runs the first workload once more under torch.profiler and lists its N
 longest-running kernels; ``--profile-host N`` runs the last one once more under cProfile and lists the N
-functions the host spent the most of its own time in (where a launch's host time goes).
+functions the host spent the most of its own time in (where a launch's host time goes); with
+``--profile-host-stats FILE`` the whole profile is written there too (``python3 -m pstats FILE``).
 
 ``--hf``: HF transformers continuous batching (the manager ``generate_batch`` drives, SDPA, greedy, EOS off)
 on the same prompts, output lengths and arrival times, after memplan's model is released; run outside

@@ -3,8 +3,9 @@
 The launchers pick a kernel and its argument types from tensor dtypes, shapes, strides and alignment
 and from the plan, never from data. So the plan is materialized on torch's meta device (views with
 the planned offsets, shapes and strides, and no memory), the model is built over it, and the start-up
-passes run: ``warm_up_steps`` and, for each CUDA-graph bucket, the padded decode step that graph
-capture runs eagerly before recording (executor/models/graphs.py). A ``Kernel`` launched with meta
+passes run: ``warm_up_steps``, for each CUDA-graph bucket the padded decode step that graph
+capture runs eagerly before recording, and for each prefill-graph bucket its pieces, which capture
+runs the same way (executor/models/graphs.py). A ``Kernel`` launched with meta
 tensors notes the argument types it would compile and launches nothing (executor/kernels/primitives/launch.py).
 The passes run in a process with or without a GPU: the only device queries on the way are the SM
 count (``multiprocessor_count``), which a process without a GPU answers for the plan's hardware
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 #: The phase names of ``KernelNeed.phase``.
 WARM_UP = "warm-up"
 GRAPH_PHASE = "decode graph {bucket}"
+PREFILL_GRAPH_PHASE = "prefill graph {bucket}"
 
 
 @dataclass(frozen=True)
@@ -54,15 +56,16 @@ def discover(plan: MemoryPlan) -> list[KernelNeed]:
 
 
 def discover_by_pass(plan: MemoryPlan) -> Iterator[list[KernelNeed]]:
-    """``discover``'s specializations a start-up pass at a time (warm-up, then each decode-graph bucket,
-    largest first as capture runs them): each list holds those the pass launches first, so a caller can
-    compile them while the next pass runs."""
+    """``discover``'s specializations a start-up pass at a time (warm-up, then each decode-graph bucket and
+    each prefill-graph bucket, largest first as capture runs them): each list holds those the pass
+    launches first, so a caller can compile them while the next pass runs."""
     import torch
 
     from executor.arena import materialize
     from executor.device import Device
     from executor.engine import warm_up_steps
     from executor.models import build_model
+    from executor.models.context import prefill_bucket_views
     from executor.step import plan_step
 
     arena = materialize(plan, Device("meta", torch.device("meta")))
@@ -85,6 +88,12 @@ def discover_by_pass(plan: MemoryPlan) -> Iterator[list[KernelNeed]]:
     for bucket in sorted(plan.serving.decode_graph_batch_sizes, reverse=True):  # capture's order
         model.step(empty, pad_to=bucket)
         yield new_needs(GRAPH_PHASE.format(bucket=bucket))
+    if model.parallel is None:  # DecoderModel.capture_prefill_graphs: none with tensor parallelism
+        for bucket in sorted(plan.capacity.prefill_graph_rows, reverse=True):
+            views = prefill_bucket_views(arena, bucket)
+            for index in range(len(model.layers) + 1):
+                model._piece(index, views)
+            yield new_needs(PREFILL_GRAPH_PHASE.format(bucket=bucket))
 
 
 def find_kernels(root: Any) -> list[Kernel]:

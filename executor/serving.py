@@ -19,6 +19,8 @@ error naming the rank, and ``close`` ends the other ranks.
 
 from __future__ import annotations
 
+import gc
+
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -185,6 +187,10 @@ class ServedModel:
                 served.graphs = capture_graphs(model)
                 clock.mark("graph capture", KernelCensus.of(model).since(before_capture).text())
         served.clock = clock
+        # What start-up built (weights' views, kernels, graphs, the tokenizer) lives as long as the model: out
+        # of the collector's generations, a full collection during serving does not walk it again.
+        gc.collect()
+        gc.freeze()
         return served
 
     def run(self, specs: Sequence[RequestSpec], *, on_output: OutputCallback | None = None,

@@ -213,7 +213,8 @@ def test_discovery_follows_the_launchers_routing_through_each_graph_bucket(compi
     assert gemv == {"warm-up", "decode graph 2"}, gemv
     assert compiled["buckets"] == [1, 2, 4]
     phases = {need["phase"] for need in needs}
-    assert "warm-up" in phases and all(phase == "warm-up" or phase.startswith("decode graph ") for phase in phases)
+    assert "warm-up" in phases and all(phase == "warm-up" or phase.startswith(("decode graph ", "prefill graph "))
+                                       for phase in phases)
     samplers = [need for need in needs if need["name"].endswith("build_sample_kernel.<locals>.sample")]
     assert len(samplers) == 1  # one specialization, whatever the batch
 
