@@ -110,10 +110,13 @@ def _graphs_line(plan: MemoryPlan, arena: Arena, graphs: GraphCapture | None) ->
         return "off (the simulator has no CUDA graphs)"
     if graphs is None:
         return "off (--eager)"
-    planned = next(b.bytes for pool in plan.pools if pool.name == "runtime" for b in pool.buffers
-                   if b.name == "cuda_graphs")
+    planned = _runtime_line_bytes(plan, "cuda_graphs")
     return (f"buckets {list(graphs.buckets)} captured in {graphs.seconds:.2f} s; their pool reserved "
             f"{graphs.reserved_bytes:,} bytes vs {planned:,} planned (cuda_graphs)")
+
+
+def _runtime_line_bytes(plan: MemoryPlan, name: str) -> int:
+    return next(b.bytes for b in plan.pool("runtime").buffers if b.name == name)
 
 
 def _prefill_graphs_line(plan: MemoryPlan, arena: Arena, graphs: GraphCapture | None) -> str:
@@ -123,8 +126,7 @@ def _prefill_graphs_line(plan: MemoryPlan, arena: Arena, graphs: GraphCapture | 
         return "off (--eager)"
     if not graphs.prefill_buckets:
         return "none (the plan lists no prefill_graph_rows)"
-    planned = next(b.bytes for pool in plan.pools if pool.name == "runtime" for b in pool.buffers
-                   if b.name == "prefill_graphs")
+    planned = _runtime_line_bytes(plan, "prefill_graphs")
     return (f"{graphs.prefill_pieces} pieces a step at rows {list(graphs.prefill_buckets)} captured in "
             f"{graphs.prefill_seconds:.2f} s; their pool reserved {graphs.prefill_reserved_bytes:,} bytes vs "
             f"{planned:,} planned (prefill_graphs)")

@@ -82,8 +82,8 @@ class FullAttention:
                                                          self.theta, stream=step.stream)
 
     def attend(self, step: StepViews) -> None:
-        """q/k norm + RoPE, the KV write and attention into ``attn_out`` (the step's requests decide the
-        launches: eager between the prefill graph pieces)."""
+        """q/k norm + RoPE (unless ``project`` ran it), the KV write and attention into ``attn_out`` (the
+        step's requests decide the launches: eager between the prefill graph pieces)."""
         k_ = self.kernels
         q, k, v = self._qkv(step)
         attn_out = step.role("attn_out").view(step.num_rows, self.q_heads, self.head_dim)

@@ -14,7 +14,7 @@ pools as the ``cuda_graphs`` runtime line.
 Prefill and mixed steps (``PrefillGraphs``): piecewise. Their attention launches follow the step's
 requests (tiles, long chunks, the delta rule's route), so those run eagerly; everything between two
 of them (the decoder's ``num_layers + 1`` pieces: o_proj or out_proj, the norms, the MLP, the next
-layer's input projection) works on rows alone and replays, per row bucket, as one graph each. A
+layer's input projection with its q/k norm + RoPE or its gates) works on rows alone and replays, per row bucket, as one graph each. A
 step of ``n`` rows replays the pieces of the smallest bucket ``>= n``: the pieces compute the
 padded rows too, which nothing reads (row-wise kernels never mix rows, and the eager launches and
 the lm_head read only the step's rows). The plan lists the buckets (capacity.prefill_graph_rows)
@@ -90,7 +90,6 @@ class DecodeGraphs:
         """Pad ``meta`` to ``bucket``, copy it into the planned buffers and replay that bucket's graph."""
         self.writer.write(pad_decode(self.arena.plan, meta, bucket))
         self.graphs[bucket].replay()
-
 
 
 class PrefillGraphs:

@@ -181,7 +181,7 @@ class Kernel:
 
 class _TensorMemo:
     """Per tensor object (by ``id``, holding the tensor): its launch-key part and packed array
-    parameters, for a launch whose tensors are all CUDA tensors seen before."""
+    parameters, for launches whose arguments are all plain CUDA tensors and scalars."""
 
     def __init__(self) -> None:
         self.entries: dict[int, tuple[torch.Tensor, tuple, tuple]] = {}
