@@ -25,6 +25,7 @@ def test_memplan_run_with_graphs_allocates_nothing_after_warm_up(capsys):
     graphs = re.search(r"decode graphs: buckets \[1, 2, 4, 8, 16\] captured in [0-9.]+ s; their pool reserved "
                        r"([0-9,]+) bytes vs ([0-9,]+) planned", err)
     assert graphs, err
+    assert re.search(r"prefill graphs: 29 pieces a step at rows \[16, 32, .*, 2048\] captured in [0-9.]+ s", err), err
     used = re.search(r"device memory in use: ([0-9,]+) bytes .* vs plan usable ([0-9,]+) bytes", err)
     assert used and int(used[1].replace(",", "")) <= int(used[2].replace(",", "")), err
     assert float(err.split("prefix cache: hit rate ")[1].split("%")[0]) > 0

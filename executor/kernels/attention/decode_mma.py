@@ -77,7 +77,7 @@ from executor.kernels.primitives.launch import SHARED_LIMIT_BYTES, WARP_THREADS
 from executor.kernels.primitives.mma import build_eight_key_value_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.primitives.reduce import build_group_max, build_group_sum
 from executor.kernels.primitives.vector import VECTOR_WORDS
-from executor.routing import FEW_BLOCKS_PER_SM, TENSOR_CORE_DECODE_MAX_HEAD_DIM
+from executor.routing import TENSOR_CORE_DECODE_MAX_HEAD_DIM
 from executor.numba_cuda import inlined, launch_bounds, load_cuda, simulator_enabled
 
 cuda = load_cuda()

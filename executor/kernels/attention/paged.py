@@ -42,7 +42,6 @@ from executor.kernels.attention.merge import SplitMerge
 from executor.kernels.primitives.codec import Codec
 from executor.kernels.primitives.indices import build_indices
 from executor.kernels.primitives.launch import Kernel
-from executor.kernels.primitives.reduce import threads_for
 from executor.numba_cuda import load_cuda
 from executor.tiles import plan_tiles
 
