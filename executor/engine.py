@@ -29,6 +29,7 @@ its TTFT counts the time it waited for a place in a step.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -131,8 +132,21 @@ class Engine:
         ``on_tokens(request, new_ids)`` runs when a step gave a request ids (text, streaming); True
         finishes the request there as "stop" (a stop string in its text). ``on_finish(result)`` runs
         once per request as it finishes (a rejected one at its arrival), its result complete.
-        Returns one result per request, in input order."""
-        arrivals = Arrivals.of(len(requests), arrival_steps, arrival_times_s)
+        Returns one result per request, in input order.
+
+        While it runs, the objects that exist at its start (the model, its views, kernels and graphs) are
+        out of the collector's generations (``gc.freeze``), so a full collection does not walk them again;
+        afterwards they are collectable as before (a released model frees its memory)."""
+        gc.freeze()
+        try:
+            return self._run(requests, Arrivals.of(len(requests), arrival_steps, arrival_times_s), on_step,
+                             on_tokens, on_finish)
+        finally:
+            gc.unfreeze()
+
+    def _run(self, requests: Sequence[Request], arrivals: Arrivals, on_step: Callable[[int], None] | None,
+             on_tokens: Callable[[Request, list[int]], bool] | None,
+             on_finish: Callable[[RequestResult], None] | None) -> EngineReport:
         results = {id(r): RequestResult(r.request_id, len(r.prompt_ids), [], None, None, 0.0) for r in requests}
         by_id = {r.request_id: r for r in requests}
         start, steps, allocations_start = time.perf_counter(), 0, None

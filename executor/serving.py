@@ -19,8 +19,6 @@ error naming the rank, and ``close`` ends the other ranks.
 
 from __future__ import annotations
 
-import gc
-
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -126,7 +124,8 @@ class ServedModel:
         """Materialize ``plan`` on ``device`` ("auto", "cuda", "sim"), fill its weights from ``weights`` (a
         checkpoint directory, or RANDOM_WEIGHTS from ``seed``), build the model; on a GPU warm it up and
         capture the decode graphs and the prefill graphs' pieces unless ``eager``. ``generation``: the
-        checkpoint's defaults (read from the weights' directory when None). On a GPU the kernels start-up needs that the persistent kernel
+        checkpoint's defaults (read from the weights' directory when None). On a GPU the kernels start-up
+        needs that the persistent kernel
         cache lacks compile in processes while the plan materializes and the weights load (executor/compile.py):
         ``compiling``, when the caller started that compile (for the plan's hardware, before torch
         loaded), else started here for the device. ``clock`` records the start-up phases, and ``log``
@@ -187,10 +186,6 @@ class ServedModel:
                 served.graphs = capture_graphs(model)
                 clock.mark("graph capture", KernelCensus.of(model).since(before_capture).text())
         served.clock = clock
-        # What start-up built (weights' views, kernels, graphs, the tokenizer) lives as long as the model: out
-        # of the collector's generations, a full collection during serving does not walk it again.
-        gc.collect()
-        gc.freeze()
         return served
 
     def run(self, specs: Sequence[RequestSpec], *, on_output: OutputCallback | None = None,

@@ -38,6 +38,12 @@ Forward = Callable[[StepViews], None]
 Piece = Callable[[int, StepViews], None]
 
 
+def smallest_bucket(buckets: Sequence[int], size: int) -> int | None:
+    """The smallest of the sorted ``buckets`` that is at least ``size``, or None."""
+    index = bisect.bisect_left(buckets, size)
+    return buckets[index] if index < len(buckets) else None
+
+
 class DecodeGraphs:
     """The captured decode graphs of one model, by bucket (CUDA only)."""
 
@@ -49,8 +55,7 @@ class DecodeGraphs:
 
     def bucket_for(self, num_requests: int) -> int | None:
         """The smallest captured bucket that holds ``num_requests`` decode rows, or None."""
-        index = bisect.bisect_left(self.buckets, num_requests)
-        return self.buckets[index] if index < len(self.buckets) else None
+        return smallest_bucket(self.buckets, num_requests)
 
     def capture(self) -> None:
         """Capture every bucket, largest first, into one shared memory pool.
@@ -103,8 +108,7 @@ class PrefillGraphs:
 
     def bucket_for(self, num_rows: int) -> int | None:
         """The smallest captured bucket of at least ``num_rows`` rows, or None."""
-        index = bisect.bisect_left(self.buckets, num_rows)
-        return self.buckets[index] if index < len(self.buckets) else None
+        return smallest_bucket(self.buckets, num_rows)
 
     def capture(self) -> None:
         """Capture every bucket's pieces, largest bucket first, into one shared memory pool.
