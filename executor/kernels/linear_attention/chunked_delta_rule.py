@@ -73,6 +73,7 @@ from planner.kernel_limits import DELTA_RULE_CHUNK, DELTA_RULE_ROW_SCALARS
 from executor.kernels.linear_attention.delta_rule import L2_EPS, GatedDeltaRule, check_delta_rule_shapes, qkv_columns
 from executor.kernels.primitives.async_copy import build_async_copy, build_copy_groups, build_shared_address
 from executor.kernels.primitives.codec import Codec
+from executor.kernels.primitives.indices import build_indices
 from executor.kernels.primitives.launch import BLOCK_THREADS, WARP_THREADS, Kernel, multiprocessor_count
 from executor.kernels.primitives.mma import build_a_fragment_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.primitives.shared_tile import build_shared_tile
@@ -81,7 +82,13 @@ from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 from executor.routing import CHUNKED_DELTA_RULE_NARROW_SCAN_SMS_PER_BLOCK
 
 cuda = load_cuda()
-from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
+from numba import float32, int32, uint64  # noqa: E402  (after load_cuda's numpy fix)
+
+# Shared-tile subscripts are cast to uint64 where the loops and the solve index them: Numba wraps a
+# negative signed index around (a compare, a select and a multiply-add a subscript, which LLVM cannot
+# drop for indices built in loops), and an unsigned one is taken as it is, so the unrolled loops' loads
+# fold into one base address plus constant offsets.
+U = uint64
 
 #: sm_90's most shared memory a block may take (static and dynamic, after opting in).
 MAX_SHARED_BYTES = 227 * 1024
@@ -329,7 +336,7 @@ class _RowMath:
         @cuda.jit(device=True, inline=True)
         def decay(sc, i, j):
             """exp(gc_i - gc_j), clamped at exponent 0 (the masked j > i would overflow)."""
-            return float32(math.exp(min(sc[GC, i] - sc[GC, j], float32(0.0))))
+            return float32(math.exp(min(sc[GC, U(i)] - sc[GC, U(j)], float32(0.0))))
 
         @cuda.jit(device=True, inline=True)
         def gram_values(sc, i, j, kk, qk):
@@ -337,10 +344,10 @@ class _RowMath:
             a = float32(0.0)
             p = float32(0.0)
             if j <= i:
-                f = decay(sc, i, j) * sc[KS, j]
-                p = f * sc[QS, i] * qk
+                f = decay(sc, i, j) * sc[KS, U(j)]
+                p = f * sc[QS, U(i)] * qk
                 if j < i:
-                    a = f * sc[BETA, i] * sc[KS, i] * kk
+                    a = f * sc[BETA, U(i)] * sc[KS, U(i)] * kk
             return a, p
 
         @cuda.jit(device=True, inline=True)
@@ -349,13 +356,13 @@ class _RowMath:
             partial = float32(0.0)
             total = float32(0.0)
             for j in range(C):  # the same order in every thread: gc[C - 1] equals total bit for bit
-                x = sc[G, j]
+                x = sc[G, U(j)]
                 total += x
                 if j <= r:
                     partial += x
-            sc[GC, r] = partial
-            sc[EGC, r] = float32(math.exp(partial))
-            sc[DL, r] = float32(math.exp(total - partial))
+            sc[GC, U(r)] = partial
+            sc[EGC, U(r)] = float32(math.exp(partial))
+            sc[DL, U(r)] = float32(math.exp(total - partial))
 
         SPAN = WARP_THREADS // SB  # diagonal blocks a warp inverts at once, SB lanes each
         exchange = _build_row_exchange(C)
@@ -376,13 +383,13 @@ class _RowMath:
                 for c in range(SB):
                     row[c] = float32(1.0) if c == i else float32(0.0)
                 for j in range(SB - 1):
-                    a = af[base + i, base + j] if block < NB and i > j else float32(0.0)
+                    a = af[U(base + i), U(base + j)] if block < NB and i > j else float32(0.0)
                     source = (lane // SB) * SB + j
                     for c in range(SB):
                         row[c] -= a * exchange(mf, row[c], source, tid)
                 if block < NB:
                     for c in range(SB):
-                        tf[base + i, base + c] = row[c]
+                        tf[U(base + i), U(base + c)] = row[c]
 
         BLOCK = SB * SB
 
@@ -402,8 +409,8 @@ class _RowMath:
                     acc = float32(0.0)
                     for k in range(j, j + d):
                         for u in range(SB):
-                            acc += af[row, k * SB + u] * tf[k * SB + u, j * SB + c]
-                    mf[r, j * SB + c] = acc
+                            acc += af[U(row), U(k * SB + u)] * tf[U(k * SB + u), U(j * SB + c)]
+                    mf[U(r), U(j * SB + c)] = acc
                 cuda.syncthreads()
                 for e in range(tid, (NB - d) * BLOCK, NT):  # T_IJ = -T_II X_IJ
                     j = e // BLOCK
@@ -412,8 +419,8 @@ class _RowMath:
                     i = (j + d) * SB
                     acc = float32(0.0)
                     for u in range(SB):
-                        acc += tf[i + r, i + u] * mf[u, j * SB + c]
-                    tf[i + r, j * SB + c] = -acc
+                        acc += tf[U(i + r), U(i + u)] * mf[u, U(j * SB + c)]
+                    tf[U(i + r), U(j * SB + c)] = -acc
             cuda.syncthreads()
 
         @cuda.jit(device=True, inline=True)
@@ -606,25 +613,32 @@ class _TensorCoreParts:
                 odd += hi * hi
             return even + odd
 
+        # The staging loops run a constant number of rounds, chunk tid + NT * i in round i: the chunk's
+        # index then derives from the thread index alone (non-negative, so // and % by the power-of-two
+        # ``chunks`` are a shift and a mask), where a strided range's loop variable would not.
         @cuda.jit(device=True, inline=True)
         def stage(tile, address, src, first, n, col, chunks, tid):
             """Start copying rows first.. first + C - 1 of src's columns col.. (``chunks`` 16-byte chunks a
-            row) into tile; zeros from row n on."""
-            for e in range(tid, C * chunks, NT):
-                r = e // chunks
-                c = e - r * chunks
-                valid = r < n
-                copy_async(tile, address, (r, 4 * c), src, (first + r if valid else first, col + 8 * c), valid)
+            row) into tile; zeros from row n on (tid: thread_index())."""
+            for i in range(-(-C * chunks // NT)):
+                e = tid + NT * i
+                if e < C * chunks:
+                    r = e // chunks
+                    c = e - r * chunks
+                    valid = r < n
+                    copy_async(tile, address, (r, 4 * c), src, (first + r if valid else first, col + 8 * c), valid)
 
         @cuda.jit(device=True, inline=True)
         def stage_head_rows(tile, address, src, first, n, h, chunks, tid):
             """Start copying the first ``chunks`` 16-byte chunks of src[first + r, h] (a [T, Hv, words]
-            scratch) into tile row r, for r < C; zeros from row n on."""
-            for e in range(tid, C * chunks, NT):
-                r = e // chunks
-                c = e - r * chunks
-                valid = r < n
-                copy_async(tile, address, (r, 4 * c), src, (first + r if valid else first, h, 4 * c), valid)
+            scratch) into tile row r, for r < C; zeros from row n on (tid: thread_index())."""
+            for i in range(-(-C * chunks // NT)):
+                e = tid + NT * i
+                if e < C * chunks:
+                    r = e // chunks
+                    c = e - r * chunks
+                    valid = r < n
+                    copy_async(tile, address, (r, 4 * c), src, (first + r if valid else first, h, 4 * c), valid)
 
         @cuda.jit(device=True, inline=True)
         def mma4(a0, a1, a2, a3, b0, b1, acc, c, keep):
@@ -665,9 +679,9 @@ class _TensorCoreParts:
                     c = 4 * jn + 2 * half
                     a0, p0 = gram_values(sc, i, j, kk[c], qk[c])
                     a1, p1 = gram_values(sc, i, j + 1, kk[c + 1], qk[c + 1])
-                    af[i, j] = a0
-                    af[i, j + 1] = a1
-                    pt[i, (n0 >> 1) + t] = pack(p0, p1)
+                    af[U(i), U(j)] = a0
+                    af[U(i), U(j + 1)] = a1
+                    pt[U(i), U((n0 >> 1) + t)] = pack(p0, p1)
 
         @cuda.jit(device=True, inline=True)
         def state_products(qt, kt, q_lane, k_lane, st, s_lane, vt, rs, rt, o, x, warp, g, t):
@@ -828,6 +842,7 @@ def _prepare_kernel(codec: Codec, head_k_dim: int, head_v_dim: int, shape: Chunk
     lane_address = build_fragment_loads()[0]
     copy_async_wait_all = build_async_copy()[1]
     shared_address = build_shared_address()
+    thread_index, block_x, block_y = build_indices()  # non-negative: no sign fix-ups in the index math
     # Two blocks an SM (about 85 KiB of shared memory each at the GPU shape): the solve's barriers
     # leave the SM idle while one block waits.
     launch_options = launch_bounds((NT, 2))
@@ -841,13 +856,13 @@ def _prepare_kernel(codec: Codec, head_k_dim: int, head_v_dim: int, shape: Chunk
             scalars_tile(floats, SC_OFF)
         kk = cuda.local.array(GRAM_VALUES, float32)
         qk = cuda.local.array(GRAM_VALUES, float32)
-        tid = cuda.threadIdx.x
+        tid = thread_index()
         warp = tid // WARP_THREADS
         lane = tid % WARP_THREADS
         g4 = lane // 4
         t4 = lane % 4
-        chunk = cuda.blockIdx.x
-        h = cuda.blockIdx.y
+        chunk = block_x()
+        h = block_y()
         requests = slot_ids.shape[0]
         base = q_indptr[0]
         if tid == 0:
@@ -894,10 +909,10 @@ def _prepare_kernel(codec: Codec, head_k_dim: int, head_v_dim: int, shape: Chunk
             i = e // HALF
             w = e - i * HALF
             j = 2 * w
-            lo = tf[i, j] if j <= i else float32(0.0)
-            hi = tf[i, j + 1] if j + 1 <= i else float32(0.0)
-            transform[c0 + i, h, w] = pack(lo, hi)
-            gram[c0 + i, h, w] = pt[i, w] if j <= i else int32(0)
+            lo = tf[U(i), U(j)] if j <= i else float32(0.0)
+            hi = tf[U(i), U(j + 1)] if j + 1 <= i else float32(0.0)
+            transform[U(c0 + i), U(h), U(w)] = pack(lo, hi)
+            gram[U(c0 + i), U(h), U(w)] = pt[U(i), U(w)] if j <= i else int32(0)
         carried = sc[EGC, C - 1]  # exp(gl): rows past n add 0 to gc
         for i in range(tid, n, NT):
             ks = sc[KS, i]
@@ -936,6 +951,7 @@ def _scan_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles: _Tiles
     shared_address = build_shared_address()
     BUFFERS = shape.buffers
     commit_group, wait_groups = build_copy_groups(BUFFERS - 1)
+    thread_index, block_x, block_y = build_indices()  # non-negative: no sign fix-ups in the index math
     # Two buffers: one block an SM (they take most of its shared memory), all its registers the block's;
     # one buffer: two blocks an SM.
     launch_options = launch_bounds((NT, 3 - BUFFERS))
@@ -962,13 +978,13 @@ def _scan_kernel(codec: Codec, head_k_dim: int, shape: ChunkShape, tiles: _Tiles
         o = cuda.local.array(X_VALUES, float32)
         x = cuda.local.array(X_VALUES, float32)
         sacc = cuda.local.array(S_VALUES, float32)
-        tid = cuda.threadIdx.x
+        tid = thread_index()
         warp = tid // WARP_THREADS
         lane = tid % WARP_THREADS
         g4 = lane // 4
         t4 = lane % 4
-        j0 = cuda.blockIdx.x * DVT
-        h = cuda.blockIdx.y
+        j0 = block_x() * DVT
+        h = block_y()
         req = cuda.blockIdx.z
         start = q_indptr[req]
         end = q_indptr[req + 1]
