@@ -282,12 +282,18 @@ def warm_up(model: DecoderModel) -> None:
         sampled.tolist()  # waits for the device
 
 
+#: Rows of the warm-up step's short prefill chunk: more than a decode row, fewer than any long chunk.
+SHORT_CHUNK_ROWS = 2
+
+
 def warm_up_steps(plan: MemoryPlan) -> list[list[RequestChunk]]:
     """The scratch steps ``warm_up`` runs (kernel discovery runs the same ones): a prefill step that
     feeds a chunk long enough for the long-chunk attention backend (serving gemm_attention_min_tokens
     and prefill_attention, when the KV pool has the pages) after a one-token chunk (a prefill step's
-    decode row: the decode kernels' path there), then a decode step that continues the long one; none
-    when the KV pool has fewer than two usable pages.
+    decode row: the decode kernels' path there) and a chunk of SHORT_CHUNK_ROWS rows (a chunk short of
+    the long backend: the paged attention kernel's path), then a decode step that continues the long
+    one; none when the KV pool has fewer than two usable pages. The rows a step routes elsewhere start
+    only where the batch, the step's tokens and the pages have room for them.
 
     They write KV pages from 1 and recurrent slots from 0 and leave them: no request owns a page yet,
     the prefix cache is empty, and a slot is zeroed on admission.
@@ -302,8 +308,16 @@ def warm_up_steps(plan: MemoryPlan) -> list[list[RequestChunk]]:
     long_pages = list(range(1, 2 + long_len // page_size))  # room for the decode step's token too
     long_chunk = RequestChunk([0] * long_len, 0, long_pages, slot=0 if recurrent else -1)
     chunks = [long_chunk]
-    if cap.max_batch > 1 and long_len + 1 <= cap.max_tokens_per_step:  # first, as the scheduler puts decode rows
-        chunks.insert(0, RequestChunk([0], 0, [long_pages[-1] + 1], slot=1 if recurrent else -1))
+    next_page, rows = long_pages[-1] + 1, long_len
+    if cap.max_batch > len(chunks) and rows + 1 <= cap.max_tokens_per_step:  # first, as the scheduler puts decode rows
+        chunks.insert(0, RequestChunk([0], 0, [next_page], slot=1 if recurrent else -1))
+        next_page, rows = next_page + 1, rows + 1
+    short_pages = -(-SHORT_CHUNK_ROWS // page_size)
+    if (cap.max_batch > len(chunks) and rows + SHORT_CHUNK_ROWS <= cap.max_tokens_per_step
+            and next_page + short_pages - 1 <= usable_pages and SHORT_CHUNK_ROWS < long_len):
+        chunks.insert(len(chunks) - 1, RequestChunk([0] * SHORT_CHUNK_ROWS, 0,
+                                                    list(range(next_page, next_page + short_pages)),
+                                                    slot=len(chunks) if recurrent else -1))
     return [chunks, [RequestChunk([0], long_len, long_pages, slot=long_chunk.slot)]]
 
 
