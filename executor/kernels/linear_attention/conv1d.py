@@ -47,6 +47,11 @@ from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
 
 MAX_THREADS = 128  # channels per block
 DEFAULT_ROWS_PER_TILE = 16  # token rows per thread: prefill parallelism vs. K-1 re-read rows
+#: Rows whose 16-byte chunks a thread of the vector build loads before it computes and stores any of
+#: them. A row's store may alias a later row's load for all the compiler knows, so a row at a time keeps
+#: one load in flight a thread, and at the registers the build takes (fewer than a third of an SM's
+#: threads resident) that leaves DRAM mostly idle; four rows a round keep four loads in flight.
+ROWS_IN_FLIGHT = 4
 
 
 @cuda.jit(device=True)
@@ -168,7 +173,7 @@ def build_causal_conv1d_vector(codec: Codec, kernel_size: int = 4) -> Any:
     taps = kernel_size
     hist = kernel_size - 1
     lanes = lanes_for(codec)
-    weights_size, window_size = taps * lanes, hist * lanes
+    weights_size, window_size, round_words = taps * lanes, hist * lanes, ROWS_IN_FLIGHT * VECTOR_WORDS
     load_vector, store_vector = build_vector_access()
     get_lane, put_lane = build_lanes(codec)
     words_type = word_type(codec)
@@ -188,7 +193,7 @@ def build_causal_conv1d_vector(codec: Codec, kernel_size: int = 4) -> Any:
             for k in range(lanes):
                 w[i * lanes + k] = load(weight[c0 + k, i])
         window = cuda.local.array(window_size, float32)  # [position, lane], oldest position first
-        words = cuda.local.array(VECTOR_WORDS, words_type)
+        words = cuda.local.array(round_words, words_type)  # [row of the round, word]
 
         b = request_of_row(q_indptr, num_requests, t0)
         while b < num_requests and q_indptr[b] < t1:
@@ -201,18 +206,22 @@ def build_causal_conv1d_vector(codec: Codec, kernel_size: int = 4) -> Any:
                             window[i * lanes + k] = load(conv_state[slot, c0 + k, p])
                         else:
                             window[i * lanes + k] = load(x[start + p - hist, c0 + k])
-                for t in range(lo, hi):
-                    load_vector(x, (t, c0), words, 0)
-                    for k in range(lanes):
-                        xt = load(get_lane(words, k))
-                        acc = w[hist * lanes + k] * xt
-                        for i in range(hist):
-                            acc += w[i * lanes + k] * window[i * lanes + k]
-                        for i in range(hist - 1):
-                            window[i * lanes + k] = window[(i + 1) * lanes + k]
-                        window[(hist - 1) * lanes + k] = xt
-                        put_lane(words, k, store(acc / (float32(1.0) + float32(math.exp(-acc)))))
-                    store_vector(out, (t, c0), words, 0)
+                for first in range(lo, hi, ROWS_IN_FLIGHT):  # a round: its rows' loads, then each row in order
+                    for r in range(ROWS_IN_FLIGHT):
+                        if first + r < hi:
+                            load_vector(x, (first + r, c0), words, r * VECTOR_WORDS)
+                    for r in range(ROWS_IN_FLIGHT):
+                        if first + r < hi:
+                            for k in range(lanes):
+                                xt = load(get_lane(words, r * lanes + k))
+                                acc = w[hist * lanes + k] * xt
+                                for i in range(hist):
+                                    acc += w[i * lanes + k] * window[i * lanes + k]
+                                for i in range(hist - 1):
+                                    window[i * lanes + k] = window[(i + 1) * lanes + k]
+                                window[(hist - 1) * lanes + k] = xt
+                                put_lane(words, r * lanes + k, store(acc / (float32(1.0) + float32(math.exp(-acc)))))
+                            store_vector(out, (first + r, c0), words, r * VECTOR_WORDS)
             if owns_start and end > start:
                 n = end - start  # the new state, as build_causal_conv1d writes it
                 for j in range(hist):
