@@ -292,8 +292,8 @@ def warm_up_steps(plan: MemoryPlan) -> list[list[RequestChunk]]:
     and prefill_attention, when the KV pool has the pages) after a one-token chunk (a prefill step's
     decode row: the decode kernels' path there) and a chunk of SHORT_CHUNK_ROWS rows (a chunk short of
     the long backend: the paged attention kernel's path), then a decode step that continues the long
-    one; none when the KV pool has fewer than two usable pages. The rows a step routes elsewhere start
-    only where the batch, the step's tokens and the pages have room for them.
+    one; none when the KV pool has fewer than two usable pages. The decode row and the short chunk join
+    the step only where the batch, the step's tokens and the KV pages have room for them.
 
     They write KV pages from 1 and recurrent slots from 0 and leave them: no request owns a page yet,
     the prefix cache is empty, and a slot is zeroed on admission.

@@ -49,8 +49,8 @@ MAX_THREADS = 128  # channels per block
 DEFAULT_ROWS_PER_TILE = 16  # token rows per thread: prefill parallelism vs. K-1 re-read rows
 #: Rows whose 16-byte chunks a thread of the vector build loads before it computes and stores any of
 #: them. A row's store may alias a later row's load for all the compiler knows, so a row at a time keeps
-#: one load in flight a thread, and at the registers the build takes (fewer than a third of an SM's
-#: threads resident) that leaves DRAM mostly idle; four rows a round keep four loads in flight.
+#: one load in flight a thread, and at the 128 registers a thread the build takes (a quarter of an SM's
+#: threads resident on sm_90) that leaves DRAM mostly idle; four rows a round keep four loads in flight.
 ROWS_IN_FLIGHT = 4
 
 
