@@ -274,17 +274,17 @@ def test_missing_or_short_scratch_is_refused():
 def test_compiles_for_sm90():
     """The tensor-core build compiles for sm_90 with mma.sync, ldmatrix and cp.async and keeps its
     fragments and state in registers (no local memory): the prepare pass (the same code at every dv
-    tile and buffer count) at the GPU shape, the scan at it, at 32 state columns a block and with one
-    buffer."""
+    tile and buffer count) at the GPU shape, the scan at the two shapes the launcher routes between
+    (GPU_SHAPE and GPU_NARROW_SHAPE's 32 state columns a block)."""
     compile_for_sm90(
         """
         from executor.kernels.linear_attention.chunked_delta_rule import (
-            GPU_SHAPE, ChunkShape, build_chunked_delta_rule)
+            GPU_NARROW_SHAPE, GPU_SHAPE, build_chunked_delta_rule)
         i32 = arr("int32", 1)
         f32 = lambda ndim: arr("float32", ndim)
         words = arr("int32", 3)
         c = build_codec("bfloat16")
-        for index, shape in enumerate((GPU_SHAPE, ChunkShape(64, 32, 8, 16), ChunkShape(64, 64, 8, 16, buffers=1))):
+        for index, shape in enumerate((GPU_SHAPE, GPU_NARROW_SHAPE)):
             prepare, scan = build_chunked_delta_rule(c, 128, 128, shape, True)
             texts = {"scan": ptx(scan, arr("bfloat16", 2), f32(4), i32, i32, words, words, f32(3), words)}
             if index == 0:

@@ -140,9 +140,9 @@ def test_partial_rotary_and_wide_heads_take_two_launches():
 
 
 def test_fused_compiles_for_sm90():
-    """PTX for sm_90 at Qwen3-8B's heads (D 128, G 4), both block shapes: no local memory but libdevice's
-    sin/cos slow path (28 bytes, for angles past 105,615 radians), as qk_rope_kv.py's kernel; built for
-    pages of 16 tokens, one 64-bit division."""
+    """PTX for sm_90 at Qwen3-8B's heads (D 128, G 4), both block shapes, built for pages of 16 tokens as
+    the launcher builds them: no local memory but libdevice's sin/cos slow path (28 bytes, for angles past
+    105,615 radians), as qk_rope_kv.py's kernel; one 64-bit division."""
     compile_for_sm90(
         """
         import re
@@ -152,19 +152,19 @@ def test_fused_compiles_for_sm90():
         meta = (i32,) * 8 + (u32,)
         rope = (bits3, bits3, bits3, bits1, bits1, f32, f32, f32, bits4, bits4)
         for shape in (MmaShape(4, 2), MmaShape(2, 3)):
-            direct, split = build_decode_attention_mma(128, 4, shape.warps, shape.slots, rope=True)
-            for text in (ptx(direct, *rope, *meta, bits3, f32),
-                         ptx(split, *rope, *meta, bits3, arr("float32", 4), arr("float32", 3), f32)):
+            direct, split = build_decode_attention_mma(128, 4, shape.warps, shape.slots, rope=True, page_size=16)
+            split_text = ptx(split, *rope, *meta, bits3, arr("float32", 4), arr("float32", 3), f32)
+            for text in (ptx(direct, *rope, *meta, bits3, f32), split_text):
                 assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
                 depots = [int(n) for n in re.findall(r"__local_depot\\d+\\[(\\d+)\\]", text)]
                 assert sum(depots) <= 28, f"{depots} bytes of local memory"
                 assert ".local.v" not in text, "a vector access to local memory"
-        # With the plan's page size compiled in, a key's page and slot take no division: the one 64-bit
-        # division left is the row's chunk count (at batch 1 every instruction of a warp's chain is latency).
-        split = build_decode_attention_mma(128, 4, 4, 2, rope=True, page_size=16)[1]
-        text = ptx(split, *rope, *meta, bits3, arr("float32", 4), arr("float32", 3), f32)
-        divisions = text.count("div.s64") + text.count("div.u64")
-        assert divisions == 1, f"{divisions} 64-bit divisions"
+            if shape == MmaShape(4, 2):
+                # With the plan's page size compiled in (as the launcher builds it), a key's page and slot
+                # take no division: the one 64-bit division left is the row's chunk count (at batch 1
+                # every instruction of a warp's chain is latency).
+                divisions = split_text.count("div.s64") + split_text.count("div.u64")
+                assert divisions == 1, f"{divisions} 64-bit divisions"
         """,
         allow_f64=True,  # inv_freq's power is taken in float64 on purpose (rope.py's docstring)
     )
