@@ -81,17 +81,16 @@ class Device:
 def speed_up_simulator() -> None:
     """Make the simulator fast and its shared arrays race-free.
 
-    The simulator runs a block's threads as Python threads, and each barrier
-    waits for every one of them; at Python's default 5 ms switch interval a
-    barrier costs milliseconds, and a 1 us interval makes kernels 5-6x faster.
-    Its block manager also busy-polls every thread for "blocked or finished"
-    while they run, taking the GIL from them; ``_event_driven_blocks`` makes
-    the threads report instead (kernels 1.6-3x faster again).
-    Fast switching exposes a race in numba-cuda 0.30.4's simulator: a block's
-    shared array is created on first use by a check-then-insert without a lock,
-    so two threads can each create their own copy and stop sharing. The
-    replacement below does the same lookup (by the calling source line) under
-    a lock.
+    The simulator runs a block's threads as Python threads. Its block manager
+    busy-polls every thread for "blocked or finished" while they run, taking
+    the GIL from them; ``_event_driven_blocks`` makes the threads report
+    instead, so a barrier costs one handoff and Python's default switch
+    interval serves best (a shorter one makes the threads trade the GIL far
+    more often than they reach barriers: 2x slower model steps).
+    numba-cuda 0.30.4's simulator creates a block's shared array on first use
+    by a check-then-insert without a lock, so two threads can each create their
+    own copy and stop sharing. The replacement below does the same lookup (by
+    the calling source line) under a lock.
     """
     from numba.cuda.simulator import kernelapi
 
@@ -115,7 +114,6 @@ def speed_up_simulator() -> None:
         array.memplan_locked = True
         shared.array = array
     _event_driven_blocks()
-    sys.setswitchinterval(1e-6)
 
 
 class _BlockBarrier:

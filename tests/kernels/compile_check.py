@@ -20,12 +20,17 @@ a time and keeps its chunk buffers out of local memory. The body also gets
 
 No driver is needed: device functions ask the current device for its compute
 capability, and the subprocess answers for an H200. The subprocess imports no
-torch, so a check costs little more than its compiles.
+torch and lives for the whole test process: each check runs its body in a fresh
+namespace in that one interpreter, so numba's import and NVVM's load are paid
+once per test worker, not once per check.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -36,10 +41,12 @@ import pytest
 from tests.kernels.storage import DTYPES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-NO_NVVM = 3  # the subprocess's exit status when NVVM is missing
+CHECK_TIMEOUT_S = 600
 
 PRELUDE = f"""
 import sys, types as pytypes
+class NvvmMissing(Exception):
+    pass
 from executor.numba_cuda import load_cuda
 cuda = load_cuda()
 import numba.cuda.dispatcher as dispatcher
@@ -51,7 +58,7 @@ from executor.kernels.primitives.codec import build_codec
 dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))
 DTYPES = {tuple(DTYPES)!r}
 ELEMENT = {{"float32": types.float32, "bfloat16": types.int16, "int32": types.int32, "uint32": types.uint32}}
-ALLOW_F64 = sys.argv[1] == "allow-f64"
+ALLOW_F64 = False  # each check sets its own (WORKER_LOOP)
 def arr(dtype_name, ndim):
     return types.Array(ELEMENT[dtype_name], ndim, "A")
 def ptx(kernel, *argtypes):
@@ -59,8 +66,7 @@ def ptx(kernel, *argtypes):
         text = cuda.compile_ptx(kernel.py_func, argtypes, cc=(9, 0))[0]
     except Exception as exc:  # NVVM missing is the only expected failure; NvvmError is a compile error
         if isinstance(exc, NvvmSupportError) or ("nvvm" in str(exc).lower() and not isinstance(exc, NvvmError)):
-            print("cuda.compile_ptx cannot find NVVM:", exc)
-            sys.exit({NO_NVVM})
+            raise NvvmMissing(f"cuda.compile_ptx cannot find NVVM: {{exc}}") from exc
         raise
     # A stray float64 literal silently turns float32 math into slow double math.
     signature = ", ".join(map(str, argtypes))
@@ -77,17 +83,73 @@ def vector_ptx(kernel, *argtypes, local_ok=False):
 """
 
 
+# The worker's loop: one JSON request per line on stdin ({"body", "allow_f64"}), one JSON
+# reply per line on the saved stdout ({"status": "ok" | "failed" | "no-nvvm", "message"}).
+# A body's own prints go to stderr so they cannot break the replies.
+WORKER_LOOP = """
+import json, traceback
+replies = sys.stdout
+sys.stdout = sys.stderr
+prelude = dict(globals())
+for line in sys.stdin:
+    request = json.loads(line)
+    ALLOW_F64 = request["allow_f64"]  # ptx() reads it from this module's globals
+    namespace = dict(prelude, __name__="__check__")
+    try:
+        exec(compile(request["body"], "<check>", "exec"), namespace)
+        reply = {"status": "ok", "message": ""}
+    except NvvmMissing as exc:
+        reply = {"status": "no-nvvm", "message": str(exc)}
+    except BaseException:
+        reply = {"status": "failed", "message": traceback.format_exc()[-4000:]}
+    replies.write(json.dumps(reply) + "\\n")
+    replies.flush()
+"""
+
+
+class CompileWorker:
+    """One long-lived no-simulator interpreter that runs check bodies on request."""
+
+    def __init__(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PRELUDE + WORKER_LOOP],
+            cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True,
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def check(self, body: str, allow_f64: bool) -> dict:
+        self.proc.stdin.write(json.dumps({"body": body, "allow_f64": allow_f64}) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], CHECK_TIMEOUT_S)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:  # timed out or died (an NVVM crash): the next check starts a fresh worker
+            self.proc.kill()
+            return {"status": "failed", "message": f"the compile worker died or ran past {CHECK_TIMEOUT_S} s"}
+        return json.loads(line)
+
+
+@functools.cache
+def _worker_slot() -> list[CompileWorker]:
+    return []
+
+
+def _worker() -> CompileWorker:
+    slot = _worker_slot()
+    if not slot or not slot[0].alive():
+        slot[:] = [CompileWorker()]
+    return slot[0]
+
+
 def compile_for_sm90(body: str, *, allow_f64: bool = False) -> None:
-    """Run body's ptx(...) compiles for sm_90 in a subprocess; skip the test where NVVM is missing.
+    """Run body's ptx(...) compiles for sm_90 in the compile worker; skip the test where NVVM is missing.
 
     Each PTX must be free of float64 arithmetic unless allow_f64.
     """
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    script = PRELUDE + textwrap.dedent(body)
-    proc = subprocess.run(
-        [sys.executable, "-c", script, "allow-f64" if allow_f64 else "no-f64"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    if proc.returncode == NO_NVVM:
-        pytest.skip(proc.stdout.strip())
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    reply = _worker().check(textwrap.dedent(body), allow_f64)
+    if reply["status"] == "no-nvvm":
+        pytest.skip(reply["message"])
+    assert reply["status"] == "ok", reply["message"]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from executor.kernels.rows.activation import SiluMul, build_silu_mul_vector_kernel
 from executor.kernels.primitives.codec import build_codec
-from executor.numba_cuda import load_cuda, simulator_enabled
+from executor.numba_cuda import load_cuda
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import (
     DTYPES, OVERFLOW_WARNING, assert_bf16_close, assert_close_rel, from_storage, poisoned, to_storage,
@@ -104,7 +104,6 @@ def test_shape_errors():
         SiluMul(codec, 96)
 
 
-@pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
 def test_compiles_for_sm90():
     compile_for_sm90(
         """

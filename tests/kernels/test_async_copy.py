@@ -78,7 +78,6 @@ def test_rows_land_as_a_slice_and_zeros_past_the_limit(first, limit):
     np.testing.assert_array_equal(out, expected)
 
 
-@pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
 def test_row_copies_convert_the_cursor_once_on_sm90():
     compile_for_sm90(
         """

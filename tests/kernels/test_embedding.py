@@ -8,7 +8,7 @@ import torch
 
 from executor.kernels.primitives.codec import build_codec
 from executor.kernels.rows.embedding import Embedding, build_embedding_vector_kernel
-from executor.numba_cuda import load_cuda, simulator_enabled
+from executor.numba_cuda import load_cuda
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import DTYPES, from_storage, poisoned, to_storage
 
@@ -118,7 +118,6 @@ def test_shape_errors():
         Embedding(build_codec("float32"), 20)
 
 
-@pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
 def test_compiles_for_sm90():
     compile_for_sm90(
         """

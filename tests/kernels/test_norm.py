@@ -14,7 +14,7 @@ from executor.kernels.rows.norm import (
     row_threads,
     vector_row_threads,
 )
-from executor.numba_cuda import load_cuda, simulator_enabled
+from executor.numba_cuda import load_cuda
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import DTYPES, assert_bf16_close, assert_close_rel, from_storage, poisoned, to_storage
 
@@ -235,7 +235,6 @@ def test_shape_errors():
 # ---------------------------------------------------------------- real-GPU compilation
 
 
-@pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
 def test_compiles_for_sm90():
     """Both kernels (scalar and vector), both codecs and both rounding modes compile to sm_90 PTX with
     float32 math only; the vector kernels with 16-byte accesses and no local memory."""

@@ -18,7 +18,7 @@ from executor.kernels.rows.output_gate import (
     gate_grid,
 )
 from executor.kernels.primitives.grid import MAX_COLUMN_BLOCKS
-from executor.numba_cuda import load_cuda, simulator_enabled
+from executor.numba_cuda import load_cuda
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import (
     DTYPES, OVERFLOW_WARNING, assert_bf16_close, assert_close_rel, from_storage, to_storage,
@@ -253,7 +253,6 @@ def test_shape_errors():
         SigmoidMulInplace(codec, SIM_THREADS)(np.zeros((2, 3, 4), np.float32), np.zeros((2, 3, 5), np.float32))
 
 
-@pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
 def test_compiles_for_sm90():
     """The scalar kernel, the vector kernel at each rows_unroll (buffers in registers), and the launcher's
     vector kernel with the launch bounds it carries (threads, blocks per SM) in its PTX."""

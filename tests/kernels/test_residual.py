@@ -8,7 +8,7 @@ import torch
 
 from executor.kernels.primitives.codec import build_codec
 from tests.kernels.add_inplace import AddInplace, build_add_inplace_vector_kernel
-from executor.numba_cuda import load_cuda, simulator_enabled
+from executor.numba_cuda import load_cuda
 from tests.kernels.compile_check import compile_for_sm90
 from tests.kernels.storage import DTYPES, from_storage, to_storage
 
@@ -86,7 +86,6 @@ def test_add_inplace_shape_errors():
         AddInplace(build_codec("float32"), 100)
 
 
-@pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
 def test_compiles_for_sm90():
     compile_for_sm90(
         """

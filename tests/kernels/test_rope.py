@@ -517,7 +517,6 @@ SPECIALIZED_VARIANTS = [
 ]
 
 
-@pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
 def test_specialized_compiles_for_sm90():
     """PTX for sm_90 at Qwen3-8B's and Qwen3.5's q shapes, with the launcher's configurations and the
     pipelined unit layout (SPECIALIZED_VARIANTS' first): 16-byte global loads and stores, pair
@@ -570,7 +569,6 @@ def test_specialized_compiles_for_sm90():
     )
 
 
-@pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
 def test_compiles_for_sm90():
     compile_for_sm90(
         """
@@ -893,7 +891,6 @@ def test_fused_shape_errors():
             call(**{name: wrong})
 
 
-@pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
 def test_fused_compiles_for_sm90():
     """PTX for sm_90, both codecs: 16-byte global loads and stores, and no local memory but libdevice's
     sin/cos slow path (its 28-byte argument-reduction buffer, which the unfused kernels have too): no

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from tests.kernels.argmax import Argmax
-from executor.numba_cuda import simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
 
 SIM_THREADS = 32  # rows wider than the block exercise the stride loop and the tree
@@ -63,7 +62,6 @@ def test_argmax_shape_errors():
         Argmax(48)
 
 
-@pytest.mark.skipif(simulator_enabled(), reason="compiles for sm_90; the simulator replaces the compiler")
 def test_compiles_for_sm90():
     compile_for_sm90(
         """
