@@ -259,6 +259,24 @@ def test_plan_and_run_take_the_same_default_serving(capsys):
     assert load_plan(args, {}).model_dump(mode="json") == plan
 
 
+#: The shipped full-size models (the tiny ones are for the simulator).
+FULL_SIZE_MODELS = sorted(p.stem for p in (ROOT / "configs/models").glob("qwen*.yaml"))
+
+
+@pytest.mark.parametrize("model", FULL_SIZE_MODELS)
+def test_the_h200_serves_vllm_s_sizes_by_default_and_every_shipped_model_fits(capsys, model):
+    """Without --serving, the H200 plans 256 sequences and 8,192 batched tokens (vLLM's sizes there) at the
+    model's own max_context, and every shipped model fits; another card keeps default.yaml's 64 / 2,048."""
+    code, plan, err = _plan_json(capsys, "--model", model)
+    assert code == 0, err
+    assert (plan["capacity"]["max_batch"], plan["serving"]["max_prefill_tokens"]) == (256, 8192)
+    assert plan["capacity"]["max_context"] == plan["model"]["max_position_embeddings"]
+    code, plan, err = _plan_json(capsys, "--model", model, "--hardware", "h100-sxm")
+    assert code in (0, 3), err
+    if code == 0:
+        assert (plan["capacity"]["max_batch"], plan["serving"]["max_prefill_tokens"]) == (64, 2048)
+
+
 def test_does_not_fit_with_json_output_prints_the_verdict_and_its_advice(capsys):
     code, out, err = _run(capsys, "plan", "--model", "qwen3-32b", "--hardware", "h100-sxm", "--max-model-len",
                           "40960", "--format", "json")
