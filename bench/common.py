@@ -73,22 +73,32 @@ def bench_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
-def add_plan_arguments(parser: argparse.ArgumentParser, utilization_help: str, smoke_help: str) -> None:
-    """The arguments every benchmark shares: configs, memory share, seed, --smoke and --out."""
+def add_plan_arguments(parser: argparse.ArgumentParser, utilization_help: str, smoke_help: str, *,
+                       hardware_serving: bool = False) -> None:
+    """The arguments every benchmark shares: configs, memory share, seed, --smoke and --out.
+
+    hardware_serving: --serving defaults to the hardware's default_serving (what memplan run serves),
+    not GPU_SERVING (the fixed sizes the kernel benchmarks are read at)."""
     parser.add_argument("--hardware", default=None, help=f"default {GPU_HARDWARE} ({SIM_HARDWARE} with --smoke)")
-    parser.add_argument("--serving", default=None, help=f"default {GPU_SERVING} ({SIM_SERVING} with --smoke)")
+    gpu_serving = "the hardware's default_serving" if hardware_serving else GPU_SERVING
+    parser.add_argument("--serving", default=None, help=f"default {gpu_serving} ({SIM_SERVING} with --smoke)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help=utilization_help)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help=smoke_help)
     parser.add_argument("--out", default=None, help="append the result as a markdown section to this file")
 
 
-def resolve_plan_arguments(args: argparse.Namespace) -> None:
-    """Fill the shared defaults after parsing: the models (tiny ones under --smoke), hardware, serving."""
+def resolve_plan_arguments(args: argparse.Namespace, *, hardware_serving: bool = False) -> None:
+    """Fill the shared defaults after parsing: the models (tiny ones under --smoke), hardware, serving
+    (hardware_serving: the hardware's default_serving, as add_plan_arguments says)."""
     if args.smoke:
         args.models = [SMOKE_MODELS.get(m, m) for m in (args.models or DEFAULT_MODELS)]
     args.models = args.models or list(DEFAULT_MODELS)
     args.hardware = args.hardware or (SIM_HARDWARE if args.smoke else GPU_HARDWARE)
+    if args.serving is None and hardware_serving and not args.smoke:
+        from planner.loader import load_hardware
+
+        args.serving = load_hardware(args.hardware).default_serving
     args.serving = args.serving or (SIM_SERVING if args.smoke else GPU_SERVING)
 
 

@@ -563,7 +563,7 @@ def tree() -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = bench_parser(__doc__)
     add_plan_arguments(parser, "default: the share that holds max_batch requests of the longest length",
-                       "tiny configs in the Numba CUDA simulator (seconds, no GPU)")
+                       "tiny configs in the Numba CUDA simulator (seconds, no GPU)", hardware_serving=True)
     parser.add_argument("--workloads", type=str_list, default=None,
                         help=f"of {', '.join(WORKLOADS)} (default fixed; all four with --smoke)")
     parser.add_argument("--num-requests", type=int, default=None, help="default 512 (5 with --smoke)")
@@ -600,7 +600,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key, value in (SMOKE_DEFAULTS if args.smoke else GPU_DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    resolve_plan_arguments(args)
+    resolve_plan_arguments(args, hardware_serving=True)
     check_args(args)
     return args
 
