@@ -1,4 +1,5 @@
-"""GPU soak (H200): thousands of engine steps with random arrivals on a real-shape model.
+"""GPU soak (H200): thousands of engine steps with random arrivals on a real-shape model, and a burst at
+the H200's default serving sizes.
 
 Zero allocation growth, zero pointer changes, every output equal to its solo run,
 and page and slot accounting back to empty at the end. Decode replays the captured
@@ -20,6 +21,7 @@ import torch
 
 from executor.engine import Engine
 from executor.scheduler import Request
+from planner.loader import load_hardware
 from tests.executor.harness import load_with_hf
 
 pytestmark = pytest.mark.gpu
@@ -66,4 +68,43 @@ def test_soak_2000_steps(name):
     print(f"{name}: {len(requests) - len(differing)} of {len(requests)} outputs equal their solo runs "
           f"({time.perf_counter() - solo_start:.1f} s)")
     assert not differing, differing
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3.5-0.8b"])
+def test_soak_at_the_h200_default_serving(name):
+    """The H200's default_serving as served (bf16, 256 sequences, 8,192 batched tokens, graphs to 256):
+    bursts of long prompts fill the batch, steps beyond the largest prefill graph bucket run eagerly,
+    and after them nothing was allocated, no arena pointer moved and the page and slot accounting is
+    back to empty. (bf16 rounding differs with the step's rows, so outputs are not compared to solo
+    runs here; the float32 soak above does that.)"""
+    serving = load_hardware("h200").default_serving
+    loaded = load_with_hf(name, "h200", serving, max_context=4096, gpu_memory_utilization=0.5)
+    capacity = loaded.plan.capacity
+    assert capacity.max_batch >= 256 and loaded.plan.serving.max_prefill_tokens >= 8192
+    loaded.model.capture_decode_graphs()
+    loaded.model.capture_prefill_graphs()
+    rng = random.Random(1)
+    vocab = loaded.plan.model.vocab_size
+    requests, arrivals = [], []
+    for index in range(1200):
+        prompt = [rng.randrange(vocab) for _ in range(rng.choice([rng.randint(1, 64), rng.randint(64, 3000)]))]
+        sampling = dict(temperature=0.8, top_p=0.95, seed=index) if index % 2 else {}
+        requests.append(Request(index, prompt, rng.randint(1, 96), **sampling))
+        arrivals.append(0 if index < 400 else 40 * (index // 200))  # a burst of 400, then 200 every 40 steps
+    pointers = {key: view.data_ptr() for key, view in loaded.arena._views.items()}
+    engine = Engine(loaded.model, prefix_caching=True)
+    report = engine.run(requests, arrivals)
+    stats = report.stats
+    eager_steps = sum(t.prefill_tokens + t.decode_rows > loaded.model.prefill_graphs.buckets[-1]
+                      for t in report.step_timings)
+    print(f"{name}: {report.steps} steps ({eager_steps} beyond the largest prefill bucket) in {report.wall_s:.1f} s, "
+          f"{report.generated_tokens} tokens, peak batch {stats.peak_running}, preemptions {stats.preemptions}, "
+          f"allocations after warm-up {report.allocations_after_warmup}, peak KV pages {stats.peak_kv_pages_used}")
+    assert all(r.finish_reason in ("length", "stop") for r in report.results)  # none rejected or lost
+    assert stats.peak_running > capacity.max_batch // 2 and eager_steps > 0  # the largest decode bucket ran
+    assert report.allocations_after_warmup == 0
+    assert {key: view.data_ptr() for key, view in loaded.arena._views.items()} == pointers
+    engine.scheduler.check()
+    assert engine.scheduler.num_slots_used == 0 and not engine.scheduler.has_unfinished
     torch.cuda.synchronize()
