@@ -39,6 +39,9 @@ def test_a_non_editable_install_plans_from_outside_the_checkout(tmp_path):
     table = memplan("plan", "--model", "qwen3-8b", "--hardware", "h100", "--format", "table")
     assert table.returncode == 0, table.stderr
     assert table.stdout.startswith("memplan: qwen3-8b on h100-sxm")
+    readme = memplan("plan", "--model", "qwen3-8b", "--hardware", "h200", "--format", "table")  # the README's first
+    assert readme.returncode == 0, readme.stderr  # h200's default_serving (serving/h200.yaml) ships with the package
+    assert "step capacity: batch 256, tokens 8,447" in readme.stdout
     plan = memplan("plan", "--model", "tiny-qwen3.5", "--hardware", "cpu-sim", "--out", "plan.json")
     assert plan.returncode == 0, plan.stderr
     validated = memplan("validate", "plan.json")  # the shipped schemas load from the package
