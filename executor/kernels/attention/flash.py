@@ -54,12 +54,11 @@ from typing import Any, Callable
 
 import numpy as np
 
+from executor.kernels.attention.online_softmax import build_online_softmax
 from executor.kernels.attention.packed import build_packed_request
 from executor.kernels.primitives.launch import Kernel
 from executor.kernels.primitives.async_copy import build_async_copy, build_row_copy, build_shared_address
-from executor.kernels.primitives.fast_math import build_exp2_scaled
-from executor.kernels.primitives.mma import build_a_fragment_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
-from executor.kernels.primitives.reduce import build_group_max, build_group_sum
+from executor.kernels.primitives.mma import build_a_fragment_load, build_fragment_loads, build_mma_bf16
 from executor.kernels.primitives.shared_tile import build_shared_tile
 from executor.kernels.primitives.vector import as_words, vector_aligned
 from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
@@ -157,8 +156,7 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     QA_WORDS = 4 * M if Q_IN_SHARED else 4 * K_STEPS
     SACC_VALUES, PA_WORDS, ACC_VALUES, ROW_STATES = M * S_VALUES, 4 * M, M * O_VALUES, 2 * M
     mma = build_mma_bf16()
-    pack = build_pack_bf16x2()
-    exp2_scaled = build_exp2_scaled()
+    mask, softmax_update, rescale_output, pack_probabilities, store_output = build_online_softmax(S_TILES, O_TILES, M)
     lane_address, _, load_b_x4_trans = build_fragment_loads()
     load_a_x4 = build_a_fragment_load()
     copy_async, copy_async_wait_all = build_async_copy()
@@ -166,8 +164,6 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     ROWS_PER_PASS = THREADS // CHUNKS_PER_ROW  # rows the block's threads copy a chunk each of
     shared_address = build_shared_address()
     query_tile = build_shared_tile(ROWS_PER_BLOCK, ROW_WORDS)
-    quad_max = build_group_max()
-    quad_sum = build_group_sum()
     chunk_of, kv_offset_of = build_packed_request()
     # ldmatrix and cp.async need 16-byte aligned rows; the simulator takes no alignment (and needs none).
     TILE_ALIGNMENT = None if simulator_enabled() else 16
@@ -267,85 +263,18 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
                              i * S_VALUES + 4 * j)
 
     @cuda.jit(device=True, inline=True)
-    def mask(sacc, tile, first_key, p0, p1, t):
-        """One m-tile's keys after a row's position to -inf. A stored row's position is below kv_len,
-        so this also drops the zero-filled keys past it."""
-        for j in range(S_TILES):
-            c = tile * S_VALUES + 4 * j
-            key = first_key + 8 * j + 2 * t
-            if key > p0:
-                sacc[c] = -math.inf
-            if key + 1 > p0:
-                sacc[c + 1] = -math.inf
-            if key > p1:
-                sacc[c + 2] = -math.inf
-            if key + 1 > p1:
-                sacc[c + 3] = -math.inf
-
-    @cuda.jit(device=True, inline=True)
-    def row_max(sacc, first, start):
-        """The row's maximum over its S values and ``start``. first: an m-tile's S values at 0, + 0 for
-        row g (values 0, 1 of each n-tile), + 2 for row g + 8. Two chains, half as long as one."""
-        even, odd = start, start
-        for j in range(S_TILES):
-            even = max(even, sacc[first + 4 * j])
-            odd = max(odd, sacc[first + 4 * j + 1])
-        return max(even, odd)
-
-    @cuda.jit(device=True, inline=True)
-    def exponentiate(sacc, first, scale_log2, max_log2):
-        """p = 2^(score * scale_log2 - max_log2), one FMA and one ex2 a score; returns the row's partial
-        sum (two chains)."""
-        even, odd = float32(0.0), float32(0.0)
-        for j in range(S_TILES):
-            p0 = exp2_scaled(sacc[first + 4 * j], scale_log2, max_log2)
-            p1 = exp2_scaled(sacc[first + 4 * j + 1], scale_log2, max_log2)
-            sacc[first + 4 * j], sacc[first + 4 * j + 1] = p0, p1
-            even += p0
-            odd += p1
-        return even + odd
-
-    @cuda.jit(device=True, inline=True)
-    def softmax_update(scratch, sacc, row_maxima, row_sums, alphas, scale_log2):
-        """The online softmax over one key block's scores, every row state in one straight run (its
-        chains independent, for the scheduler to interleave): new row maxima, S <- P in place, sums
-        rescaled and grown, and alphas[r] = 2^((old max - new max) * scale_log2) for O."""
-        best = cuda.local.array(ROW_STATES, float32)
-        for r in range(ROW_STATES):
-            best[r] = row_max(sacc, (r // 2) * S_VALUES + 2 * (r % 2), row_maxima[r])
-        for r in range(ROW_STATES):
-            best[r] = quad_max(scratch, best[r], 4)
-        for r in range(ROW_STATES):
-            alphas[r] = float32(math.exp2((row_maxima[r] - best[r]) * scale_log2))
-            row_maxima[r] = best[r]
-            total = exponentiate(sacc, (r // 2) * S_VALUES + 2 * (r % 2), scale_log2, best[r] * scale_log2)
-            row_sums[r] = row_sums[r] * alphas[r] + total
-
-    @cuda.jit(device=True, inline=True)
     def accumulate(sacc, pa, vs, v_lane, o):
         """o += P V, one k-step (16 keys) at a time: that step's P as bf16 A fragments of every m-tile
         (two S n-tiles make one), then V's B fragments transposed out of the key-major tile, two
         output n-tiles a load, each feeding every m-tile. Packing a step just before its MMAs keeps
         only its P words live beside S and O."""
         for s in range(P_STEPS):
-            for i in range(M):
-                c = i * S_VALUES + 8 * s
-                pa[4 * i] = pack(sacc[c], sacc[c + 1])
-                pa[4 * i + 1] = pack(sacc[c + 2], sacc[c + 3])
-                pa[4 * i + 2] = pack(sacc[c + 4], sacc[c + 5])
-                pa[4 * i + 3] = pack(sacc[c + 6], sacc[c + 7])
+            pack_probabilities(sacc, pa, s)
             for j in range(0, O_TILES, 2):
                 b0, b1, b2, b3 = load_b_x4_trans(vs, v_lane, 16 * s, 4 * j)
                 for i in range(M):
                     mma_pair(pa[4 * i], pa[4 * i + 1], pa[4 * i + 2], pa[4 * i + 3], b0, b1, b2, b3, o,
                              i * O_VALUES + 4 * j)
-
-    @cuda.jit(device=True, inline=True)
-    def rescale(o, first, alpha):
-        # first: an m-tile's O values at 0, + 0 for row g, + 2 for row g + 8
-        for j in range(O_TILES):
-            o[first + 4 * j] *= alpha
-            o[first + 4 * j + 1] *= alpha
 
     @cuda.jit(**launch_bounds(None if shape.blocks_per_sm is None else (THREADS, shape.blocks_per_sm)))
     def flash_attention(q, k, v, out, q_indptr, positions, first_request, min_rows, scale_log2):
@@ -407,21 +336,13 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
                     p0 = first_position + first_row + warp_row + 16 * i + g
                     mask(sacc, i, first_key, p0, p0 + 8, t)
             softmax_update(scratch, sacc, row_maxima, row_sums, alphas, scale_log2)
-            for r in range(ROW_STATES):
-                if alphas[r] != float32(1.0):  # the row's maximum grew: rare once a few key blocks are in
-                    rescale(o, (r // 2) * O_VALUES + 2 * (r % 2), alphas[r])
+            rescale_output(o, alphas)
             copy_async_wait_all()
             cuda.syncthreads()  # V landed for every thread; every warp is done with this block's K
             if first_key + KB < key_end:
                 stage(k, k_cursor, first_key + KB, kv_len, ks, ks_address)
             accumulate(sacc, pa, vs, v_lane, o)
-        for r in range(ROW_STATES):
-            inv_sum = float32(1.0) / quad_sum(scratch, row_sums[r], 4)
-            row = first_row + warp_row + 16 * (r // 2) + 8 * (r % 2) + g
-            c = (r // 2) * O_VALUES + 2 * (r % 2)
-            if row < rows:
-                for j in range(O_TILES):
-                    out[q_start + row, h, 4 * j + t] = pack(o[c + 4 * j] * inv_sum, o[c + 4 * j + 1] * inv_sum)
+        store_output(scratch, o, row_sums, out, q_start, first_row, warp_row, rows, h, g, t)
 
     return flash_attention
 
