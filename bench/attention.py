@@ -1,7 +1,7 @@
 """Causal prefill attention of one layer: memplan's tensor-core flash kernel vs torch SDPA.
 
     python3 bench/attention.py [--models qwen3-8b,qwen3.5-9b] [--prompts 4096,16384] [--out FILE]
-                               [--block-shapes default,4:32:2:shared:2]   # warps:keys:m-tiles:Q's place[:blocks an SM], a row each
+                               [--block-shapes default,4:32:2:shared:2,warpgroup:64]   # a row each
     python3 bench/attention.py --smoke     # a tiny shape in the Numba CUDA simulator (checks the script)
 
 For each model's attention heads (Qwen3-8B: 32 q / 8 kv heads of 128; Qwen3.5-9B: 16 / 4 of 256
@@ -14,8 +14,9 @@ to itself, bf16. The script reports:
   calls it after ``repeat_kv``. (Unbatched [heads, tokens, D] inputs with ``enable_gqa=True`` ran at
   10-15 TFLOP/s on the H200 with torch 2.11: not its flash kernel.)
 
-``--block-shapes`` times the kernel at other block shapes (executor.kernels.attention.flash.BlockShape)
-beside the one ``block_shape`` picks, SDPA once for them all; each row names its shape and the
+``--block-shapes`` times the kernel at other block shapes (executor.kernels.attention.flash.BlockShape,
+``warps:keys:m-tiles:registers|shared[:blocks an SM]``) or the warpgroup kernel
+(executor.kernels.attention.flash_wgmma, ``warpgroup:keys``, sm_90a) beside the one ``block_shape`` picks, SDPA once for them all; each row names its shape and the
 registers and spilled (local) bytes a thread of that kernel holds. Time is the median of
 ``--repeats`` launches between CUDA events. TFLOP/s counts the causal
 half of 4 x T^2 x Hq x D (QK^T and PV). The memplan kernel's largest difference from float64
@@ -52,11 +53,18 @@ def parse_shapes(text: str) -> list[Any]:
     """``default,4:64:1:registers,4:32:2:shared`` -> [None, BlockShape(4, 64, 1, False), ...] (None:
     block_shape's choice)."""
     from executor.kernels.attention.flash import BlockShape
+    from executor.kernels.attention.flash_wgmma import WarpgroupShape
 
     shapes = []
     for item in str_list(text):
         if item == "default":
             shapes.append(None)
+            continue
+        if item.startswith("warpgroup:"):
+            try:
+                shapes.append(WarpgroupShape(keys=int(item.split(":", 1)[1])))
+            except ValueError as error:
+                raise argparse.ArgumentTypeError(f"block shape {item!r}: expected warpgroup:KEYS ({error})") from None
             continue
         try:
             warps, keys, m_tiles, query, *bound = item.split(":")
@@ -72,13 +80,15 @@ def parse_shapes(text: str) -> list[Any]:
 
 
 def shape_name(shape: Any) -> str:
+    if not hasattr(shape, "warps"):
+        return f"warpgroup:{shape.keys}"
     bound = f":{shape.blocks_per_sm}" if shape.blocks_per_sm else ""
     return f"{shape.warps}:{shape.keys}:{shape.m_tiles}:{'shared' if shape.query_in_shared else 'registers'}{bound}"
 
 
 def kernel_registers(flash: Any, heads: Heads) -> str:
     """``registers / local bytes`` a thread of the compiled kernel holds (n/a in the simulator)."""
-    _, kernel = flash.kernel(heads.head_dim, heads.q_heads // heads.kv_heads)
+    *_, kernel = flash.launch_shape(heads.head_dim, heads.q_heads // heads.kv_heads)
     if kernel.simulated:
         return "n/a"
     # The cuda.core kernel the fast launch path holds (compiled here or loaded from the kernel cache).
@@ -91,6 +101,7 @@ def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, sha
     """One row per block shape: [shape, prompt tokens, heads, registers, ours us, TFLOP/s, SDPA us, TFLOP/s,
     SDPA / ours, error]."""
     from executor.kernels.attention.flash import FlashAttention, block_shape, single_request
+    from executor.kernels.attention.flash_wgmma import WarpgroupFlashAttention, WarpgroupShape
     from tests.kernels.attention_reference import causal_attention
 
     width = 2 * heads.head_dim if heads.strided_q else heads.head_dim
@@ -117,7 +128,7 @@ def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, sha
     expected = causal_attention(q, k, v, tokens, rows)
     table = []
     for shape in shapes:
-        flash = FlashAttention(shape)
+        flash = WarpgroupFlashAttention(shape) if isinstance(shape, WarpgroupShape) else FlashAttention(shape)
         used = shape or block_shape(heads.head_dim)
         name = shape_name(used) + (" (default)" if shape is None else "")
 

@@ -67,6 +67,21 @@ CHUNKED_DELTA_RULE_MIN_ROWS: int | None = 64
 CHUNKED_DELTA_RULE_NARROW_SCAN_SMS_PER_BLOCK = 2
 
 
+#: FlashAttention prefill runs on warpgroup tensor-core products (attention/flash_wgmma.py: the
+#: tensor cores read each staged key and value once for four warps) on GPUs of this compute capability
+#: major (wgmma is sm_90a's), for these head sizes (the P V product's N is the head size); other GPUs
+#: and heads run mma.sync (attention/flash.py), whose per-warp ldmatrix reads of K and V bound it by
+#: shared-memory bandwidth (bench/attention.py, docs/benchmarks.md "Causal prefill attention of one layer").
+WARPGROUP_FLASH_MAJOR = 9
+WARPGROUP_FLASH_HEAD_DIMS = (32, 64, 128, 256)
+
+
+def warpgroup_flash(compute_capability: str, head_dim: int) -> bool:
+    """Whether FlashAttention prefill on a GPU of ``compute_capability`` ("9.0") and heads of
+    ``head_dim`` runs the warpgroup kernel."""
+    return int(compute_capability.split(".")[0]) == WARPGROUP_FLASH_MAJOR and head_dim in WARPGROUP_FLASH_HEAD_DIMS
+
+
 @dataclass(frozen=True)
 class Route:
     """One row of the table: at this step kind and operation, when ``condition`` holds, ``kernel``
@@ -117,7 +132,9 @@ ROUTES: tuple[Route, ...] = (
           "248 decode rows at 1,100 tokens beside 8 x 1,024 prefill, Qwen3-8B on the H200: 7.5 ms a layer "
           "in the paged kernel (a 4-row tile a row), 0.33 ms in the decode kernel"),
     Route("prefill", "attention", "chunk >= gemm_attention_min_tokens, plan prefill_attention flash (bf16, "
-          "head_dim % 32 == 0)", "attention/gather.py PackedGatherKv + attention/flash.py FlashAttention: one "
+          "head_dim % 32 == 0)", "attention/gather.py PackedGatherKv + attention/flash.py FlashAttention "
+          f"(attention/flash_wgmma.py's warpgroup kernel on compute capability {WARPGROUP_FLASH_MAJOR}.x, head_dim "
+          f"in {WARPGROUP_FLASH_HEAD_DIMS}): one "
           "pair of launches over the step's long chunks (as many as their keys fit the gather scratch)",
           "tensor cores, no score buffer; the chunks' blocks in one grid (Qwen3-8B serving 512 x 1,024 on the "
           "H200: 1,035 ms in 2,304 launches against 1,514 ms in 18,432, a launch a chunk)"),

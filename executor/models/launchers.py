@@ -18,6 +18,7 @@ from executor.kernels.linear_attention.delta_rule import GatedDeltaRule, GdnGate
 from executor.kernels.linear_attention.delta_rule_decode import GatedDeltaRuleDecode
 from executor.kernels.rows.embedding import Embedding
 from executor.kernels.attention.flash import FlashAttention
+from executor.kernels.attention.flash_wgmma import WarpgroupFlashAttention
 from executor.kernels.rows.gated_norm import GatedRmsNorm
 from executor.kernels.gemv import Gemv
 from executor.kernels.attention.gather import GatherKv, PackedGatherKv
@@ -72,10 +73,12 @@ class Kernels:
     gated_norm: GatedRmsNorm | None = None
 
 
-def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle, num_sms: int, page_size: int) -> Kernels:
+def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle, num_sms: int, page_size: int,
+                  compute_capability: str = "0.0") -> Kernels:
     """Launchers for a model of ``geometry`` in ``activation_dtype`` storage, on a GPU of ``num_sms`` SMs
-    (the plan's hardware: launchers that pick a block shape by the grid's blocks an SM), over KV pages
-    of ``page_size`` tokens (the plan's, compiled into the decode attention kernels)."""
+    and ``compute_capability`` (the plan's hardware: launchers that pick a block shape by the grid's
+    blocks an SM, the FlashAttention kernel by routing.warpgroup_flash), over KV pages of ``page_size``
+    tokens (the plan's, compiled into the decode attention kernels)."""
     codec = build_codec(activation_dtype)
     # A simulator thread is a Python thread: smaller blocks there (the kernels loop over what a
     # block does not cover), full-size blocks on the GPU.
@@ -111,7 +114,8 @@ def build_kernels(geometry: Geometry, activation_dtype: str, norm: NormStyle, nu
         gather_kv=GatherKv(),
         causal_softmax=CausalSoftmax(codec),
         chunk_copy=ChunkCopy(),
-        flash_attention=FlashAttention(),
+        flash_attention=(WarpgroupFlashAttention() if routing.warpgroup_flash(compute_capability, geometry.head_dim)
+                         else FlashAttention()),
         packed_gather_kv=PackedGatherKv(),
         output_gate=SigmoidMulInplace(codec),
         silu_mul=SiluMul(codec),

@@ -14,7 +14,7 @@ from executor.models.projections import Projections
 def build_qwen3_5(arena: Arena, parallel: TensorParallel | None = None) -> DecoderModel:
     plan = arena.plan
     kernels = build_kernels(plan.geometry, plan.dtypes.activations, ZERO_CENTRED_NORM, plan.hardware.num_sms,
-                            plan.capacity.page_size)
+                            plan.capacity.page_size, plan.hardware.compute_capability)
     mixers = {
         "full_attention": lambda i, proj: FullAttention(arena, kernels, proj, i, ZERO_CENTRED_NORM, output_gate=True),
         "linear_attention": lambda i, proj: LinearAttention(arena, kernels, proj, i),

@@ -16,7 +16,8 @@ from tests.kernels.compile_check import compile_for_sm90
 TOLERANCE = 0.02
 
 
-def run_case(rows, kv_len, q_heads, kv_heads, head_dim, device, strided_q=False, seed=0, shape=None):
+def run_case(rows, kv_len, q_heads, kv_heads, head_dim, device, strided_q=False, seed=0, shape=None, attention=None):
+    """One request's causal attention through ``attention`` (FlashAttention(shape) if None) against float64."""
     gen = torch.Generator(device=device).manual_seed(seed)
     width = 2 * head_dim if strided_q else head_dim  # Qwen3.5: q heads sit 2 D apart (q | gate)
     q_buffer = torch.randn(rows, q_heads, width, generator=gen, device=device).bfloat16()
@@ -31,8 +32,8 @@ def run_case(rows, kv_len, q_heads, kv_heads, head_dim, device, strided_q=False,
     k[:, kv_len:] = 1e4  # stale keys past kv_len: reading one would swamp the softmax
     out = torch.full((rows, q_heads, head_dim), float("nan"), device=device).bfloat16()
     q_indptr, positions = (torch.as_tensor(a, device=device) for a in single_request(rows, kv_len))
-    FlashAttention(shape)(*[t.view(torch.int16) for t in (q, k, v, out)], q_indptr, positions, 0, 1, rows,
-                          kv_len)  # the simulator takes torch views too
+    (attention or FlashAttention(shape))(*[t.view(torch.int16) for t in (q, k, v, out)], q_indptr, positions, 0, 1,
+                                         rows, kv_len)  # the simulator takes torch views too
     expected = causal_attention(q, k, v, kv_len)
     error = (out.double() - expected).abs().max().item()
     assert error <= TOLERANCE, f"max |out - float64| = {error:.4f} > {TOLERANCE}"
@@ -58,7 +59,7 @@ def test_small_blocks_match_float64_in_the_simulator(shape):
              shape=shape)
 
 
-def test_one_launch_serves_packed_chunks_and_skips_the_others():
+def check_packed_launch(attention, head_dim=32):
     """One launch over a step of four requests: a decode row (skipped), a 40-row prompt (packed first),
     a 3-row chunk short of min_rows 4 (skipped: the paged kernel's), and a 9-row chunk after 91 cached
     tokens (packed second, its keys right after the prompt's 40: whole key blocks before its diagonal).
@@ -68,7 +69,7 @@ def test_one_launch_serves_packed_chunks_and_skips_the_others():
     gen = torch.Generator(device=device).manual_seed(3)
     chunks = [(1, 12), (40, 40), (3, 20), (9, 100)]  # (rows, kv_len) of each request, in step order
     packed = [1, 3]
-    q_heads, kv_heads, head_dim = 1, 1, 32  # one head: a simulated block costs seconds
+    q_heads, kv_heads = 1, 1  # one head: a simulated block costs seconds
     num_rows = sum(rows for rows, _ in chunks)
     q = torch.randn(num_rows, q_heads, head_dim, generator=gen, device=device).bfloat16()
     capacity = sum(chunks[i][1] for i in packed) + 5
@@ -79,8 +80,7 @@ def test_one_launch_serves_packed_chunks_and_skips_the_others():
     positions = torch.cat([torch.arange(kv - rows, kv, dtype=torch.int32, device=device) for rows, kv in chunks])
     out = torch.full((num_rows, q_heads, head_dim), float("nan"), device=device).bfloat16()
     kv_tokens = sum(chunks[i][1] for i in packed)
-    FlashAttention()(*[t.view(torch.int16) for t in (q, k, v, out)], q_indptr, positions, 1, 3, 40, kv_tokens,
-                     min_rows=4)
+    attention(*[t.view(torch.int16) for t in (q, k, v, out)], q_indptr, positions, 1, 3, 40, kv_tokens, min_rows=4)
     offset = 0
     for index, (rows, kv_len) in enumerate(chunks):
         span = slice(int(q_indptr[index]), int(q_indptr[index + 1]))
@@ -91,6 +91,10 @@ def test_one_launch_serves_packed_chunks_and_skips_the_others():
         error = (out[span].double() - expected).abs().max().item()
         assert error <= TOLERANCE, f"request {index}: max |out - float64| = {error:.4f} > {TOLERANCE}"
         offset += kv_len
+
+
+def test_one_launch_serves_packed_chunks_and_skips_the_others():
+    check_packed_launch(FlashAttention())
 
 
 def test_block_shapes_fit_shared_memory():

@@ -269,7 +269,7 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
         output n-tiles a load, each feeding every m-tile. Packing a step just before its MMAs keeps
         only its P words live beside S and O."""
         for s in range(P_STEPS):
-            pack_probabilities(sacc, pa, s)
+            pack_probabilities(sacc, pa, s, 0)
             for j in range(0, O_TILES, 2):
                 b0, b1, b2, b3 = load_b_x4_trans(vs, v_lane, 16 * s, 4 * j)
                 for i in range(M):
@@ -405,9 +405,14 @@ class FlashAttention:
             raise ValueError("flash attention: every head of q, k, v and out must be 16-byte aligned and contiguous")
         if num_requests == 0 or max_rows == 0:
             return
-        shape, kernel = self.kernel(head_dim, q_heads // kv_heads)
-        grid = (-(-max_rows // shape.rows), q_heads, num_requests)
+        rows, threads, shared_bytes, kernel = self.launch_shape(head_dim, q_heads // kv_heads)
+        grid = (-(-max_rows // rows), q_heads, num_requests)
         scale_log2 = np.float32(LOG2_E / math.sqrt(head_dim))
-        kernel[grid, shape.threads, stream, query_tile_bytes(head_dim, shape)](
+        kernel[grid, threads, stream, shared_bytes](
             as_words(q), as_words(k), as_words(v), as_words(out), q_indptr, positions, np.int32(first_request),
             np.int32(min_rows), scale_log2)
+
+    def launch_shape(self, head_dim: int, group: int) -> tuple[int, int, int, Kernel]:
+        """(query rows a block, threads a block, dynamic shared bytes, kernel) for this head size and group."""
+        shape, kernel = self.kernel(head_dim, group)
+        return shape.rows, shape.threads, query_tile_bytes(head_dim, shape), kernel

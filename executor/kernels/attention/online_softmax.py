@@ -14,8 +14,8 @@ r // 2, row g + 8 (r % 2)):
         place, sums rescaled and grown, alphas[r] = the factor for row state r's O.
     rescale_output(o, alphas)
         O's rows whose maximum grew times their alpha (alpha = 1 exactly otherwise: skipped).
-    pack_probabilities(sacc, pa, s)
-        pa[4 i .. 4 i + 3] <- m-tile i's P of k-step s (16 keys) as bf16 A fragments.
+    pack_probabilities(sacc, pa, s, first)
+        pa[first + 4 i .. first + 4 i + 3] <- m-tile i's P of k-step s (16 keys) as bf16 A fragments.
     store_output(scratch, o, row_sums, out, q_start, first_row, warp_row, rows, h, g, t)
         out rows (bf16 words) <- O / row sum, rows below ``rows`` only.
 
@@ -119,13 +119,13 @@ def build_online_softmax(s_tiles: int, o_tiles: int, m_tiles: int) -> OnlineSoft
                 rescale(o, (r // 2) * O_VALUES + 2 * (r % 2), alphas[r])
 
     @cuda.jit(device=True, inline=True)
-    def pack_probabilities(sacc, pa, s):
+    def pack_probabilities(sacc, pa, s, first):
         for i in range(M):
             c = i * S_VALUES + 8 * s
-            pa[4 * i] = pack(sacc[c], sacc[c + 1])
-            pa[4 * i + 1] = pack(sacc[c + 2], sacc[c + 3])
-            pa[4 * i + 2] = pack(sacc[c + 4], sacc[c + 5])
-            pa[4 * i + 3] = pack(sacc[c + 6], sacc[c + 7])
+            pa[first + 4 * i] = pack(sacc[c], sacc[c + 1])
+            pa[first + 4 * i + 1] = pack(sacc[c + 2], sacc[c + 3])
+            pa[first + 4 * i + 2] = pack(sacc[c + 4], sacc[c + 5])
+            pa[first + 4 * i + 3] = pack(sacc[c + 6], sacc[c + 7])
 
     @cuda.jit(device=True, inline=True)
     def store_output(scratch, o, row_sums, out, q_start, first_row, warp_row, rows, h, g, t):

@@ -1,0 +1,229 @@
+"""Causal prefill attention on warpgroup tensor-core products (sm_90a): flash.py's loop, with Q K^T and
+P V as ``wgmma`` (primitives/wgmma.py) instead of per-warp ``mma.sync``.
+
+The same launch and result as flash.py's FlashAttention (its module docstring: the packed chunks, the
+causal rows, the bf16 P, the float32 online softmax), computed differently:
+
+- A block is one warpgroup (4 warps, 128 threads) over 64 query rows of one q head; warp w owns rows
+  16 w .. 16 w + 15, as in a flash.py block of one m-tile a warp.
+- Q (once), K and V (per key block of ``keys`` keys) are staged by cp.async into core-matrix tiles
+  (``CoreTile``) in dynamic shared memory. The tensor cores read each staged key and value once for
+  the whole warpgroup, where mma.sync's ldmatrix reads them once per warp: that shared-memory traffic
+  is what holds flash.py at about a third of the H200's tensor-core rate at head_dim 256.
+- S = Q K^T is D / 16 products of m64 n``keys`` k16, both operands in shared memory (K K-major). The
+  softmax runs on S in registers (online_softmax.py, the accumulator layout is mma.sync's), P is
+  packed to bf16 A fragments in registers, and O += P V is ``keys`` / 16 products of m64 n``D`` k16
+  with A from those registers and V read MN-major from its key-major tile (no transposed copy).
+- V of a key block lands while the warpgroup computes its scores, K of the next while it computes
+  P V, as in flash.py. Each product group is committed and waited before its accumulator is read.
+
+A thread holds O (D / 2 float32: 128 at head_dim 256), S (``keys`` / 2) and P (``keys`` / 4 words);
+two blocks an SM share its registers and (96 KiB a block at head_dim 256 and 64 keys) its shared
+memory, so one block's softmax overlaps the other's products.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from executor.kernels.attention.flash import FlashAttention
+from executor.kernels.attention.online_softmax import build_online_softmax
+from executor.kernels.attention.packed import build_packed_request
+from executor.kernels.primitives.async_copy import build_async_copy, build_shared_address
+from executor.kernels.primitives.launch import Kernel
+from executor.kernels.primitives.shared_tile import build_shared_tile
+from executor.kernels.primitives.wgmma import (WARPGROUP_ROWS, WARPGROUP_THREADS, CoreTile, build_descriptor,
+                                               build_wgmma, build_wgmma_sync, build_wgmma_wait)
+from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
+
+cuda = load_cuda()
+from numba import float32, int32  # noqa: E402  (after load_cuda's numpy fix)
+
+#: Head sizes the warpgroup kernel serves: the P V product's N is the head size (a wgmma N is at most
+#: 256), and staging takes rows in groups of four 16-byte chunks (head_dim % 32 == 0).
+WARPGROUP_HEAD_DIMS = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class WarpgroupShape:
+    """A block's key block: ``keys`` keys staged a round (the N of the S product), and the blocks an SM
+    the compiler must leave registers for."""
+
+    keys: int = 64
+    blocks_per_sm: int = 2
+
+    def __post_init__(self) -> None:
+        if self.keys % 16 or not 16 <= self.keys <= 256:
+            raise ValueError(f"warpgroup flash attention: {self.keys} keys a round must be a multiple of 16 in 16..256")
+
+
+def warpgroup_shape(head_dim: int) -> WarpgroupShape:
+    """64 keys a round: at head_dim 256 the Q, K and V tiles take 96 KiB, two blocks an SM."""
+    return WarpgroupShape()
+
+
+def shared_bytes(head_dim: int, shape: WarpgroupShape) -> int:
+    """Dynamic shared memory of a block: the Q tile (64 rows), then the K and V tiles."""
+    return CoreTile(WARPGROUP_ROWS, head_dim).bytes + 2 * CoreTile(shape.keys, head_dim).bytes
+
+
+def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Callable[..., Any]:
+    """The kernel, with flash.py's ``build_flash_attention`` arguments and grid (64 rows a block,
+    WARPGROUP_THREADS threads, ``shared_bytes`` of dynamic shared memory)."""
+    if head_dim not in WARPGROUP_HEAD_DIMS:
+        raise ValueError(f"warpgroup flash attention: head_dim {head_dim} is not one of {WARPGROUP_HEAD_DIMS}")
+    D, KB, ROWS, THREADS = head_dim, shape.keys, WARPGROUP_ROWS, WARPGROUP_THREADS
+    if KB * D // 8 % THREADS:
+        raise ValueError(f"warpgroup flash attention: {KB} keys of head_dim {head_dim} are {KB * D // 8} 16-byte "
+                         f"chunks, not a multiple of the block's {THREADS} threads")
+    CHUNKS = D // 8                       # 16-byte chunks of a Q, K or V row
+    K_STEPS, P_STEPS = D // 16, KB // 16  # k-steps of Q K^T and of P V
+    S_TILES, O_TILES = KB // 8, D // 8
+    S_VALUES, O_VALUES, PA_WORDS = 4 * S_TILES, 4 * O_TILES, 4 * P_STEPS
+    q_tile, kv_tile = CoreTile(ROWS, D), CoreTile(KB, D)
+    Q_SHAPE, KV_SHAPE = q_tile.shape, kv_tile.shape
+    Q_WORDS, KV_WORDS = q_tile.bytes // 4, kv_tile.bytes // 4
+    Q_LEADING, Q_STRIDE, Q_STEP = q_tile.k_major()
+    K_LEADING, K_STRIDE, K_STEP = kv_tile.k_major()
+    V_LEADING, V_STRIDE, V_STEP = kv_tile.mn_major()
+    Q_COPIES, KV_COPIES = ROWS * CHUNKS // THREADS, KB * CHUNKS // THREADS
+    scores_product = build_wgmma(KB, False, True)
+    values_product = build_wgmma(D, True, False)
+    wgmma_fence, wgmma_commit, proxy_fence = build_wgmma_sync()
+    wait_scores = build_wgmma_wait(S_VALUES)
+    wait_output = build_wgmma_wait(O_VALUES)
+    descriptor = build_descriptor()
+    mask, softmax_update, rescale_output, pack_probabilities, store_output = build_online_softmax(S_TILES, O_TILES, 1)
+    copy_async, copy_async_wait_all = build_async_copy()
+    shared_address = build_shared_address()
+    q_view = build_shared_tile(*Q_SHAPE)
+    kv_view = build_shared_tile(*KV_SHAPE)
+    chunk_of, kv_offset_of = build_packed_request()
+    # cp.async and the core matrices need 16-byte aligned tiles; the simulator takes no alignment.
+    TILE_ALIGNMENT = None if simulator_enabled() else 128
+    SCRATCH_VALUES = THREADS if simulator_enabled() else 1  # the simulator's quad reductions
+
+    @cuda.jit(device=True, inline=True)
+    def place(c, rows):
+        """Copy c's (row, chunk) of a tile of ``rows`` rows: a warp's 32 copies are 8 rows x 4 chunks,
+        so each chunk column's 8 rows fill one core matrix (128 bytes, no bank conflict) and each row
+        reads 64 contiguous bytes."""
+        return c % 8 + 8 * ((c // 32) % (rows // 8)), 4 * (c // (4 * rows)) + (c // 8) % 4
+
+    @cuda.jit(device=True, inline=True)
+    def stage_queries(q, head, first, limit, tile, tile_address):
+        """Start copying step rows first.. of q head ``head`` into the Q tile; zeros from row limit on."""
+        tid = cuda.threadIdx.x
+        for i in range(Q_COPIES):
+            row, chunk = place(tid + THREADS * i, ROWS)
+            valid = first + row < limit
+            copy_async(tile, tile_address, (chunk, 4 * row), q, (first + row if valid else 0, head, 4 * chunk), valid)
+
+    @cuda.jit(device=True, inline=True)
+    def stage(src, kv_head, kv_offset, first, limit, tile, tile_address):
+        """Start copying keys first.. of one kv head of K or V into a tile; zeros from key limit on (V's
+        stale rows could hold NaN bits, and 0 x NaN would reach the output)."""
+        tid = cuda.threadIdx.x
+        for i in range(KV_COPIES):
+            row, chunk = place(tid + THREADS * i, KB)
+            valid = first + row < limit
+            copy_async(tile, tile_address, (chunk, 4 * row), src,
+                       (kv_head, kv_offset + (first + row if valid else 0), 4 * chunk), valid)
+
+    @cuda.jit(**launch_bounds((THREADS, shape.blocks_per_sm)))
+    def flash_attention(q, k, v, out, q_indptr, positions, first_request, min_rows, scale_log2):
+        scratch = cuda.shared.array(SCRATCH_VALUES, float32)
+        dynamic = cuda.shared.array(0, int32, alignment=TILE_ALIGNMENT)
+        sacc = cuda.local.array(S_VALUES, float32)
+        pa = cuda.local.array(PA_WORDS, int32)
+        o = cuda.local.array(O_VALUES, float32)
+        row_maxima = cuda.local.array(2, float32)  # running, raw score units: row g, row g + 8
+        row_sums = cuda.local.array(2, float32)
+        alphas = cuda.local.array(2, float32)
+        lane = cuda.threadIdx.x % 32
+        g = lane // 4
+        t = lane % 4
+        h = cuda.blockIdx.y
+        kvh = h // group
+        request = first_request + cuda.blockIdx.z
+        q_start, rows, kv_len = chunk_of(q_indptr, positions, request)
+        # The last query rows see the most keys: launch them first so short blocks fill the grid's tail.
+        first_row = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * ROWS
+        if rows < min_rows or first_row >= rows:
+            return  # a request the launch skips (packed.py), or past a shorter chunk's rows: the whole block
+        first_position = kv_len - rows
+        kv_offset = kv_offset_of(q_indptr, positions, first_request, request, min_rows)
+        warp_row = (cuda.threadIdx.x // 32) * 16
+        qs = q_view(dynamic, 0)
+        ks = kv_view(dynamic, Q_WORDS)
+        vs = kv_view(dynamic, Q_WORDS + KV_WORDS)
+        q_address = shared_address(qs, (0, 0))
+        k_address = shared_address(ks, (0, 0))
+        v_address = shared_address(vs, (0, 0))
+        q_descriptor = descriptor(q_address, Q_LEADING, Q_STRIDE)
+        k_descriptor = descriptor(k_address, K_LEADING, K_STRIDE)
+        v_descriptor = descriptor(v_address, V_LEADING, V_STRIDE)
+        stage_queries(q, h, q_start + first_row, q_start + rows, qs, q_address)
+        for i in range(O_VALUES):
+            o[i] = float32(0.0)
+        # Finite start: a row whose keys are all masked so far keeps alpha = 1 and sum 0, not NaN.
+        for i in range(2):
+            row_maxima[i] = float32(-1e30)
+            row_sums[i] = float32(0.0)
+        unmasked_end = first_position + first_row + 1  # keys below this are visible to every row of the block
+        key_end = first_position + min(first_row + ROWS, rows)  # the block's last row sees up to here
+        p0 = first_position + first_row + warp_row + g
+        stage(k, kvh, kv_offset, 0, kv_len, ks, k_address)
+        for first_key in range(0, key_end, KB):
+            copy_async_wait_all()
+            proxy_fence()
+            cuda.syncthreads()  # K (and Q) landed for every thread; the last block's P V products are done
+            stage(v, kvh, kv_offset, first_key, kv_len, vs, v_address)
+            wgmma_fence()
+            for s in range(K_STEPS):
+                scores_product(sacc, qs, q_descriptor + (s * Q_STEP >> 4), ks, k_descriptor + (s * K_STEP >> 4), s > 0)
+            wgmma_commit()
+            wait_scores(sacc)
+            if first_key + KB > unmasked_end:
+                mask(sacc, 0, first_key, p0, p0 + 8, t)
+            softmax_update(scratch, sacc, row_maxima, row_sums, alphas, scale_log2)
+            rescale_output(o, alphas)
+            for s in range(P_STEPS):
+                pack_probabilities(sacc, pa, s, 4 * s)
+            copy_async_wait_all()
+            proxy_fence()
+            cuda.syncthreads()  # V landed for every thread; every thread's score products are done with K
+            if first_key + KB < key_end:
+                stage(k, kvh, kv_offset, first_key + KB, kv_len, ks, k_address)
+            wgmma_fence()
+            for s in range(P_STEPS):
+                values_product(o, pa[4 * s], pa[4 * s + 1], pa[4 * s + 2], pa[4 * s + 3], vs,
+                               v_descriptor + (s * V_STEP >> 4), True)
+            wgmma_commit()
+            wait_output(o)
+        store_output(scratch, o, row_sums, out, q_start, first_row, warp_row, rows, h, g, t)
+
+    return flash_attention
+
+
+class WarpgroupFlashAttention(FlashAttention):
+    """FlashAttention's launcher (same arguments, checks and result) running the warpgroup kernel."""
+
+    def __init__(self, shape: WarpgroupShape | None = None) -> None:
+        """``shape``: one key block for every head size instead of ``warpgroup_shape``'s (benchmarks)."""
+        super().__init__()
+        self.warpgroup_shape = shape
+        self._warpgroup_kernels: dict[tuple[int, int], tuple[WarpgroupShape, Kernel]] = {}
+
+    def warpgroup_kernel(self, head_dim: int, group: int) -> tuple[WarpgroupShape, Kernel]:
+        entry = self._warpgroup_kernels.get((head_dim, group))
+        if entry is None:
+            shape = self.warpgroup_shape or warpgroup_shape(head_dim)
+            kernel = Kernel(build_flash_wgmma(head_dim, group, shape), dynamic_shared_bytes=shared_bytes(head_dim, shape))
+            entry = self._warpgroup_kernels[(head_dim, group)] = (shape, kernel)
+        return entry
+
+    def launch_shape(self, head_dim: int, group: int) -> tuple[int, int, int, Kernel]:
+        shape, kernel = self.warpgroup_kernel(head_dim, group)
+        return WARPGROUP_ROWS, WARPGROUP_THREADS, shared_bytes(head_dim, shape), kernel
