@@ -17,10 +17,10 @@ DEVICE = "cpu" if simulator_enabled() else "cuda"
 
 
 def test_matches_float64_in_the_simulator():
-    """Head dim 64, 16 keys a round: a 70-row prompt takes two query blocks (the last launched first)
-    and five key blocks (the online softmax rescales), the diagonal ones masked; GQA group 2."""
+    """Head dim 64, 32 keys a round: a 70-row prompt takes two query blocks (the last launched first)
+    and three key blocks (the online softmax rescales), the diagonal ones masked; GQA group 2."""
     run_case(70, 70, q_heads=2, kv_heads=1, head_dim=64, device=DEVICE,
-             attention=WarpgroupFlashAttention(WarpgroupShape(keys=16)))
+             attention=WarpgroupFlashAttention(WarpgroupShape(keys=32)))
 
 
 def test_one_launch_serves_packed_chunks_and_skips_the_others():
@@ -29,8 +29,8 @@ def test_one_launch_serves_packed_chunks_and_skips_the_others():
 
 def test_shapes_and_errors():
     assert shared_bytes(256, warpgroup_shape(256)) == 96 * 1024  # Q, K and V tiles: two blocks an SM
-    with pytest.raises(ValueError, match="multiple of 16"):
-        WarpgroupShape(keys=24)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        WarpgroupShape(keys=48)
     with pytest.raises(ValueError, match="head_dim 96"):
         WarpgroupFlashAttention()(*_head_dim_96_arguments())
 

@@ -30,7 +30,7 @@ from typing import Any, Callable
 from executor.kernels.attention.flash import FlashAttention
 from executor.kernels.attention.online_softmax import build_online_softmax
 from executor.kernels.attention.packed import build_packed_request
-from executor.kernels.primitives.async_copy import build_async_copy, build_shared_address
+from executor.kernels.primitives.async_copy import build_async_copy, build_row_copy, build_shared_address
 from executor.kernels.primitives.launch import Kernel
 from executor.kernels.primitives.shared_tile import build_shared_tile
 from executor.kernels.primitives.wgmma import (WARPGROUP_ROWS, WARPGROUP_THREADS, CoreTile, build_descriptor,
@@ -54,8 +54,9 @@ class WarpgroupShape:
     blocks_per_sm: int = 2
 
     def __post_init__(self) -> None:
-        if self.keys % 16 or not 16 <= self.keys <= 256:
-            raise ValueError(f"warpgroup flash attention: {self.keys} keys a round must be a multiple of 16 in 16..256")
+        if self.keys % 32 or not 32 <= self.keys <= 256:
+            raise ValueError(f"warpgroup flash attention: {self.keys} keys a round must be a multiple of 32 in 32..256 "
+                             "(the staging's 32-row passes)")
 
 
 def warpgroup_shape(head_dim: int) -> WarpgroupShape:
@@ -74,9 +75,6 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
     if head_dim not in WARPGROUP_HEAD_DIMS:
         raise ValueError(f"warpgroup flash attention: head_dim {head_dim} is not one of {WARPGROUP_HEAD_DIMS}")
     D, KB, ROWS, THREADS = head_dim, shape.keys, WARPGROUP_ROWS, WARPGROUP_THREADS
-    if KB * D // 8 % THREADS:
-        raise ValueError(f"warpgroup flash attention: {KB} keys of head_dim {head_dim} are {KB * D // 8} 16-byte "
-                         f"chunks, not a multiple of the block's {THREADS} threads")
     CHUNKS = D // 8                       # 16-byte chunks of a Q, K or V row
     K_STEPS, P_STEPS = D // 16, KB // 16  # k-steps of Q K^T and of P V
     S_TILES, O_TILES = KB // 8, D // 8
@@ -87,7 +85,8 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
     Q_LEADING, Q_STRIDE, Q_STEP = q_tile.k_major()
     K_LEADING, K_STRIDE, K_STEP = kv_tile.k_major()
     V_LEADING, V_STRIDE, V_STEP = kv_tile.mn_major()
-    Q_COPIES, KV_COPIES = ROWS * CHUNKS // THREADS, KB * CHUNKS // THREADS
+    Q_PASSES, PASSES = ROWS // 32, KB // 32  # 32-row passes down the Q tile and a K or V tile
+    CHUNK_GROUPS = CHUNKS // 4  # 4-chunk groups across a row
     scores_product = build_wgmma(KB, False, True)
     values_product = build_wgmma(D, True, False)
     wgmma_fence, wgmma_commit, proxy_fence = build_wgmma_sync()
@@ -96,6 +95,8 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
     descriptor = build_descriptor()
     mask, softmax_update, rescale_output, pack_probabilities, store_output = build_online_softmax(S_TILES, O_TILES, 1)
     copy_async, copy_async_wait_all = build_async_copy()
+    if not simulator_enabled():
+        row_cursor, copy_chunk_async, fresh_address = build_row_copy(16)  # a "row" is one 16-byte chunk
     shared_address = build_shared_address()
     q_view = build_shared_tile(*Q_SHAPE)
     kv_view = build_shared_tile(*KV_SHAPE)
@@ -105,31 +106,54 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
     SCRATCH_VALUES = THREADS if simulator_enabled() else 1  # the simulator's quad reductions
 
     @cuda.jit(device=True, inline=True)
-    def place(c, rows):
-        """Copy c's (row, chunk) of a tile of ``rows`` rows: a warp's 32 copies are 8 rows x 4 chunks,
-        so each chunk column's 8 rows fill one core matrix (128 bytes, no bank conflict) and each row
-        reads 64 contiguous bytes."""
-        return c % 8 + 8 * ((c // 32) % (rows // 8)), 4 * (c // (4 * rows)) + (c // 8) % 4
+    def first_place():
+        """This thread's (row, chunk) of its first copy into a tile. A pass of the block's copies covers
+        32 rows x 4 chunks, a warp's 32 copies 8 rows x 4 chunks, so each chunk column's 8 rows fill
+        one core matrix (128 bytes: no bank conflict) and each row reads 64 contiguous bytes. Passes
+        go down a tile's rows, then across its chunks: pass p of chunk group c adds 32 p rows and 4 c
+        chunks, constants once the copy loops unroll."""
+        tid = cuda.threadIdx.x
+        return (tid & 7) + ((tid >> 5) << 3), (tid >> 3) & 3
 
     @cuda.jit(device=True, inline=True)
     def stage_queries(q, head, first, limit, tile, tile_address):
-        """Start copying step rows first.. of q head ``head`` into the Q tile; zeros from row limit on."""
-        tid = cuda.threadIdx.x
-        for i in range(Q_COPIES):
-            row, chunk = place(tid + THREADS * i, ROWS)
-            valid = first + row < limit
-            copy_async(tile, tile_address, (chunk, 4 * row), q, (first + row if valid else 0, head, 4 * chunk), valid)
+        """Start copying step rows first.. of q head ``head`` into the Q tile; zeros from row limit on.
+        Once a block, so plain array indexing does."""
+        row0, chunk0 = first_place()
+        for c in range(CHUNK_GROUPS):
+            for p in range(Q_PASSES):
+                row, chunk = row0 + 32 * p, chunk0 + 4 * c
+                valid = first + row < limit
+                copy_async(tile, tile_address, (chunk, 4 * row), q, (first + row if valid else 0, head, 4 * chunk),
+                           valid)
 
-    @cuda.jit(device=True, inline=True)
-    def stage(src, kv_head, kv_offset, first, limit, tile, tile_address):
-        """Start copying keys first.. of one kv head of K or V into a tile; zeros from key limit on (V's
-        stale rows could hold NaN bits, and 0 x NaN would reach the output)."""
-        tid = cuda.threadIdx.x
-        for i in range(KV_COPIES):
-            row, chunk = place(tid + THREADS * i, KB)
-            valid = first + row < limit
-            copy_async(tile, tile_address, (chunk, 4 * row), src,
-                       (kv_head, kv_offset + (first + row if valid else 0), 4 * chunk), valid)
+    if simulator_enabled():
+        @cuda.jit(device=True, inline=True)
+        def stage(src, kv_head, kv_offset, first, limit, tile, tile_address):
+            """Start copying keys first.. of one kv head of K or V into a tile; zeros from key limit on
+            (V's stale rows could hold NaN bits, and 0 x NaN would reach the output)."""
+            row0, chunk0 = first_place()
+            for c in range(CHUNK_GROUPS):
+                for p in range(PASSES):
+                    row, chunk = row0 + 32 * p, chunk0 + 4 * c
+                    valid = first + row < limit
+                    copy_async(tile, tile_address, (chunk, 4 * row), src,
+                               (kv_head, kv_offset + (first + row if valid else 0), 4 * chunk), valid)
+    else:
+        @cuda.jit(device=True, inline=True)
+        def stage(src, kv_head, kv_offset, first, limit, tile, tile_address):
+            """The same copies, each an add to one cursor (the request's first key of this kv head, in
+            16-byte chunks) and a constant shared offset: indexing src per copy costs a multiply-add
+            per axis and checks, which at 16 copies a stage outweighed the products."""
+            row0, chunk0 = first_place()
+            cursor = row_cursor(src, (kv_head, kv_offset, 0))
+            address = fresh_address(tile_address)
+            start = (first + row0) * CHUNKS + chunk0
+            for c in range(CHUNK_GROUPS):
+                for p in range(PASSES):
+                    valid = first + row0 + 32 * p < limit
+                    copy_chunk_async(tile, address, (chunk0 + 4 * c, 4 * (row0 + 32 * p)), src, cursor,
+                                     start + (32 * p * CHUNKS + 4 * c) if valid else 0, valid)
 
     @cuda.jit(**launch_bounds((THREADS, shape.blocks_per_sm)))
     def flash_attention(q, k, v, out, q_indptr, positions, first_request, min_rows, scale_log2):
