@@ -47,11 +47,16 @@ WARPGROUP_HEAD_DIMS = (32, 64, 128, 256)
 
 @dataclass(frozen=True)
 class WarpgroupShape:
-    """A block's key block: ``keys`` keys staged a round (the N of the S product), and the blocks an SM
-    the compiler must leave registers for."""
+    """A block's key block: ``keys`` keys staged a round (the N of the S product), the blocks an SM the
+    compiler must leave registers for, and whether P V overlaps the next block's Q K^T."""
 
     keys: int = 64
     blocks_per_sm: int = 2
+    #: Leave a key block's P V products running into the next block's score products (waiting for both
+    #: before the V tile is restaged), so the tensor cores go from one to the next without the barrier
+    #: and wait between; V's copy then overlaps the softmax instead of Q K^T. False waits for P V at
+    #: the end of each key block and copies V during Q K^T.
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.keys % 32 or not 32 <= self.keys <= 256:
@@ -92,6 +97,7 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
     wgmma_fence, wgmma_commit, proxy_fence = build_wgmma_sync()
     wait_scores = build_wgmma_wait(S_VALUES)
     wait_output = build_wgmma_wait(O_VALUES)
+    OVERLAP = shape.overlap
     descriptor = build_descriptor()
     mask, softmax_update, rescale_output, pack_probabilities, store_output = build_online_softmax(S_TILES, O_TILES, 1)
     copy_async, copy_async_wait_all = build_async_copy()
@@ -202,12 +208,18 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
         for first_key in range(0, key_end, KB):
             copy_async_wait_all()
             proxy_fence()
-            cuda.syncthreads()  # K (and Q) landed for every thread; the last block's P V products are done
-            stage(v, kvh, kv_offset, first_key, kv_len, vs, v_address)
+            cuda.syncthreads()  # K (and Q) landed for every thread
             wgmma_fence()
             for s in range(K_STEPS):
                 scores_product(sacc, qs, q_descriptor + (s * Q_STEP >> 4), ks, k_descriptor + (s * K_STEP >> 4), s > 0)
             wgmma_commit()
+            if OVERLAP:
+                # The last key block's P V ran on into these scores. Waiting for only that group
+                # (wait_group 1) makes ptxas serialize every product (it cannot tell which group a
+                # later read of O follows), so this waits for both.
+                wait_output(o)
+                cuda.syncthreads()  # every thread's P V is done with the V tile
+            stage(v, kvh, kv_offset, first_key, kv_len, vs, v_address)
             wait_scores(sacc)
             if first_key + KB > unmasked_end:
                 mask(sacc, 0, first_key, p0, p0 + 8, t)
@@ -225,7 +237,9 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
                 values_product(o, pa[4 * s], pa[4 * s + 1], pa[4 * s + 2], pa[4 * s + 3], vs,
                                v_descriptor + (s * V_STEP >> 4), True)
             wgmma_commit()
-            wait_output(o)
+            if not OVERLAP:
+                wait_output(o)
+        wait_output(o)
         store_output(scratch, o, row_sums, out, q_start, first_row, warp_row, rows, h, g, t)
 
     return flash_attention
