@@ -16,8 +16,8 @@ to itself, bf16. The script reports:
 
 ``--block-shapes`` times the kernel at other block shapes (executor.kernels.attention.flash.BlockShape,
 ``warps:keys:m-tiles:registers|shared[:blocks an SM]``) or the warpgroup kernel
-(executor.kernels.attention.flash_wgmma, ``warpgroup:keys[:serial]``, sm_90a; serial waits for each
-key block's P V before the next Q K^T) beside the one ``block_shape`` picks, SDPA once for them all; each row names its shape and the
+(executor.kernels.attention.flash_wgmma, ``warpgroup:keys[:serial][:swizzle]``, sm_90a; serial waits
+for each key block's P V before the next Q K^T, swizzle stages 128-byte swizzled tiles) beside the one ``block_shape`` picks, SDPA once for them all; each row names its shape and the
 registers and spilled (local) bytes a thread of that kernel holds. Time is the median of
 ``--repeats`` launches between CUDA events. TFLOP/s counts the causal
 half of 4 x T^2 x Hq x D (QK^T and PV). The memplan kernel's largest difference from float64
@@ -63,12 +63,13 @@ def parse_shapes(text: str) -> list[Any]:
             continue
         if item.startswith("warpgroup:"):
             try:
-                _, keys, *serial = item.split(":")
-                if serial not in ([], ["serial"]):
-                    raise ValueError(":".join(serial))
-                shapes.append(WarpgroupShape(keys=int(keys), overlap=not serial))
+                _, keys, *flags = item.split(":")
+                if not set(flags) <= {"serial", "swizzle"}:
+                    raise ValueError(":".join(flags))
+                shapes.append(WarpgroupShape(keys=int(keys), overlap="serial" not in flags, swizzle="swizzle" in flags))
             except ValueError as error:
-                raise argparse.ArgumentTypeError(f"block shape {item!r}: expected warpgroup:KEYS[:serial] ({error})") from None
+                raise argparse.ArgumentTypeError(
+                    f"block shape {item!r}: expected warpgroup:KEYS[:serial][:swizzle] ({error})") from None
             continue
         try:
             warps, keys, m_tiles, query, *bound = item.split(":")
@@ -85,7 +86,7 @@ def parse_shapes(text: str) -> list[Any]:
 
 def shape_name(shape: Any) -> str:
     if not hasattr(shape, "warps"):
-        return f"warpgroup:{shape.keys}" + ("" if shape.overlap else ":serial")
+        return f"warpgroup:{shape.keys}" + ("" if shape.overlap else ":serial") + (":swizzle" if shape.swizzle else "")
     bound = f":{shape.blocks_per_sm}" if shape.blocks_per_sm else ""
     return f"{shape.warps}:{shape.keys}:{shape.m_tiles}:{'shared' if shape.query_in_shared else 'registers'}{bound}"
 

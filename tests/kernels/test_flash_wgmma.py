@@ -23,6 +23,11 @@ def test_matches_float64_in_the_simulator():
              attention=WarpgroupFlashAttention(WarpgroupShape(keys=32)))
 
 
+def test_swizzled_tiles_match_float64_in_the_simulator():
+    run_case(70, 70, q_heads=2, kv_heads=1, head_dim=64, device=DEVICE,
+             attention=WarpgroupFlashAttention(WarpgroupShape(keys=32, swizzle=True)))
+
+
 def test_one_launch_serves_packed_chunks_and_skips_the_others():
     check_packed_launch(WarpgroupFlashAttention(WarpgroupShape(keys=32)), head_dim=64)
 
@@ -42,16 +47,18 @@ def _head_dim_96_arguments():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,kv_len,q_heads,kv_heads,head_dim,strided,keys", [
-    (1031, 1031, 32, 8, 128, False, 64),   # Qwen3-8B heads, a ragged prompt
-    (700, 4099, 32, 8, 128, False, 64),    # a chunk after 3399 cached tokens
-    (517, 517, 16, 4, 256, True, 64),      # Qwen3.5-9B: D 256, gated (strided) q
-    (2049, 2049, 16, 4, 256, True, 32),    # the same, 32 keys a round
-    (300, 1000, 8, 2, 256, False, 128),    # 128 keys a round
+@pytest.mark.parametrize("rows,kv_len,q_heads,kv_heads,head_dim,strided,shape", [
+    (1031, 1031, 32, 8, 128, False, WarpgroupShape()),       # Qwen3-8B heads, a ragged prompt
+    (700, 4099, 32, 8, 128, False, WarpgroupShape()),        # a chunk after 3399 cached tokens
+    (517, 517, 16, 4, 256, True, WarpgroupShape()),          # Qwen3.5-9B: D 256, gated (strided) q
+    (2049, 2049, 16, 4, 256, True, WarpgroupShape(keys=32, overlap=False)),
+    (300, 1000, 8, 2, 256, False, WarpgroupShape(keys=128)),
+    (1031, 1031, 32, 8, 128, False, WarpgroupShape(swizzle=True)),
+    (517, 517, 16, 4, 256, True, WarpgroupShape(swizzle=True)),
 ])
-def test_matches_float64_at_model_sizes(rows, kv_len, q_heads, kv_heads, head_dim, strided, keys):
+def test_matches_float64_at_model_sizes(rows, kv_len, q_heads, kv_heads, head_dim, strided, shape):
     run_case(rows, kv_len, q_heads, kv_heads, head_dim, "cuda", strided_q=strided,
-             attention=WarpgroupFlashAttention(WarpgroupShape(keys=keys)))
+             attention=WarpgroupFlashAttention(shape))
 
 
 @pytest.mark.gpu

@@ -33,8 +33,8 @@ from executor.kernels.attention.packed import build_packed_request
 from executor.kernels.primitives.async_copy import build_async_copy, build_row_copy, build_shared_address
 from executor.kernels.primitives.launch import Kernel
 from executor.kernels.primitives.shared_tile import build_shared_tile
-from executor.kernels.primitives.wgmma import (WARPGROUP_ROWS, WARPGROUP_THREADS, CoreTile, build_descriptor,
-                                               build_wgmma, build_wgmma_sync, build_wgmma_wait)
+from executor.kernels.primitives.wgmma import (WARPGROUP_ROWS, WARPGROUP_THREADS, CoreTile, build_chunk_word,
+                                               build_descriptor, build_wgmma, build_wgmma_sync, build_wgmma_wait)
 from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 
 cuda = load_cuda()
@@ -52,6 +52,9 @@ class WarpgroupShape:
 
     keys: int = 64
     blocks_per_sm: int = 2
+    #: Stage Q, K and V in the 128-byte swizzled layout (head_dim a multiple of 64) instead of the
+    #: plain core-matrix one (primitives/wgmma.py).
+    swizzle: bool = False
     #: Leave a key block's P V products running into the next block's score products (waiting for both
     #: before the V tile is restaged), so the tensor cores go from one to the next without the barrier
     #: and wait between; V's copy then overlaps the softmax instead of Q K^T. False waits for P V at
@@ -71,7 +74,7 @@ def warpgroup_shape(head_dim: int) -> WarpgroupShape:
 
 def shared_bytes(head_dim: int, shape: WarpgroupShape) -> int:
     """Dynamic shared memory of a block: the Q tile (64 rows), then the K and V tiles."""
-    return CoreTile(WARPGROUP_ROWS, head_dim).bytes + 2 * CoreTile(shape.keys, head_dim).bytes
+    return 2 * head_dim * (WARPGROUP_ROWS + 2 * shape.keys)
 
 
 def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Callable[..., Any]:
@@ -84,12 +87,13 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
     K_STEPS, P_STEPS = D // 16, KB // 16  # k-steps of Q K^T and of P V
     S_TILES, O_TILES = KB // 8, D // 8
     S_VALUES, O_VALUES, PA_WORDS = 4 * S_TILES, 4 * O_TILES, 4 * P_STEPS
-    q_tile, kv_tile = CoreTile(ROWS, D), CoreTile(KB, D)
+    SWIZZLE = shape.swizzle
+    q_tile, kv_tile = CoreTile(ROWS, D, SWIZZLE), CoreTile(KB, D, SWIZZLE)
     Q_SHAPE, KV_SHAPE = q_tile.shape, kv_tile.shape
     Q_WORDS, KV_WORDS = q_tile.bytes // 4, kv_tile.bytes // 4
-    Q_LEADING, Q_STRIDE, Q_STEP = q_tile.k_major()
-    K_LEADING, K_STRIDE, K_STEP = kv_tile.k_major()
-    V_LEADING, V_STRIDE, V_STEP = kv_tile.mn_major()
+    Q_LEADING, Q_STRIDE, Q_MODE, Q_PER_GROUP, Q_GROUP, Q_STEP = q_tile.k_major()
+    K_LEADING, K_STRIDE, K_MODE, K_PER_GROUP, K_GROUP, K_STEP = kv_tile.k_major()
+    V_LEADING, V_STRIDE, V_MODE, V_PER_GROUP, V_GROUP, V_STEP = kv_tile.mn_major()
     Q_PASSES, PASSES = ROWS // 32, KB // 32  # 32-row passes down the Q tile and a K or V tile
     CHUNK_GROUPS = CHUNKS // 4  # 4-chunk groups across a row
     scores_product = build_wgmma(KB, False, True)
@@ -99,6 +103,7 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
     wait_output = build_wgmma_wait(O_VALUES)
     OVERLAP = shape.overlap
     descriptor = build_descriptor()
+    chunk_word = build_chunk_word()
     mask, softmax_update, rescale_output, pack_probabilities, store_output = build_online_softmax(S_TILES, O_TILES, 1)
     copy_async, copy_async_wait_all = build_async_copy()
     if not simulator_enabled():
@@ -107,8 +112,9 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
     q_view = build_shared_tile(*Q_SHAPE)
     kv_view = build_shared_tile(*KV_SHAPE)
     chunk_of, kv_offset_of = build_packed_request()
-    # cp.async and the core matrices need 16-byte aligned tiles; the simulator takes no alignment.
-    TILE_ALIGNMENT = None if simulator_enabled() else 128
+    # cp.async and the core matrices need 16-byte aligned tiles, swizzle atoms 1,024-byte aligned ones
+    # (every tile's size is a multiple of 1,024 bytes); the simulator takes no alignment.
+    TILE_ALIGNMENT = None if simulator_enabled() else 1024
     SCRATCH_VALUES = THREADS if simulator_enabled() else 1  # the simulator's quad reductions
 
     @cuda.jit(device=True, inline=True)
@@ -130,8 +136,8 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
             for p in range(Q_PASSES):
                 row, chunk = row0 + 32 * p, chunk0 + 4 * c
                 valid = first + row < limit
-                copy_async(tile, tile_address, (chunk, 4 * row), q, (first + row if valid else 0, head, 4 * chunk),
-                           valid)
+                copy_async(tile, tile_address, chunk_word(row, chunk, ROWS, SWIZZLE), q,
+                           (first + row if valid else 0, head, 4 * chunk), valid)
 
     if simulator_enabled():
         @cuda.jit(device=True, inline=True)
@@ -143,7 +149,7 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
                 for p in range(PASSES):
                     row, chunk = row0 + 32 * p, chunk0 + 4 * c
                     valid = first + row < limit
-                    copy_async(tile, tile_address, (chunk, 4 * row), src,
+                    copy_async(tile, tile_address, chunk_word(row, chunk, KB, SWIZZLE), src,
                                (kv_head, kv_offset + (first + row if valid else 0), 4 * chunk), valid)
     else:
         @cuda.jit(device=True, inline=True)
@@ -158,7 +164,7 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
             for c in range(CHUNK_GROUPS):
                 for p in range(PASSES):
                     valid = first + row0 + 32 * p < limit
-                    copy_chunk_async(tile, address, (chunk0 + 4 * c, 4 * (row0 + 32 * p)), src, cursor,
+                    copy_chunk_async(tile, address, chunk_word(row0 + 32 * p, chunk0 + 4 * c, KB, SWIZZLE), src, cursor,
                                      start + (32 * p * CHUNKS + 4 * c) if valid else 0, valid)
 
     @cuda.jit(**launch_bounds((THREADS, shape.blocks_per_sm)))
@@ -191,9 +197,9 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
         q_address = shared_address(qs, (0, 0))
         k_address = shared_address(ks, (0, 0))
         v_address = shared_address(vs, (0, 0))
-        q_descriptor = descriptor(q_address, Q_LEADING, Q_STRIDE)
-        k_descriptor = descriptor(k_address, K_LEADING, K_STRIDE)
-        v_descriptor = descriptor(v_address, V_LEADING, V_STRIDE)
+        q_descriptor = descriptor(q_address, Q_LEADING, Q_STRIDE, Q_MODE)
+        k_descriptor = descriptor(k_address, K_LEADING, K_STRIDE, K_MODE)
+        v_descriptor = descriptor(v_address, V_LEADING, V_STRIDE, V_MODE)
         stage_queries(q, h, q_start + first_row, q_start + rows, qs, q_address)
         for i in range(O_VALUES):
             o[i] = float32(0.0)
@@ -211,7 +217,9 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
             cuda.syncthreads()  # K (and Q) landed for every thread
             wgmma_fence()
             for s in range(K_STEPS):
-                scores_product(sacc, qs, q_descriptor + (s * Q_STEP >> 4), ks, k_descriptor + (s * K_STEP >> 4), s > 0)
+                q_offset = (s // Q_PER_GROUP) * Q_GROUP + (s % Q_PER_GROUP) * Q_STEP
+                k_offset = (s // K_PER_GROUP) * K_GROUP + (s % K_PER_GROUP) * K_STEP
+                scores_product(sacc, qs, q_descriptor + (q_offset >> 4), ks, k_descriptor + (k_offset >> 4), s > 0)
             wgmma_commit()
             if OVERLAP:
                 # The last key block's P V ran on into these scores. Waiting for only that group
@@ -235,7 +243,7 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
             wgmma_fence()
             for s in range(P_STEPS):
                 values_product(o, pa[4 * s], pa[4 * s + 1], pa[4 * s + 2], pa[4 * s + 3], vs,
-                               v_descriptor + (s * V_STEP >> 4), True)
+                               v_descriptor + ((s * V_GROUP) >> 4), True)
             wgmma_commit()
             if not OVERLAP:
                 wait_output(o)

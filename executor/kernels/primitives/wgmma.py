@@ -1,4 +1,4 @@
-"""Warpgroup tensor-core products (sm_90a ``wgmma.mma_async``) over shared tiles in the core-matrix layout.
+"""Warpgroup tensor-core products (sm_90a ``wgmma.mma_async``) over shared tiles in the core-matrix layouts.
 
 One warpgroup (4 consecutive warps, 128 threads, warp w of the group owning rows 16 w .. 16 w + 15)
 computes D[64, N] (+)= A[64, 16] @ B[16, N] per instruction, bf16 inputs and float32 accumulation.
@@ -13,8 +13,8 @@ one after another:
     tile[j, 4 r + w] = word w of 16-byte chunk j (elements 8 j .. 8 j + 7) of row r
 
 so the byte of (row r, element c) is ``(c // 8) * rows * 16 + r * 16 + (c % 8) * 2``. A row of a
-source [rows, D] stages as D / 8 chunk copies (primitives/async_copy.py's ``copy_async`` at tile
-index ``(j, 4 r)``). The same tile serves as
+source [rows, D] stages as D / 8 chunk copies (primitives/async_copy.py's ``copy_async`` at the tile
+index ``chunk_word(r, j, rows, swizzle)`` gives). The same tile serves as
 
 - a K-major operand (A[m, k] or B^T[n, k] with k along the row: queries, keys): its core matrices
   are 8 rows apart at 128 bytes (the stride byte offset) and 8 elements of k apart at rows * 16
@@ -23,8 +23,21 @@ index ``(j, 4 r)``). The same tile serves as
   row): core matrices 8 columns apart at rows * 16 bytes (stride) and 8 keys apart at 128 bytes
   (leading); a k-step of 16 keys starts 256 bytes further.
 
-``descriptor(address, leading_bytes, stride_bytes)`` packs the 64-bit shared-memory matrix
-descriptor (no swizzle): address >> 4 in bits 0-13, leading >> 4 in 16-29, stride >> 4 in 32-45.
+A swizzled tile (``CoreTile(..., swizzle=True)``, the 128-byte swizzle, rows of a multiple of 64
+elements) is made of atoms of 8 rows x 128 bytes (64 elements), an atom's rows one after another and
+chunk c of row r at chunk c ^ (r % 8), atoms down the rows 1,024 bytes apart, then columns of atoms
+rows * 128 bytes apart:
+
+    byte of (row r, element c) = (c // 64) * rows * 128 + r * 128 + (((c // 8) % 8) ^ (r % 8)) * 16 + (c % 8) * 2
+
+As a K-major operand its 8-row groups are 1,024 bytes apart (stride) and a k-step is 32 bytes
+further inside an atom column (four a column); as an MN-major B its 64-column atoms are rows * 128
+bytes apart (leading) and its 8-key groups 1,024 (stride), a k-step 2,048 bytes further.
+``OperandLayout`` (``tile.k_major()``, ``tile.mn_major()``) holds those numbers.
+
+``descriptor(address, leading_bytes, stride_bytes, mode)`` packs the 64-bit shared-memory matrix
+descriptor: address >> 4 in bits 0-13, leading >> 4 in 16-29, stride >> 4 in 32-45, the swizzle mode
+(0 none, 1 the 128-byte swizzle) in 62-63.
 
 Device functions (``build_wgmma(n, a_in_registers, b_k_major)``; ``acc`` a local float32 array of
 n / 2 values, updated in place, in the layout of mma.py's C fragment per 8 columns: acc[4 j ..
@@ -48,8 +61,8 @@ included) before the tensor cores' reads; a barrier after it makes every thread'
 Every thread of the warpgroup calls each function together.
 
 The simulator cannot run PTX: there ``wgmma_ss`` has each lane read its accumulator's rows and
-columns from the tiles through the descriptors (so the layout and descriptor arithmetic run as on
-the GPU) and compute in float64, rounded once to float32; ``wgmma_rs`` first gathers the warp's A
+columns from the tiles through the descriptors, swizzle included (so the layout and descriptor
+arithmetic run as on the GPU) and compute in float64, rounded once to float32; ``wgmma_rs`` first gathers the warp's A
 fragments through shared memory (two block-wide barriers, as mma.py's emulation). The fences and
 waits are no-ops there. tests/kernels/test_wgmma.py holds both to a float64 reference.
 """
@@ -57,7 +70,7 @@ waits are no-ops there. tests/kernels/test_wgmma.py holds both to a float64 refe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -74,24 +87,53 @@ CORE_MATRIX_BYTES = 128
 CHUNK_BYTES = 16
 #: The wgmma N sizes a build accepts: multiples of 8 from 8 to 256.
 MAX_N = 256
+#: The 128-byte swizzle: a row of an atom is 128 bytes (64 bf16), an atom 8 such rows, and chunk c of
+#: row r of an atom lies at chunk c ^ (r % 8); atoms must start 1,024-byte aligned. Descriptor mode 1.
+SWIZZLE_BYTES = 128
+SWIZZLE_ELEMENTS = 64
+SWIZZLE_ATOM_BYTES = 1024
+SWIZZLE_MODE_128B = 1
 #: Warps the simulator's fragment exchange holds (a full 1024-thread block).
 SIM_MAX_WARPS = 32
 
 
+class OperandLayout(NamedTuple):
+    """How a tile reads as one wgmma operand: the descriptor's leading and stride byte offsets and
+    swizzle mode, and where k-step s starts: ``(s // steps_per_group) * group_bytes + (s %
+    steps_per_group) * step_bytes`` bytes into the tile."""
+
+    leading: int
+    stride: int
+    mode: int
+    steps_per_group: int
+    group_bytes: int
+    step_bytes: int
+
+    def offset(self, step: int) -> int:
+        return (step // self.steps_per_group) * self.group_bytes + (step % self.steps_per_group) * self.step_bytes
+
+
 @dataclass(frozen=True)
 class CoreTile:
-    """A shared tile of ``rows`` rows of ``elements`` bf16 in the core-matrix layout (module docstring)."""
+    """A shared tile of ``rows`` rows of ``elements`` bf16 in the core-matrix layout, or with
+    ``swizzle`` in the 128-byte swizzled layout (module docstring)."""
 
     rows: int
     elements: int
+    swizzle: bool = False
 
     def __post_init__(self) -> None:
         if self.rows % 8 or self.elements % 8 or self.rows <= 0 or self.elements <= 0:
             raise ValueError(f"core tile of {self.rows} rows x {self.elements} elements: both must be multiples of 8")
+        if self.swizzle and self.elements % SWIZZLE_ELEMENTS:
+            raise ValueError(f"swizzled tile of {self.elements} elements a row: must be a multiple of {SWIZZLE_ELEMENTS}")
 
     @property
     def shape(self) -> tuple[int, int]:
-        """The int32 array's shape: one row of words per column of 16-byte chunks."""
+        """The int32 array's shape: one row of words per column of 16-byte chunks (per 128-byte atom
+        column when swizzled)."""
+        if self.swizzle:
+            return (self.elements // SWIZZLE_ELEMENTS, 32 * self.rows)
         return (self.elements // 8, 4 * self.rows)
 
     @property
@@ -100,26 +142,45 @@ class CoreTile:
 
     @property
     def column_bytes(self) -> int:
-        """Bytes between one column of chunks and the next (8 elements along a row)."""
-        return self.rows * CHUNK_BYTES
+        """Bytes between one column of chunks (of atoms, swizzled) and the next."""
+        return self.rows * (SWIZZLE_BYTES if self.swizzle else CHUNK_BYTES)
 
-    def k_major(self) -> tuple[int, int, int]:
-        """(leading, stride, k-step) bytes of this tile as a K-major operand, k along its rows' elements."""
-        return self.column_bytes, CORE_MATRIX_BYTES, 2 * self.column_bytes
+    def k_major(self) -> OperandLayout:
+        """This tile as a K-major operand, k along its rows' elements."""
+        if self.swizzle:  # k-steps of 32 bytes inside an atom column, then the next column
+            return OperandLayout(CHUNK_BYTES, SWIZZLE_ATOM_BYTES, SWIZZLE_MODE_128B, SWIZZLE_BYTES // 32,
+                                 self.column_bytes, 32)
+        return OperandLayout(self.column_bytes, CORE_MATRIX_BYTES, 0, 1, 2 * self.column_bytes, 0)
 
-    def mn_major(self) -> tuple[int, int, int]:
-        """(leading, stride, k-step) bytes of this tile as an MN-major B, k along its rows (keys)."""
-        return CORE_MATRIX_BYTES, self.column_bytes, 2 * CORE_MATRIX_BYTES
+    def mn_major(self) -> OperandLayout:
+        """This tile as an MN-major B, k along its rows (keys)."""
+        if self.swizzle:  # atoms of 64 columns column_bytes apart, 8-key groups 1,024 bytes apart
+            return OperandLayout(self.column_bytes, SWIZZLE_ATOM_BYTES, SWIZZLE_MODE_128B, 1, 2 * SWIZZLE_ATOM_BYTES, 0)
+        return OperandLayout(CORE_MATRIX_BYTES, self.column_bytes, 0, 1, 2 * CORE_MATRIX_BYTES, 0)
+
+
+def build_chunk_word() -> Callable[..., Any]:
+    """``chunk_word(row, chunk, rows, swizzle) -> (i, j)``: the tile index (int32 words) of 16-byte chunk
+    ``chunk`` of row ``row`` in a tile of ``rows`` rows, swizzled or not (compile-time constants)."""
+
+    @cuda.jit(device=True, inline=True)
+    def chunk_word(row, chunk, rows, swizzle):
+        if swizzle:
+            return chunk >> 3, 32 * row + 4 * ((chunk & 7) ^ (row & 7))
+        return chunk, 4 * row
+
+    return chunk_word
 
 
 def build_descriptor() -> Callable[..., Any]:
-    """``descriptor(address uint32, leading_bytes, stride_bytes) -> int64`` (module docstring)."""
+    """``descriptor(address uint32, leading_bytes, stride_bytes, mode) -> int64`` (module docstring)."""
 
     @cuda.jit(device=True, inline=True)
-    def descriptor(address, leading_bytes, stride_bytes):
+    def descriptor(address, leading_bytes, stride_bytes, mode):
         value = (uint64(address) & uint64(0x3FFFF)) >> uint64(4)
         value |= (uint64(leading_bytes) >> uint64(4)) << uint64(16)
         value |= (uint64(stride_bytes) >> uint64(4)) << uint64(32)
+        value |= uint64(mode) << uint64(62)
         return int64(value)
 
     return descriptor
@@ -261,27 +322,38 @@ def _simulated_bf16(tile: Any, byte: int) -> float:
     return float(np.uint32(bits << 16).view(np.float32))
 
 
-def _decode(descriptor: int) -> tuple[int, int, int]:
+def _decode(descriptor: int) -> tuple[int, int, int, int]:
+    """(start, leading, stride, mode) of a descriptor."""
     value = int(np.int64(descriptor).view(np.uint64))
-    return ((value & 0x3FFF) << 4, ((value >> 16) & 0x3FFF) << 4, ((value >> 32) & 0x3FFF) << 4)
+    return ((value & 0x3FFF) << 4, ((value >> 16) & 0x3FFF) << 4, ((value >> 32) & 0x3FFF) << 4, value >> 62)
 
 
-def _k_major_byte(start: int, leading: int, stride: int, row: int, k: int) -> int:
+def _swizzled(byte: int) -> int:
+    """The 128-byte swizzle of an address: its 16-byte chunk bits (4-6) XOR its row-in-atom bits (7-9)."""
+    return byte ^ (((byte >> 7) & 7) << 4)
+
+
+def _k_major_byte(start: int, leading: int, stride: int, mode: int, row: int, k: int) -> int:
+    if mode == SWIZZLE_MODE_128B:
+        return _swizzled(start + (row // 8) * stride + (row % 8) * SWIZZLE_BYTES + k * 2)
     return start + (row // 8) * stride + (row % 8) * CHUNK_BYTES + (k // 8) * leading + (k % 8) * 2
 
 
-def _mn_major_byte(start: int, leading: int, stride: int, k: int, column: int) -> int:
+def _mn_major_byte(start: int, leading: int, stride: int, mode: int, k: int, column: int) -> int:
+    if mode == SWIZZLE_MODE_128B:
+        return _swizzled(start + (column // SWIZZLE_ELEMENTS) * leading + (k // 8) * stride + (k % 8) * SWIZZLE_BYTES
+                         + (column % SWIZZLE_ELEMENTS) * 2)
     return start + (column // 8) * stride + (column % 8) * 2 + (k // 8) * leading + (k % 8) * CHUNK_BYTES
 
 
 def _b_matrix(b_tile: Any, b_descriptor: int, n: int, b_k_major: bool) -> np.ndarray:
     """B [16, n] as float64, read through its descriptor."""
-    start, leading, stride = _decode(b_descriptor)
+    start, leading, stride, mode = _decode(b_descriptor)
     b = np.zeros((16, n))
     for k in range(16):
         for column in range(n):
-            byte = (_k_major_byte(start, leading, stride, column, k) if b_k_major
-                    else _mn_major_byte(start, leading, stride, k, column))
+            byte = (_k_major_byte(start, leading, stride, mode, column, k) if b_k_major
+                    else _mn_major_byte(start, leading, stride, mode, k, column))
             b[k, column] = _simulated_bf16(b_tile, byte)
     return b
 
@@ -306,11 +378,11 @@ def _simulated_ss(n: int, b_k_major: bool) -> Callable[..., Any]:
     @cuda.jit(device=True)
     def wgmma_ss(acc, a_tile, a_descriptor, b_tile, b_descriptor, accumulate):
         _, row, t, _ = _lane_rows_columns()
-        start, leading, stride = _decode(a_descriptor)
+        start, leading, stride, mode = _decode(a_descriptor)
         a = np.zeros((WARPGROUP_ROWS, 16))
         for r in (row, row + 8):
             for k in range(16):
-                a[r, k] = _simulated_bf16(a_tile, _k_major_byte(start, leading, stride, r, k))
+                a[r, k] = _simulated_bf16(a_tile, _k_major_byte(start, leading, stride, mode, r, k))
         _store(acc, a @ _b_matrix(b_tile, b_descriptor, n, b_k_major), row, t, n, accumulate)
 
     return wgmma_ss
