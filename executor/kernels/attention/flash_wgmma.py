@@ -33,8 +33,9 @@ from executor.kernels.attention.packed import build_packed_request
 from executor.kernels.primitives.async_copy import build_async_copy, build_row_copy, build_shared_address
 from executor.kernels.primitives.launch import Kernel
 from executor.kernels.primitives.shared_tile import build_shared_tile
-from executor.kernels.primitives.wgmma import (WARPGROUP_ROWS, WARPGROUP_THREADS, CoreTile, build_chunk_word,
-                                               build_descriptor, build_wgmma, build_wgmma_sync, build_wgmma_wait)
+from executor.kernels.primitives.wgmma import (SWIZZLE_ELEMENTS, WARPGROUP_ROWS, WARPGROUP_THREADS, CoreTile,
+                                               build_chunk_word, build_descriptor, build_wgmma, build_wgmma_sync,
+                                               build_wgmma_wait)
 from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 
 cuda = load_cuda()
@@ -57,9 +58,9 @@ class WarpgroupShape:
     swizzle: bool = False
     #: Leave a key block's P V products running into the next block's score products (waiting for both
     #: before the V tile is restaged), so the tensor cores go from one to the next without the barrier
-    #: and wait between; V's copy then overlaps the softmax instead of Q K^T. False waits for P V at
-    #: the end of each key block and copies V during Q K^T.
-    overlap: bool = True
+    #: and wait between; V's copy then overlaps the softmax instead of Q K^T. False (measured faster:
+    #: ``warpgroup_shape``) waits for P V at the end of each key block and copies V during Q K^T.
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.keys % 32 or not 32 <= self.keys <= 256:
@@ -68,8 +69,15 @@ class WarpgroupShape:
 
 
 def warpgroup_shape(head_dim: int) -> WarpgroupShape:
-    """64 keys a round: at head_dim 256 the Q, K and V tiles take 96 KiB, two blocks an SM."""
-    return WarpgroupShape()
+    """64 keys a round, the 128-byte swizzle where the head size allows it (a multiple of 64), P V
+    waited for within its key block: at head_dim 256 the Q, K and V tiles take 96 KiB, two blocks an SM.
+
+    Measured on an H100 (bench/attention.py, one layer, us at 4,096 / 16,384 tokens; docs/benchmarks.md
+    "Causal prefill attention of one layer"): Qwen3.5-9B (D 256) warpgroup:64:serial:swizzle 444.3 /
+    5,020.5, with P V running into the next Q K^T 486.6 / 5,111.9, unswizzled 1,320.7 / 14,402.6,
+    128 keys 614.9 / 7,669.9 (spills), mma.sync (flash.py) 735.5 / 8,186.3; Qwen3-8B (D 128) 442.8 /
+    4,886.8 against mma.sync's 798.4 / 7,415.1."""
+    return WarpgroupShape(swizzle=head_dim % SWIZZLE_ELEMENTS == 0)
 
 
 def shared_bytes(head_dim: int, shape: WarpgroupShape) -> int:
