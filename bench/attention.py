@@ -1,7 +1,7 @@
 """Causal prefill attention of one layer: memplan's tensor-core flash kernel vs torch SDPA.
 
     python3 bench/attention.py [--models qwen3-8b,qwen3.5-9b] [--prompts 4096,16384] [--out FILE]
-                               [--block-shapes default,4:32:2:shared:2,warpgroup:64]   # a row each
+                               [--block-shapes default,warpgroup,4:32:2:shared:2,warpgroup:64:overlap:swizzle]
     python3 bench/attention.py --smoke     # a tiny shape in the Numba CUDA simulator (checks the script)
 
 For each model's attention heads (Qwen3-8B: 32 q / 8 kv heads of 128; Qwen3.5-9B: 16 / 4 of 256
@@ -16,8 +16,9 @@ to itself, bf16. The script reports:
 
 ``--block-shapes`` times the kernel at other block shapes (executor.kernels.attention.flash.BlockShape,
 ``warps:keys:m-tiles:registers|shared[:blocks an SM]``) or the warpgroup kernel
-(executor.kernels.attention.flash_wgmma, ``warpgroup:keys[:serial][:swizzle]``, sm_90a; serial waits
-for each key block's P V before the next Q K^T, swizzle stages 128-byte swizzled tiles) beside the one ``block_shape`` picks, SDPA once for them all; each row names its shape and the
+(executor.kernels.attention.flash_wgmma, sm_90a: ``warpgroup`` at ``warpgroup_shape``'s choice, which
+executor/routing.py sends Hopper prefill to, or ``warpgroup:keys[:overlap][:swizzle]``; overlap runs a
+key block's P V on into the next Q K^T, swizzle stages 128-byte swizzled tiles) beside the one ``block_shape`` picks, SDPA once for them all; each row names its shape and the
 registers and spilled (local) bytes a thread of that kernel holds. Time is the median of
 ``--repeats`` launches between CUDA events. TFLOP/s counts the causal
 half of 4 x T^2 x Hq x D (QK^T and PV). The memplan kernel's largest difference from float64
@@ -46,6 +47,8 @@ class Heads:
     strided_q: bool  # Qwen3.5: q heads sit 2 x head_dim apart ([q | gate])
 
 
+#: ``--block-shapes`` item for the warpgroup kernel at ``warpgroup_shape``'s choice (what sm_90 runs).
+WARPGROUP_DEFAULT = "warpgroup"
 HEADS = {"qwen3-8b": Heads(32, 8, 128, False), "qwen3.5-9b": Heads(16, 4, 256, True)}
 SMOKE_HEADS = Heads(2, 1, 32, True)
 
@@ -61,15 +64,18 @@ def parse_shapes(text: str) -> list[Any]:
         if item == "default":
             shapes.append(None)
             continue
+        if item == WARPGROUP_DEFAULT:
+            shapes.append(item)
+            continue
         if item.startswith("warpgroup:"):
             try:
                 _, keys, *flags = item.split(":")
-                if not set(flags) <= {"serial", "swizzle"}:
+                if not set(flags) <= {"overlap", "swizzle"}:
                     raise ValueError(":".join(flags))
-                shapes.append(WarpgroupShape(keys=int(keys), overlap="serial" not in flags, swizzle="swizzle" in flags))
+                shapes.append(WarpgroupShape(keys=int(keys), overlap="overlap" in flags, swizzle="swizzle" in flags))
             except ValueError as error:
                 raise argparse.ArgumentTypeError(
-                    f"block shape {item!r}: expected warpgroup:KEYS[:serial][:swizzle] ({error})") from None
+                    f"block shape {item!r}: expected warpgroup:KEYS[:overlap][:swizzle] ({error})") from None
             continue
         try:
             warps, keys, m_tiles, query, *bound = item.split(":")
@@ -86,7 +92,7 @@ def parse_shapes(text: str) -> list[Any]:
 
 def shape_name(shape: Any) -> str:
     if not hasattr(shape, "warps"):
-        return f"warpgroup:{shape.keys}" + ("" if shape.overlap else ":serial") + (":swizzle" if shape.swizzle else "")
+        return f"warpgroup:{shape.keys}" + (":overlap" if shape.overlap else "") + (":swizzle" if shape.swizzle else "")
     bound = f":{shape.blocks_per_sm}" if shape.blocks_per_sm else ""
     return f"{shape.warps}:{shape.keys}:{shape.m_tiles}:{'shared' if shape.query_in_shared else 'registers'}{bound}"
 
@@ -106,7 +112,7 @@ def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, sha
     """One row per block shape: [shape, prompt tokens, heads, registers, ours us, TFLOP/s, SDPA us, TFLOP/s,
     SDPA / ours, error]."""
     from executor.kernels.attention.flash import FlashAttention, block_shape, single_request
-    from executor.kernels.attention.flash_wgmma import WarpgroupFlashAttention, WarpgroupShape
+    from executor.kernels.attention.flash_wgmma import WarpgroupFlashAttention, WarpgroupShape, warpgroup_shape
     from tests.kernels.attention_reference import causal_attention
 
     width = 2 * heads.head_dim if heads.strided_q else heads.head_dim
@@ -133,9 +139,14 @@ def measure(torch, device, runtime, heads: Heads, tokens: int, repeats: int, sha
     expected = causal_attention(q, k, v, tokens, rows)
     table = []
     for shape in shapes:
-        flash = WarpgroupFlashAttention(shape) if isinstance(shape, WarpgroupShape) else FlashAttention(shape)
-        used = shape or block_shape(heads.head_dim)
-        name = shape_name(used) + (" (default)" if shape is None else "")
+        if shape == WARPGROUP_DEFAULT:
+            flash, used, note = WarpgroupFlashAttention(), warpgroup_shape(heads.head_dim), " (sm_90 default)"
+        elif isinstance(shape, WarpgroupShape):
+            flash, used, note = WarpgroupFlashAttention(shape), shape, ""
+        else:
+            flash, used = FlashAttention(shape), shape or block_shape(heads.head_dim)
+            note = " (mma.sync default)" if shape is None else ""
+        name = shape_name(used) + note
 
         def ours() -> None:
             flash(*bits, q_indptr, positions, 0, 1, tokens, tokens, stream=runtime.current_stream())
@@ -160,10 +171,10 @@ def main() -> None:
     parser.add_argument("--models", type=str_list, default=list(HEADS), help="comma-separated: " + ", ".join(HEADS))
     parser.add_argument("--prompts", type=int_list, default=[4096, 16384], help="prompt tokens (default 4096,16384)")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--block-shapes", type=parse_shapes, default=[None],
+    parser.add_argument("--block-shapes", type=parse_shapes, default=[None, WARPGROUP_DEFAULT],
                         help="comma-separated warps:keys:m-tiles:registers|shared[:blocks an SM] (Q fragments' place; "
-                             "the launch bound), or default "
-                             "(block_shape's choice); default: default")
+                             "the launch bound), default (block_shape's choice), warpgroup (warpgroup_shape's) or "
+                             "warpgroup:KEYS[:overlap][:swizzle]; default: default,warpgroup")
     parser.add_argument("--smoke", action="store_true", help="a 70-token prompt of tiny heads in the simulator")
     parser.add_argument("--out", default=None, help="append the result as a markdown section to this file")
     args = parser.parse_args()

@@ -34,6 +34,7 @@ def test_one_launch_serves_packed_chunks_and_skips_the_others():
 
 def test_shapes_and_errors():
     assert shared_bytes(256, warpgroup_shape(256)) == 96 * 1024  # Q, K and V tiles: two blocks an SM
+    assert warpgroup_shape(256).swizzle and warpgroup_shape(128).swizzle and not warpgroup_shape(32).swizzle
     with pytest.raises(ValueError, match="multiple of 32"):
         WarpgroupShape(keys=48)
     with pytest.raises(ValueError, match="head_dim 96"):
@@ -48,13 +49,12 @@ def _head_dim_96_arguments():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,kv_len,q_heads,kv_heads,head_dim,strided,shape", [
-    (1031, 1031, 32, 8, 128, False, WarpgroupShape()),       # Qwen3-8B heads, a ragged prompt
-    (700, 4099, 32, 8, 128, False, WarpgroupShape()),        # a chunk after 3399 cached tokens
-    (517, 517, 16, 4, 256, True, WarpgroupShape()),          # Qwen3.5-9B: D 256, gated (strided) q
-    (2049, 2049, 16, 4, 256, True, WarpgroupShape(keys=32, overlap=False)),
-    (300, 1000, 8, 2, 256, False, WarpgroupShape(keys=128)),
-    (1031, 1031, 32, 8, 128, False, WarpgroupShape(swizzle=True)),
-    (517, 517, 16, 4, 256, True, WarpgroupShape(swizzle=True)),
+    (1031, 1031, 32, 8, 128, False, None),       # Qwen3-8B heads, a ragged prompt (warpgroup_shape's)
+    (700, 4099, 32, 8, 128, False, None),        # a chunk after 3399 cached tokens
+    (517, 517, 16, 4, 256, True, None),          # Qwen3.5-9B: D 256, gated (strided) q
+    (2049, 2049, 16, 4, 256, True, WarpgroupShape(keys=32, overlap=True, swizzle=True)),
+    (300, 1000, 8, 2, 256, False, WarpgroupShape(keys=128)),  # unswizzled
+    (1031, 1031, 32, 8, 128, False, WarpgroupShape(swizzle=False)),
 ])
 def test_matches_float64_at_model_sizes(rows, kv_len, q_heads, kv_heads, head_dim, strided, shape):
     run_case(rows, kv_len, q_heads, kv_heads, head_dim, "cuda", strided_q=strided,
