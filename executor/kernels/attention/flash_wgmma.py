@@ -6,8 +6,9 @@ causal rows, the bf16 P, the float32 online softmax), computed differently:
 
 - A block is one warpgroup (4 warps, 128 threads) over 64 query rows of one q head; warp w owns rows
   16 w .. 16 w + 15, as in a flash.py block of one m-tile a warp.
-- Q (once), K and V (per key block of ``keys`` keys) are staged by cp.async into core-matrix tiles
-  (``CoreTile``) in dynamic shared memory. The tensor cores read each staged key and value once for
+- Q (once), K and V (per key block of ``keys`` keys) are staged by cp.async into 128-byte swizzled
+  tiles (``CoreTile``; plain core-matrix tiles where the head size is not a multiple of 64) in dynamic
+  shared memory. The tensor cores read each staged key and value once for
   the whole warpgroup, where mma.sync's ldmatrix reads them once per warp: that shared-memory traffic
   is what holds flash.py at about a third of the H200's tensor-core rate at head_dim 256.
 - S = Q K^T is D / 16 products of m64 n``keys`` k16, both operands in shared memory (K K-major). The
