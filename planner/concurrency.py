@@ -62,7 +62,7 @@ def largest_batch_at_context(drafter: Drafter, draft: Draft) -> int:
 
 def largest_context_at_batch(drafter: Drafter, draft: Draft) -> int:
     """Largest max_context (up to the model's limit) at which max_batch requests of it fit at once (0: none)."""
-    return largest_context_holding(drafter, draft, draft.capacity.max_batch, drafter.model.max_position_embeddings)
+    return largest_context_holding(drafter, draft, draft.capacity.max_batch, drafter.model.max_position_embeddings) or 0
 
 
 def largest_context_holding(drafter: Drafter, draft: Draft, requests: int, high: int) -> int | None:

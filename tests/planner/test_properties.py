@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import jsonschema
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from planner.kernel_limits import FLASH_HEAD_DIM_MULTIPLE
@@ -55,6 +55,15 @@ def configs(draw):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(configs())
+@example(case=(
+    ModelConfig(name="random", architecture="qwen3", hidden_size=32, num_layers=9, intermediate_size=1,
+                num_attention_heads=8, num_key_value_heads=8, head_dim=256, vocab_size=1, max_position_embeddings=64,
+                rms_norm_eps=1e-06, rope_theta=1000000.0, dtype="bfloat16"),
+    HardwareConfig(name="random", device_memory_bytes=1 << 30, device_memory_source="declared",
+                   hbm_bandwidth_bytes_per_s=10**12, num_sms=100, compute_capability="9.0"),
+    ServingConfig(max_batch=224, max_context=1, page_size=64, max_prefill_tokens=1, gpu_memory_utilization=1.0,
+                  gemm_attention_min_tokens=1, prefill_attention="gemm", decode_graph_batch_sizes=(1,)),
+)).via("a plan whose batch fits at no context: max_context_at_batch 0, not None")
 def test_layout_invariants(case):
     model, hardware, serving = case
     try:
