@@ -439,8 +439,13 @@ def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None
         rows.append(Row("memplan", name, serving, workload, figures, ideal, counters=engine_counters))
         costs.append((workload.label, cost))
         workloads.append(workload)
+    # Each profile is logged as it finishes: a run cut short by a time limit keeps what it measured.
     breakdown = profile_kernels(served, workloads[0], args) if args.profile_kernels > 0 and not args.smoke else ""
+    if breakdown:
+        log(f"{name}, {workloads[0].label}: the longest-running kernels\n{breakdown}")
     host = profile_host(served, workloads[-1], args) if args.profile_host > 0 else ""
+    if host:
+        log(f"{name}, {workloads[-1].label}: host functions with the most time of their own\n{host}")
     del served
     free_device_memory(device)
     if with_hf:
