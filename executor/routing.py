@@ -74,8 +74,10 @@ CHUNKED_DELTA_RULE_NARROW_SCAN_SMS_PER_BLOCK = 2
 #: shared-memory bandwidth. On an H100 one layer at 16,384 tokens took 5,020.5 us against 8,186.3 at
 #: Qwen3.5-9B's heads and 4,886.8 against 7,415.1 at Qwen3-8B's (bench/attention.py, docs/benchmarks.md
 #: "Causal prefill attention of one layer").
+#: The head sizes are the measured ones (the kernel also takes 32 and 64: 32 unswizzled, a third of
+#: the swizzled speed, and 64 not run on a GPU).
 WARPGROUP_FLASH_MAJOR = 9
-WARPGROUP_FLASH_HEAD_DIMS = (32, 64, 128, 256)
+WARPGROUP_FLASH_HEAD_DIMS = (128, 256)
 
 
 def warpgroup_flash(compute_capability: str, head_dim: int) -> bool:

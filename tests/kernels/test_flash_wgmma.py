@@ -91,4 +91,4 @@ def test_routing_sends_hopper_heads_to_the_warpgroup_kernel():
 
     assert warpgroup_flash("9.0", 256) and warpgroup_flash("9.0", 128)
     assert not warpgroup_flash("8.0", 128) and not warpgroup_flash("12.0", 128)  # wgmma is sm_90a's only
-    assert not warpgroup_flash("9.0", 96)
+    assert not warpgroup_flash("9.0", 96) and not warpgroup_flash("9.0", 32)
