@@ -55,7 +55,7 @@ from typing import Any, Callable
 import numpy as np
 
 from executor.kernels.attention.online_softmax import build_online_softmax
-from executor.kernels.attention.packed import build_packed_request
+from executor.kernels.attention.packed import build_block_request
 from executor.kernels.primitives.launch import Kernel
 from executor.kernels.primitives.async_copy import build_async_copy, build_row_copy, build_shared_address
 from executor.kernels.primitives.mma import build_a_fragment_load, build_fragment_loads, build_mma_bf16
@@ -164,7 +164,7 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
     ROWS_PER_PASS = THREADS // CHUNKS_PER_ROW  # rows the block's threads copy a chunk each of
     shared_address = build_shared_address()
     query_tile = build_shared_tile(ROWS_PER_BLOCK, ROW_WORDS)
-    chunk_of, kv_offset_of = build_packed_request()
+    block_request = build_block_request(ROWS_PER_BLOCK)
     # ldmatrix and cp.async need 16-byte aligned rows; the simulator takes no alignment (and needs none).
     TILE_ALIGNMENT = None if simulator_enabled() else 16
     SCRATCH_VALUES = THREADS if simulator_enabled() else 1  # the simulator's quad reductions
@@ -294,15 +294,10 @@ def build_flash_attention(head_dim: int, group: int, shape: BlockShape) -> Calla
         t = lane % 4
         h = cuda.blockIdx.y
         kvh = h // group
-        request = first_request + cuda.blockIdx.z
-        q_start, rows, kv_len = chunk_of(q_indptr, positions, request)
-        # Causal blocks differ in work: the last query rows see the most keys. Launch them first so
-        # the short blocks fill the tail of the grid.
-        first_row = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * ROWS_PER_BLOCK
-        if rows < min_rows or first_row >= rows:
-            return  # a request the launch skips (packed.py), or past a shorter chunk's rows: the whole block
+        active, q_start, rows, kv_len, first_row, kv_offset = block_request(q_indptr, positions, first_request, min_rows)
+        if not active:
+            return  # a request the launch skips, or a row block past a shorter chunk's rows (packed.py)
         first_position = kv_len - rows
-        kv_offset = kv_offset_of(q_indptr, positions, first_request, request, min_rows)
         warp_row = (cuda.threadIdx.x // 32) * WARP_ROWS  # the warp's first row in the block
         qs = start_queries(q, h, q_start + first_row, q_start + rows, warp_row, dynamic, ks, qa)
         # Shared addresses taken once: each copy and fragment load then adds a constant offset. A's

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from executor.kernels.attention.flash import FlashAttention
 from executor.kernels.attention.online_softmax import build_online_softmax
-from executor.kernels.attention.packed import build_packed_request
+from executor.kernels.attention.packed import build_block_request
 from executor.kernels.primitives.async_copy import build_async_copy, build_row_copy, build_shared_address
 from executor.kernels.primitives.launch import Kernel
 from executor.kernels.primitives.shared_tile import build_shared_tile
@@ -120,7 +120,7 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
     shared_address = build_shared_address()
     q_view = build_shared_tile(*Q_SHAPE)
     kv_view = build_shared_tile(*KV_SHAPE)
-    chunk_of, kv_offset_of = build_packed_request()
+    block_request = build_block_request(ROWS)
     # cp.async and the core matrices need 16-byte aligned tiles, swizzle atoms 1,024-byte aligned ones
     # (every tile's size is a multiple of 1,024 bytes); the simulator takes no alignment.
     TILE_ALIGNMENT = None if simulator_enabled() else 1024
@@ -191,14 +191,10 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
         t = lane % 4
         h = cuda.blockIdx.y
         kvh = h // group
-        request = first_request + cuda.blockIdx.z
-        q_start, rows, kv_len = chunk_of(q_indptr, positions, request)
-        # The last query rows see the most keys: launch them first so short blocks fill the grid's tail.
-        first_row = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * ROWS
-        if rows < min_rows or first_row >= rows:
-            return  # a request the launch skips (packed.py), or past a shorter chunk's rows: the whole block
+        active, q_start, rows, kv_len, first_row, kv_offset = block_request(q_indptr, positions, first_request, min_rows)
+        if not active:
+            return  # a request the launch skips, or a row block past a shorter chunk's rows (packed.py)
         first_position = kv_len - rows
-        kv_offset = kv_offset_of(q_indptr, positions, first_request, request, min_rows)
         warp_row = (cuda.threadIdx.x // 32) * 16
         qs = q_view(dynamic, 0)
         ks = kv_view(dynamic, Q_WORDS)

@@ -48,3 +48,24 @@ def build_packed_request() -> tuple[Any, Any]:
         return offset
 
     return chunk_of, kv_offset_of
+
+
+def build_block_request(rows_per_block: int) -> Any:
+    """``block_request(q_indptr, positions, first_request, min_rows) -> (active, q_start, rows, kv_len,
+    first_row, kv_offset)``: the packed chunk a FlashAttention block of ``rows_per_block`` query rows
+    serves (grid z: the request of the launch's range, grid x: the row block) and its first row in it.
+    Row blocks run last rows first, so that the blocks with the most keys under the causal mask start
+    first and the short ones fill the grid's tail. ``active`` is false for a request the launch skips
+    (fewer than min_rows rows) or a row block past a shorter chunk's rows: the whole block returns."""
+    chunk_of, kv_offset_of = build_packed_request()
+
+    @cuda.jit(device=True, inline=True)
+    def block_request(q_indptr, positions, first_request, min_rows):
+        request = first_request + cuda.blockIdx.z
+        q_start, rows, kv_len = chunk_of(q_indptr, positions, request)
+        first_row = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * rows_per_block
+        active = rows >= min_rows and first_row < rows
+        kv_offset = kv_offset_of(q_indptr, positions, first_request, request, min_rows) if active else 0
+        return active, q_start, rows, kv_len, first_row, kv_offset
+
+    return block_request
