@@ -110,7 +110,7 @@ def build_copy_groups(pending: int) -> tuple[Callable[..., Any], Callable[..., A
             pass
 
         return no_op, no_op
-    return _bare_instruction("cp.async.commit_group;"), _bare_instruction(f"cp.async.wait_group {int(pending)};")
+    return bare_instruction("cp.async.commit_group;"), bare_instruction(f"cp.async.wait_group {int(pending)};")
 
 
 def _simulated() -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -228,7 +228,7 @@ def _shared_address_intrinsic() -> Callable[..., Any]:
     return shared_address
 
 
-def _bare_instruction(asm: str) -> Callable[..., Any]:
+def bare_instruction(asm: str) -> Callable[..., Any]:
     """A device function issuing one operand-less PTX instruction (a memory clobber: loads and
     stores do not move across it)."""
     from llvmlite import ir
@@ -271,4 +271,4 @@ def _intrinsics() -> tuple[Callable[..., Any], Callable[..., Any]]:
         row, word = dst_index
         copy_to_shared(tile_address + uint32(4 * (row * tile.shape[1] + word)), src, src_index, valid)
 
-    return copy_async, _bare_instruction("cp.async.wait_all;")
+    return copy_async, bare_instruction("cp.async.wait_all;")

@@ -74,6 +74,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from executor.kernels.primitives.async_copy import bare_instruction
 from executor.numba_cuda import load_cuda, simulator_enabled
 
 cuda = load_cuda()
@@ -203,10 +204,8 @@ def build_wgmma_sync() -> tuple[Callable[..., Any], Callable[..., Any], Callable
             pass
 
         return no_op, no_op, no_op
-    from executor.kernels.primitives.async_copy import _bare_instruction
-
-    return (_bare_instruction("wgmma.fence.sync.aligned;"), _bare_instruction("wgmma.commit_group.sync.aligned;"),
-            _bare_instruction("fence.proxy.async.shared::cta;"))
+    return (bare_instruction("wgmma.fence.sync.aligned;"), bare_instruction("wgmma.commit_group.sync.aligned;"),
+            bare_instruction("fence.proxy.async.shared::cta;"))
 
 
 def build_wgmma_wait(values: int, pending: int = 0) -> Callable[..., Any]:
