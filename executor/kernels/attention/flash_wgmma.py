@@ -8,15 +8,17 @@ causal rows, the bf16 P, the float32 online softmax), computed differently:
   16 w .. 16 w + 15, as in a flash.py block of one m-tile a warp.
 - Q (once), K and V (per key block of ``keys`` keys) are staged by cp.async into 128-byte swizzled
   tiles (``CoreTile``; plain core-matrix tiles where the head size is not a multiple of 64) in dynamic
-  shared memory. The tensor cores read each staged key and value once for
-  the whole warpgroup, where mma.sync's ldmatrix reads them once per warp: that shared-memory traffic
-  is what holds flash.py at about a third of the H200's tensor-core rate at head_dim 256.
+  shared memory. The tensor cores read each staged key and value once for the whole warpgroup, where
+  mma.sync's ldmatrix reads them once per warp: that shared-memory traffic is what holds flash.py at
+  about a third of the tensor-core rate at head_dim 256. Unswizzled tiles run at a third of the
+  swizzled speed (``warpgroup_shape`` has the figures).
 - S = Q K^T is D / 16 products of m64 n``keys`` k16, both operands in shared memory (K K-major). The
   softmax runs on S in registers (online_softmax.py, the accumulator layout is mma.sync's), P is
   packed to bf16 A fragments in registers, and O += P V is ``keys`` / 16 products of m64 n``D`` k16
   with A from those registers and V read MN-major from its key-major tile (no transposed copy).
 - V of a key block lands while the warpgroup computes its scores, K of the next while it computes
-  P V, as in flash.py. Each product group is committed and waited before its accumulator is read.
+  P V, as in flash.py. Each product group is committed and waited for before its accumulator is
+  read (``WarpgroupShape.overlap`` lets P V run on into the next scores instead).
 
 A thread holds O (D / 2 float32: 128 at head_dim 256), S (``keys`` / 2) and P (``keys`` / 4 words);
 two blocks an SM share its registers and (96 KiB a block at head_dim 256 and 64 keys) its shared
