@@ -92,3 +92,18 @@ def test_routing_sends_hopper_heads_to_the_warpgroup_kernel():
     assert warpgroup_flash("9.0", 256) and warpgroup_flash("9.0", 128)
     assert not warpgroup_flash("8.0", 128) and not warpgroup_flash("12.0", 128)  # wgmma is sm_90a's only
     assert not warpgroup_flash("9.0", 96) and not warpgroup_flash("9.0", 32)
+
+
+@pytest.mark.parametrize("model,hardware,warpgroup", [
+    ("qwen3-8b", "h200", True), ("qwen3-8b", "h100-sxm", True), ("qwen3-8b", "a100-80gb", False),
+])
+def test_the_model_launchers_follow_the_plan_s_hardware(model, hardware, warpgroup):
+    """A model's FlashAttention launcher is the warpgroup kernel exactly where its plan's GPU is a Hopper."""
+    from executor.models.launchers import QWEN3_NORM, build_kernels
+    from planner.loader import load_hardware, load_model, load_serving
+    from planner.plan import build_plan
+
+    plan = build_plan(load_model(model), load_hardware(hardware), load_serving("default", {"max_context": 4096}))
+    kernels = build_kernels(plan.geometry, plan.dtypes.activations, QWEN3_NORM, plan.hardware.num_sms,
+                            plan.capacity.page_size, plan.hardware.compute_capability)
+    assert isinstance(kernels.flash_attention, WarpgroupFlashAttention) == warpgroup
