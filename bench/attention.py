@@ -14,11 +14,12 @@ to itself, bf16. The script reports:
   calls it after ``repeat_kv``. (Unbatched [heads, tokens, D] inputs with ``enable_gqa=True`` ran at
   10-15 TFLOP/s on the H200 with torch 2.11: not its flash kernel.)
 
-``--block-shapes`` times the kernel at other block shapes (executor.kernels.attention.flash.BlockShape,
-``warps:keys:m-tiles:registers|shared[:blocks an SM]``) or the warpgroup kernel
-(executor.kernels.attention.flash_wgmma, sm_90a: ``warpgroup`` at ``warpgroup_shape``'s choice, which
-executor/routing.py sends Hopper prefill to, or ``warpgroup:keys[:overlap][:swizzle]``; overlap runs a
-key block's P V on into the next Q K^T, swizzle stages 128-byte swizzled tiles) beside the one ``block_shape`` picks, SDPA once for them all; each row names its shape and the
+``--block-shapes`` times the mma.sync kernel at block shapes (executor.kernels.attention.flash.BlockShape,
+``warps:keys:m-tiles:registers|shared[:blocks an SM]``; ``default``: the one ``block_shape`` picks) and
+the warpgroup kernel (executor.kernels.attention.flash_wgmma, sm_90a: ``warpgroup`` at
+``warpgroup_shape``'s choice, which executor/routing.py sends Hopper prefill to, or
+``warpgroup:keys[:overlap][:swizzle]``; overlap runs a key block's P V on into the next Q K^T, swizzle
+stages 128-byte swizzled tiles), SDPA once for them all; each row names its shape and the
 registers and spilled (local) bytes a thread of that kernel holds. Time is the median of
 ``--repeats`` launches between CUDA events. TFLOP/s counts the causal
 half of 4 x T^2 x Hq x D (QK^T and PV). The memplan kernel's largest difference from float64

@@ -10,7 +10,7 @@ import torch
 
 from executor.kernels.primitives.async_copy import build_async_copy, build_shared_address
 from executor.kernels.primitives.wgmma import (WARPGROUP_THREADS, CoreTile, build_chunk_word, build_descriptor,
-                                               build_wgmma, build_wgmma_sync, build_wgmma_wait)
+                                               build_step_offset, build_wgmma, build_wgmma_sync, build_wgmma_wait)
 from executor.numba_cuda import load_cuda, simulator_enabled
 from tests.kernels.compile_check import compile_for_sm90
 
@@ -27,8 +27,9 @@ def build_product_kernel(n: int, k: int, a_in_registers: bool, b_k_major: bool, 
     b_tile = CoreTile(n, k, swizzle) if b_k_major else CoreTile(k, n, swizzle)
     a_layout = a_tile_shape.k_major()
     b_layout = b_tile.k_major() if b_k_major else b_tile.mn_major()
-    a_leading, a_stride, a_mode, a_per_group, a_group, a_step = a_layout
-    b_leading, b_stride, b_mode, b_per_group, b_group, b_step = b_layout
+    a_leading, a_stride, a_mode = a_layout.leading, a_layout.stride, a_layout.mode
+    b_leading, b_stride, b_mode = b_layout.leading, b_layout.stride, b_layout.mode
+    a_step, b_step = build_step_offset(a_layout), build_step_offset(b_layout)
     b_rows, b_chunks = b_tile.rows, b_tile.elements // 8
     a_shape, b_shape = a_tile_shape.shape, b_tile.shape
     wgmma = build_wgmma(n, a_in_registers, b_k_major)
@@ -69,14 +70,12 @@ def build_product_kernel(n: int, k: int, a_in_registers: bool, b_k_major: bool, 
             acc[4 * j + 3] = d[row + 8, 8 * j + 2 * t + 1]
         wgmma_fence()
         for s in range(steps):
-            b_offset = (s // b_per_group) * b_group + (s % b_per_group) * b_step
-            b_descriptor = descriptor(b_address + b_offset, b_leading, b_stride, b_mode)
+            b_descriptor = descriptor(b_address, b_leading, b_stride, b_mode) + b_step(s)
             if a_in_registers:
                 wgmma(acc, a[row, 8 * s + t], a[row + 8, 8 * s + t], a[row, 8 * s + 4 + t], a[row + 8, 8 * s + 4 + t],
                       b_shared, b_descriptor, True)
             else:
-                a_offset = (s // a_per_group) * a_group + (s % a_per_group) * a_step
-                wgmma(acc, a_tile, descriptor(a_address + a_offset, a_leading, a_stride, a_mode), b_shared,
+                wgmma(acc, a_tile, descriptor(a_address, a_leading, a_stride, a_mode) + a_step(s), b_shared,
                       b_descriptor, True)
         wgmma_commit()
         wgmma_wait(acc)

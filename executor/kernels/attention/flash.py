@@ -364,17 +364,21 @@ class FlashAttention:
     def __init__(self, shape: BlockShape | None = None) -> None:
         """``shape``: one block shape for every head size instead of ``block_shape``'s (for benchmarks)."""
         self.shape = shape
-        self._kernels: dict[tuple[int, int], tuple[BlockShape, Kernel]] = {}
+        self._launches: dict[tuple[int, int], tuple[int, int, int, Kernel]] = {}
 
-    def kernel(self, head_dim: int, group: int) -> tuple[BlockShape, Kernel]:
-        """The block shape and kernel for this head size and GQA group (built once)."""
-        entry = self._kernels.get((head_dim, group))
+    def launch_shape(self, head_dim: int, group: int) -> tuple[int, int, int, Kernel]:
+        """(query rows a block, threads a block, dynamic shared bytes, kernel) for this head size and GQA
+        group (built once)."""
+        entry = self._launches.get((head_dim, group))
         if entry is None:
-            shape = self.shape or block_shape(head_dim)
-            kernel = Kernel(build_flash_attention(head_dim, group, shape),
-                            dynamic_shared_bytes=query_tile_bytes(head_dim, shape))
-            entry = self._kernels[(head_dim, group)] = (shape, kernel)
+            entry = self._launches[(head_dim, group)] = self._build(head_dim, group)
         return entry
+
+    def _build(self, head_dim: int, group: int) -> tuple[int, int, int, Kernel]:
+        shape = self.shape or block_shape(head_dim)
+        tile_bytes = query_tile_bytes(head_dim, shape)
+        kernel = Kernel(build_flash_attention(head_dim, group, shape), dynamic_shared_bytes=tile_bytes)
+        return shape.rows, shape.threads, tile_bytes, kernel
 
     def __call__(self, q: Any, k: Any, v: Any, out: Any, q_indptr: Any, positions: Any, first_request: int,
                  num_requests: int, max_rows: int, kv_tokens: int, min_rows: int = 1, stream: Any = 0) -> None:
@@ -406,8 +410,3 @@ class FlashAttention:
         kernel[grid, threads, stream, shared_bytes](
             as_words(q), as_words(k), as_words(v), as_words(out), q_indptr, positions, np.int32(first_request),
             np.int32(min_rows), scale_log2)
-
-    def launch_shape(self, head_dim: int, group: int) -> tuple[int, int, int, Kernel]:
-        """(query rows a block, threads a block, dynamic shared bytes, kernel) for this head size and group."""
-        shape, kernel = self.kernel(head_dim, group)
-        return shape.rows, shape.threads, query_tile_bytes(head_dim, shape), kernel

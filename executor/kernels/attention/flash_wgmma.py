@@ -37,8 +37,8 @@ from executor.kernels.primitives.async_copy import build_async_copy, build_row_c
 from executor.kernels.primitives.launch import Kernel
 from executor.kernels.primitives.shared_tile import build_shared_tile
 from executor.kernels.primitives.wgmma import (SWIZZLE_ELEMENTS, WARPGROUP_ROWS, WARPGROUP_THREADS, CoreTile,
-                                               build_chunk_word, build_descriptor, build_wgmma, build_wgmma_sync,
-                                               build_wgmma_wait)
+                                               build_chunk_word, build_descriptor, build_step_offset, build_wgmma,
+                                               build_wgmma_sync, build_wgmma_wait)
 from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 
 cuda = load_cuda()
@@ -76,8 +76,8 @@ def warpgroup_shape(head_dim: int) -> WarpgroupShape:
     waited for within its key block: at head_dim 256 the Q, K and V tiles take 96 KiB, two blocks an SM.
 
     Measured on an H100 (bench/attention.py, one layer, us at 4,096 / 16,384 tokens; docs/benchmarks.md
-    "Causal prefill attention of one layer"): Qwen3.5-9B (D 256) warpgroup:64:serial:swizzle 444.3 /
-    5,020.5, with P V running into the next Q K^T 486.6 / 5,111.9, unswizzled 1,320.7 / 14,402.6,
+    "Causal prefill attention of one layer"): Qwen3.5-9B (D 256) warpgroup:64:swizzle 444.3 / 5,020.5,
+    with P V running into the next Q K^T 486.6 / 5,111.9, unswizzled 1,320.7 / 14,402.6,
     128 keys 614.9 / 7,669.9 (spills), mma.sync (flash.py) 735.5 / 8,186.3; Qwen3-8B (D 128) 442.8 /
     4,886.8 against mma.sync's 798.4 / 7,415.1."""
     return WarpgroupShape(swizzle=head_dim % SWIZZLE_ELEMENTS == 0)
@@ -102,9 +102,8 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
     q_tile, kv_tile = CoreTile(ROWS, D, SWIZZLE), CoreTile(KB, D, SWIZZLE)
     Q_SHAPE, KV_SHAPE = q_tile.shape, kv_tile.shape
     Q_WORDS, KV_WORDS = q_tile.bytes // 4, kv_tile.bytes // 4
-    Q_LEADING, Q_STRIDE, Q_MODE, Q_PER_GROUP, Q_GROUP, Q_STEP = q_tile.k_major()
-    K_LEADING, K_STRIDE, K_MODE, K_PER_GROUP, K_GROUP, K_STEP = kv_tile.k_major()
-    V_LEADING, V_STRIDE, V_MODE, V_PER_GROUP, V_GROUP, V_STEP = kv_tile.mn_major()
+    q_layout, k_layout, v_layout = q_tile.k_major(), kv_tile.k_major(), kv_tile.mn_major()
+    q_step, k_step, v_step = build_step_offset(q_layout), build_step_offset(k_layout), build_step_offset(v_layout)
     Q_PASSES, PASSES = ROWS // 32, KB // 32  # 32-row passes down the Q tile and a K or V tile
     CHUNK_GROUPS = CHUNKS // 4  # 4-chunk groups across a row
     scores_product = build_wgmma(KB, False, True)
@@ -204,9 +203,9 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
         q_address = shared_address(qs, (0, 0))
         k_address = shared_address(ks, (0, 0))
         v_address = shared_address(vs, (0, 0))
-        q_descriptor = descriptor(q_address, Q_LEADING, Q_STRIDE, Q_MODE)
-        k_descriptor = descriptor(k_address, K_LEADING, K_STRIDE, K_MODE)
-        v_descriptor = descriptor(v_address, V_LEADING, V_STRIDE, V_MODE)
+        q_descriptor = descriptor(q_address, q_layout.leading, q_layout.stride, q_layout.mode)
+        k_descriptor = descriptor(k_address, k_layout.leading, k_layout.stride, k_layout.mode)
+        v_descriptor = descriptor(v_address, v_layout.leading, v_layout.stride, v_layout.mode)
         stage_queries(q, h, q_start + first_row, q_start + rows, qs, q_address)
         for i in range(O_VALUES):
             o[i] = float32(0.0)
@@ -224,9 +223,7 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
             cuda.syncthreads()  # K (and Q) landed for every thread
             wgmma_fence()
             for s in range(K_STEPS):
-                q_offset = (s // Q_PER_GROUP) * Q_GROUP + (s % Q_PER_GROUP) * Q_STEP
-                k_offset = (s // K_PER_GROUP) * K_GROUP + (s % K_PER_GROUP) * K_STEP
-                scores_product(sacc, qs, q_descriptor + (q_offset >> 4), ks, k_descriptor + (k_offset >> 4), s > 0)
+                scores_product(sacc, qs, q_descriptor + q_step(s), ks, k_descriptor + k_step(s), s > 0)
             wgmma_commit()
             if OVERLAP:
                 # The last key block's P V ran on into these scores. Waiting for only that group
@@ -250,11 +247,12 @@ def build_flash_wgmma(head_dim: int, group: int, shape: WarpgroupShape) -> Calla
             wgmma_fence()
             for s in range(P_STEPS):
                 values_product(o, pa[4 * s], pa[4 * s + 1], pa[4 * s + 2], pa[4 * s + 3], vs,
-                               v_descriptor + ((s * V_GROUP) >> 4), True)
+                               v_descriptor + v_step(s), True)
             wgmma_commit()
             if not OVERLAP:
                 wait_output(o)
-        wait_output(o)
+        if OVERLAP:
+            wait_output(o)  # the last key block's P V
         store_output(scratch, o, row_sums, out, q_start, first_row, warp_row, rows, h, g, t)
 
     return flash_attention
@@ -267,16 +265,9 @@ class WarpgroupFlashAttention(FlashAttention):
         """``shape``: one key block for every head size instead of ``warpgroup_shape``'s (benchmarks)."""
         super().__init__()
         self.warpgroup_shape = shape
-        self._warpgroup_kernels: dict[tuple[int, int], tuple[WarpgroupShape, Kernel]] = {}
 
-    def warpgroup_kernel(self, head_dim: int, group: int) -> tuple[WarpgroupShape, Kernel]:
-        entry = self._warpgroup_kernels.get((head_dim, group))
-        if entry is None:
-            shape = self.warpgroup_shape or warpgroup_shape(head_dim)
-            kernel = Kernel(build_flash_wgmma(head_dim, group, shape), dynamic_shared_bytes=shared_bytes(head_dim, shape))
-            entry = self._warpgroup_kernels[(head_dim, group)] = (shape, kernel)
-        return entry
-
-    def launch_shape(self, head_dim: int, group: int) -> tuple[int, int, int, Kernel]:
-        shape, kernel = self.warpgroup_kernel(head_dim, group)
-        return WARPGROUP_ROWS, WARPGROUP_THREADS, shared_bytes(head_dim, shape), kernel
+    def _build(self, head_dim: int, group: int) -> tuple[int, int, int, Kernel]:
+        shape = self.warpgroup_shape or warpgroup_shape(head_dim)
+        tile_bytes = shared_bytes(head_dim, shape)
+        kernel = Kernel(build_flash_wgmma(head_dim, group, shape), dynamic_shared_bytes=tile_bytes)
+        return WARPGROUP_ROWS, WARPGROUP_THREADS, tile_bytes, kernel

@@ -8,7 +8,8 @@ m-tiles of ``s_tiles`` score n-tiles and ``o_tiles`` output n-tiles a lane (row 
 r // 2, row g + 8 (r % 2)):
 
     mask(sacc, tile, first_key, p0, p1, t)
-        m-tile ``tile``'s scores of keys after a row's position (p0 for row g, p1 for g + 8) to -inf.
+        m-tile ``tile``'s scores of keys after a row's position (p0 for row g, p1 for g + 8) to -inf. A
+        stored row's position is below kv_len, so this also drops the zero-filled keys past it.
     softmax_update(scratch, sacc, row_maxima, row_sums, alphas, scale_log2)
         one key block: new row maxima (over the row's quad), S <- P = 2^((s - max) scale_log2) in
         place, sums rescaled and grown, alphas[r] = the factor for row state r's O.

@@ -160,6 +160,18 @@ class CoreTile:
         return OperandLayout(CORE_MATRIX_BYTES, self.column_bytes, 0, 1, 2 * CORE_MATRIX_BYTES, 0)
 
 
+def build_step_offset(layout: OperandLayout) -> Callable[..., Any]:
+    """``step_offset(s) -> int``: what k-step s adds to a descriptor of ``layout``'s tile (its byte offset
+    >> 4, the descriptor's address unit); a constant once the caller's k-step loop unrolls."""
+    per_group, group_bytes, step_bytes = layout.steps_per_group, layout.group_bytes, layout.step_bytes
+
+    @cuda.jit(device=True, inline=True)
+    def step_offset(s):
+        return ((s // per_group) * group_bytes + (s % per_group) * step_bytes) >> 4
+
+    return step_offset
+
+
 def build_chunk_word() -> Callable[..., Any]:
     """``chunk_word(row, chunk, rows, swizzle) -> (i, j)``: the tile index (int32 words) of 16-byte chunk
     ``chunk`` of row ``row`` in a tile of ``rows`` rows, swizzled or not (compile-time constants)."""
