@@ -67,6 +67,17 @@ CHUNKED_DELTA_RULE_MIN_ROWS: int | None = 64
 CHUNKED_DELTA_RULE_NARROW_SCAN_SMS_PER_BLOCK = 2
 
 
+#: Qwen3.5's causal conv1d gives a thread this many token rows of a prefill chunk: a thread's rows share
+#: the K - 1 inputs each row reads before it, so a longer tile re-reads less of x (3 rows in 16 at K 4),
+#: and 16 rows still leave a 16,384-token step a million threads.
+CONV1D_PREFILL_ROWS_PER_TILE = 16
+
+#: Decode rows (a request's one row) take this many rows a thread: a tile of decode rows is that many
+#: requests, whose conv states a thread loads and stores one request after another. At 16 rows a tile a
+#: batch-256 decode step's conv1d took 95.6 us a layer on the H200 (Qwen3.5-9B, bench/profile_decode.py
+#: --batch 256), 2.3 ms of the step's 20.6, for 12.6 MB of state and 8 MB of rows.
+CONV1D_DECODE_ROWS_PER_TILE = 1
+
 #: FlashAttention prefill runs on warpgroup tensor-core products (attention/flash_wgmma.py: the
 #: tensor cores read each staged key and value once for four warps) on GPUs of this compute capability
 #: major (wgmma is sm_90a's), for these head sizes (the P V product's N is the head size); other GPUs
@@ -145,8 +156,14 @@ ROUTES: tuple[Route, ...] = (
     Route("prefill", "attention", "chunk >= gemm_attention_min_tokens, prefill_attention gemm (non-bf16 runs: "
           "float32 in the simulator, float16)", "GatherKv + torch GEMMs + attention/causal_softmax.py",
           "the path for dtypes the flash kernel does not take"),
-    Route("prefill", "conv1d, gates, gated norm (Qwen3.5)", "always",
-          "linear_attention/conv1d.py, delta_rule.py GdnGates, rows/gated_norm.py", "one launch each"),
+    Route("prefill", "conv1d (Qwen3.5)", "the chunks' rows",
+          "linear_attention/conv1d.py CausalConv1d, CONV1D_PREFILL_ROWS_PER_TILE rows a thread",
+          "a thread's rows share the inputs before them"),
+    Route("any", "conv1d (Qwen3.5)", "decode rows (a decode step's, the leading rows of a prefill step)",
+          "linear_attention/conv1d.py CausalConv1d, CONV1D_DECODE_ROWS_PER_TILE rows a thread",
+          "a request a thread: its state's loads are not queued behind other requests'"),
+    Route("prefill", "gates, gated norm (Qwen3.5)", "always",
+          "delta_rule.py GdnGates, rows/gated_norm.py", "one launch each"),
     Route("prefill", "gated delta rule (Qwen3.5)", "the decode rows (one-row chunks) a prefill step starts with "
           "(the scheduler's order)", "linear_attention/delta_rule_decode.py GatedDeltaRuleDecode",
           "248 decode rows beside 8 x 1,024 prefill, Qwen3.5-9B on the H200: the chunked kernel over all of "
@@ -171,7 +188,7 @@ def render_markdown() -> str:
     """``docs/kernels.md``: the thresholds and the table, for readers."""
     names = ("PREFILL_ROWS_PER_TILE", "FUSED_ROPE_KV_MAX_ROWS", "SPECIALIZED_ROPE_MIN_ROWS",
              "TENSOR_CORE_DECODE_MAX_HEAD_DIM", "FEW_BLOCKS_PER_SM", "MERGE_SPECULATE_MAX_ROWS",
-             "CHUNKED_DELTA_RULE_MIN_ROWS")
+             "CHUNKED_DELTA_RULE_MIN_ROWS", "CONV1D_PREFILL_ROWS_PER_TILE", "CONV1D_DECODE_ROWS_PER_TILE")
     module = sys.modules[__name__]
     lines = ["# Kernels: which one serves which step", "",
              "Rendered from `executor/routing.py` (`python3 -m executor.routing > docs/kernels.md`); "

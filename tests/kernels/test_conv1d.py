@@ -77,6 +77,35 @@ def test_batch_matches_reference(dtype_name, rows_per_tile):
 
 
 @pytest.mark.parametrize("dtype_name", DTYPES)
+def test_decode_rows_then_chunks_as_a_prefill_step_launches_them(dtype_name):
+    """A prefill step's leading decode rows (slots 4, 1, 3: a row each) at one row a thread, then its
+    chunks (slots 0, 2: 7 and 3 rows) over the same buffers with q_indptr starting at the first chunk
+    row and 16 rows a thread, equal the reference over the whole batch; slot 5 stays as it was."""
+    gen = torch.Generator().manual_seed(40)
+    q_indptr, slot_ids, d = [0, 1, 2, 3, 10, 13], [4, 1, 3, 0, 2], 3
+    x, weight, state = make_inputs(gen, 13, CHANNELS, 6, dtype_name)
+    conv = CausalConv1d(build_codec(dtype_name))
+    x_s, w_s, state_s = (to_storage(t, dtype_name) for t in (x, weight, state))
+    out = poisoned(tuple(x.shape), dtype_name)
+    indptr, slots = np.asarray(q_indptr, np.int32), np.asarray(slot_ids, np.int32)
+    conv(x_s[:d], w_s, state_s, indptr[: d + 1], slots[:d], out[:d], rows_per_tile=1)
+    conv(x_s, w_s, state_s, indptr[d:], slots[d:], out, rows_per_tile=16)
+    ref, ref_state = ref_conv(x, weight, state, q_indptr, slot_ids)
+    assert_close_rel(from_storage(out, dtype_name), ref, TOL[dtype_name])
+    got_state = from_storage(state_s, dtype_name)
+    assert torch.equal(got_state, ref_state)
+    assert torch.equal(got_state[5], state[5])
+
+
+def test_rows_per_tile_below_one_is_refused_per_call():
+    conv = CausalConv1d(build_codec("float32"))
+    x = np.zeros((2, CHANNELS), np.float32)
+    with pytest.raises(ValueError, match="rows_per_tile must be >= 1, got 0"):
+        conv(x, np.zeros((CHANNELS, K), np.float32), np.zeros((1, CHANNELS, K - 1), np.float32),
+             np.asarray([0, 2], np.int32), np.asarray([0], np.int32), np.zeros_like(x), rows_per_tile=0)
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
 def test_chunk_a_thread_build_equals_channel_a_thread_build(dtype_name):
     """68 channels (not whole 16-byte chunks of bf16 or float32 rows) run the channel-a-thread build;
     their first 64 (whole chunks) through the chunk-a-thread build give the same bits, outputs and

@@ -41,12 +41,12 @@ from executor.kernels.primitives.reduce import threads_for
 from executor.kernels.primitives.vector import (VECTOR_WORDS, build_lanes, build_vector_access, lanes_for,
                                                 vector_aligned, word_type)
 from executor.numba_cuda import load_cuda
+from executor.routing import CONV1D_PREFILL_ROWS_PER_TILE
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
 
 MAX_THREADS = 128  # channels per block
-DEFAULT_ROWS_PER_TILE = 16  # token rows per thread: prefill parallelism vs. K-1 re-read rows
 #: Rows whose 16-byte chunks a thread of the vector build loads before it computes and stores any of
 #: them. A row's store may alias a later row's load for all the compiler knows, so a row at a time keeps
 #: one load in flight a thread, and at the 128 registers a thread the build takes (a quarter of an SM's
@@ -250,13 +250,14 @@ class CausalConv1d:
 
     Rows ``>= q_indptr[B]`` are left untouched. No scratch. x and out with 16-byte aligned rows of
     whole chunks run the chunk-a-thread build, other views the channel-a-thread one (module docstring).
+    A thread takes ``rows_per_tile`` rows (the launcher's, or the call's: routing.py's
+    CONV1D_PREFILL_ROWS_PER_TILE for chunks, CONV1D_DECODE_ROWS_PER_TILE for decode rows).
     """
 
     def __init__(
-        self, codec: Codec, kernel_size: int = 4, rows_per_tile: int = DEFAULT_ROWS_PER_TILE
+        self, codec: Codec, kernel_size: int = 4, rows_per_tile: int = CONV1D_PREFILL_ROWS_PER_TILE
     ) -> None:
-        if rows_per_tile < 1:
-            raise ValueError(f"causal_conv1d: rows_per_tile must be >= 1, got {rows_per_tile}")
+        _check_rows_per_tile(rows_per_tile)
         self.kernel_size = kernel_size
         self.rows_per_tile = rows_per_tile
         self.lanes = lanes_for(codec)
@@ -272,16 +273,26 @@ class CausalConv1d:
         slot_ids: Any,
         out: Any,
         stream: Any = 0,
+        rows_per_tile: int | None = None,
     ) -> None:
         rows, channels = _check_shapes(x, weight, conv_state, q_indptr, slot_ids, out, self.kernel_size)
+        if rows_per_tile is None:
+            rows_per_tile = self.rows_per_tile
+        else:
+            _check_rows_per_tile(rows_per_tile)
         if rows == 0 or channels == 0:
             return
         kernel, units = self.kernel, channels
         if channels % self.lanes == 0 and vector_aligned(x, out):
             kernel, units = self.vector_kernel, channels // self.lanes
         threads = threads_for(units, MAX_THREADS)
-        grid = ((units + threads - 1) // threads, (rows + self.rows_per_tile - 1) // self.rows_per_tile)
-        kernel[grid, threads, stream](x, weight, conv_state, q_indptr, slot_ids, out, self.rows_per_tile)
+        grid = ((units + threads - 1) // threads, (rows + rows_per_tile - 1) // rows_per_tile)
+        kernel[grid, threads, stream](x, weight, conv_state, q_indptr, slot_ids, out, rows_per_tile)
+
+
+def _check_rows_per_tile(rows_per_tile: int) -> None:
+    if rows_per_tile < 1:
+        raise ValueError(f"causal_conv1d: rows_per_tile must be >= 1, got {rows_per_tile}")
 
 
 def _check_shapes(
