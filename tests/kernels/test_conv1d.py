@@ -97,6 +97,21 @@ def test_decode_rows_then_chunks_as_a_prefill_step_launches_them(dtype_name):
     assert torch.equal(got_state[5], state[5])
 
 
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_channels_over_two_blocks_the_second_ragged(dtype_name):
+    """133 chunks of channels: a full block of 128 threads, then one whose last threads have no channels
+    (they still take part in the block's staging of the conv state); decode rows and a chunk."""
+    lanes = 8 if dtype_name == "bfloat16" else 4
+    gen = torch.Generator().manual_seed(50)
+    q_indptr, slot_ids = [0, 1, 2, 7], [1, 2, 0]
+    x, weight, state = make_inputs(gen, 7, lanes * 133, 3, dtype_name)
+    conv = CausalConv1d(build_codec(dtype_name), rows_per_tile=2)
+    got, got_state = run_conv(conv, x, weight, state, q_indptr, slot_ids, dtype_name)
+    ref, ref_state = ref_conv(x, weight, state, q_indptr, slot_ids)
+    assert_close_rel(got, ref, TOL[dtype_name])
+    assert torch.equal(got_state, ref_state)
+
+
 def test_rows_per_tile_below_one_is_refused_per_call():
     conv = CausalConv1d(build_codec("float32"))
     x = np.zeros((2, CHANNELS), np.float32)

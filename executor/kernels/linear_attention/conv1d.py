@@ -19,7 +19,8 @@ the rows of its tile, except that the first K-1 rows of every request (the
 only rows that read the conv state) belong to the tile holding the request's
 first row, even when they spill into the next tile. That thread is the only
 one that reads the request's conv state, and it writes the new state after its
-own reads, so no other thread touches the slot. Rows of other tiles read their
+own reads, so no other thread touches the slot (in the chunk-a-thread build, the
+block of those threads, which stages the state in shared memory). Rows of other tiles read their
 K-1 predecessors from ``x``, which this kernel never writes.
 
 Accumulation and SiLU in float32; one rounding to storage at the end.
@@ -35,6 +36,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from executor.kernels.primitives.codec import Codec
 from executor.kernels.primitives.launch import Kernel
 from executor.kernels.primitives.reduce import threads_for
@@ -45,6 +48,7 @@ from executor.routing import CONV1D_PREFILL_ROWS_PER_TILE
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
+from numba.np.numpy_support import from_dtype  # noqa: E402
 
 MAX_THREADS = 128  # channels per block
 #: Rows whose 16-byte chunks a thread of the vector build loads before it computes and stores any of
@@ -166,7 +170,14 @@ def build_causal_conv1d(codec: Codec, kernel_size: int = 4) -> Any:
 def build_causal_conv1d_vector(codec: Codec, kernel_size: int = 4) -> Any:
     """``build_causal_conv1d``'s kernel with a thread per chunk of ``lanes_for(codec)`` channels: the
     same arguments; x's and out's rows 16-byte aligned and C a whole number of chunks. Launch with grid
-    (ceil(C / lanes / blockDim), ceil(T / rows_per_tile))."""
+    (ceil(C / lanes / blockDim), ceil(T / rows_per_tile)), blockDim <= MAX_THREADS.
+
+    A request's conv state moves through shared memory: the block's channels of one slot are one
+    contiguous run of ``channels x (K-1)`` elements, which the block loads and stores a consecutive
+    element a thread (whole 32-byte sectors a warp), where a thread's own ``lanes x (K-1)`` elements,
+    a ``2 (K-1)``-element stride apart across the warp, would take a sector a thread for every 2-byte
+    access: a decode step's state traffic, which is all of its conv1d but one row of x a request.
+    """
     if kernel_size < 2:
         raise ValueError(f"causal_conv1d: kernel_size must be >= 2, got {kernel_size}")
     load, store = codec.load, codec.store
@@ -174,36 +185,49 @@ def build_causal_conv1d_vector(codec: Codec, kernel_size: int = 4) -> Any:
     hist = kernel_size - 1
     lanes = lanes_for(codec)
     weights_size, window_size, round_words = taps * lanes, hist * lanes, ROWS_IN_FLIGHT * VECTOR_WORDS
+    stage_size = MAX_THREADS * lanes * hist  # one slot's state for the block's channels
+    stage_type = from_dtype(np.dtype(codec.storage_numpy_dtype))
     load_vector, store_vector = build_vector_access()
     get_lane, put_lane = build_lanes(codec)
     words_type = word_type(codec)
 
     @cuda.jit
     def causal_conv1d_vector(x, weight, conv_state, q_indptr, slot_ids, out, rows_per_tile):
-        c0 = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) * lanes
-        if c0 >= x.shape[1]:
-            return
+        # Every thread of the block runs to the end: the state copies are the block's, with barriers.
+        channels = x.shape[1]
+        tid = cuda.threadIdx.x
+        block_c0 = cuda.blockIdx.x * cuda.blockDim.x * lanes
+        block_channels = min(cuda.blockDim.x * lanes, channels - block_c0)
+        c0 = block_c0 + tid * lanes
+        active = c0 < channels
         num_requests = slot_ids.shape[0]
         t0, t1 = row_tile(q_indptr, num_requests, rows_per_tile)
-        if t0 >= t1:
+        if t0 >= t1:  # the block's rows are past the batch: uniform across the block
             return
 
+        stage = cuda.shared.array(stage_size, stage_type)  # [channel of the block, position], as in conv_state
         w = cuda.local.array(weights_size, float32)  # [tap, lane]: every index a constant once unrolled
-        for i in range(taps):
-            for k in range(lanes):
-                w[i * lanes + k] = load(weight[c0 + k, i])
+        if active:
+            for i in range(taps):
+                for k in range(lanes):
+                    w[i * lanes + k] = load(weight[c0 + k, i])
         window = cuda.local.array(window_size, float32)  # [position, lane], oldest position first
         words = cuda.local.array(round_words, words_type)  # [row of the round, word]
 
         b = request_of_row(q_indptr, num_requests, t0)
-        while b < num_requests and q_indptr[b] < t1:
+        while b < num_requests and q_indptr[b] < t1:  # every test below is uniform across the block
             start, end, slot, owns_start, lo, hi = request_rows(q_indptr, slot_ids, b, t0, t1, hist)
-            if lo < hi:
+            with_state = owns_start and end > start  # the block reads and writes the slot's state
+            if with_state:
+                for e in range(tid, block_channels * hist, cuda.blockDim.x):
+                    stage[e] = conv_state[slot, block_c0 + e // hist, e % hist]
+                cuda.syncthreads()
+            if active and lo < hi:
                 for i in range(hist):
                     p = lo - start + i  # position in xfull; < hist means the old state
                     for k in range(lanes):
                         if p < hist:
-                            window[i * lanes + k] = load(conv_state[slot, c0 + k, p])
+                            window[i * lanes + k] = load(stage[(c0 - block_c0 + k) * hist + p])
                         else:
                             window[i * lanes + k] = load(x[start + p - hist, c0 + k])
                 for first in range(lo, hi, ROWS_IN_FLIGHT):  # a round: its rows' loads, then each row in order
@@ -222,15 +246,15 @@ def build_causal_conv1d_vector(codec: Codec, kernel_size: int = 4) -> Any:
                                 window[(hist - 1) * lanes + k] = xt
                                 put_lane(words, r * lanes + k, store(acc / (float32(1.0) + float32(math.exp(-acc)))))
                             store_vector(out, (first + r, c0), words, r * VECTOR_WORDS)
-            if owns_start and end > start:
-                n = end - start  # the new state, as build_causal_conv1d writes it
-                for j in range(hist):
-                    p = n + j
-                    for k in range(lanes):
-                        if p < hist:
-                            conv_state[slot, c0 + k, j] = conv_state[slot, c0 + k, p]
-                        else:
-                            conv_state[slot, c0 + k, j] = x[start + p - hist, c0 + k]
+            if with_state:
+                n = end - start  # the new state, as build_causal_conv1d writes it, from the staged old one
+                for e in range(tid, block_channels * hist, cuda.blockDim.x):
+                    c, p = e // hist, n + e % hist
+                    if p < hist:
+                        conv_state[slot, block_c0 + c, e % hist] = stage[c * hist + p]
+                    else:
+                        conv_state[slot, block_c0 + c, e % hist] = x[start + p - hist, block_c0 + c]
+                cuda.syncthreads()  # the stage is read to the end before the next request's state lands
             b += 1
 
     return causal_conv1d_vector
