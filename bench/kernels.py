@@ -5,7 +5,8 @@
 
 For each kernel (embedding, RMSNorm, fused add + RMSNorm, q/k norm + RoPE,
 SiLU-mul, sigmoid gate, residual add) at prefill-sized bf16 shapes, the
-delta-rule decode step (64 requests of Qwen3.5-9B's linear heads), decode
+delta-rule decode step (64 requests of Qwen3.5-9B's linear heads), Qwen3.5-9B's
+causal conv1d (a prefill chunk, and a decode step of 256 requests), decode
 attention (64 requests x 4096 cached tokens of Qwen3-8B's heads) and GEMM
 prefill attention's causal softmax (the last tile of a 4096-token Qwen3-8B
 prompt: 16384 score rows of 4096 keys), it reports
@@ -65,6 +66,7 @@ class Shapes:
     qwen3_5_head_dim: int
     qwen3_5_rotary_dim: int
     decode_batch: int  # delta rule: decode rows (one token per request), Qwen3.5-9B's linear heads
+    serving_batch: int  # conv1d decode: rows of a serving decode step (max_batch 256), one request each
     linear_key_heads: int
     linear_value_heads: int
     linear_head_dim: int
@@ -75,11 +77,11 @@ class Shapes:
 
 
 def real_shapes(rows: int) -> Shapes:
-    return Shapes(rows, 4096, QWEN3_VOCAB, 12288, 32, 128, 16, 256, 64, 64, 16, 32, 128, 8, 4096, 16, 4096)
+    return Shapes(rows, 4096, QWEN3_VOCAB, 12288, 32, 128, 16, 256, 64, 64, 256, 16, 32, 128, 8, 4096, 16, 4096)
 
 
 SMOKE_SHAPES = Shapes(rows=3, hidden=64, vocab=11, intermediate=32, qwen3_heads=2, qwen3_head_dim=16,
-                      qwen3_5_heads=2, qwen3_5_head_dim=32, qwen3_5_rotary_dim=16, decode_batch=2,
+                      qwen3_5_heads=2, qwen3_5_head_dim=32, qwen3_5_rotary_dim=16, decode_batch=2, serving_batch=3,
                       linear_key_heads=1, linear_value_heads=2, linear_head_dim=8, qwen3_kv_heads=1,
                       decode_context=8, page_size=4, prompt_tokens=13)
 
@@ -413,6 +415,51 @@ def decode_attention_case(env: Env, s: Shapes) -> Case:
     )
 
 
+def conv1d_cases(env: Env, s: Shapes, decode: bool) -> Case:
+    """Qwen3.5-9B's causal conv1d + SiLU (K 4 over conv_dim = 2 Hk dk + Hv dv channels): a prefill chunk of
+    ``rows`` tokens of one request, or a decode step of ``serving_batch`` requests of a row each. Bytes:
+    x read and out written, plus each request's conv state read and written (K - 1 inputs a channel),
+    which is a decode step's most. torch's nearest equivalent: a grouped ``F.conv1d`` over the chunk, or
+    the state's update written out (HF's ``causal_conv1d_update`` fallback)."""
+    from executor.kernels.linear_attention.conv1d import CausalConv1d
+    from executor.kernels.primitives.codec import build_codec
+    from executor.routing import CONV1D_DECODE_ROWS_PER_TILE, CONV1D_PREFILL_ROWS_PER_TILE
+
+    torch = env.torch
+    F = torch.nn.functional
+    taps = 4
+    channels = (2 * s.linear_key_heads + s.linear_value_heads) * s.linear_head_dim
+    requests, rows = (s.serving_batch, s.serving_batch) if decode else (1, s.rows)
+    x, out = env.randn(rows, channels), env.randn(rows, channels)
+    weight = env.randn(channels, taps, scale=0.5)
+    conv_state = env.randn(requests, channels, taps - 1)
+    q_indptr = torch.tensor([0, rows] if not decode else list(range(rows + 1)), dtype=torch.int32, device=env.device)
+    slots = torch.arange(requests, dtype=torch.int32, device=env.device)
+    ours = CausalConv1d(build_codec("bfloat16"),
+                        rows_per_tile=CONV1D_DECODE_ROWS_PER_TILE if decode else CONV1D_PREFILL_ROWS_PER_TILE)
+    args = (x, weight, conv_state, q_indptr, slots, out)
+
+    def torch_op(stream: Any) -> None:
+        if decode:
+            full = torch.cat([conv_state, x[:, :, None]], dim=2)  # [B, C, K]
+            out.copy_(F.silu((full * weight).sum(-1)))
+            conv_state.copy_(full[:, :, 1:])
+        else:
+            conv = F.conv1d(x.T[None], weight[:, None, :], padding=taps - 1, groups=channels)[0, :, :rows]
+            out.copy_(F.silu(conv).T)
+
+    bytes_moved = 2 * rows * channels * BF16_BYTES + 2 * requests * channels * (taps - 1) * BF16_BYTES
+    return Case(
+        "conv1d " + ("decode" if decode else "prefill"),
+        f"{requests} x {rows // requests} x {channels}",
+        bytes_moved,
+        ours.uses_vector(x, out),
+        lambda stream: ours(*args, stream=stream),
+        None,
+        torch_op,
+    )
+
+
 CASE_BUILDERS: dict[str, Callable[[Env, Shapes], Case]] = {
     "embedding": embedding_case,
     "rms_norm": rms_norm_case,
@@ -425,6 +472,8 @@ CASE_BUILDERS: dict[str, Callable[[Env, Shapes], Case]] = {
     "sigmoid_mul": sigmoid_mul_case,
     "residual": residual_case,
     "delta_rule_decode": delta_rule_decode_case,
+    "conv1d_prefill": lambda env, s: conv1d_cases(env, s, decode=False),
+    "conv1d_decode": lambda env, s: conv1d_cases(env, s, decode=True),
     "decode_attention": decode_attention_case,
     "causal_softmax": causal_softmax_case,
 }

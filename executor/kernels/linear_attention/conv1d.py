@@ -307,11 +307,16 @@ class CausalConv1d:
         if rows == 0 or channels == 0:
             return
         kernel, units = self.kernel, channels
-        if channels % self.lanes == 0 and vector_aligned(x, out):
+        if self.uses_vector(x, out):
             kernel, units = self.vector_kernel, channels // self.lanes
         threads = threads_for(units, MAX_THREADS)
         grid = ((units + threads - 1) // threads, (rows + rows_per_tile - 1) // rows_per_tile)
         kernel[grid, threads, stream](x, weight, conv_state, q_indptr, slot_ids, out, rows_per_tile)
+
+
+    def uses_vector(self, x: Any, out: Any) -> bool:
+        """Whether a call with these rows runs the chunk-a-thread build."""
+        return int(x.shape[1]) % self.lanes == 0 and vector_aligned(x, out)
 
 
 def _check_rows_per_tile(rows_per_tile: int) -> None:
