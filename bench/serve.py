@@ -40,7 +40,7 @@ by its arrivals, so its row shows none.
 
 Each memplan row's counters also give the garbage collector's pauses during the run (``gc.callbacks``)
 and the gaps between the read-backs of the steps that carry decode rows, grouped by the step's prefill
-tokens (a p99 per group: which steps make the TPOT tail), with the host seconds their launches took.
+tokens (a p99 per group: which steps make the ITL tail), with the host seconds their launches took.
 ``--profile-kernels N`` runs the first workload once more under torch.profiler and lists its N
 longest-running kernels; ``--profile-host N`` runs the last one once more under cProfile and lists the N
 functions the host spent the most of its own time in (where a launch's host time goes); with
@@ -49,7 +49,7 @@ functions the host spent the most of its own time in (where a launch's host time
 ``--hf``: HF transformers continuous batching (the manager ``generate_batch`` drives, SDPA, greedy, EOS off)
 on the same prompts, output lengths and arrival times, after memplan's model is released; run outside
 ``torch.inference_mode`` (its background thread updates tensors in place). Its clock starts after the
-manager's warm-up; TTFT and TPOT come from its per-token timestamps. "x HF" = HF's wall / memplan's.
+manager's warm-up; TTFT, TPOT and ITL come from its per-token timestamps. "x HF" = HF's wall / memplan's.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def serving_plan(model_name: str, args: argparse.Namespace, max_batch: int | Non
 
 class CollectorPauses:
     """The garbage collector's pauses while it is entered (``gc.callbacks``): the serving loop's host
-    thread stops for each, so a long one shows up in TPOT p99."""
+    thread stops for each, so a long one shows up in ITL p99."""
 
     def __init__(self) -> None:
         self.started = 0.0
@@ -276,7 +276,7 @@ def gap_group_label(group: int) -> str:
 
 
 def step_gaps(report: EngineReport) -> str:
-    """The gaps between read-backs of the steps that carry decode rows (what their requests' TPOT is
+    """The gaps between read-backs of the steps that carry decode rows (what their requests' ITL is
     made of), grouped by the step's prefill tokens: count, p50 and p99 ms a group, and the p50 and p99
     of the host's launch of those steps (a gap shorter than the next step's launch waits for it)."""
     from executor.serving_figures import percentile_ms
@@ -353,17 +353,19 @@ def run_hf(hf: torch.nn.Module, workload: Workload) -> ServingFigures:
                 raise RuntimeError(f"HF's generation loop stopped with {len(finished)} of "
                                    f"{len(workload.prompts)} requests finished")
         wall_s = time.perf_counter() - start
-    ttfts, tpots = [], []
+    ttfts, tpots, itls = [], [], []
     for request_id, result in finished.items():
         stamps = result.timestamps or []
         if stamps:
             ttfts.append(stamps[0] - submitted[request_id][1])
-            tpots += [b - a for a, b in zip(stamps, stamps[1:])]
+            itls += [b - a for a, b in zip(stamps, stamps[1:])]
+        if len(stamps) > 1:
+            tpots.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
     outputs = sum(len(r.generated_tokens) for r in finished.values())
     if outputs != sum(workload.outputs):
         raise RuntimeError(f"HF generated {outputs} of {sum(workload.outputs)} tokens")
     return ServingFigures.from_samples(len(finished), sum(len(p) for p in workload.prompts), outputs, wall_s,
-                                       ttfts, tpots)
+                                       ttfts, tpots, itls)
 
 
 # -- the run --------------------------------------------------------------------------------------------------------

@@ -104,6 +104,13 @@ class EngineReport:
 
     @property
     def tpots(self) -> list[float]:
+        """Per request of two or more tokens: its mean gap after the first token (vLLM's TPOT)."""
+        return [(r.token_times_s[-1] - r.token_times_s[0]) / (len(r.token_times_s) - 1)
+                for r in self.results if len(r.token_times_s) > 1]
+
+    @property
+    def itls(self) -> list[float]:
+        """Every gap between two consecutive tokens of a request, pooled (vLLM's inter-token latency)."""
         return [latency for r in self.results for latency in r.token_latencies_s[1:]]
 
 

@@ -1,5 +1,5 @@
 """The closing report of ``memplan run`` (stderr): planned vs allocated bytes per pool, the device's view
-(allocator and cudaMemGetInfo), warm-up and decode-graph capture, throughput, TTFT and TPOT percentiles, the
+(allocator and cudaMemGetInfo), warm-up and decode-graph capture, throughput, TTFT, TPOT and ITL percentiles, the
 prefix cache, KV pages and recurrent slots at peak vs planned, preemptions, allocations after warm-up."""
 
 from __future__ import annotations

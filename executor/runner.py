@@ -13,7 +13,7 @@ stdout (or ``--out``): one JSONL line per request, written and flushed as it fin
 plus ``"error"`` for a rejected one. A single ``--prompt`` streams its text to stdout instead (the line
 goes to ``--out`` only). stderr: a progress line every ~2 s and at the end, then planned vs allocated
 bytes per pool, the device allocator's view (CUDA), requests and tokens/s, the weights, EOS ids and
-sampling defaults, TTFT and TPOT p50/p99, the prefix-cache hit rate, peak KV pages and recurrent slots
+sampling defaults, TTFT, TPOT and ITL p50/p99, the prefix-cache hit rate, peak KV pages and recurrent slots
 vs the plan, preemptions and allocations after warm-up (CUDA).
 
 A request the plan can never hold (prompt + max_new_tokens over max_context, more KV pages than the pool,

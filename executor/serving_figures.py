@@ -6,7 +6,10 @@
 - output tokens/s = output tokens / wall; total tokens/s = (prompt + output tokens) / wall (every prompt token
   counts, also one the prefix cache held); requests/s = requests / wall;
 - TTFT: a request's first token time less its arrival time (queueing included), per request;
-- TPOT: the gaps between a request's consecutive tokens, pooled over the requests (vLLM's inter-token latency);
+- TPOT: a request's mean gap between its tokens after the first (its last token time less its first, over its
+  tokens less one), per request of two or more tokens (vLLM's time per output token);
+- ITL: the gaps between a request's consecutive tokens, pooled over the requests (vLLM's inter-token latency):
+  a step that stalls decode rows shows in its tail, where a request's TPOT averages it with the others;
 - percentiles: ``percentile_ms`` (inclusive quantiles), in ms; None without samples.
 
 ``ServingFigures.of`` reads an engine report; ``from_samples`` takes the same counts and latency samples from
@@ -28,7 +31,7 @@ if TYPE_CHECKING:
 
 #: The columns ``ServingFigures.markdown_cells`` fills, in order.
 MARKDOWN_HEADERS = ("requests", "output tok/s", "total tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms",
-                    "TPOT p50 ms", "TPOT p99 ms", "wall s")
+                    "TPOT p50 ms", "TPOT p99 ms", "ITL p50 ms", "ITL p99 ms", "wall s")
 
 
 @dataclass(frozen=True)
@@ -43,25 +46,29 @@ class ServingFigures:
     ttft_ms_p99: float | None
     tpot_ms_p50: float | None
     tpot_ms_p99: float | None
+    itl_ms_p50: float | None
+    itl_ms_p99: float | None
     ttft_samples: int
     tpot_samples: int
+    itl_samples: int
 
     @classmethod
     def of(cls, report: EngineReport) -> ServingFigures:
         ran = [r for r in report.results if r.finish_reason != FINISH_REJECTED]
         return cls.from_samples(len(ran), sum(r.prompt_len for r in ran), sum(len(r.output_ids) for r in ran),
-                                report.wall_s, report.ttfts, report.tpots)
+                                report.wall_s, report.ttfts, report.tpots, report.itls)
 
     @classmethod
     def from_samples(cls, requests: int, prompt_tokens: int, output_tokens: int, wall_s: float,
-                     ttfts_s: Sequence[float], tpots_s: Sequence[float]) -> ServingFigures:
-        """The figures of ``requests`` that ran in ``wall_s``, from their TTFTs and token gaps in seconds."""
+                     ttfts_s: Sequence[float], tpots_s: Sequence[float], itls_s: Sequence[float]) -> ServingFigures:
+        """The figures of ``requests`` that ran in ``wall_s``, from their TTFTs, TPOTs and token gaps in seconds."""
 
         def percentile(values: Sequence[float], q: int) -> float | None:
             return percentile_ms(values, q) if values else None
 
         return cls(requests, prompt_tokens, output_tokens, wall_s, percentile(ttfts_s, 50), percentile(ttfts_s, 99),
-                   percentile(tpots_s, 50), percentile(tpots_s, 99), len(ttfts_s), len(tpots_s))
+                   percentile(tpots_s, 50), percentile(tpots_s, 99), percentile(itls_s, 50), percentile(itls_s, 99),
+                   len(ttfts_s), len(tpots_s), len(itls_s))
 
     def _per_s(self, count: int) -> float:
         return count / self.wall_s if self.wall_s > 0 else math.nan
@@ -79,18 +86,20 @@ class ServingFigures:
         return self._per_s(self.requests)
 
     def lines(self) -> list[str]:
-        """The throughput line, then the TTFT and TPOT lines."""
+        """The throughput line, then the TTFT, TPOT and ITL lines."""
         return [f"throughput: {self.output_tokens_per_s:,.1f} output tokens/s, {self.total_tokens_per_s:,.1f} total "
                 f"tokens/s, {self.requests_per_s:,.2f} requests/s ({self.requests} requests, "
                 f"{self.prompt_tokens:,} prompt + {self.output_tokens:,} output tokens in {self.wall_s:.3f} s)",
                 f"TTFT: {_percentiles(self.ttft_ms_p50, self.ttft_ms_p99, self.ttft_samples)}",
-                f"TPOT: {_percentiles(self.tpot_ms_p50, self.tpot_ms_p99, self.tpot_samples)}"]
+                f"TPOT: {_percentiles(self.tpot_ms_p50, self.tpot_ms_p99, self.tpot_samples, 'requests')}",
+                f"ITL: {_percentiles(self.itl_ms_p50, self.itl_ms_p99, self.itl_samples, 'gaps')}"]
 
     def markdown_cells(self) -> list[str]:
         """The MARKDOWN_HEADERS cells."""
         return [f"{self.requests:,}", _number(self.output_tokens_per_s, 1), _number(self.total_tokens_per_s, 1),
                 _number(self.requests_per_s, 2), _number(self.ttft_ms_p50, 1), _number(self.ttft_ms_p99, 1),
-                _number(self.tpot_ms_p50, 2), _number(self.tpot_ms_p99, 2), _number(self.wall_s, 2)]
+                _number(self.tpot_ms_p50, 2), _number(self.tpot_ms_p99, 2), _number(self.itl_ms_p50, 2),
+                _number(self.itl_ms_p99, 2), _number(self.wall_s, 2)]
 
     def markdown_row(self, leading: Sequence[str] = (), trailing: Sequence[str] = ()) -> str:
         """A markdown table row: ``leading`` cells, the MARKDOWN_HEADERS cells, ``trailing`` cells."""
@@ -121,7 +130,7 @@ def _number(value: float | None, digits: int) -> str:
     return "n/a" if value is None or not math.isfinite(value) else f"{value:,.{digits}f}"
 
 
-def _percentiles(p50: float | None, p99: float | None, samples: int) -> str:
+def _percentiles(p50: float | None, p99: float | None, samples: int, unit: str = "samples") -> str:
     if p50 is None or p99 is None:
-        return "n/a (no samples)"
-    return f"p50 {p50:,.3f} ms, p99 {p99:,.3f} ms ({samples} samples)"
+        return f"n/a (no {unit})"
+    return f"p50 {p50:,.3f} ms, p99 {p99:,.3f} ms ({samples} {unit})"
