@@ -72,10 +72,14 @@ CHUNKED_DELTA_RULE_NARROW_SCAN_SMS_PER_BLOCK = 2
 #: and 16 rows still leave a 16,384-token step a million threads.
 CONV1D_PREFILL_ROWS_PER_TILE = 16
 
-#: Decode rows (a request's one row) take this many rows a thread: a tile of decode rows is that many
-#: requests, whose conv states a thread loads and stores one request after another. At 16 rows a tile a
-#: batch-256 decode step's conv1d took 95.6 us a layer on the H200 (Qwen3.5-9B, bench/profile_decode.py
-#: --batch 256), 2.3 ms of the step's 20.6, for 12.6 MB of state and 8 MB of rows.
+#: Decode rows (a request's one row) take this many rows a block: a tile of decode rows is that many
+#: requests, whose conv states the block stages one request after another, so one row a block puts
+#: every request's state copy in flight at once. A batch-256 decode step's conv1d (Qwen3.5-9B,
+#: bench/profile_decode.py --batch 256) took 95.6 us a layer on the H200 at 16 rows a tile (2.3 ms of
+#: the step's 20.6, for 12.6 MB of state and 8 MB of rows), 97.7 us on the H100 at one row a tile with
+#: a thread's own state accesses, and 90.8 us there with the state staged by the block
+#: (bench/kernels.py conv1d_decode: 84.8 us, 13% of the copy bandwidth): a block's chain of dependent
+#: loads, not its bytes, sets the time.
 CONV1D_DECODE_ROWS_PER_TILE = 1
 
 #: FlashAttention prefill runs on warpgroup tensor-core products (attention/flash_wgmma.py: the
@@ -161,7 +165,7 @@ ROUTES: tuple[Route, ...] = (
           "a thread's rows share the inputs before them"),
     Route("any", "conv1d (Qwen3.5)", "decode rows (a decode step's, the leading rows of a prefill step)",
           "linear_attention/conv1d.py CausalConv1d, CONV1D_DECODE_ROWS_PER_TILE rows a thread",
-          "a request a thread: its state's loads are not queued behind other requests'"),
+          "a request a block: its state's copy is not queued behind other requests'"),
     Route("prefill", "gates, gated norm (Qwen3.5)", "always",
           "delta_rule.py GdnGates, rows/gated_norm.py", "one launch each"),
     Route("prefill", "gated delta rule (Qwen3.5)", "the decode rows (one-row chunks) a prefill step starts with "
