@@ -322,7 +322,7 @@ def run_hf(hf: torch.nn.Module, workload: Workload) -> ServingFigures:
     """The workload through HF's continuous-batching manager (see the module docstring)."""
     from transformers import GenerationConfig
 
-    from executor.serving_figures import ServingFigures
+    from executor.serving_figures import ServingFigures, request_tpot_s, token_gaps_s
 
     config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(workload.outputs))
     options = {"generation_config": config, "block": True, "timeout": 30}
@@ -358,9 +358,9 @@ def run_hf(hf: torch.nn.Module, workload: Workload) -> ServingFigures:
         stamps = result.timestamps or []
         if stamps:
             ttfts.append(stamps[0] - submitted[request_id][1])
-            itls += [b - a for a, b in zip(stamps, stamps[1:])]
-        if len(stamps) > 1:
-            tpots.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+        itls += token_gaps_s(stamps)
+        if (tpot := request_tpot_s(stamps)) is not None:
+            tpots.append(tpot)
     outputs = sum(len(r.generated_tokens) for r in finished.values())
     if outputs != sum(workload.outputs):
         raise RuntimeError(f"HF generated {outputs} of {sum(workload.outputs)} tokens")

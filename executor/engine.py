@@ -40,7 +40,7 @@ import torch
 from executor.models.decoder import DecoderModel
 from executor.page_tables import PageTables
 from executor.scheduler import FINISH_STOP, Request, ScheduledStep, Scheduler, SchedulerStats, StepChunk
-from executor.serving_figures import percentile_ms
+from executor.serving_figures import percentile_ms, request_tpot_s, token_gaps_s
 from executor.step import RequestChunk, plan_step
 from planner.plan import MemoryPlan
 
@@ -105,13 +105,12 @@ class EngineReport:
     @property
     def tpots(self) -> list[float]:
         """Per request of two or more tokens: its mean gap after the first token (vLLM's TPOT)."""
-        return [(r.token_times_s[-1] - r.token_times_s[0]) / (len(r.token_times_s) - 1)
-                for r in self.results if len(r.token_times_s) > 1]
+        return [tpot for r in self.results if (tpot := request_tpot_s(r.token_times_s)) is not None]
 
     @property
     def itls(self) -> list[float]:
         """Every gap between two consecutive tokens of a request, pooled (vLLM's inter-token latency)."""
-        return [latency for r in self.results for latency in r.token_latencies_s[1:]]
+        return [gap for r in self.results for gap in token_gaps_s(r.token_times_s)]
 
 
 class Engine:

@@ -106,6 +106,18 @@ class ServingFigures:
         return markdown_line([*leading, *self.markdown_cells(), *trailing])
 
 
+def request_tpot_s(token_times_s: Sequence[float]) -> float | None:
+    """A request's TPOT from its token times: its mean gap after the first token; None below two tokens."""
+    if len(token_times_s) < 2:
+        return None
+    return (token_times_s[-1] - token_times_s[0]) / (len(token_times_s) - 1)
+
+
+def token_gaps_s(token_times_s: Sequence[float]) -> list[float]:
+    """A request's ITL samples from its token times: the gaps between consecutive tokens."""
+    return [later - earlier for earlier, later in zip(token_times_s, token_times_s[1:])]
+
+
 def percentile_ms(values_s: Sequence[float], q: int) -> float:
     """The ``q``-th percentile (1-99) of ``values_s`` in ms: inclusive quantiles (linear interpolation at
     q x (n - 1) / 100 of the sorted values); one value is itself, none is NaN."""

@@ -322,7 +322,6 @@ class CausalConv1d:
         grid = ((units + threads - 1) // threads, (rows + rows_per_tile - 1) // rows_per_tile)
         kernel[grid, threads, stream](x, weight, conv_state, q_indptr, slot_ids, out, rows_per_tile)
 
-
     def uses_vector(self, x: Any, out: Any) -> bool:
         """Whether a call with these rows runs the chunk-a-thread build."""
         return int(x.shape[1]) % self.lanes == 0 and vector_aligned(x, out)
