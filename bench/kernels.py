@@ -420,7 +420,9 @@ def conv1d_cases(env: Env, s: Shapes, decode: bool) -> Case:
     ``rows`` tokens of one request, or a decode step of ``serving_batch`` requests of a row each. Bytes:
     x read and out written, plus each request's conv state read and written (K - 1 inputs a channel),
     which is a decode step's most. torch's nearest equivalent: a grouped ``F.conv1d`` over the chunk, or
-    the state's update written out (HF's ``causal_conv1d_update`` fallback)."""
+    the state's update written out (HF's ``causal_conv1d_update`` fallback). Decode runs
+    ``CausalConv1d.decode`` (the decode build); its "scalar" is the general build it falls back to, at
+    CONV1D_DECODE_ROWS_PER_TILE rows a tile."""
     from executor.kernels.linear_attention.conv1d import CausalConv1d
     from executor.kernels.primitives.codec import build_codec
     from executor.routing import CONV1D_DECODE_ROWS_PER_TILE, CONV1D_PREFILL_ROWS_PER_TILE
@@ -453,9 +455,9 @@ def conv1d_cases(env: Env, s: Shapes, decode: bool) -> Case:
         "conv1d " + ("decode" if decode else "prefill"),
         f"{requests} x {rows // requests} x {channels}",
         bytes_moved,
-        ours.uses_vector(x, out),
-        lambda stream: ours(*args, stream=stream),
-        None,
+        ours.decode_views(x, weight, conv_state, out) is not None if decode else ours.uses_vector(x, out),
+        (lambda stream: ours.decode(*args, stream=stream)) if decode else (lambda stream: ours(*args, stream=stream)),
+        (lambda stream: ours(*args, stream=stream)) if decode else None,
         torch_op,
     )
 

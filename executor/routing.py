@@ -72,14 +72,15 @@ CHUNKED_DELTA_RULE_NARROW_SCAN_SMS_PER_BLOCK = 2
 #: and 16 rows still leave a 16,384-token step a million threads.
 CONV1D_PREFILL_ROWS_PER_TILE = 16
 
-#: Decode rows (a request's one row) take this many rows a block: a tile of decode rows is that many
-#: requests, whose conv states the block stages one request after another, so one row a block puts
-#: every request's state copy in flight at once. A batch-256 decode step's conv1d (Qwen3.5-9B,
-#: bench/profile_decode.py --batch 256) took 95.6 us a layer on the H200 at 16 rows a tile (2.3 ms of
-#: the step's 20.6, for 12.6 MB of state and 8 MB of rows), 97.7 us on the H100 at one row a tile with
-#: a thread's own state accesses, and 90.8 us there with the state staged by the block
-#: (bench/kernels.py conv1d_decode: 84.8 us, 13% of the copy bandwidth): a block's chain of dependent
-#: loads, not its bytes, sets the time.
+#: Decode rows (a request's one row) whose rows or state are not whole aligned 16-byte chunks run the
+#: general build at this many rows a block (CausalConv1d.decode's fallback; aligned ones run the decode
+#: build, a thread per row and chunk of channels): a tile of decode rows is that many requests, whose
+#: conv states the block stages one request after another, so one row a block puts every request's
+#: state copy in flight at once. A batch-256 decode step's conv1d (Qwen3.5-9B, bench/profile_decode.py
+#: --batch 256) took 95.6 us a layer on the H200 at 16 rows a tile (2.3 ms of the step's 20.6, for 12.6
+#: MB of state and 8 MB of rows), 97.7 us on the H100 at one row a tile with a thread's own state
+#: accesses, and 90.8 us there with the state staged by the block (bench/kernels.py conv1d_decode: 84.8
+#: us, 13% of the copy bandwidth): a block's chain of dependent loads, not its bytes, sets the time.
 CONV1D_DECODE_ROWS_PER_TILE = 1
 
 #: FlashAttention prefill runs on warpgroup tensor-core products (attention/flash_wgmma.py: the
@@ -163,7 +164,11 @@ ROUTES: tuple[Route, ...] = (
     Route("prefill", "conv1d (Qwen3.5)", "the chunks' rows",
           "linear_attention/conv1d.py CausalConv1d, CONV1D_PREFILL_ROWS_PER_TILE rows a thread",
           "a thread's rows share the inputs before them"),
-    Route("any", "conv1d (Qwen3.5)", "decode rows (a decode step's, the leading rows of a prefill step)",
+    Route("any", "conv1d (Qwen3.5)", "decode rows (a decode step's, the leading rows of a prefill step), "
+          "rows and state of whole aligned 16-byte chunks",
+          "linear_attention/conv1d.py CausalConv1d.decode (a thread per row and chunk of channels)",
+          "every access a 16-byte vector, one dependent load (the state after its slot), no barrier"),
+    Route("any", "conv1d (Qwen3.5)", "decode rows otherwise",
           "linear_attention/conv1d.py CausalConv1d, CONV1D_DECODE_ROWS_PER_TILE rows a thread",
           "a request a block: its state's copy is not queued behind other requests'"),
     Route("prefill", "gates, gated norm (Qwen3.5)", "always",

@@ -20,7 +20,6 @@ from executor.models.flash_prefill_attention import FlashPrefillAttention
 from executor.models.launchers import Kernels, NormStyle
 from executor.models.prefill_attention import GemmPrefillAttention
 from executor.models.projections import Projections
-from executor.routing import CONV1D_DECODE_ROWS_PER_TILE
 
 
 class Mixer(Protocol):
@@ -207,14 +206,13 @@ class LinearAttention:
         g, beta = step.role("gate_g"), step.role("gate_beta")
         delta_out = step.role("delta_out").view(n, self.heads, self.dv)
         if step.pool == "decode":
-            k_.conv1d(mixed, self.conv_weight, self.conv_state, q_indptr, slot_ids, conv_out, stream=stream,
-                      rows_per_tile=CONV1D_DECODE_ROWS_PER_TILE)
+            k_.conv1d.decode(mixed, self.conv_weight, self.conv_state, q_indptr, slot_ids, conv_out, stream=stream)
             k_.delta_rule_decode(conv_out, g, beta, self.ssm_state, q_indptr, slot_ids, delta_out, stream=stream)
             return
         d = step.leading_decode_rows  # executor/routing.py: the leading decode rows, then the chunks
         if d:
-            k_.conv1d(mixed[:d], self.conv_weight, self.conv_state, q_indptr[: d + 1], slot_ids[:d], conv_out[:d],
-                      stream=stream, rows_per_tile=CONV1D_DECODE_ROWS_PER_TILE)
+            k_.conv1d.decode(mixed[:d], self.conv_weight, self.conv_state, q_indptr[: d + 1], slot_ids[:d],
+                             conv_out[:d], stream=stream)
         k_.conv1d(mixed, self.conv_weight, self.conv_state, q_indptr[d:], slot_ids[d:], conv_out, stream=stream)
         if d:
             k_.delta_rule_decode(conv_out, g, beta, self.ssm_state, q_indptr[: d + 1], slot_ids[:d], delta_out,

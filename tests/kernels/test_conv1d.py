@@ -201,6 +201,61 @@ def test_matches_hf_update_and_fn():
     assert torch.equal(state[0].float(), hf_state[0, :, 1:])
 
 
+def run_decode(conv, x, weight, state, slot_ids, dtype_name):
+    """``conv.decode`` on storage copies (row b request b's one row); (out, new state) as float64."""
+    state_store = to_storage(state, dtype_name)
+    out = poisoned(tuple(x.shape), dtype_name)
+    rows = x.shape[0]
+    conv.decode(to_storage(x, dtype_name), to_storage(weight, dtype_name), state_store,
+                np.arange(rows + 1, dtype=np.int32), np.asarray(slot_ids, np.int32), out)
+    return from_storage(out, dtype_name), from_storage(state_store, dtype_name)
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_decode_build_matches_reference_and_the_general_build(dtype_name):
+    """Decode rows in slots 4, 1, 3 and a padding row (slot -1) over two blocks of channels, the second
+    ragged: the decode build runs (aligned chunks), equals the reference, and gives the general build's
+    bits; the padding row's output and the untouched slots 0, 2 stay as they were."""
+    lanes = 8 if dtype_name == "bfloat16" else 4
+    gen = torch.Generator().manual_seed(60)
+    slot_ids = [4, 1, -1, 3]
+    x, weight, state = make_inputs(gen, 4, lanes * 133, 5, dtype_name)
+    conv = CausalConv1d(build_codec(dtype_name))
+    assert conv.decode_views(to_storage(x, dtype_name), to_storage(weight, dtype_name),
+                             to_storage(state, dtype_name), poisoned(tuple(x.shape), dtype_name)) is not None
+    got, got_state = run_decode(conv, x, weight, state, slot_ids, dtype_name)
+    rows = [0, 1, 3]
+    ref, ref_state = ref_conv(x[rows], weight, state, [0, 1, 2, 3], [4, 1, 3])
+    assert_close_rel(got[rows], ref, TOL[dtype_name])
+    assert torch.equal(got_state, ref_state)
+    assert torch.isnan(got[2]).all()
+    general, general_state = run_conv(conv, x, weight, state, [0, 1, 2, 3, 4], slot_ids, dtype_name)
+    assert torch.equal(got[rows], general[rows])
+    assert torch.equal(got_state, general_state)
+
+
+def test_decode_of_misaligned_rows_runs_the_general_build():
+    """Rows of 66 float32 channels (not whole 16-byte chunks) have no decode views; decode still gives the
+    reference through the channel-a-thread build."""
+    gen = torch.Generator().manual_seed(61)
+    x, weight, state = make_inputs(gen, 3, 66, 3, "float32")
+    conv = CausalConv1d(build_codec("float32"))
+    stored = [to_storage(t, "float32") for t in (x, weight, state, x)]
+    assert conv.decode_views(*stored) is None
+    got, got_state = run_decode(conv, x, weight, state, [2, 0, 1], "float32")
+    ref, ref_state = ref_conv(x, weight, state, [0, 1, 2, 3], [2, 0, 1])
+    assert_close_rel(got, ref, TOL["float32"])
+    assert torch.equal(got_state, ref_state)
+
+
+def test_decode_refuses_rows_that_are_not_one_a_request():
+    conv = CausalConv1d(build_codec("float32"))
+    x = np.zeros((3, CHANNELS), np.float32)
+    with pytest.raises(ValueError, match="3 rows for 2 requests"):
+        conv.decode(x, np.zeros((CHANNELS, K), np.float32), np.zeros((2, CHANNELS, K - 1), np.float32),
+                    np.asarray([0, 1, 3], np.int32), np.asarray([0, 1], np.int32), np.zeros_like(x))
+
+
 def test_shape_errors():
     conv = CausalConv1d(build_codec("float32"))
     x = np.zeros((2, 8), np.float32)
@@ -220,13 +275,17 @@ def test_shape_errors():
 def test_compiles_for_sm90():
     compile_for_sm90(
         """
-        from executor.kernels.linear_attention.conv1d import build_causal_conv1d, build_causal_conv1d_vector
+        from executor.kernels.linear_attention.conv1d import (build_causal_conv1d, build_causal_conv1d_decode,
+                                                              build_causal_conv1d_vector)
         i32 = arr("int32", 1)
         for name in DTYPES:
             args = (arr(name, 2), arr(name, 2), arr(name, 3), i32, i32, arr(name, 2), types.int64)
             ptx(build_causal_conv1d(build_codec(name)), *args)
             text = ptx(build_causal_conv1d_vector(build_codec(name)), *args)
             assert ".local" not in text, f"{name}: local memory"
+            text = ptx(build_causal_conv1d_decode(build_codec(name)), arr(name, 2), arr(name, 2), arr(name, 2), i32,
+                       arr(name, 2))
+            assert ".local" not in text, f"{name}: decode build, local memory"
         """
     )
 
@@ -263,6 +322,28 @@ def test_gpu_prefill_batch_bf16():
     ref, ref_state = ref_conv(x.double().cpu(), weight.double().cpu(), before.double().cpu(), q_indptr, slot_ids)
     assert_close_rel(out.double().cpu(), ref, 1e-2)
     assert torch.equal(state.double().cpu(), ref_state)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_build_equals_the_general_build_bf16():
+    """256 decode rows (the last a padding row) in permuted slots: the decode build gives the general
+    build's bits, outputs and states."""
+    rows = 256
+    x, weight, state = gpu_inputs(rows, rows, 62)
+    slots = torch.randperm(rows, generator=torch.Generator().manual_seed(62)).tolist()
+    slots[-1] = -1
+    conv = CausalConv1d(build_codec("bfloat16"))
+    general_state = state.clone()
+    general = gpu_run(conv, x, weight, general_state, list(range(rows + 1)), slots)
+    out = torch.full_like(x, float("nan"))
+    words = [t.view(torch.int16) for t in (x, weight, state)]
+    assert conv.decode_views(words[0], words[1], words[2], out.view(torch.int16)) is not None
+    conv.decode(*words, torch.arange(rows + 1, dtype=torch.int32, device="cuda"),
+                torch.tensor(slots, dtype=torch.int32, device="cuda"), out.view(torch.int16))
+    torch.cuda.synchronize()
+    assert torch.equal(out[:-1], general[:-1])
+    assert torch.isnan(out[-1]).all()
+    assert torch.equal(state, general_state)
 
 
 @pytest.mark.gpu

@@ -41,10 +41,10 @@ import numpy as np
 from executor.kernels.primitives.codec import Codec
 from executor.kernels.primitives.launch import Kernel
 from executor.kernels.primitives.reduce import threads_for
-from executor.kernels.primitives.vector import (VECTOR_WORDS, build_lanes, build_vector_access, lanes_for,
-                                                vector_aligned, word_type)
+from executor.kernels.primitives.vector import (VECTOR_WORDS, build_lanes, build_vector_access,
+                                                contiguous_aligned, lanes_for, vector_aligned, word_type)
 from executor.numba_cuda import load_cuda
-from executor.routing import CONV1D_PREFILL_ROWS_PER_TILE
+from executor.routing import CONV1D_DECODE_ROWS_PER_TILE, CONV1D_PREFILL_ROWS_PER_TILE
 
 cuda = load_cuda()
 from numba import float32  # noqa: E402  (after load_cuda's numpy fix)
@@ -269,6 +269,65 @@ def build_causal_conv1d_vector(codec: Codec, kernel_size: int = 4) -> Any:
     return causal_conv1d_vector
 
 
+def build_causal_conv1d_decode(codec: Codec, kernel_size: int = 4) -> Any:
+    """The decode build: kernel ``(x, weight, conv_state, slot_ids, out)`` for rows that are each one
+    request's one row (row b is request b's), a thread per (row, chunk of ``lanes_for(codec)``
+    channels). x, out [B, C] with 16-byte aligned rows of whole chunks; weight as one row [1, C K] and
+    conv_state as [slots, C (K-1)] (their contiguous bytes); slot_ids [B] int32 (-1: a padding row,
+    skipped). Launch with grid (ceil(C / lanes / blockDim), B).
+
+    A thread's channels' K taps and K-1 state inputs are contiguous runs of whole 16-byte chunks, so
+    every access is a 16-byte vector and the only dependent load is the state after its slot: no
+    request search, no shared memory, no barrier. The arithmetic is ``build_causal_conv1d``'s in its
+    order (the same bits), and the new state is the old one shifted by the row's input, as stored.
+    """
+    if kernel_size < 2:
+        raise ValueError(f"causal_conv1d: kernel_size must be >= 2, got {kernel_size}")
+    load, store = codec.load, codec.store
+    taps = kernel_size
+    hist = kernel_size - 1
+    lanes = lanes_for(codec)
+    load_vector, store_vector = build_vector_access()
+    get_lane, put_lane = build_lanes(codec)
+    words_type = word_type(codec)
+    weight_words, state_words = taps * VECTOR_WORDS, hist * VECTOR_WORDS
+
+    @cuda.jit
+    def causal_conv1d_decode(x, weight, conv_state, slot_ids, out):
+        c0 = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) * lanes
+        row = cuda.blockIdx.y
+        if c0 >= x.shape[1]:
+            return
+        slot = slot_ids[row]
+        if slot < 0:
+            return
+        inputs = cuda.local.array(VECTOR_WORDS, words_type)
+        outputs = cuda.local.array(VECTOR_WORDS, words_type)
+        w = cuda.local.array(weight_words, words_type)  # [lane, tap] as weight stores them
+        old = cuda.local.array(state_words, words_type)  # [lane, position] as conv_state stores them
+        new = cuda.local.array(state_words, words_type)
+        load_vector(x, (row, c0), inputs, 0)
+        for v in range(taps):
+            load_vector(weight, (0, c0 * taps + v * lanes), w, v * VECTOR_WORDS)
+        for v in range(hist):
+            load_vector(conv_state, (slot, c0 * hist + v * lanes), old, v * VECTOR_WORDS)
+        for k in range(lanes):
+            xt = load(get_lane(inputs, k))
+            acc = load(get_lane(w, k * taps + hist)) * xt
+            for i in range(hist):
+                acc += load(get_lane(w, k * taps + i)) * load(get_lane(old, k * hist + i))
+            put_lane(outputs, k, store(acc / (float32(1.0) + float32(math.exp(-acc)))))
+        store_vector(out, (row, c0), outputs, 0)
+        for k in range(lanes):  # each lane's window shifted by one, the row's input last
+            for i in range(hist - 1):
+                put_lane(new, k * hist + i, get_lane(old, k * hist + i + 1))
+            put_lane(new, k * hist + hist - 1, get_lane(inputs, k))
+        for v in range(hist):
+            store_vector(conv_state, (slot, c0 * hist + v * lanes), new, v * VECTOR_WORDS)
+
+    return causal_conv1d_decode
+
+
 class CausalConv1d:
     """Launcher: causal depthwise conv1d + SiLU over a batch, updating the conv state in place.
 
@@ -296,6 +355,7 @@ class CausalConv1d:
         self.lanes = lanes_for(codec)
         self.kernel = Kernel(build_causal_conv1d(codec, kernel_size))
         self.vector_kernel = Kernel(build_causal_conv1d_vector(codec, kernel_size))
+        self.decode_kernel = Kernel(build_causal_conv1d_decode(codec, kernel_size))
 
     def __call__(
         self,
@@ -322,9 +382,68 @@ class CausalConv1d:
         grid = ((units + threads - 1) // threads, (rows + rows_per_tile - 1) // rows_per_tile)
         kernel[grid, threads, stream](x, weight, conv_state, q_indptr, slot_ids, out, rows_per_tile)
 
+    def decode(
+        self,
+        x: Any,
+        weight: Any,
+        conv_state: Any,
+        q_indptr: Any,
+        slot_ids: Any,
+        out: Any,
+        stream: Any = 0,
+    ) -> None:
+        """``__call__`` for rows that are each one request's one row (row b is request b's: q_indptr 0, 1,
+        .., B), a decode step's or a prefill step's leading decode rows: the decode build where x, out,
+        weight and conv_state are whole aligned 16-byte chunks (``decode_views``), else ``__call__`` at
+        CONV1D_DECODE_ROWS_PER_TILE rows a tile."""
+        rows, channels = _check_shapes(x, weight, conv_state, q_indptr, slot_ids, out, self.kernel_size)
+        if rows != int(slot_ids.shape[0]):
+            raise ValueError(f"causal_conv1d decode: {rows} rows for {int(slot_ids.shape[0])} requests; decode "
+                             f"rows are one a request")
+        if rows == 0 or channels == 0:
+            return
+        views = self.decode_views(x, weight, conv_state, out)
+        if views is None:
+            self(x, weight, conv_state, q_indptr, slot_ids, out, stream=stream, rows_per_tile=CONV1D_DECODE_ROWS_PER_TILE)
+            return
+        weight_row, state_rows = views
+        units = channels // self.lanes
+        threads = threads_for(units, MAX_THREADS)
+        self.decode_kernel[((units + threads - 1) // threads, rows), threads, stream](
+            x, weight_row, state_rows, slot_ids, out)
+
+    def decode_views(self, x: Any, weight: Any, conv_state: Any, out: Any) -> tuple[Any, Any] | None:
+        """(weight as one row [1, C K], conv_state as [slots, C (K-1)]): the same bytes, as the decode
+        build reads them; None unless a channel's taps and state are contiguous and every 16-byte chunk
+        of x, out and those views is aligned."""
+        taps, hist = self.kernel_size, self.kernel_size - 1
+        if int(x.shape[1]) % self.lanes or not contiguous_aligned(weight):
+            return None
+        slots, channels = int(conv_state.shape[0]), int(conv_state.shape[1])
+        if _strides(conv_state)[1:] != (hist, 1) and channels * hist > 1:
+            return None
+        weight_row = _merged(weight, (1, channels * taps))
+        state_rows = _merged(conv_state, (slots, channels * hist))
+        return (weight_row, state_rows) if vector_aligned(x, out, weight_row, state_rows) else None
+
     def uses_vector(self, x: Any, out: Any) -> bool:
         """Whether a call with these rows runs the chunk-a-thread build."""
         return int(x.shape[1]) % self.lanes == 0 and vector_aligned(x, out)
+
+
+def _strides(a: Any) -> tuple[int, ...]:
+    """Strides in elements (torch tensor, numpy or simulator array)."""
+    if hasattr(a, "data_ptr"):
+        return tuple(int(s) for s in a.stride())
+    return tuple(int(s) // int(a.dtype.itemsize) for s in a.strides)
+
+
+def _merged(a: Any, shape: tuple[int, int]) -> Any:
+    """A view of ``a`` (its trailing axes contiguous) with those axes merged into ``shape``'s second:
+    never a copy, which would leave the kernel's writes out of ``a``."""
+    if hasattr(a, "data_ptr"):
+        return a.view(shape)
+    return np.lib.stride_tricks.as_strided(a, shape=shape, strides=(a.strides[0], a.dtype.itemsize))
 
 
 def _check_rows_per_tile(rows_per_tile: int) -> None:
