@@ -14,7 +14,7 @@ state. The script reports, per model's linear heads (Qwen3.5-9B: Hk 16, Hv 32; 2
   ``--shapes`` entry (chunk:dv_tile:warps:solve_block[:buffers]; ``default`` is the launcher's routed shapes:
   GPU_SHAPE, its scan at GPU_NARROW_SHAPE where GPU_SHAPE's scan grid leaves SMs idle; the row names the scan
   shape it ran), with the registers and local (spilled) bytes a thread of each of its launches holds
-  (prepare + scan);
+  and each launch's time alone (prepare + scan);
 - recurrent: ``executor.kernels.linear_attention.delta_rule.GatedDeltaRule`` (the default prefill route);
 - fla: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` when importable (q and k repeated to the
   value heads beforehand, untimed, as HF's layer calls it; ``cu_seqlens`` for several requests).
@@ -105,7 +105,8 @@ def relative_error(torch: Any, got: Any, want: Any) -> float:
 
 def measure(torch: Any, runtime: Any, heads: Heads, requests: int, tokens: int, shapes: list[Any], repeats: int,
             smoke: bool) -> list[list[str]]:
-    """Rows [kernel, registers, us, recurrent / it, fla / it, rel. err vs recurrent, rel. err vs fla]."""
+    """Rows [kernel, registers, us, prepare + scan us (each launch alone), recurrent / it, fla / it, rel. err
+    vs recurrent, rel. err vs fla]."""
     import torch.nn.functional as F
 
     from executor.kernels.linear_attention.chunked_delta_rule import ChunkedGatedDeltaRule, ChunkScratch
@@ -130,12 +131,12 @@ def measure(torch: Any, runtime: Any, heads: Heads, requests: int, tokens: int, 
                            torch.empty(rows, hv, DELTA_RULE_CHUNK, dtype=torch.bfloat16, device=device),
                            torch.empty(rows, hv, DELTA_RULE_ROW_SCALARS, device=device))
 
-    def runner(rule: Any) -> tuple[Any, Any]:
+    def runner(rule: Any) -> tuple[Any, Any, tuple]:
         state = initial.clone()
         out = torch.empty(rows, hv, dv, device=device).bfloat16()
         bits = (qkv.view(torch.int16), g, beta, state, q_indptr, slot_ids, out.view(torch.int16))
         extra = {"scratch": scratch} if isinstance(rule, ChunkedGatedDeltaRule) else {}
-        return (lambda: rule(*bits, **extra, stream=stream)), (out, state)
+        return (lambda: rule(*bits, **extra, stream=stream)), (out, state), bits
 
     recurrent_rule = GatedDeltaRule(codec, dk, **({"dk_split": 1} if smoke else {}))
     candidates = [("recurrent", recurrent_rule, "n/a")]
@@ -146,16 +147,21 @@ def measure(torch: Any, runtime: Any, heads: Heads, requests: int, tokens: int, 
     outputs: dict[str, Any] = {}
     times: dict[str, float | None] = {}
     registers: dict[str, str] = {}
+    parts: dict[str, str] = {}
     for name, rule, regs in candidates:
-        call, (out, _) = runner(rule)
+        call, (out, _), bits = runner(rule)
         call()  # compiles; the first output is the one compared (every call starts from its own state copy)
         outputs[name] = out.clone()
+        parts[name] = "n/a"
         if regs is None:  # the launches that ran: the prepare pass, the routed scan
             prepare, scan = rule.kernel(dv)[1][0][0], rule.scan(dv, rule.scan_shape(dv, hv, requests))[1]
             regs = f"{kernel_registers(prepare)} + {kernel_registers(scan)}"
+            if not smoke:  # each launch alone (the scan reruns on the state the last call left: the same work)
+                launches = rule.launches(*bits, scratch=scratch, stream=stream)
+                parts[name] = " + ".join(fmt(event_median_us(launch, repeats), 1) for _, launch in launches)
         registers[name] = regs
         times[name] = None if smoke else event_median_us(call, repeats)
-        log(f"{requests}x{tokens} {name}: {fmt(times[name], 1)} us")
+        log(f"{requests}x{tokens} {name}: {fmt(times[name], 1)} us ({parts[name]})")
     fla_out, fla_us = None, None
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -181,13 +187,13 @@ def measure(torch: Any, runtime: Any, heads: Heads, requests: int, tokens: int, 
     recurrent_us = times["recurrent"]
     for name, _, _ in candidates:
         us = times[name]
-        table.append([name, registers[name], fmt(us, 1),
+        table.append([name, registers[name], fmt(us, 1), parts[name],
                       fmt(recurrent_us / us) if us and recurrent_us else "n/a",
                       fmt(fla_us / us) if us and fla_us else "n/a",
                       f"{relative_error(torch, outputs[name], outputs['recurrent']):.2e}",
                       f"{relative_error(torch, outputs[name], fla_out):.2e}" if fla_out is not None else "n/a"])
     if fla_us is not None:
-        table.append(["fla chunk_gated_delta_rule", "n/a", fmt(fla_us, 1), fmt(recurrent_us / fla_us), "1.00",
+        table.append(["fla chunk_gated_delta_rule", "n/a", fmt(fla_us, 1), "n/a", fmt(recurrent_us / fla_us), "1.00",
                       f"{relative_error(torch, fla_out, outputs['recurrent']):.2e}", "0"])
     return table
 
@@ -224,9 +230,9 @@ def main() -> None:
             for row in measure(torch, runtime, heads, requests, tokens, shapes, args.repeats, args.smoke):
                 rows.append([model, f"{requests} x {tokens:,}", *row])
     table = markdown_table(["model", "requests x tokens", "kernel (chunk:dv_tile:warps:solve_block:buffers)",
-                            "registers / local bytes", "us", "recurrent / it", "fla / it",
+                            "registers / local bytes", "us", "prepare + scan us", "recurrent / it", "fla / it",
                             "rel. err vs recurrent", "rel. err vs fla"],
-                           rows, [False, False, False, False, True, True, True, True, True])
+                           rows, [False, False, False, False, True, True, True, True, True, True])
     emit("Gated delta rule of one layer (bench/delta_rule.py)", run_info(runtime.torch_device), table, args.out)
 
 

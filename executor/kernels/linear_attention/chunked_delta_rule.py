@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from planner.kernel_limits import DELTA_RULE_CHUNK, DELTA_RULE_ROW_SCALARS
 
@@ -1132,32 +1132,41 @@ class ChunkedGatedDeltaRule:
 
     def __call__(self, qkv: Any, g: Any, beta: Any, ssm_state: Any, q_indptr: Any, slot_ids: Any, out: Any,
                  scratch: ChunkScratch | None = None, stream: Any = 0) -> None:
+        for _, launch in self.launches(qkv, g, beta, ssm_state, q_indptr, slot_ids, out, scratch, stream):
+            launch()
+
+    def launches(self, qkv: Any, g: Any, beta: Any, ssm_state: Any, q_indptr: Any, slot_ids: Any, out: Any,
+                 scratch: ChunkScratch | None = None, stream: Any = 0) -> list[tuple[str, Callable[[], None]]]:
+        """The call's launches in order, each as (name, launch): ``prepare`` then ``scan`` on tensor cores,
+        ``chunked`` for the float32 build, ``recurrent`` for the fallback, none for an empty call.
+        ``__call__`` runs them; bench/delta_rule.py times them apart."""
         v_heads, dv, requests = check_delta_rule_shapes(qkv, g, beta, ssm_state, q_indptr, slot_ids, out,
                                                         self.head_k_dim)
         if requests == 0 or int(qkv.shape[0]) == 0:
-            return
+            return []
         if self.tensor_cores and not vector_aligned(qkv):
             if self.fallback is None:
                 raise ValueError("chunked delta rule: qkv rows must be 16-byte aligned and contiguous")
-            self.fallback(qkv, g, beta, ssm_state, q_indptr, slot_ids, out, stream=stream)
-            return
+            fallback = self.fallback
+            return [("recurrent", lambda: fallback(qkv, g, beta, ssm_state, q_indptr, slot_ids, out, stream=stream))]
         shape, launches = self.kernel(dv)
         if not self.tensor_cores:
             (kernel, shared), = launches
-            kernel[(-(-dv // shape.dv_tile), v_heads, requests), shape.threads, stream, shared](
-                qkv, g, beta, ssm_state, q_indptr, slot_ids, out)
-            return
+            launch = kernel[(-(-dv // shape.dv_tile), v_heads, requests), shape.threads, stream, shared]
+            return [("chunked", lambda: launch(qkv, g, beta, ssm_state, q_indptr, slot_ids, out))]
         transform, gram, scalars = self.check_scratch(scratch, int(qkv.shape[0]), v_heads, shape.chunk)
         (prepare, prepare_shared), _ = launches
-        prepare[(int(qkv.shape[0]) // shape.chunk + requests, v_heads), shape.threads, stream, prepare_shared](
-            qkv, g, beta, q_indptr, slot_ids, transform, gram, scalars)
+        prepare_launch = prepare[(int(qkv.shape[0]) // shape.chunk + requests, v_heads), shape.threads, stream,
+                                 prepare_shared]
         scan_args = (qkv, ssm_state, q_indptr, slot_ids, transform, gram, scalars, as_words(out))
         if dv not in self.readied:  # both scans, so a later step of another request count compiles nothing
             for ready in {self.shape, self.narrow_shape} - {None}:
                 self.scan(dv, ready)[1].prepare(*scan_args)
             self.readied.add(dv)
         scan_shape, scan, scan_shared = self.scan(dv, self.scan_shape(dv, v_heads, requests))
-        scan[(dv // scan_shape.dv_tile, v_heads, requests), scan_shape.threads, stream, scan_shared](*scan_args)
+        scan_launch = scan[(dv // scan_shape.dv_tile, v_heads, requests), scan_shape.threads, stream, scan_shared]
+        return [("prepare", lambda: prepare_launch(qkv, g, beta, q_indptr, slot_ids, transform, gram, scalars)),
+                ("scan", lambda: scan_launch(*scan_args))]
 
     @staticmethod
     def check_scratch(scratch: ChunkScratch | None, rows: int, v_heads: int, chunk: int) -> tuple[Any, Any, Any]:
