@@ -232,8 +232,10 @@ def test_misaligned_qkv_runs_the_fallback():
 
 
 def test_shape_errors_name_the_shape():
-    with pytest.raises(ValueError, match="must divide chunk"):
+    with pytest.raises(ValueError, match="solve_block 6 must be a multiple of 4"):
         check_shape(16, ChunkShape(16, 16, 1, 6), tensor_cores=False)
+    with pytest.raises(ValueError, match="dividing chunk 24"):
+        check_shape(16, ChunkShape(24, 16, 1, 16), tensor_cores=False)
     with pytest.raises(ValueError, match="head_k_dim 24 must be a multiple of 16"):
         check_shape(24, ChunkShape(16, 16, 1, 8), tensor_cores=True)
     with pytest.raises(ValueError, match="2 warps cannot take one of 3 row tiles each"):

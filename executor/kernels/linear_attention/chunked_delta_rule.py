@@ -77,7 +77,8 @@ from executor.kernels.primitives.indices import build_indices
 from executor.kernels.primitives.launch import BLOCK_THREADS, WARP_THREADS, Kernel, multiprocessor_count
 from executor.kernels.primitives.mma import build_a_fragment_load, build_fragment_loads, build_mma_bf16, build_pack_bf16x2
 from executor.kernels.primitives.shared_tile import build_shared_tile
-from executor.kernels.primitives.vector import as_words, vector_aligned
+from executor.kernels.primitives.vector import (as_words, build_shared_vector_load, build_shared_vector_store,
+                                                vector_aligned)
 from executor.numba_cuda import launch_bounds, load_cuda, simulator_enabled
 from executor.routing import CHUNKED_DELTA_RULE_NARROW_SCAN_SMS_PER_BLOCK
 
@@ -238,9 +239,10 @@ def shared_layouts(head_k_dim: int, shape: ChunkShape, tensor_cores: bool) -> tu
 def check_shape(head_k_dim: int, shape: ChunkShape, tensor_cores: bool) -> None:
     """Raise ValueError unless the kernels can be built for this shape."""
     C, SB = shape.chunk, shape.solve_block
-    if C < 1 or SB < 1 or C % SB or WARP_THREADS % SB or SB * C < shape.threads:
-        raise ValueError(f"chunked delta rule: solve_block {SB} must divide chunk {C} and {WARP_THREADS} (a lane a "
-                         f"row), with solve_block x chunk >= the block's {shape.threads} threads")
+    if C < 1 or SB < 4 or SB % 4 or C % SB or WARP_THREADS % SB or SB * C < shape.threads:
+        raise ValueError(f"chunked delta rule: solve_block {SB} must be a multiple of 4 (the merge's four columns a "
+                         f"thread) dividing chunk {C} and {WARP_THREADS} (a lane a row), with solve_block x chunk >= "
+                         f"the block's {shape.threads} threads")
     if shape.buffers not in (1, 2):
         raise ValueError(f"chunked delta rule: buffers must be 1 or 2, got {shape.buffers}")
     if shape.dv_tile < 1 or shape.warps < 1 or shape.threads > BLOCK_THREADS:
@@ -366,19 +368,25 @@ class _RowMath:
 
         SPAN = WARP_THREADS // SB  # diagonal blocks a warp inverts at once, SB lanes each
         exchange = _build_row_exchange(C)
+        SKIP_IDLE_WARPS = not simulator_enabled()
+        load_quad, store_quad = build_shared_vector_load(), build_shared_vector_store()
 
         @cuda.jit(device=True, inline=True)
         def diagonal_inverses(af, tf, mf, tid):
             """tf's diagonal blocks <- the inverses of (I + A)'s, by forward substitution over rows: lane i
             of a block's SB lanes holds row i of its inverse in registers, and at step j every row below
             j takes A[i, j] times row j, which lane j (final by then) shuffles to the others. The column
-            loops unroll (constant indices); every thread of the block takes every step, those past the
-            last block with A read as 0 (mf: the simulator's exchange scratch)."""
+            loops unroll (constant indices); lanes past the last block take every step with A read as 0,
+            and on the GPU a warp with no block skips them (in the simulator every thread takes part in
+            the exchange's barriers; mf is its scratch)."""
             lane = tid % WARP_THREADS
             i = lane % SB
             row = cuda.local.array(SB, float32)
             for first in range(0, NB, SPAN * NW):
-                block = first + SPAN * (tid // WARP_THREADS) + lane // SB
+                warp_first = first + SPAN * (tid // WARP_THREADS)
+                if SKIP_IDLE_WARPS and warp_first >= NB:
+                    continue  # the warp holds no block: on the GPU its exchange is its own shuffle, so it may skip
+                block = warp_first + lane // SB
                 base = block * SB
                 for c in range(SB):
                     row[c] = float32(1.0) if c == i else float32(0.0)
@@ -391,36 +399,64 @@ class _RowMath:
                     for c in range(SB):
                         tf[U(base + i), U(base + c)] = row[c]
 
-        BLOCK = SB * SB
+        QUADS = SB // 4  # a thread's four adjacent columns of a block row: one 16-byte shared load a step
+        ITEMS = SB * QUADS  # a block's (row, quad) items
 
         @cuda.jit(device=True, inline=True)
         def merge_blocks(af, tf, mf, tid):
             """tf's blocks below the diagonal, by their distance d from it: T_IJ = -T_II sum_{J <= K < I}
             A_IK T_KJ reads only blocks nearer the diagonal, so the NB - d blocks at distance d are
-            computed at once, a thread an element (mf, an [SB, C] tile, holds their sums). Every loop
-            over a block's SB columns has constant bounds (it unrolls). Starts and ends with a barrier."""
+            computed at once, a thread four adjacent elements of a row (mf, an [SB, C] tile, holds their
+            sums): a step of a sum is one load of A (or T) and one 16-byte load of four T (or X) values
+            for four products. Every loop over a block's SB columns has constant bounds (it unrolls).
+            Starts and ends with a barrier."""
+            quad = cuda.local.array(4, float32)
             for d in range(1, NB):
                 cuda.syncthreads()
-                for e in range(tid, (NB - d) * BLOCK, NT):  # the sums X_IJ = sum_K A_IK T_KJ, J = e // BLOCK
-                    j = e // BLOCK
-                    r = (e - j * BLOCK) // SB
-                    c = e - j * BLOCK - r * SB
+                for e in range(tid, (NB - d) * ITEMS, NT):  # the sums X_IJ = sum_K A_IK T_KJ, J = e // ITEMS
+                    j = e // ITEMS
+                    r = (e - j * ITEMS) // QUADS
+                    c = j * SB + 4 * (e - j * ITEMS - r * QUADS)
                     row = (j + d) * SB + r
-                    acc = float32(0.0)
+                    x0 = float32(0.0)
+                    x1 = float32(0.0)
+                    x2 = float32(0.0)
+                    x3 = float32(0.0)
                     for k in range(j, j + d):
                         for u in range(SB):
-                            acc += af[U(row), U(k * SB + u)] * tf[U(k * SB + u), U(j * SB + c)]
-                    mf[U(r), U(j * SB + c)] = acc
+                            a = af[U(row), U(k * SB + u)]
+                            load_quad(tf, (U(k * SB + u), U(c)), quad, 0)
+                            x0 += a * quad[0]
+                            x1 += a * quad[1]
+                            x2 += a * quad[2]
+                            x3 += a * quad[3]
+                    quad[0] = x0
+                    quad[1] = x1
+                    quad[2] = x2
+                    quad[3] = x3
+                    store_quad(mf, (U(r), U(c)), quad, 0)
                 cuda.syncthreads()
-                for e in range(tid, (NB - d) * BLOCK, NT):  # T_IJ = -T_II X_IJ
-                    j = e // BLOCK
-                    r = (e - j * BLOCK) // SB
-                    c = e - j * BLOCK - r * SB
+                for e in range(tid, (NB - d) * ITEMS, NT):  # T_IJ = -T_II X_IJ
+                    j = e // ITEMS
+                    r = (e - j * ITEMS) // QUADS
+                    c = j * SB + 4 * (e - j * ITEMS - r * QUADS)
                     i = (j + d) * SB
-                    acc = float32(0.0)
+                    y0 = float32(0.0)
+                    y1 = float32(0.0)
+                    y2 = float32(0.0)
+                    y3 = float32(0.0)
                     for u in range(SB):
-                        acc += tf[U(i + r), U(i + u)] * mf[u, U(j * SB + c)]
-                    tf[U(i + r), U(j * SB + c)] = -acc
+                        t = tf[U(i + r), U(i + u)]
+                        load_quad(mf, (U(u), U(c)), quad, 0)
+                        y0 += t * quad[0]
+                        y1 += t * quad[1]
+                        y2 += t * quad[2]
+                        y3 += t * quad[3]
+                    quad[0] = -y0
+                    quad[1] = -y1
+                    quad[2] = -y2
+                    quad[3] = -y3
+                    store_quad(tf, (U(i + r), U(c)), quad, 0)
             cuda.syncthreads()
 
         @cuda.jit(device=True, inline=True)
