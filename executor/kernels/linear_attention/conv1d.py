@@ -62,12 +62,8 @@ ROWS_IN_FLIGHT = 4
 def request_of_row(q_indptr, num_requests, row):
     """The request b whose rows ``q_indptr[b] <= row < q_indptr[b+1]`` hold ``row`` (binary search).
 
-    Empty requests are skipped: the largest b with ``q_indptr[b] <= row`` wins. A decode batch's row
-    ``row`` is request ``row`` (a row a request), which two independent loads confirm before any search:
-    a decode launch's block then waits for one load, not for the search's chain of dependent ones.
+    Empty requests are skipped: the largest b with ``q_indptr[b] <= row`` wins.
     """
-    if row < num_requests and q_indptr[row] <= row and row < q_indptr[row + 1]:
-        return row
     lo = 0
     hi = num_requests
     while hi - lo > 1:
@@ -189,8 +185,7 @@ def build_causal_conv1d_vector(codec: Codec, kernel_size: int = 4) -> Any:
     hist = kernel_size - 1
     lanes = lanes_for(codec)
     weights_size, window_size, round_words = taps * lanes, hist * lanes, ROWS_IN_FLIGHT * VECTOR_WORDS
-    share = lanes * hist  # a thread's most elements of the staged state (blockDim x share cover the block's)
-    stage_size = MAX_THREADS * share  # one slot's state for the block's channels
+    stage_size = MAX_THREADS * lanes * hist  # one slot's state for the block's channels
     stage_type = from_dtype(np.dtype(codec.storage_numpy_dtype))
     load_vector, store_vector = build_vector_access()
     get_lane, put_lane = build_lanes(codec)
@@ -223,11 +218,9 @@ def build_causal_conv1d_vector(codec: Codec, kernel_size: int = 4) -> Any:
         while b < num_requests and q_indptr[b] < t1:  # every test below is uniform across the block
             start, end, slot, owns_start, lo, hi = request_rows(q_indptr, slot_ids, b, t0, t1, hist)
             with_state = owns_start and end > start  # the block reads and writes the slot's state
-            if with_state:  # a thread's share in a constant count of rounds: its loads all in flight at once
-                for j in range(share):
-                    e = tid + j * cuda.blockDim.x
-                    if e < block_channels * hist:
-                        stage[e] = conv_state[slot, block_c0 + e // hist, e % hist]
+            if with_state:
+                for e in range(tid, block_channels * hist, cuda.blockDim.x):
+                    stage[e] = conv_state[slot, block_c0 + e // hist, e % hist]
                 cuda.syncthreads()
             if active and lo < hi:
                 for i in range(hist):
@@ -255,14 +248,12 @@ def build_causal_conv1d_vector(codec: Codec, kernel_size: int = 4) -> Any:
                             store_vector(out, (first + r, c0), words, r * VECTOR_WORDS)
             if with_state:
                 n = end - start  # the new state, as build_causal_conv1d writes it, from the staged old one
-                for j in range(share):
-                    e = tid + j * cuda.blockDim.x
-                    if e < block_channels * hist:
-                        c, p = e // hist, n + e % hist
-                        if p < hist:
-                            conv_state[slot, block_c0 + c, e % hist] = stage[c * hist + p]
-                        else:
-                            conv_state[slot, block_c0 + c, e % hist] = x[start + p - hist, block_c0 + c]
+                for e in range(tid, block_channels * hist, cuda.blockDim.x):
+                    c, p = e // hist, n + e % hist
+                    if p < hist:
+                        conv_state[slot, block_c0 + c, e % hist] = stage[c * hist + p]
+                    else:
+                        conv_state[slot, block_c0 + c, e % hist] = x[start + p - hist, block_c0 + c]
                 cuda.syncthreads()  # the stage is read to the end before the next request's state lands
             b += 1
 
