@@ -80,7 +80,9 @@ CONV1D_PREFILL_ROWS_PER_TILE = 16
 #: --batch 256) took 95.6 us a layer on the H200 at 16 rows a tile (2.3 ms of the step's 20.6, for 12.6
 #: MB of state and 8 MB of rows), 97.7 us on the H100 at one row a tile with a thread's own state
 #: accesses, and 90.8 us there with the state staged by the block (bench/kernels.py conv1d_decode: 84.8
-#: us, 13% of the copy bandwidth): a block's chain of dependent loads, not its bytes, sets the time.
+#: us, 13% of the copy bandwidth): a block's chain of dependent loads, not its bytes, sets the time. The
+#: decode build takes 11.0 us for the same launch on the H100 (bench/kernels.py conv1d_decode, against
+#: 115.1 for this fallback in the same run).
 CONV1D_DECODE_ROWS_PER_TILE = 1
 
 #: FlashAttention prefill runs on warpgroup tensor-core products (attention/flash_wgmma.py: the
