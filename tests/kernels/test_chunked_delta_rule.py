@@ -219,6 +219,32 @@ def test_narrow_scan_shape_must_share_the_prepare_pass():
                               narrow_shape=ChunkShape(16, 16, 1, 4))
 
 
+def test_launches_are_named_in_order():
+    """What bench/delta_rule.py times apart: bf16 on aligned rows runs prepare then scan, the float32
+    build one chunked launch, misaligned rows the recurrent fallback, an empty call nothing."""
+    hk, hv, dk, dv = 1, 1, 16, 16
+    gen = torch.Generator().manual_seed(33)
+    qkv, g, beta, state = inputs(gen, 5, 1, "bfloat16", hk, hv, dk, dv)
+    state_np, g_np, beta_np = state.numpy().copy(), g.numpy().copy(), beta.numpy().copy()
+    out = poisoned((5, hv, dv), "bfloat16")
+    batch = (np.asarray([0, 5], np.int32), np.asarray([0], np.int32))
+    codec = build_codec("bfloat16")
+    tensor_cores = ChunkedGatedDeltaRule(codec, dk, fallback=GatedDeltaRule(codec, dk), shape=ChunkShape(16, 16, 1, 8))
+    stored = to_storage(qkv, "bfloat16")
+    names = [name for name, _ in tensor_cores.launches(stored, g_np, beta_np, state_np, *batch, out,
+                                                       scratch=scratch(5, hv))]
+    assert names == ["prepare", "scan"]
+    wide = np.zeros((5, stored.shape[1] + 1), np.int16)[:, 1:]
+    assert [name for name, _ in tensor_cores.launches(wide, g_np, beta_np, state_np, *batch, out)] == ["recurrent"]
+    float32 = ChunkedGatedDeltaRule(build_codec("float32"), dk, shape=FLOAT32_SHAPE)
+    qkv32 = to_storage(qkv, "float32")
+    assert [name for name, _ in float32.launches(qkv32, g_np, beta_np, state_np, *batch,
+                                                 poisoned((5, hv, dv), "float32"))] == ["chunked"]
+    empty = (np.asarray([0, 0], np.int32), np.asarray([0], np.int32))
+    assert float32.launches(qkv32[:0], g_np[:0], beta_np[:0], state_np, *empty,
+                            poisoned((0, hv, dv), "float32")) == []
+
+
 def test_misaligned_qkv_runs_the_fallback():
     """A qkv view whose rows are not 16-byte aligned goes to the recurrent launcher, unchanged."""
     calls = []

@@ -395,7 +395,8 @@ class CausalConv1d:
             return
         views = self.decode_views(x, weight, conv_state, out)
         if views is None:
-            self(x, weight, conv_state, q_indptr, slot_ids, out, stream=stream, rows_per_tile=CONV1D_DECODE_ROWS_PER_TILE)
+            self(x, weight, conv_state, q_indptr, slot_ids, out, stream=stream,
+                 rows_per_tile=CONV1D_DECODE_ROWS_PER_TILE)
             return
         weight_row, state_rows = views
         units = channels // self.lanes
