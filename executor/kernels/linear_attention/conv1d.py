@@ -25,10 +25,12 @@ K-1 predecessors from ``x``, which this kernel never writes.
 
 Accumulation and SiLU in float32; one rounding to storage at the end.
 
-Two builds of that kernel, the same arithmetic in the same order (the same bits): a thread per
+Three builds of that kernel, the same arithmetic in the same order (the same bits): a thread per
 channel, or, where x's and out's rows are whole 16-byte aligned chunks, a thread per chunk of
 channels (8 bf16 or 4 float32), which reads and writes each row's chunk as one 16-byte access
-(vector.py) instead of a 2-byte access per channel.
+(vector.py) instead of a 2-byte access per channel; and for decode rows (a request's one row each),
+a thread per row and chunk of channels whose weights and state are 16-byte accesses too, with no
+search for the row's request and no shared state (``build_causal_conv1d_decode``).
 """
 
 from __future__ import annotations
@@ -334,7 +336,8 @@ class CausalConv1d:
     Rows ``>= q_indptr[B]`` are left untouched. No scratch. x and out with 16-byte aligned rows of
     whole chunks run the chunk-a-thread build, other views the channel-a-thread one (module docstring).
     A thread takes ``rows_per_tile`` rows (the launcher's, or the call's: routing.py's
-    CONV1D_PREFILL_ROWS_PER_TILE for chunks, CONV1D_DECODE_ROWS_PER_TILE for decode rows).
+    CONV1D_PREFILL_ROWS_PER_TILE for chunks). Decode rows go through ``decode``: the decode build, or
+    these at CONV1D_DECODE_ROWS_PER_TILE rows a tile where its accesses would not be aligned.
     """
 
     def __init__(
