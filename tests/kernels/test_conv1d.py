@@ -248,6 +248,25 @@ def test_decode_of_misaligned_rows_runs_the_general_build():
     assert torch.equal(got_state, ref_state)
 
 
+def test_decode_state_slots_off_16_bytes_run_the_general_build():
+    """conv_state slots of a wider buffer (each slot's channels contiguous, slots 198 bytes apart) have no
+    decode views; decode gives the general build's bits and leaves the buffer's extra channel alone."""
+    gen = torch.Generator().manual_seed(62)
+    x, weight, state = make_inputs(gen, 2, 32, 2, "bfloat16")
+    conv = CausalConv1d(build_codec("bfloat16"))
+    # torch views (the simulator takes a strided torch view as it is; a strided numpy array it would copy)
+    wide = torch.from_numpy(to_storage(torch.cat([state, torch.ones(2, 1, K - 1, dtype=state.dtype)], dim=1),
+                                       "bfloat16"))
+    slots = wide[:, :32, :]
+    x_s, w_s, out = to_storage(x, "bfloat16"), to_storage(weight, "bfloat16"), poisoned((2, 32), "bfloat16")
+    assert conv.decode_views(x_s, w_s, slots, out) is None
+    conv.decode(x_s, w_s, slots, np.arange(3, dtype=np.int32), np.asarray([1, 0], np.int32), out)
+    general, general_state = run_conv(conv, x, weight, state, [0, 1, 2], [1, 0], "bfloat16")
+    assert torch.equal(from_storage(out, "bfloat16"), general)
+    assert torch.equal(from_storage(wide.numpy(), "bfloat16")[:, :32], general_state)
+    assert (from_storage(wide.numpy(), "bfloat16")[:, 32] == 1).all()
+
+
 def test_decode_refuses_rows_that_are_not_one_a_request():
     conv = CausalConv1d(build_codec("float32"))
     x = np.zeros((3, CHANNELS), np.float32)
