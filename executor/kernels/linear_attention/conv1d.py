@@ -43,7 +43,7 @@ import numpy as np
 from executor.kernels.primitives.codec import Codec
 from executor.kernels.primitives.launch import Kernel
 from executor.kernels.primitives.reduce import threads_for
-from executor.kernels.primitives.vector import (VECTOR_WORDS, build_lanes, build_vector_access,
+from executor.kernels.primitives.vector import (VECTOR_WORDS, array_layout, build_lanes, build_vector_access,
                                                 contiguous_aligned, lanes_for, vector_aligned, word_type)
 from executor.numba_cuda import load_cuda
 from executor.routing import CONV1D_DECODE_ROWS_PER_TILE, CONV1D_PREFILL_ROWS_PER_TILE
@@ -178,7 +178,8 @@ def build_causal_conv1d_vector(codec: Codec, kernel_size: int = 4) -> Any:
     contiguous run of ``channels x (K-1)`` elements, which the block loads and stores a consecutive
     element a thread (whole 32-byte sectors a warp), where a thread's own ``lanes x (K-1)`` elements,
     a ``2 (K-1)``-element stride apart across the warp, would take a sector a thread for every 2-byte
-    access: a decode step's state traffic, which is all of its conv1d but one row of x a request.
+    access. The state moves here for a request's first tile of a chunk and for decode rows whose
+    accesses the decode build cannot take (``CausalConv1d.decode``'s fallback).
     """
     if kernel_size < 2:
         raise ValueError(f"causal_conv1d: kernel_size must be >= 2, got {kernel_size}")
@@ -367,8 +368,14 @@ class CausalConv1d:
             rows_per_tile = self.rows_per_tile
         else:
             _check_rows_per_tile(rows_per_tile)
-        if rows == 0 or channels == 0:
-            return
+        if rows and channels:
+            self._launch_general(x, weight, conv_state, q_indptr, slot_ids, out, stream, rows_per_tile)
+
+    def _launch_general(self, x: Any, weight: Any, conv_state: Any, q_indptr: Any, slot_ids: Any, out: Any,
+                        stream: Any, rows_per_tile: int) -> None:
+        """The chunk-a-thread build where x's and out's rows allow it, else the channel-a-thread one (shapes
+        checked, at least one row and channel)."""
+        rows, channels = int(x.shape[0]), int(x.shape[1])
         kernel, units = self.kernel, channels
         if self.uses_vector(x, out):
             kernel, units = self.vector_kernel, channels // self.lanes
@@ -398,8 +405,7 @@ class CausalConv1d:
             return
         views = self.decode_views(x, weight, conv_state, out)
         if views is None:
-            self(x, weight, conv_state, q_indptr, slot_ids, out, stream=stream,
-                 rows_per_tile=CONV1D_DECODE_ROWS_PER_TILE)
+            self._launch_general(x, weight, conv_state, q_indptr, slot_ids, out, stream, CONV1D_DECODE_ROWS_PER_TILE)
             return
         weight_row, state_rows = views
         units = channels // self.lanes
@@ -415,7 +421,8 @@ class CausalConv1d:
         if int(x.shape[1]) % self.lanes or not contiguous_aligned(weight):
             return None
         slots, channels = int(conv_state.shape[0]), int(conv_state.shape[1])
-        if _strides(conv_state)[1:] != (hist, 1) and channels * hist > 1:
+        layout = array_layout(conv_state)
+        if layout.strides_bytes[1:] != (hist * layout.itemsize_bytes, layout.itemsize_bytes):
             return None
         weight_row = _merged(weight, (1, channels * taps))
         state_rows = _merged(conv_state, (slots, channels * hist))
@@ -424,13 +431,6 @@ class CausalConv1d:
     def uses_vector(self, x: Any, out: Any) -> bool:
         """Whether a call with these rows runs the chunk-a-thread build."""
         return int(x.shape[1]) % self.lanes == 0 and vector_aligned(x, out)
-
-
-def _strides(a: Any) -> tuple[int, ...]:
-    """Strides in elements (torch tensor, numpy or simulator array)."""
-    if hasattr(a, "data_ptr"):
-        return tuple(int(s) for s in a.stride())
-    return tuple(int(s) // int(a.dtype.itemsize) for s in a.strides)
 
 
 def _merged(a: Any, shape: tuple[int, int]) -> Any:
