@@ -38,6 +38,11 @@ A shared prefix counts once for either model (memplan's Qwen3.5 computes it per 
 is not paged). "ideal / wall" is the share of the ideal the engine reaches; an arrival workload's wall is set
 by its arrivals, so its row shows none.
 
+The engine's own steps are priced the same way (``step_ideal_s``: a step's prefill FLOPs plus, with decode
+rows, the decode step they make) and grouped by their prefill tokens: each group's measured seconds (the
+steps' read-back gaps summed) against its ideal says which steps lose the time, and all steps' ideals summed
+against the workload's ideal what the schedule itself adds.
+
 Each memplan row's counters also give the garbage collector's pauses during the run (``gc.callbacks``)
 and the gaps between the read-backs of the steps that carry decode rows, grouped by the step's prefill
 tokens (a p99 per group: which steps make the ITL tail), with the host seconds their launches took.
@@ -132,6 +137,17 @@ class Row:
     ideal: IdealTime
     note: str = ""  # why an HF run has no figures
     counters: str = ""  # memplan's steps, batch, preemptions, prefix hits and allocations after warm-up
+    step_groups: tuple[StepGroup, ...] = ()  # memplan's steps by prefill tokens, against their ideal
+
+
+@dataclass(frozen=True)
+class StepGroup:
+    """Engine steps of one kind: how many, their read-back gaps summed, and their ideals summed."""
+
+    label: str
+    steps: int
+    measured_s: float
+    ideal_s: float
 
 
 # -- workloads ------------------------------------------------------------------------------------------------------
@@ -233,10 +249,11 @@ class CollectorPauses:
         return "collector pauses " + ("; ".join(parts) if parts else "none")
 
 
-def run_memplan(served: ServedModel, workload: Workload, args: argparse.Namespace) -> tuple[ServingFigures, str]:
-    """The workload's figures and the engine's counters (see ``counters``) with the kernel specializations
+def run_memplan(served: ServedModel, workload: Workload,
+                args: argparse.Namespace) -> tuple[ServingFigures, str, list[StepTiming]]:
+    """The workload's figures, the engine's counters (see ``counters``) with the kernel specializations
     the run compiled or loaded from the cache (a start-up that covers every step leaves both at 0) and the
-    collector's pauses."""
+    collector's pauses, and the engine's step timings."""
     from executor.workload import SHARED_PREFIX_ARRIVAL_STEP, RequestSpec
 
     specs = [RequestSpec(list(prompt), output, seed=args.seed,
@@ -255,7 +272,8 @@ def run_memplan(served: ServedModel, workload: Workload, args: argparse.Namespac
         raise SystemExit(f"{workload.label}: memplan ran {ran.requests} of {len(specs)} requests and "
                          f"{ran.output_tokens} of {sum(workload.outputs)} tokens (rejected: {report.rejected})")
     compiled = f"kernels compiled while serving {while_serving.compiled}, loaded {while_serving.loaded}"
-    return ran, f"{counters(report.engine)}, {compiled}, {pauses.line()}; {step_gaps(report.engine)}"
+    return (ran, f"{counters(report.engine)}, {compiled}, {pauses.line()}; {step_gaps(report.engine)}",
+            report.engine.step_timings)
 
 
 #: Upper ends of the prefill-token groups a serving run's step gaps fall in (past the last: one more).
@@ -292,6 +310,30 @@ def step_gaps(report: EngineReport) -> str:
     parts = [f"{gap_group_label(group)}: {len(timings):,} ({p50_p99([t.gap_s for t in timings])} ms; launch "
              f"{p50_p99([t.launch_s for t in timings])} ms)" for group, timings in sorted(groups.items())]
     return "step gaps with decode rows: " + ("; ".join(parts) if parts else "none")
+
+
+def step_groups(timings: Sequence[StepTiming], plan: MemoryPlan, rates: Rates) -> tuple[StepGroup, ...]:
+    """The run's steps grouped as ``step_gaps`` groups them (decode-only steps first; a group of steps without
+    decode rows apart from those with), each group's read-back gaps and ideals summed, then all steps."""
+    from planner.ideal_time import ModelCosts, step_ideal_s
+
+    costs = ModelCosts.of(plan)
+    sums: dict[tuple[int, bool], list[float]] = {}
+    for timing in timings:
+        entry = sums.setdefault((gap_group(timing.prefill_tokens), timing.decode_rows > 0), [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += timing.gap_s
+        entry[2] += step_ideal_s(costs, timing.work, rates.matmul_flops_per_s, rates.copy_bytes_per_s)
+
+    def label(group: int, decode: bool) -> str:
+        if group == 0:
+            return "decode only"
+        return gap_group_label(group) + ("" if decode else ", no decode rows")
+
+    groups = [StepGroup(label(*key), count, measured, ideal)
+              for key, (count, measured, ideal) in sorted(sums.items(), key=lambda item: (item[0][0], -item[0][1]))]
+    return (*groups, StepGroup("all steps", sum(g.steps for g in groups), sum(g.measured_s for g in groups),
+                               sum(g.ideal_s for g in groups)))
 
 
 def counters(report: EngineReport) -> str:
@@ -436,9 +478,10 @@ def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None
         if index == 0:
             warm_up(served, workload, args, vocab)
         log(f"{name}: memplan {workload.label}")
-        figures, engine_counters = run_memplan(served, workload, args)
+        figures, engine_counters, timings = run_memplan(served, workload, args)
         log(f"{name}: {figures.lines()[0]}; ideal {ideal.total_s:.3f} s; {engine_counters}")
-        rows.append(Row("memplan", name, serving, workload, figures, ideal, counters=engine_counters))
+        rows.append(Row("memplan", name, serving, workload, figures, ideal, counters=engine_counters,
+                        step_groups=step_groups(timings, plan, rates)))
         costs.append((workload.label, cost))
         workloads.append(workload)
     # Each profile is logged as it finishes: a run cut short by a time limit keeps what it measured.
@@ -540,6 +583,20 @@ def figures_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def step_group_table(rows: Sequence[Row]) -> str:
+    """Each memplan row's step groups against their ideal (see ``step_groups``)."""
+    lines = []
+    for row in rows:
+        total = row.step_groups[-1].measured_s if row.step_groups else 0.0
+        for group in row.step_groups:
+            lines.append([row.model, row.serving, row.workload.label, group.label, f"{group.steps:,}",
+                          seconds(group.measured_s), f"{group.measured_s / total:.1%}" if total else "-",
+                          seconds(group.ideal_s),
+                          f"{group.ideal_s / group.measured_s:.1%}" if group.measured_s else "-"])
+    headers = ["model", "serving", "workload", "step group", "steps", "measured s", "share", "ideal s", "ideal / measured"]
+    return markdown_table(headers, lines, [False] * 4 + [True] * 5)
+
+
 def seconds(value: float) -> str:
     """Seconds with two decimals, or three significant digits below one second (the simulator's tiny ideals)."""
     return f"{value:,.2f}" if value >= 1 else f"{value:.3g}"
@@ -636,7 +693,10 @@ def main(argv: list[str] | None = None) -> None:
     rates = "; ".join(f"{run.model} ({run.serving}): {run.rates.line()}" for run in runs)
     engine_lines = "\n".join(f"- {r.model} ({r.serving}), {r.workload.label}: {r.counters}" for r in rows if r.counters)
     body = "\n\n".join([f"tree {tree()}; {rates}", figures_table(rows), "memplan's engine counters:", engine_lines,
-                        "Ideal time of each workload (planner/ideal_time.py):", ideal_table(runs)])
+                        "Ideal time of each workload (planner/ideal_time.py):", ideal_table(runs),
+                        "memplan's steps against their own ideal (the read-back gaps of a group's steps summed, "
+                        "and planner/ideal_time.py's step_ideal_s of each summed):",
+                        step_group_table([r for r in rows if r.step_groups])])
     for run in runs:
         if run.kernel_breakdown:
             body += (f"\n\n### {run.model} ({run.serving}), {run.rows[0].workload.label}: the "

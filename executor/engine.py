@@ -42,6 +42,7 @@ from executor.page_tables import PageTables
 from executor.scheduler import FINISH_STOP, Request, ScheduledStep, Scheduler, SchedulerStats, StepChunk
 from executor.serving_figures import percentile_ms, request_tpot_s, token_gaps_s
 from executor.step import RequestChunk, plan_step
+from planner.ideal_time import StepWork
 from planner.plan import MemoryPlan
 
 
@@ -78,6 +79,7 @@ class StepTiming:
     prefill_tokens: int
     gap_s: float
     launch_s: float
+    work: StepWork  # what it computed, for its ideal time (planner/ideal_time.py's step_ideal_s)
 
 
 @dataclass
@@ -186,7 +188,7 @@ class Engine:
                 sampled_ids = self.read_back.wait(buffer, done.num_requests)
                 now = time.perf_counter() - start
                 timings.append(StepTiming(done.num_decode_rows, done.num_prefill_tokens,
-                                          now - max(done_launch_s, last_read_s), done_launch_took_s))
+                                          now - max(done_launch_s, last_read_s), done_launch_took_s, done.work))
                 last_read_s = now
                 # Stamp the ids update() keeps (it drops those of requests finished or preempted since).
                 counts = {c.request_id: len(by_id[c.request_id].output_ids) for c in done.chunks if c.sample}

@@ -101,6 +101,7 @@ from executor.page_allocator import PageAllocator
 from executor.prefix_cache import CacheChain, PrefixCache
 from executor.step import RequestChunk
 from planner.capacity import Capacity
+from planner.ideal_time import StepWork, causal_pairs
 
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
@@ -209,6 +210,15 @@ class ScheduledStep:
     def sample_indices(self) -> list[int]:
         """Indices of the chunks that sample a token this step."""
         return [i for i, c in enumerate(self.chunks) if c.sample]
+
+    @property
+    def work(self) -> StepWork:
+        """What the step computes, as planner/ideal_time.py prices it (its decode rows come first)."""
+        decode, prefill = self.chunks[: self.num_decode_rows], self.chunks[self.num_decode_rows:]
+        return StepWork(prefill_tokens=self.num_prefill_tokens,
+                        prefill_pairs=sum(causal_pairs(c.num_cached, c.num_cached + len(c.token_ids)) for c in prefill),
+                        prefill_sampled=sum(c.sample for c in prefill), decode_rows=len(decode),
+                        decode_context=sum(c.num_cached + 1 for c in decode))
 
     @property
     def fresh_slots(self) -> list[int]:

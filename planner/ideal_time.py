@@ -23,6 +23,11 @@ Ideal seconds = prefill FLOPs / matmul rate + the sum over decode steps of max(s
 step FLOPs / matmul rate): a step is bound by the larger of the two. The parts add up as if prefill and decode
 ran in steps of their own; an engine that runs decode rows inside prefill steps can hide some decode traffic
 under prefill compute, so the prefill part alone is the bound no schedule beats.
+
+``step_ideal_s`` prices one step an engine ran (``StepWork``: its prefill chunks and decode rows) the same way,
+so a serving run's steps can be set against their own ideal: the steps' ideals summed less the workload's is
+what the schedule added (more decode steps, weights read again), and each step's measured time over its ideal
+is what running it lost.
 """
 
 from __future__ import annotations
@@ -83,12 +88,52 @@ class ModelCosts:
         return tokens * (FLOPS_PER_MAC * self.projection_weights + self.linear_flops_per_token) + \
             pairs * self.attention_flops_per_pair
 
+    def decode_step(self, rows: int, context: int) -> DecodeStep:
+        """A decode step of ``rows`` rows that read ``context`` KV tokens in all (each row's own included): every
+        weight once, the rows' KV and recurrent-state bytes, and the rows' FLOPs with lm_head."""
+        step_bytes = self.decode_weight_bytes + context * self.kv_bytes_per_token + rows * self.state_bytes_per_row
+        return DecodeStep(rows, step_bytes, self.token_flops(rows, context) + rows * self.head_flops)
+
+    @property
+    def head_flops(self) -> int:
+        """lm_head's FLOPs for one row."""
+        return FLOPS_PER_MAC * self.lm_head_weights
+
 
 @dataclass(frozen=True)
 class DecodeStep:
     rows: int
     bytes: int
     flops: int
+
+    def seconds(self, matmul_flops_per_s: float, copy_bytes_per_s: float) -> float:
+        """The larger of its bytes' time and its FLOPs' time."""
+        return max(self.bytes / copy_bytes_per_s, self.flops / matmul_flops_per_s)
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """The work of one step an engine ran: its prefill chunks' tokens, their causal (query, key) pairs and how
+    many of them end a prompt (their last row runs lm_head), and its decode rows with the KV tokens they read
+    (each row's own included)."""
+
+    prefill_tokens: int = 0
+    prefill_pairs: int = 0
+    prefill_sampled: int = 0
+    decode_rows: int = 0
+    decode_context: int = 0
+
+
+def step_ideal_s(costs: ModelCosts, work: StepWork, matmul_flops_per_s: float, copy_bytes_per_s: float) -> float:
+    """One step's ideal seconds, priced as ``WorkloadCost.ideal`` prices a workload: its prefill FLOPs at the
+    matmul rate plus, when it has decode rows, the decode step they make."""
+    _check_rates(matmul_flops_per_s, copy_bytes_per_s)
+    prefill_flops = costs.token_flops(work.prefill_tokens, work.prefill_pairs)
+    seconds = (prefill_flops + work.prefill_sampled * costs.head_flops) / matmul_flops_per_s
+    if work.decode_rows:
+        seconds += costs.decode_step(work.decode_rows, work.decode_context).seconds(matmul_flops_per_s,
+                                                                                    copy_bytes_per_s)
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -123,8 +168,7 @@ class WorkloadCost:
 
     def ideal(self, matmul_flops_per_s: float, copy_bytes_per_s: float) -> IdealTime:
         """Ideal seconds at a matmul rate (FLOP/s) and a copy bandwidth (bytes moved per second)."""
-        if not (matmul_flops_per_s > 0 and copy_bytes_per_s > 0):
-            raise ValueError(f"rates must be > 0: matmul {matmul_flops_per_s} FLOP/s, copy {copy_bytes_per_s} B/s")
+        _check_rates(matmul_flops_per_s, copy_bytes_per_s)
         decode_s, compute_bound = 0.0, 0
         for step in self.steps:
             memory_s, compute_s = step.bytes / copy_bytes_per_s, step.flops / matmul_flops_per_s
@@ -143,12 +187,12 @@ def workload_cost(plan: MemoryPlan, requests: Sequence[tuple[int, int]], shared_
     for index, (prompt, _) in enumerate(requests):
         start = 0 if index == 0 else min(shared_prefix, prompt - 1)
         tokens += prompt - start
-        pairs += _pairs(start, prompt)
-    prefill = costs.token_flops(tokens, pairs) + len(requests) * FLOPS_PER_MAC * costs.lm_head_weights
+        pairs += causal_pairs(start, prompt)
+    prefill = costs.token_flops(tokens, pairs) + len(requests) * costs.head_flops
     return WorkloadCost(tokens, prefill, tuple(_decode_steps(costs, requests)))
 
 
-def _pairs(first: int, end: int) -> int:
+def causal_pairs(first: int, end: int) -> int:
     """(query, key) pairs of the causal queries at positions first .. end - 1: position p sees p + 1 keys."""
     return (end * (end + 1) - first * (first + 1)) // 2
 
@@ -157,20 +201,21 @@ def _decode_steps(costs: ModelCosts, requests: Sequence[tuple[int, int]]) -> lis
     waiting = deque((prompt, output - 1) for prompt, output in requests if output > 1)
     running: list[list[int]] = []  # [context of the next row, rows left]
     steps = []
-    head_flops = FLOPS_PER_MAC * costs.lm_head_weights
     while waiting or running:
         while waiting and len(running) < costs.max_batch:
             prompt, rows = waiting.popleft()
             running.append([prompt + 1, rows])
-        context = sum(row[0] for row in running)
-        rows = len(running)
-        step_bytes = costs.decode_weight_bytes + context * costs.kv_bytes_per_token + rows * costs.state_bytes_per_row
-        steps.append(DecodeStep(rows, step_bytes, costs.token_flops(rows, context) + rows * head_flops))
+        steps.append(costs.decode_step(len(running), sum(row[0] for row in running)))
         for row in running:
             row[0] += 1
             row[1] -= 1
         running = [row for row in running if row[1] > 0]
     return steps
+
+
+def _check_rates(matmul_flops_per_s: float, copy_bytes_per_s: float) -> None:
+    if not (matmul_flops_per_s > 0 and copy_bytes_per_s > 0):
+        raise ValueError(f"rates must be > 0: matmul {matmul_flops_per_s} FLOP/s, copy {copy_bytes_per_s} B/s")
 
 
 def _check(requests: Sequence[tuple[int, int]], shared_prefix: int) -> None:

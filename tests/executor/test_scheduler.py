@@ -276,6 +276,26 @@ def test_decode_rows_share_a_step_with_a_prefill_chunk_within_max_tokens_per_ste
     assert_all_released(scheduler)
 
 
+def test_the_steps_work_adds_up_to_the_workload():
+    """ScheduledStep.work (what planner/ideal_time.py prices) over a run of split prompts and decode rows that
+    share steps: every prompt position once with its causal keys (position p sees p + 1), one lm_head row a
+    prompt, and output token j >= 2 of a request of prompt n as a decode row that reads n + j - 1 keys."""
+    scheduler = scheduler_for(make_capacity(max_batch=2, max_prefill_tokens=8))
+    requests = [(11, 4), (3, 6), (17, 2), (5, 1)]
+    for index, (length, new) in enumerate(requests):
+        scheduler.add(Request(index, prompt(length, index), new))
+    engine = FakeEngine(scheduler)
+    engine.run()
+    works = [step.work for step in engine.steps]
+    assert any(w.decode_rows and w.prefill_tokens for w in works)  # some steps carry both
+    assert sum(w.prefill_tokens for w in works) == sum(n for n, _ in requests)
+    assert sum(w.prefill_pairs for w in works) == sum(n * (n + 1) // 2 for n, _ in requests)
+    assert sum(w.prefill_sampled for w in works) == len(requests)
+    assert sum(w.decode_rows for w in works) == sum(new - 1 for _, new in requests)
+    assert sum(w.decode_context for w in works) == sum(n + j - 1 for n, new in requests for j in range(2, new + 1))
+    assert_all_released(scheduler)
+
+
 def test_a_step_beside_decode_rows_takes_the_smaller_prefill_budget():
     """max_prefill_tokens 8 and 3 beside decode rows: the first step (no decode rows) prefills 8 of the
     long prompt, every later one 3 beside the running request's decode row."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.ideal_time import ModelCosts, workload_cost
+from planner.ideal_time import ModelCosts, StepWork, step_ideal_s, workload_cost
 
 # tiny-qwen3, per layer: q 64x64 + k 32x64 + v 32x64 + o 64x64 + gate, up 128x64 + down 64x128.
 QWEN3_PROJECTIONS = 2 * (4096 + 2048 + 2048 + 4096 + 3 * 8192)  # 73,728
@@ -107,6 +107,32 @@ def test_ideal_seconds_take_the_larger_bound_of_each_decode_step(plan_for):
     flop_bound = cost.ideal(matmul_flops_per_s=1e3, copy_bytes_per_s=1e12)
     assert flop_bound.compute_bound_steps == 4
     assert flop_bound.decode_s == pytest.approx(sum(step.flops for step in cost.steps) / 1e3)
+
+
+def test_a_step_is_priced_as_its_prefill_plus_its_decode_rows(plan_for):
+    """A step of two decode rows reading 5 and 3 keys beside a 3-token chunk at positions 2-4 (3 + 4 + 5 keys)
+    that ends its prompt, at 1 GFLOP/s and 1 MB/s: the chunk's FLOPs, then the decode rows' bytes (every weight
+    once and 8 tokens of KV), which take longer than their FLOPs."""
+    costs = ModelCosts.of(plan_for("tiny-qwen3", "cpu-sim", "sim"))
+    work = StepWork(prefill_tokens=3, prefill_pairs=12, prefill_sampled=1, decode_rows=2, decode_context=8)
+    prefill_s = qwen3_prefill_flops(3, 12, 1) / 1e9
+    decode_s = (QWEN3_DECODE_WEIGHT_BYTES + 8 * QWEN3_KV_BYTES_PER_TOKEN) / 1e6
+    assert step_ideal_s(costs, work, 1e9, 1e6) == pytest.approx(prefill_s + decode_s)
+    assert step_ideal_s(costs, StepWork(prefill_tokens=3, prefill_pairs=12), 1e9, 1e6) == \
+        pytest.approx(qwen3_prefill_flops(3, 12, 0) / 1e9)  # a chunk mid-prompt: no lm_head row
+    compute_bound = step_ideal_s(costs, StepWork(decode_rows=2, decode_context=8), 1e3, 1e12)
+    assert compute_bound == pytest.approx(qwen3_prefill_flops(2, 8, 2) / 1e3)
+
+
+def test_a_workload_run_as_its_own_decode_steps_costs_its_ideal(plan_for):
+    """Pricing the ideal's own schedule step by step (one prefill step, then its decode steps) gives its ideal."""
+    plan = plan_for("tiny-qwen3", "cpu-sim", "sim", max_batch=2)
+    requests = [(4, 3), (2, 2), (6, 4)]
+    ideal = workload_cost(plan, requests).ideal(1e9, 1e6)
+    costs = ModelCosts.of(plan)
+    prefill = StepWork(prefill_tokens=12, prefill_pairs=10 + 3 + 21, prefill_sampled=3)
+    decode = [StepWork(decode_rows=rows, decode_context=keys) for rows, keys in [(2, 8), (2, 13), (1, 8), (1, 9)]]
+    assert sum(step_ideal_s(costs, w, 1e9, 1e6) for w in [prefill, *decode]) == pytest.approx(ideal.total_s)
 
 
 @pytest.mark.parametrize(("requests", "prefix", "message"), [
