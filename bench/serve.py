@@ -50,6 +50,9 @@ tokens (a p99 per group: which steps make the ITL tail), with the host seconds t
 longest-running kernels; ``--profile-host N`` runs the last one once more under cProfile and lists the N
 functions the host spent the most of its own time in (where a launch's host time goes); with
 ``--profile-host-stats FILE`` the whole profile is written there too (``python3 -m pstats FILE``).
+``--sample-stacks MS`` samples the host's stack every 2 ms during the first workload's timed run and lists
+the runs of one unchanged stack of at least MS ms (bench/stack_sampler.py): a launch the host stalls in once,
+which cProfile's totals hide.
 
 ``--hf``: HF transformers continuous batching (the manager ``generate_batch`` drives, SDPA, greedy, EOS off)
 on the same prompts, output lengths and arrival times, after memplan's model is released; run outside
@@ -77,6 +80,7 @@ from bench.common import (  # noqa: E402
     int_list, kernel_breakdown, log, markdown_table, matmul_flops_per_s, resolve_plan_arguments, run_info, sized_plan,
     str_list,
 )
+from bench.stack_sampler import StackSampler  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -443,6 +447,7 @@ class ServingRun:
     rates: Rates
     kernel_breakdown: str = ""  # --profile-kernels: the first workload's top kernels, a second (untimed) run
     host_breakdown: str = ""  # --profile-host: the last workload's top host functions, another (untimed) run
+    stack_runs: str = ""  # --sample-stacks: the first workload's longest host stalls, sampled in its timed run
 
 
 def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None, max_prefill_tokens: int | None,
@@ -466,6 +471,7 @@ def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None
     rates = measure_rates(device, plan.dtypes.weights, args)
     log(f"{name}: {rates.line()}")
     rows, costs, workloads = [], [], []
+    stack_runs = ""
     vocab = plan.model.vocab_size
     for index, kind in enumerate(args.workloads):
         rate = None
@@ -478,7 +484,13 @@ def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None
         if index == 0:
             warm_up(served, workload, args, vocab)
         log(f"{name}: memplan {workload.label}")
-        figures, engine_counters, timings = run_memplan(served, workload, args)
+        if index == 0 and args.sample_stacks > 0:
+            with StackSampler() as sampler:
+                figures, engine_counters, timings = run_memplan(served, workload, args)
+            stack_runs = sampler.report(args.sample_stacks)
+            log(f"{name}, {workload.label}: host stack runs\n{stack_runs}")
+        else:
+            figures, engine_counters, timings = run_memplan(served, workload, args)
         log(f"{name}: {figures.lines()[0]}; ideal {ideal.total_s:.3f} s; {engine_counters}")
         rows.append(Row("memplan", name, serving, workload, figures, ideal, counters=engine_counters,
                         step_groups=step_groups(timings, plan, rates)))
@@ -495,7 +507,7 @@ def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None
     free_device_memory(device)
     if with_hf:
         rows += hf_rows(plan, workloads, [r.ideal for r in rows], args, device)
-    return ServingRun(name, serving, rows, costs, rates, breakdown, host)
+    return ServingRun(name, serving, rows, costs, rates, breakdown, host, stack_runs)
 
 
 def profile_host(served: ServedModel, workload: Workload, args: argparse.Namespace) -> str:
@@ -593,7 +605,8 @@ def step_group_table(rows: Sequence[Row]) -> str:
                           seconds(group.measured_s), f"{group.measured_s / total:.1%}" if total else "-",
                           seconds(group.ideal_s),
                           f"{group.ideal_s / group.measured_s:.1%}" if group.measured_s else "-"])
-    headers = ["model", "serving", "workload", "step group", "steps", "measured s", "share", "ideal s", "ideal / measured"]
+    headers = ["model", "serving", "workload", "step group", "steps", "measured s", "share", "ideal s",
+               "ideal / measured"]
     return markdown_table(headers, lines, [False] * 4 + [True] * 5)
 
 
@@ -658,6 +671,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile-host", type=int, default=0,
                         help="run the last workload once more under cProfile and list the N functions with the most "
                              "host time of their own (default 0: no profiled run)")
+    parser.add_argument("--sample-stacks", type=float, default=0, metavar="MS",
+                        help="sample the host's stack every 2 ms during the first workload's timed run (which "
+                             "the sampling perturbs) and list the runs of one stack of at least MS ms: the "
+                             "launches the host stalls in (default 0: off)")
     parser.add_argument("--profile-host-stats", default=None, metavar="FILE",
                         help="with --profile-host: also write the cProfile statistics to FILE (pstats format)")
     args = parser.parse_args(argv)
@@ -701,6 +718,9 @@ def main(argv: list[str] | None = None) -> None:
         if run.kernel_breakdown:
             body += (f"\n\n### {run.model} ({run.serving}), {run.rows[0].workload.label}: the "
                      f"{args.profile_kernels} longest-running kernels\n\n{run.kernel_breakdown}")
+        if run.stack_runs:
+            body += (f"\n\n### {run.model} ({run.serving}), {run.rows[0].workload.label}: where the host "
+                     f"stalled (--sample-stacks {args.sample_stacks:g})\n\n{run.stack_runs}")
         if run.host_breakdown:
             last = next(row for row in reversed(run.rows) if row.engine == "memplan")
             body += (f"\n\n### {run.model} ({run.serving}), {last.workload.label}: the {args.profile_host} "
