@@ -317,26 +317,27 @@ def step_gaps(report: EngineReport) -> str:
 
 
 def step_groups(timings: Sequence[StepTiming], plan: MemoryPlan, rates: Rates) -> tuple[StepGroup, ...]:
-    """The run's steps grouped as ``step_gaps`` groups them (decode-only steps first; a group of steps without
-    decode rows apart from those with), each group's read-back gaps and ideals summed, then all steps."""
+    """The run's steps in ``gap_group``'s prefill-token groups (decode-only steps first; in each other group the
+    steps without decode rows apart from those with), each group's read-back gaps and ideals summed, then one
+    group of all steps."""
     from planner.ideal_time import ModelCosts, step_ideal_s
 
     costs = ModelCosts.of(plan)
-    sums: dict[tuple[int, bool], list[float]] = {}
+    by_group: dict[tuple[int, bool], list[StepTiming]] = {}
     for timing in timings:
-        entry = sums.setdefault((gap_group(timing.prefill_tokens), timing.decode_rows > 0), [0, 0.0, 0.0])
-        entry[0] += 1
-        entry[1] += timing.gap_s
-        entry[2] += step_ideal_s(costs, timing.work, rates.matmul_flops_per_s, rates.copy_bytes_per_s)
+        by_group.setdefault((gap_group(timing.prefill_tokens), timing.decode_rows > 0), []).append(timing)
+
+    def ideal_s(timing: StepTiming) -> float:
+        return step_ideal_s(costs, timing.work, rates.matmul_flops_per_s, rates.copy_bytes_per_s)
 
     def label(group: int, decode: bool) -> str:
         if group == 0:
             return "decode only"
         return gap_group_label(group) + ("" if decode else ", no decode rows")
 
-    groups = [StepGroup(label(*key), count, measured, ideal)
-              for key, (count, measured, ideal) in sorted(sums.items(), key=lambda item: (item[0][0], -item[0][1]))]
-    return (*groups, StepGroup("all steps", sum(g.steps for g in groups), sum(g.measured_s for g in groups),
+    groups = [StepGroup(label(group, decode), len(steps), sum(t.gap_s for t in steps), sum(map(ideal_s, steps)))
+              for (group, decode), steps in sorted(by_group.items(), key=lambda item: (item[0][0], not item[0][1]))]
+    return (*groups, StepGroup("all steps", len(timings), sum(g.measured_s for g in groups),
                                sum(g.ideal_s for g in groups)))
 
 
