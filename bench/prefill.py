@@ -70,6 +70,7 @@ class Cell:
     num_steps: int = 0
     gemm_flops: int = 0
     memplan_ms: float = math.nan
+    memplan_samples_ms: list[float] = field(default_factory=list)  # every timed prefill, in order
     plan_step_ms: float = math.nan
     hf_ms: float = math.nan
     gemm_kernel_ms: float = math.nan
@@ -153,7 +154,7 @@ def run_memplan(plan: MemoryPlan, cells: list[Cell], args: argparse.Namespace, d
             reset_slots(model, 1)
             samples = sample_ms(lambda: run_prefill(model, chunks), device.torch_device, warmup=args.warmup,
                                 repeats=args.repeats, between=lambda: reset_slots(model, 1))
-            cell.memplan_ms = median(samples)
+            cell.memplan_ms, cell.memplan_samples_ms = median(samples), samples
             host_ms = []
             for _ in range(args.repeats):
                 start = time.perf_counter()
@@ -235,6 +236,8 @@ def notes(cells: list[Cell], plans: dict[tuple[str, str], MemoryPlan], matmul_ra
                      f"prefill pool {plan.pool('prefill').bytes / 2**20:,.1f} MiB; {_long_chunks(plan)}")
     if not args.profile:
         lines.append("Profiler off: no kernel-time columns.")
+    lines += [f"{c.model} ({c.prefill_attention}) prompt {c.prompt_tokens}: memplan's timed prefills in order, ms: "
+              + ", ".join(f"{ms:,.2f}" for ms in c.memplan_samples_ms) for c in cells if len(c.memplan_samples_ms) > 1]
     lines += [f"{c.model} ({c.prefill_attention}) prompt {c.prompt_tokens}: {note}" for c in cells for note in c.notes]
     return "\n".join(f"- {line}" for line in lines)
 
