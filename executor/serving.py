@@ -158,6 +158,8 @@ class ServedModel:
 
         opened = open_device(device)
         check_fits_device(plan, opened.is_sim)
+        if not opened.is_sim:
+            check_fits_gpu(plan, opened)
         if generation is None:
             directory = None if weights == RANDOM_WEIGHTS else weights
             generation = read_generation_defaults(directory, plan.model.vocab_size)
@@ -320,6 +322,29 @@ def check_fits_device(plan: MemoryPlan, simulator: bool) -> None:
         raise RunError(f"the simulator runs tiny configs in host memory; this plan ({plan.model.name} on "
                        f"{plan.hardware.name}) materializes {total:,} bytes: use --hardware cpu-sim "
                        f"and a tiny model, or --device cuda")
+
+
+def gpu_shortfall(plan: MemoryPlan, gpu: str, free_bytes: int, total_bytes: int) -> str | None:
+    """Why ``plan``'s arena cannot be allocated on a GPU with ``free_bytes`` of ``total_bytes`` free (a plan
+    made for another card, or memory other processes hold), or None when it fits."""
+    need = materialized_bytes(plan)
+    if need <= free_bytes:
+        return None
+    gib = 2**30
+    return (f"the plan ({plan.model.name} on hardware {plan.hardware.name}, gpu_memory_utilization "
+            f"{plan.serving.gpu_memory_utilization}) materializes {need / gib:,.2f} GiB ({need:,} bytes); this GPU "
+            f"({gpu}) has {free_bytes / gib:,.2f} GiB free of {total_bytes / gib:,.2f} GiB: plan for this card "
+            f"(--hardware, a config of configs/hardware/ or a YAML file) or lower --gpu-memory-utilization")
+
+
+def check_fits_gpu(plan: MemoryPlan, device: Device) -> None:
+    """RunError when the plan's arena is larger than the GPU's free memory: say so before allocating it."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device.torch_device)
+    shortfall = gpu_shortfall(plan, torch.cuda.get_device_name(device.torch_device), free, total)
+    if shortfall is not None:
+        raise RunError(shortfall)
 
 
 def start_compile(plan: MemoryPlan, log: TextIO | None, target: Target | None = None) -> StartupCompile | None:
