@@ -338,11 +338,14 @@ def gpu_shortfall(plan: MemoryPlan, gpu: str, free_bytes: int, total_bytes: int)
 
 
 def check_fits_gpu(plan: MemoryPlan, device: Device) -> None:
-    """RunError when the plan's arena is larger than the GPU's free memory: say so before allocating it."""
+    """RunError when the plan's arena is larger than the GPU's free memory (counting what torch's allocator
+    holds unused in this process, which the arena can reuse): say so before allocating it."""
     import torch
 
-    free, total = torch.cuda.mem_get_info(device.torch_device)
-    shortfall = gpu_shortfall(plan, torch.cuda.get_device_name(device.torch_device), free, total)
+    where = device.torch_device
+    free, total = torch.cuda.mem_get_info(where)
+    cached = torch.cuda.memory_reserved(where) - torch.cuda.memory_allocated(where)
+    shortfall = gpu_shortfall(plan, torch.cuda.get_device_name(where), free + cached, total)
     if shortfall is not None:
         raise RunError(shortfall)
 
