@@ -351,6 +351,9 @@ class CausalConv1d:
         self.kernel = Kernel(build_causal_conv1d(codec, kernel_size))
         self.vector_kernel = Kernel(build_causal_conv1d_vector(codec, kernel_size))
         self.decode_kernel = Kernel(build_causal_conv1d_decode(codec, kernel_size))
+        # (weight, conv_state, their decode-build views or None) by the pair's ids: a layer passes the same
+        # two buffers at every step, so its decode launches see the same view objects (the launch memo's).
+        self._state_views: dict[tuple[int, int], tuple[Any, Any, tuple[Any, Any] | None]] = {}
 
     def __call__(
         self,
@@ -416,9 +419,19 @@ class CausalConv1d:
     def decode_views(self, x: Any, weight: Any, conv_state: Any, out: Any) -> tuple[Any, Any] | None:
         """(weight as one row [1, C K], conv_state as [slots, C (K-1)]): the same bytes, as the decode
         build reads them; None unless a channel's taps and state are contiguous and every 16-byte chunk
-        of x, out and those views is aligned."""
+        of x, out and those views is aligned. The views are made once per (weight, conv_state) pair."""
+        if int(x.shape[1]) % self.lanes or not vector_aligned(x, out):
+            return None
+        key = (id(weight), id(conv_state))
+        entry = self._state_views.get(key)
+        if entry is None or entry[0] is not weight or entry[1] is not conv_state:
+            entry = self._state_views[key] = (weight, conv_state, self._merged_views(weight, conv_state))
+        return entry[2]
+
+    def _merged_views(self, weight: Any, conv_state: Any) -> tuple[Any, Any] | None:
+        """``decode_views``' two views of weight and conv_state, or None where they cannot be made aligned."""
         taps, hist = self.kernel_size, self.kernel_size - 1
-        if int(x.shape[1]) % self.lanes or not contiguous_aligned(weight):
+        if not contiguous_aligned(weight):
             return None
         slots, channels = int(conv_state.shape[0]), int(conv_state.shape[1])
         layout = array_layout(conv_state)
@@ -426,7 +439,7 @@ class CausalConv1d:
             return None
         weight_row = _merged(weight, (1, channels * taps))
         state_rows = _merged(conv_state, (slots, channels * hist))
-        return (weight_row, state_rows) if vector_aligned(x, out, weight_row, state_rows) else None
+        return (weight_row, state_rows) if vector_aligned(weight_row, state_rows) else None
 
     def uses_vector(self, x: Any, out: Any) -> bool:
         """Whether a call with these rows runs the chunk-a-thread build."""
