@@ -343,12 +343,15 @@ def step_groups(timings: Sequence[StepTiming], plan: MemoryPlan, rates: Rates) -
 
 def counters(report: EngineReport) -> str:
     """Where a serving run's time can go: steps, the largest batch, preemptions, prefix-cache hits, KV pages at
-    peak and allocations after warm-up (CUDA)."""
+    peak, allocations after warm-up (CUDA) and kernel specializations readied after warm-up."""
+    from executor.run_report import readied_line
+
     stats = report.stats
     allocations = "n/a" if report.allocations_after_warmup is None else f"{report.allocations_after_warmup:,}"
     return (f"{report.steps:,} steps, peak batch {stats.peak_running:,}, {stats.preemptions:,} preemptions, prefix "
             f"hits {stats.prefix_hit_rate:.1%}, peak KV pages {stats.peak_kv_pages_used:,} of "
-            f"{stats.kv_pages_usable:,}, allocations after warm-up {allocations}")
+            f"{stats.kv_pages_usable:,}, allocations after warm-up {allocations}, kernels readied after warm-up "
+            f"{readied_line(report.kernels_readied_after_warmup)}")
 
 
 def warm_up(served: ServedModel, workload: Workload, args: argparse.Namespace, vocab: int) -> None:

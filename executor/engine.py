@@ -91,6 +91,9 @@ class EngineReport:
     steps: int
     wall_s: float
     allocations_after_warmup: int | None  # CUDA only: allocations from the second step to the end
+    # Kernel specializations first readied (loaded from the kernel cache or compiled) from the end of the
+    # first step to the end, by kernel name: each is a host stall of its load or compile inside a step.
+    kernels_readied_after_warmup: dict[str, int] = field(default_factory=dict)
     step_timings: list[StepTiming] = field(default_factory=list)  # one a step, in step order
 
     @property
@@ -157,7 +160,7 @@ class Engine:
              on_finish: Callable[[RequestResult], None] | None) -> EngineReport:
         results = {id(r): RequestResult(r.request_id, len(r.prompt_ids), [], None, None, 0.0) for r in requests}
         by_id = {r.request_id: r for r in requests}
-        start, steps, allocations_start = time.perf_counter(), 0, None
+        start, steps, allocations_start, kernels_start = time.perf_counter(), 0, None, None
         # A launched step, its read-back buffer, when its launch started and how long it took (s).
         in_flight: tuple[ScheduledStep, int, float, float] | None = None
         timings: list[StepTiming] = []
@@ -209,13 +212,16 @@ class Engine:
                     on_step(done.index + 1)
                 if allocations_start is None:  # after the first step run (warm-up: compiles, cuBLAS set-up)
                     allocations_start = _allocation_count(self.model)
+                    kernels_start = kernel_specializations(self.model)
             in_flight = launched
         for request in requests:
             _finish_result(results[id(request)], request, None)
         end_count = _allocation_count(self.model)
         grown = None if allocations_start is None or end_count is None else end_count - allocations_start
+        wall_s = time.perf_counter() - start
+        readied = {} if kernels_start is None else readied_since(kernels_start, kernel_specializations(self.model))
         return EngineReport([results[id(r)] for r in requests], self.scheduler.stats(), self.prefix_caching,
-                            self.overlap, steps, time.perf_counter() - start, grown, timings)
+                            self.overlap, steps, wall_s, grown, readied, timings)
 
 
 class Arrivals:
@@ -374,6 +380,24 @@ def _finish_result(result: RequestResult, request: Request,
     result.token_times_s = result.token_times_s[: len(result.output_ids)]
     if on_finish is not None:
         on_finish(result)
+
+
+def kernel_specializations(model: DecoderModel) -> dict[str, set[tuple]]:
+    """Every kernel the model launches, by name, with the argument types it has an overload ready for
+    (loaded from the kernel cache or compiled, on the fast launch path or Numba's own)."""
+    from executor.kernel_discovery import find_kernels, kernel_name
+
+    ready: dict[str, set[tuple]] = {}
+    for kernel in find_kernels(model):
+        ready.setdefault(kernel_name(kernel), set()).update(kernel.origins, kernel.dispatcher.overloads)
+    return ready
+
+
+def readied_since(before: dict[str, set[tuple]], after: dict[str, set[tuple]]) -> dict[str, int]:
+    """How many specializations each kernel gained from ``before`` to ``after`` (kernels that gained none
+    left out)."""
+    gained = {name: len(types - before.get(name, set())) for name, types in after.items()}
+    return {name: count for name, count in gained.items() if count}
 
 
 def _allocation_count(model: DecoderModel) -> int | None:

@@ -45,8 +45,13 @@ class KernelNeed:
     @property
     def name(self) -> str:
         """The kernel function's module and qualified name (what ``memplan compile`` lists)."""
-        function = self.kernel.dispatcher.py_func
-        return f"{function.__module__}.{function.__qualname__}"
+        return kernel_name(self.kernel)
+
+
+def kernel_name(kernel: Kernel) -> str:
+    """A kernel function's module and qualified name."""
+    function = kernel.dispatcher.py_func
+    return f"{function.__module__}.{function.__qualname__}"
 
 
 def discover(plan: MemoryPlan) -> list[KernelNeed]:

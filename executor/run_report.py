@@ -70,7 +70,17 @@ def summary(plan: MemoryPlan, arena: Arena, report: EngineReport, specs: list[Re
         lines.append(f"recurrent slots: peak {stats.peak_slots_used} used of {cap.recurrent_slots} planned")
     lines.append(f"preemptions: {stats.preemptions}")
     lines.append(f"allocations after warm-up: {_allocations_line(report, device.is_sim)}")
+    lines.append(f"kernels readied after warm-up: {readied_line(report.kernels_readied_after_warmup)}")
     return "\n".join(lines)
+
+
+def readied_line(readied: dict[str, int]) -> str:
+    """The kernel specializations a run loaded or compiled after its first step: a count, then each
+    kernel's short name and count (a load or compile inside a step stalls the host)."""
+    if not readied:
+        return "0"
+    names = ", ".join(f"{name.rsplit('.', 1)[-1]} {count}" for name, count in sorted(readied.items()))
+    return f"{sum(readied.values())} ({names})"
 
 
 def _prefix_line(report: EngineReport, no_prefix_caching: bool) -> str:
