@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from executor.kernels.primitives.launch import Kernel
+    from executor.models.decoder import DecoderModel
     from planner.plan import MemoryPlan
 
 #: The phase names of ``KernelNeed.phase``.
@@ -64,41 +65,49 @@ def discover_by_pass(plan: MemoryPlan) -> Iterator[list[KernelNeed]]:
     """``discover``'s specializations a start-up pass at a time (warm-up, then each decode-graph bucket and
     each prefill-graph bucket, largest first as capture runs them): each list holds those the pass
     launches first, so a caller can compile them while the next pass runs."""
-    import torch
-
-    from executor.arena import materialize
-    from executor.device import Device
-    from executor.engine import warm_up_steps
-    from executor.models import build_model
-    from executor.models.context import prefill_bucket_views
-    from executor.step import plan_step
-
-    arena = materialize(plan, Device("meta", torch.device("meta")))
-    model = build_model(arena)
+    model = meta_model(plan)
     seen: set[tuple[int, tuple]] = set()
-
-    def new_needs(phase: str) -> list[KernelNeed]:
+    for phase in startup_passes(plan, model):
         found = []
         for kernel in find_kernels(model):
             for argtypes in kernel.discovered:
                 if (id(kernel), argtypes) not in seen:
                     seen.add((id(kernel), argtypes))
                     found.append(KernelNeed(kernel, argtypes, phase))
-        return found
+        yield found
+
+
+def meta_model(plan: MemoryPlan) -> DecoderModel:
+    """``plan``'s model over an arena on torch's meta device: its launches note argument types only."""
+    import torch
+
+    from executor.arena import materialize
+    from executor.device import Device
+    from executor.models import build_model
+
+    return build_model(materialize(plan, Device("meta", torch.device("meta"))))
+
+
+def startup_passes(plan: MemoryPlan, model: DecoderModel) -> Iterator[str]:
+    """Run start-up's passes on ``model`` (a ``meta_model``), yielding each pass's phase name after it:
+    warm-up's steps, each decode-graph bucket's padded step and each prefill-graph bucket's pieces."""
+    from executor.engine import warm_up_steps
+    from executor.models.context import prefill_bucket_views
+    from executor.step import plan_step
 
     for chunks in warm_up_steps(plan):
         model.step(plan_step(plan, chunks))
-    yield new_needs(WARM_UP)
+    yield WARM_UP
     empty = plan_step(plan, [])  # padded to a bucket: all padding, as graph capture runs it
     for bucket in sorted(plan.serving.decode_graph_batch_sizes, reverse=True):  # capture's order
         model.step(empty, pad_to=bucket)
-        yield new_needs(GRAPH_PHASE.format(bucket=bucket))
+        yield GRAPH_PHASE.format(bucket=bucket)
     if model.parallel is None:  # DecoderModel.capture_prefill_graphs: none with tensor parallelism
         for bucket in sorted(plan.capacity.prefill_graph_rows, reverse=True):
-            views = prefill_bucket_views(arena, bucket)
+            views = prefill_bucket_views(model.arena, bucket)
             for index in range(len(model.layers) + 1):
                 model._piece(index, views)
-            yield new_needs(PREFILL_GRAPH_PHASE.format(bucket=bucket))
+            yield PREFILL_GRAPH_PHASE.format(bucket=bucket)
 
 
 def find_kernels(root: Any) -> list[Kernel]:

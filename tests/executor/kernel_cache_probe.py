@@ -9,6 +9,9 @@ tests.executor.kernel_cache_probe import main; main()" PROBE ARGS...`` prints on
   then the same call again (the start-up manifest answers); and the key of a project kernel.
 - ``startup CACHE``: ``memplan run``'s cold-start compile of the same plan for its hardware (one
   start-up process, compiles forked from it, ``fake_compile``), then the warm start it leaves.
+- ``coverage MODEL``: start-up's discovery passes for MODEL on an H200 at a small serving shape, then
+  a workload of mixed prompt lengths served on the same meta model: the kernel specializations its
+  steps launch that the start-up passes did not (each would load or compile inside a step).
 - ``store KEY CACHE START ROUNDS``: once START exists, store and load one entry ROUNDS times (two
   such processes race on one key).
 """
@@ -170,6 +173,51 @@ def _startup(cache_root: Path) -> dict:
     return result
 
 
+def _coverage(model_name: str) -> dict:
+    import random
+
+    from executor.engine import _request_chunk
+    from executor.kernel_compiler import target_device
+    from executor.kernel_discovery import find_kernels, kernel_name, meta_model, startup_passes
+    from executor.kernel_key import Arch
+    from executor.page_tables import PageTables
+    from executor.scheduler import Request, Scheduler
+    from executor.step import plan_step
+    from planner.loader import plan_from_configs
+
+    # Steps above the largest prefill-graph bucket (2,048 rows) run eagerly; prompts up to 3,000 tokens
+    # arrive in waves, so steps mix decode rows with long, short and split chunks.
+    plan = plan_from_configs(model_name, "h200", None, {"max_batch": 32, "max_prefill_tokens": 4096,
+                                                         "max_context": 3072, "gpu_memory_utilization": 0.5})
+    rng = random.Random(5)
+    requests = [Request(i, [rng.randrange(1000) for _ in range(rng.choice([rng.randint(1, 64), rng.randint(64, 3000)]))],
+                        rng.randint(1, 24)) for i in range(48)]
+    waves = {0: requests[:24], 6: requests[24:40], 30: requests[40:]}  # step -> arrivals
+    with target_device(Arch.from_capability(plan.hardware.compute_capability), plan.hardware.num_sms):
+        model = meta_model(plan)
+        phases = list(startup_passes(plan, model))
+        kernels = find_kernels(model)
+        started = {id(kernel): set(kernel.discovered) for kernel in kernels}
+        scheduler = Scheduler(plan.capacity, prefix_caching=False,
+                              has_recurrent_state=plan.geometry.num_linear_layers > 0)
+        tables, by_id, steps, rows = PageTables(), {r.request_id: r for r in requests}, 0, set()
+        while steps <= max(waves) or scheduler.has_unfinished:
+            for request in waves.get(steps, []):
+                assert scheduler.add(request)
+            step = scheduler.schedule()
+            if step is not None:
+                for slot in step.fresh_slots:
+                    model.reset_slot(slot)
+                model.step(plan_step(plan, [_request_chunk(c, by_id[c.request_id]) for c in step.chunks], tables))
+                tokens = step.num_prefill_tokens
+                rows.add(("decode rows + " if step.num_decode_rows else "")
+                         + ("no prefill" if tokens == 0 else "prefill <= 2048" if tokens <= 2048 else "prefill > 2048"))
+                scheduler.update(step, [0] * step.num_requests)
+            steps += 1
+    uncovered = sorted(f"{kernel_name(k)} {t}" for k in kernels for t in k.discovered if t not in started[id(k)])
+    return {"phases": phases, "steps": steps, "kinds": sorted(rows), "uncovered": uncovered}
+
+
 def _store(key: str, cache_root: Path, start: Path, rounds: int) -> dict:
     cache = KernelCache(cache_root)
     entry = CachedKernel(entry_name="kernel", image=bytes(range(256)) * 4096, kernel="probe.kernel",
@@ -193,6 +241,8 @@ def main() -> None:
         result = _compile(Path(args[0]))
     elif probe == "startup":
         result = _startup(Path(args[0]))
+    elif probe == "coverage":
+        result = _coverage(args[0])
     elif probe == "store":
         result = _store(args[0], Path(args[1]), Path(args[2]), int(args[3]))
     else:

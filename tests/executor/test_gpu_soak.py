@@ -50,7 +50,8 @@ def test_soak_2000_steps(name):
     report = engine.run(requests, arrivals)
     print(f"{name}: {report.steps} steps in {report.wall_s:.1f} s, {report.generated_tokens} tokens, allocations after warm-up "
           f"{report.allocations_after_warmup}, preemptions {report.stats.preemptions}, prefix hit rate "
-          f"{report.stats.prefix_hit_rate:.3f}, peak KV pages {report.stats.peak_kv_pages_used}")
+          f"{report.stats.prefix_hit_rate:.3f}, peak KV pages {report.stats.peak_kv_pages_used}, kernels readied after "
+          f"warm-up {report.kernels_readied_after_warmup}")
     assert report.steps >= 2000
     assert report.allocations_after_warmup == 0
     assert {key: view.data_ptr() for key, view in loaded.arena._views.items()} == pointers
@@ -100,7 +101,8 @@ def test_soak_at_the_h200_default_serving(name):
                       for t in report.step_timings)
     print(f"{name}: {report.steps} steps ({eager_steps} beyond the largest prefill bucket) in {report.wall_s:.1f} s, "
           f"{report.generated_tokens} tokens, peak batch {stats.peak_running}, preemptions {stats.preemptions}, "
-          f"allocations after warm-up {report.allocations_after_warmup}, peak KV pages {stats.peak_kv_pages_used}")
+          f"allocations after warm-up {report.allocations_after_warmup}, peak KV pages {stats.peak_kv_pages_used}, "
+          f"kernels readied after warm-up {report.kernels_readied_after_warmup}")
     assert all(r.finish_reason in ("length", "stop") for r in report.results)  # none rejected or lost
     assert stats.peak_running > capacity.max_batch // 2 and eager_steps > 0  # the largest decode bucket ran
     assert report.allocations_after_warmup == 0

@@ -219,6 +219,17 @@ def test_discovery_follows_the_launchers_routing_through_each_graph_bucket(compi
     assert len(samplers) == 1  # one specialization, whatever the batch
 
 
+@pytest.mark.parametrize("model", ["qwen3-8b", "qwen3.5-9b"])
+def test_the_start_up_passes_ready_every_kernel_a_serving_workload_launches(model):
+    """No kernel loads or compiles inside a serving step: the steps of a workload of mixed prompt lengths
+    arriving in waves (decode rows beside long, short and split chunks, steps above the largest prefill
+    graph) launch no specialization that start-up's passes did not."""
+    result = _probe("coverage", model)
+    assert {"decode rows + no prefill", "decode rows + prefill <= 2048", "decode rows + prefill > 2048"} <= set(
+        result["kinds"]), result["kinds"]
+    assert result["uncovered"] == [], result["uncovered"]
+
+
 def test_the_startup_compile_fills_the_cache_through_processes_and_its_manifest_answers_next(compiled):
     first, second = compiled["first"], compiled["second"]
     assert first["failed"] == [] and first["processes"] == 2 and first["cached"] == 0
