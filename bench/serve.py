@@ -255,28 +255,22 @@ class CollectorPauses:
 
 def run_memplan(served: ServedModel, workload: Workload,
                 args: argparse.Namespace) -> tuple[ServingFigures, str, list[StepTiming]]:
-    """The workload's figures, the engine's counters (see ``counters``) with the kernel specializations
-    the run compiled or loaded from the cache (a start-up that covers every step leaves both at 0) and the
-    collector's pauses, and the engine's step timings."""
+    """The workload's figures, the engine's counters (see ``counters``) with the collector's pauses, and the
+    engine's step timings."""
     from executor.workload import SHARED_PREFIX_ARRIVAL_STEP, RequestSpec
 
     specs = [RequestSpec(list(prompt), output, seed=args.seed,
                          arrival_step=SHARED_PREFIX_ARRIVAL_STEP if workload.shared_prefix and index else 0,
                          arrival_s=None if workload.arrivals_s is None else workload.arrivals_s[index])
              for index, (prompt, output) in enumerate(zip(workload.prompts, workload.outputs))]
-    from executor.startup import KernelCensus
-
-    before = KernelCensus.of(served.model)
     with CollectorPauses() as pauses:
         report = served.run(specs, ignore_eos=True, prefix_caching=not args.no_prefix_caching,
                             overlap=not args.no_overlap)
-    while_serving = KernelCensus.of(served.model).since(before)
     ran = report.figures
     if ran.requests != len(specs) or ran.output_tokens != sum(workload.outputs):
         raise SystemExit(f"{workload.label}: memplan ran {ran.requests} of {len(specs)} requests and "
                          f"{ran.output_tokens} of {sum(workload.outputs)} tokens (rejected: {report.rejected})")
-    compiled = f"kernels compiled while serving {while_serving.compiled}, loaded {while_serving.loaded}"
-    return (ran, f"{counters(report.engine)}, {compiled}, {pauses.line()}; {step_gaps(report.engine)}",
+    return (ran, f"{counters(report.engine)}, {pauses.line()}; {step_gaps(report.engine)}",
             report.engine.step_timings)
 
 

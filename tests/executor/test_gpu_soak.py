@@ -13,6 +13,7 @@ over 800 requests.
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 
@@ -25,6 +26,15 @@ from planner.loader import load_hardware
 from tests.executor.harness import load_with_hf
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _release_the_model():
+    """Each test's model (its arena a share of an H200's memory) is freed before the next test materializes
+    its own: on an H100 two of them do not fit."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3.5-0.8b"])
