@@ -24,9 +24,9 @@ Workloads (``--workloads``, comma-separated, run in that order on one served mod
 The engine runs as ``memplan run`` runs it: ``executor.serving.ServedModel`` (one materialized plan, the
 decode graphs captured on the GPU, the same scheduler, overlap and prefix caching), with
 ``--warmup-requests`` requests of 2 new tokens run untimed first. The plan is the serving config's with
-``--max-batch`` / ``--max-prefill-tokens`` / ``--max-prefill-tokens-beside-decode`` over it, ``max_context``
-the longest request of the run, and the memory share that holds ``max_batch`` such requests
-(``--gpu-memory-utilization`` to set it). Lists of any of them (``--max-batch 64,128,256``) run every
+``--max-batch`` / ``--max-prefill-tokens`` / ``--max-prefill-tokens-beside-decode`` / ``--max-step-tokens``
+over it, ``max_context`` the longest request of the run, and the memory share that holds ``max_batch`` such
+requests (``--gpu-memory-utilization`` to set it). Lists of any of them (``--max-batch 64,128,256``) run every
 workload at each combination, one plan and served model after the other: the serving defaults are chosen
 from such a sweep.
 
@@ -213,15 +213,24 @@ def longest_request(args: argparse.Namespace) -> int:
 # -- memplan --------------------------------------------------------------------------------------------------------
 
 
-def serving_plan(model_name: str, args: argparse.Namespace, max_batch: int | None,
-                 max_prefill_tokens: int | None, beside_decode: int | None = None) -> MemoryPlan:
-    """The serving config's plan with ``max_batch`` / ``max_prefill_tokens`` /
-    ``max_prefill_tokens_beside_decode`` over it (None: the config's)."""
+#: The serving fields a run's lists sweep (``--max-batch 64,256`` ...), each a flag of the same name.
+SWEPT_FIELDS = ("max_batch", "max_prefill_tokens", "max_prefill_tokens_beside_decode", "max_step_tokens")
+
+
+def serving_configs(args: argparse.Namespace) -> list[dict[str, int | None]]:
+    """Every combination of the swept fields' lists, in flag order (None: the serving config's value)."""
+    configs: list[dict[str, int | None]] = [{}]
+    for name in SWEPT_FIELDS:
+        configs = [{**config, name: value} for config in configs for value in getattr(args, name) or [None]]
+    return configs
+
+
+def serving_plan(model_name: str, args: argparse.Namespace, sizes: dict[str, int | None]) -> MemoryPlan:
+    """The serving config's plan with ``sizes`` (SWEPT_FIELDS) over it (None: the config's)."""
     from planner.loader import load_serving
 
-    overrides = {"max_context": longest_request(args), "max_batch": max_batch, "max_prefill_tokens": max_prefill_tokens,
-                 "max_prefill_tokens_beside_decode": beside_decode}
-    batch = max_batch or load_serving(args.serving).max_batch
+    overrides = {"max_context": longest_request(args), **sizes}
+    batch = sizes.get("max_batch") or load_serving(args.serving).max_batch
     return sized_plan(model_name, args.hardware, args.serving, overrides, min(batch, args.num_requests),
                       args.gpu_memory_utilization)
 
@@ -448,13 +457,12 @@ class ServingRun:
     stack_runs: str = ""  # --sample-stacks: the first workload's longest host stalls, sampled in its timed run
 
 
-def bench_model(model_name: str, args: argparse.Namespace, max_batch: int | None, max_prefill_tokens: int | None,
-                with_hf: bool, beside_decode: int | None = None) -> ServingRun:
+def bench_model(model_name: str, args: argparse.Namespace, sizes: dict[str, int | None], with_hf: bool) -> ServingRun:
     """Every workload through memplan at one serving config, then (``with_hf``) through HF."""
     from executor.serving import RANDOM_WEIGHTS, ServedModel
     from planner.ideal_time import workload_cost
 
-    plan = serving_plan(model_name, args, max_batch, max_prefill_tokens, beside_decode)
+    plan = serving_plan(model_name, args, sizes)
     name, serving = plan.model.name, serving_label(plan)
     log(f"{name}: {serving}, max_context {plan.capacity.max_context}, gpu_memory_utilization "
         f"{plan.serving.gpu_memory_utilization}")
@@ -544,9 +552,10 @@ def profile_kernels(served: ServedModel, workload: Workload, args: argparse.Name
 
 
 def serving_label(plan: MemoryPlan) -> str:
-    beside = plan.serving.max_prefill_tokens_beside_decode
+    beside, rows = plan.serving.max_prefill_tokens_beside_decode, plan.serving.max_step_tokens
     return (f"batch {plan.capacity.max_batch}, prefill {plan.serving.max_prefill_tokens:,}"
-            + (f" ({beside:,} beside decode)" if beside is not None else ""))
+            + (f" ({beside:,} beside decode)" if beside is not None else "")
+            + (f", steps of {rows:,} rows" if rows is not None else ""))
 
 
 def hf_rows(plan: MemoryPlan, workloads: Sequence[Workload], ideals: Sequence[IdealTime], args: argparse.Namespace,
@@ -656,6 +665,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="serving max_prefill_tokens; a list runs each (with each --max-batch)")
     parser.add_argument("--max-prefill-tokens-beside-decode", type=int_list, default=None,
                         help="serving max_prefill_tokens_beside_decode; a list runs each (with each of the others)")
+    parser.add_argument("--max-step-tokens", type=int_list, default=None,
+                        help="serving max_step_tokens (a step's rows, decode rows included); a list runs each (with "
+                             "each of the others)")
     parser.add_argument("--warmup-requests", type=int, default=None, help="untimed requests first (default 8)")
     parser.add_argument("--matmul-size", type=int, default=None, help="default 8192")
     parser.add_argument("--copy-bytes", type=int, default=None, help="default 1 GiB")
@@ -697,10 +709,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"bench/serve.py: {error} (--smoke runs tiny configs in the simulator)") from None
     runs = []
     for model_name in args.models:
-        configs = [(b, t, d) for b in args.max_batch or [None] for t in args.max_prefill_tokens or [None]
-                   for d in args.max_prefill_tokens_beside_decode or [None]]
-        for index, (max_batch, max_prefill_tokens, beside) in enumerate(configs):  # HF once a model: no such config
-            runs.append(bench_model(model_name, args, max_batch, max_prefill_tokens, args.hf and index == 0, beside))
+        for index, sizes in enumerate(serving_configs(args)):  # HF once a model: no such config
+            runs.append(bench_model(model_name, args, sizes, args.hf and index == 0))
     import torch
 
     info = run_info(torch.device("cpu" if args.smoke else "cuda"))

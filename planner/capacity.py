@@ -25,7 +25,8 @@ class Capacity(BaseModel):
     max_context: int = Field(description="C: tokens of one request, prompt plus output")
     page_size: int = Field(description="S: tokens per KV page")
     max_prefill_tokens: int = Field(description="prefill tokens per step (the chunk)")
-    max_tokens_per_step: int = Field(description="T = max(max_prefill_tokens + B - 1, B): rows of a step")
+    max_tokens_per_step: int = Field(description="T = max(max_prefill_tokens + B - 1, B), or serving max_step_tokens "
+                                     "when set: rows of a step, decode rows included")
     prefill_tokens_beside_decode: int = Field(0, description="prefill tokens a step takes while it carries decode "
                                               "rows: serving max_prefill_tokens_beside_decode, or "
                                               "max_prefill_tokens when unset (0: max_prefill_tokens)")
@@ -81,6 +82,7 @@ def build_capacity(
     recurrent_slots_per_request: int, num_q_heads: int = 0, gemm_attention_min_tokens: int = 1,
     prefill_attention: PrefillAttention = "gemm", decode_gemv_batch: int = 0, delta_rule_scratch: bool = False,
     prefill_tokens_beside_decode: int | None = None, prefill_graph_token_sizes: tuple[int, ...] = (),
+    max_step_tokens: int | None = None,
 ) -> Capacity:
     """Capacities before the KV pool is sized (kv_pages and kv_tokens stay 0). ``num_q_heads`` 0
     (no full-attention layer) or ``gemm_attention_min_tokens`` above ``max_prefill_tokens``: no
@@ -88,8 +90,12 @@ def build_capacity(
     "flash" gathers keys too, but its kernel keeps the scores on chip: no score tile.
     ``delta_rule_scratch``: the model's linear-attention prefill runs the two-pass chunked delta rule
     (bf16 activations), whose per-row scratch the prefill pool holds. ``prefill_graph_token_sizes``: the
-    prefill graphs' row buckets asked for (those above the step's rows are dropped)."""
+    prefill graphs' row buckets asked for (those above the step's rows are dropped). ``max_step_tokens``:
+    serving's cap on a step's rows, decode rows included (None: a whole chunk beside max_batch - 1 decode
+    rows, or max_batch decode rows)."""
     tokens = max(checked.add("max_tokens_per_step", max_prefill_tokens, max_batch - 1, width=I32), max_batch)
+    if max_step_tokens is not None:
+        tokens = min(tokens, max_step_tokens)
     pages_per_request = checked.ceil_div("pages_per_request", max_context, page_size, width=I32)
     kv_splits = min(MAX_DECODE_KV_SPLITS, checked.ceil_div("decode_kv_splits", max_context, MIN_KV_CHUNK_TOKENS))
     long_chunks = bool(num_q_heads) and gemm_attention_min_tokens <= max_prefill_tokens

@@ -57,6 +57,7 @@ SERVING_FLAGS = {
     "gpu_memory_utilization": ("--gpu-memory-utilization", None, float),
     "max_prefill_tokens": ("--max-prefill-tokens", "--max-num-batched-tokens", token_count),
     "max_prefill_tokens_beside_decode": ("--max-prefill-tokens-beside-decode", None, token_count),
+    "max_step_tokens": ("--max-step-tokens", None, token_count),
     "tensor_parallel_size": ("--tensor-parallel-size", "-tp", int),
     "kv_cache_dtype": ("--kv-cache-dtype", None, str),
     "dtype": ("--dtype", None, str),

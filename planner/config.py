@@ -303,6 +303,13 @@ class ServingConfig(_Frozen):
         "max_prefill_tokens: fewer bound how long running requests wait for their next token (TPOT under load) "
         "at the cost of prefill tokens a step. null: max_prefill_tokens."
     )
+    max_step_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = Field(
+        None, description="Rows a step holds, decode rows included (vLLM's max_num_batched_tokens counts both): "
+        "a step's prefill chunk takes what its decode rows leave, so a step that has prompt tokens to take holds "
+        "this many rows whatever its decode rows. At least max_batch and max_prefill_tokens, at most "
+        "max_prefill_tokens + max_batch - 1. null: max_prefill_tokens + max_batch - 1 (a whole chunk beside "
+        "any decode rows)."
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0, description="Share of device memory the plan may use (gpu_memory_utilization)."
     )
@@ -371,7 +378,7 @@ class ServingConfig(_Frozen):
     def _prefill_tokens(cls, value: Any) -> Any:
         return parse_token_count(value) if isinstance(value, str) else value
 
-    @field_validator("max_prefill_tokens_beside_decode", mode="before")
+    @field_validator("max_prefill_tokens_beside_decode", "max_step_tokens", mode="before")
     @classmethod
     def _beside_decode_tokens(cls, value: Any) -> Any:
         return parse_token_count(value) if isinstance(value, str) else value
@@ -382,6 +389,20 @@ class ServingConfig(_Frozen):
         if beside is not None and beside > self.max_prefill_tokens:
             raise ValueError(f"max_prefill_tokens_beside_decode ({beside}) exceeds max_prefill_tokens "
                              f"({self.max_prefill_tokens}): a step beside decode rows takes at most a step's chunk")
+        return self
+
+    @model_validator(mode="after")
+    def _step_tokens(self) -> ServingConfig:
+        rows, chunk, batch = self.max_step_tokens, self.max_prefill_tokens, self.max_batch
+        if rows is None:
+            return self
+        if rows < max(batch, chunk):
+            raise ValueError(f"max_step_tokens ({rows}) is below max_batch ({batch}) or max_prefill_tokens ({chunk}): "
+                             f"a step holds a decode row of every request and a whole chunk; at least "
+                             f"{max(batch, chunk)}")
+        if rows > chunk + batch - 1:
+            raise ValueError(f"max_step_tokens ({rows}) exceeds max_prefill_tokens + max_batch - 1 "
+                             f"({chunk + batch - 1}), the most rows a step can fill; null plans that many")
         return self
 
     @model_validator(mode="after")

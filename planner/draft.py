@@ -114,6 +114,7 @@ class Drafter:
                                                geometry.hidden_size, gemv_inputs, dtype_bytes(dtypes.activations)),
             delta_rule_scratch=bool(geometry.num_linear_layers) and dtypes.activations == DELTA_RULE_SCRATCH_DTYPE,
             prefill_tokens_beside_decode=serving.max_prefill_tokens_beside_decode,
+            max_step_tokens=serving.max_step_tokens,
             prefill_graph_token_sizes=serving.prefill_graph_token_sizes if serving.tensor_parallel_size == 1 else (),
         )
         act = dtypes.activations

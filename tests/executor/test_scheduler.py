@@ -17,10 +17,10 @@ VOCAB = 64
 
 
 def make_capacity(*, max_batch=4, max_context=64, page_size=4, max_prefill_tokens=16, kv_pages=65,
-                  slots_per_request=0, recurrent_slots=None) -> Capacity:
+                  slots_per_request=0, recurrent_slots=None, max_step_tokens=None) -> Capacity:
     capacity = with_kv_pages(build_capacity(
         max_batch=max_batch, max_context=max_context, page_size=page_size, max_prefill_tokens=max_prefill_tokens,
-        gqa_group=2, recurrent_slots_per_request=slots_per_request,
+        gqa_group=2, recurrent_slots_per_request=slots_per_request, max_step_tokens=max_step_tokens,
     ), kv_pages)
     if recurrent_slots is not None:
         capacity = capacity.model_copy(update={"recurrent_slots": recurrent_slots})
@@ -314,6 +314,34 @@ def test_a_step_beside_decode_rows_takes_the_smaller_prefill_budget():
     assert {r.request_id: r.output_ids == reference_output(r.prompt_ids, r.max_new_tokens)
             for r in engine.finished} == {"short": True, "long": True}
     assert_all_released(scheduler)
+
+
+def test_a_step_of_max_step_tokens_rows_gives_its_chunk_what_the_decode_rows_leave():
+    """max_step_tokens 8 at max_prefill_tokens 8: while prompt tokens wait, every step holds exactly 8 rows
+    (decode rows plus the chunk), where without it a step beside d decode rows holds 8 + d; outputs are
+    unchanged."""
+    lengths = (3, 30, 25, 2)
+
+    def run(max_step_tokens):
+        scheduler = scheduler_for(make_capacity(max_batch=4, max_prefill_tokens=8, max_step_tokens=max_step_tokens))
+        for index, length in enumerate(lengths):
+            scheduler.add(Request(index, prompt(length, index), 6))
+        engine = FakeEngine(scheduler)
+        engine.run()
+        assert_all_released(scheduler)
+        return engine
+
+    capped, uncapped = run(8), run(None)
+    rows = [s.num_decode_rows + s.num_prefill_tokens for s in capped.steps]
+    prefilled = 0
+    for step, count in zip(capped.steps, rows):
+        prefilled += step.num_prefill_tokens
+        assert count <= 8
+        if prefilled < sum(lengths):  # prompt tokens still waited after this step: it was full
+            assert count == 8, [(s.num_decode_rows, s.num_prefill_tokens) for s in capped.steps]
+    assert any(s.num_decode_rows + s.num_prefill_tokens > 8 for s in uncapped.steps)
+    assert {r.request_id: r.output_ids for r in capped.finished} == {r.request_id: r.output_ids
+                                                                      for r in uncapped.finished}
 
 
 def test_prefill_budget_is_shared_by_several_requests_in_arrival_order():

@@ -88,6 +88,10 @@ BAD_SERVING = {
     "not a mapping": ("- 1\n- 2\n", "<root>", "expected a mapping"),
     "beside decode over the chunk": ("max_prefill_tokens: 512\nmax_prefill_tokens_beside_decode: 1k\n",
                                      "max_prefill_tokens_beside_decode (1000)", "exceeds max_prefill_tokens (512)"),
+    "step rows under the chunk": ("max_batch: 8\nmax_prefill_tokens: 512\nmax_step_tokens: 500\n",
+                                  "max_step_tokens (500)", "below max_batch (8) or max_prefill_tokens (512)"),
+    "step rows over what a step fills": ("max_batch: 8\nmax_prefill_tokens: 512\nmax_step_tokens: 520\n",
+                                         "max_step_tokens (520)", "exceeds max_prefill_tokens + max_batch - 1 (519)"),
 }
 
 
