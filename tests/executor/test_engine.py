@@ -162,10 +162,12 @@ def test_a_larger_batch_and_prefill_budget_give_each_request_its_solo_output():
 CHUNKED = dict(max_batch=6, max_prefill_tokens=12)
 
 
-def test_chunked_prefill_at_a_larger_batch_gives_each_request_its_solo_output():
-    """Qwen3.5: six recurrent slots and prompts split across steps (Qwen3's larger batch is the test above)."""
+@pytest.mark.parametrize("max_step_tokens", [None, 12])
+def test_chunked_prefill_at_a_larger_batch_gives_each_request_its_solo_output(max_step_tokens):
+    """Qwen3.5: six recurrent slots and prompts split across steps (Qwen3's larger batch is the test above);
+    with max_step_tokens 12 a chunk beside decode rows takes only what they leave of 12 rows."""
     name = "tiny-qwen3.5"
-    loaded = load_tiny(name, **CHUNKED)  # the weights of shared_tiny(name): the same seeds and perturbed norms
+    loaded = load_tiny(name, **CHUNKED, max_step_tokens=max_step_tokens)  # shared_tiny(name)'s seeds and norms
     perturb_norms(loaded)
     prompts, new_tokens, _ = _workload(loaded.plan.model.vocab_size)
     requests = [Request(i, prompts[c], new_tokens[c], **SAMPLED.get(c, {})) for i, c in enumerate(COPIES)]
@@ -174,3 +176,7 @@ def test_chunked_prefill_at_a_larger_batch_gives_each_request_its_solo_output():
     assert _outputs(report) == [alone[c] for c in COPIES]
     assert report.stats.peak_running == len(COPIES)
     assert sum(len(prompts[c]) for c in COPIES) > 2 * CHUNKED["max_prefill_tokens"]  # three prefill steps at least
+    if max_step_tokens is not None:  # no step over the cap; one beside decode rows filled it
+        timings = report.step_timings
+        assert max(t.decode_rows + t.prefill_tokens for t in timings) == max_step_tokens
+        assert any(t.decode_rows and t.decode_rows + t.prefill_tokens == max_step_tokens for t in timings)
