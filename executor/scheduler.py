@@ -49,7 +49,9 @@ Step building (FCFS):
    order, within the budget ``min(max_prefill_tokens, max_tokens_per_step -
    decode rows)``, or ``prefill_tokens_beside_decode`` in place of
    max_prefill_tokens when the step has decode rows (a smaller chunk keeps
-   their wait for the next token short);
+   their wait for the next token short); with serving ``max_step_tokens``
+   the plan's max_tokens_per_step is that cap, so the chunk takes what the
+   decode rows leave of it and a full step always holds that many rows;
 3. admission of waiting requests from the head of the queue (strict FCFS: the
    first that cannot be admitted stops admission) while ``running <
    max_batch``, a recurrent slot is free (Qwen3.5) and budget and pages are
