@@ -58,6 +58,14 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def optional_int_list(text: str) -> list[int | None]:
+    """argparse type: "none,512" -> [None, 512] (none: the field unset, as its config leaves it)."""
+    values = [None if part.strip().lower() == "none" else int(part) for part in text.split(",") if part.strip()]
+    if not values or min((v for v in values if v is not None), default=1) < 1:
+        raise ValueError(f"expected a comma-separated list of positive ints or none, got {text!r}")
+    return values
+
+
 def str_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 

@@ -77,8 +77,8 @@ from typing import TYPE_CHECKING
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (  # noqa: E402
     ROOT, add_plan_arguments, bench_parser, build_hf, copy_bandwidth_bytes_per_s, emit, fmt, free_device_memory,
-    int_list, kernel_breakdown, log, markdown_table, matmul_flops_per_s, resolve_plan_arguments, run_info, sized_plan,
-    str_list,
+    int_list, kernel_breakdown, log, markdown_table, matmul_flops_per_s, optional_int_list, resolve_plan_arguments,
+    run_info, sized_plan, str_list,
 )
 from bench.stack_sampler import StackSampler  # noqa: E402
 
@@ -663,11 +663,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="serving max_batch over the serving config's; a list (64,128,256) runs each")
     parser.add_argument("--max-prefill-tokens", type=int_list, default=None,
                         help="serving max_prefill_tokens; a list runs each (with each --max-batch)")
-    parser.add_argument("--max-prefill-tokens-beside-decode", type=int_list, default=None,
-                        help="serving max_prefill_tokens_beside_decode; a list runs each (with each of the others)")
-    parser.add_argument("--max-step-tokens", type=int_list, default=None,
+    parser.add_argument("--max-prefill-tokens-beside-decode", type=optional_int_list, default=None,
+                        help="serving max_prefill_tokens_beside_decode; a list runs each (with each of the others), "
+                             "none: unset (none,512)")
+    parser.add_argument("--max-step-tokens", type=optional_int_list, default=None,
                         help="serving max_step_tokens (a step's rows, decode rows included); a list runs each (with "
-                             "each of the others)")
+                             "each of the others), none: unset (none,8192 compares the two in one run)")
     parser.add_argument("--warmup-requests", type=int, default=None, help="untimed requests first (default 8)")
     parser.add_argument("--matmul-size", type=int, default=None, help="default 8192")
     parser.add_argument("--copy-bytes", type=int, default=None, help="default 1 GiB")

@@ -190,8 +190,8 @@ def _coverage(model_name: str) -> dict:
     plan = plan_from_configs(model_name, "h200", None, {"max_batch": 32, "max_prefill_tokens": 4096,
                                                          "max_context": 3072, "gpu_memory_utilization": 0.5})
     rng = random.Random(5)
-    requests = [Request(i, [rng.randrange(1000) for _ in range(rng.choice([rng.randint(1, 64), rng.randint(64, 3000)]))],
-                        rng.randint(1, 24)) for i in range(48)]
+    lengths = [rng.choice([rng.randint(1, 64), rng.randint(64, 3000)]) for _ in range(48)]
+    requests = [Request(i, [rng.randrange(1000) for _ in range(n)], rng.randint(1, 24)) for i, n in enumerate(lengths)]
     waves = {0: requests[:24], 6: requests[24:40], 30: requests[40:]}  # step -> arrivals
     with target_device(Arch.from_capability(plan.hardware.compute_capability), plan.hardware.num_sms):
         model = meta_model(plan)
