@@ -382,22 +382,26 @@ def _finish_result(result: RequestResult, request: Request,
         on_finish(result)
 
 
-def kernel_specializations(model: DecoderModel) -> dict[str, set[tuple]]:
-    """Every kernel the model launches, by name, with the argument types it has an overload ready for
-    (loaded from the kernel cache or compiled, on the fast launch path or Numba's own)."""
+def kernel_specializations(model: DecoderModel) -> dict[int, tuple[str, set[tuple]]]:
+    """Every kernel the model launches (by identity: two builds of one kernel function are two kernels),
+    with its name and the argument types it has an overload ready for (loaded from the kernel cache or
+    compiled, on the fast launch path or Numba's own)."""
     from executor.kernel_discovery import find_kernels, kernel_name
 
-    ready: dict[str, set[tuple]] = {}
-    for kernel in find_kernels(model):
-        ready.setdefault(kernel_name(kernel), set()).update(kernel.origins, kernel.dispatcher.overloads)
-    return ready
+    return {id(kernel): (kernel_name(kernel), {*kernel.origins, *kernel.dispatcher.overloads})
+            for kernel in find_kernels(model)}
 
 
-def readied_since(before: dict[str, set[tuple]], after: dict[str, set[tuple]]) -> dict[str, int]:
-    """How many specializations each kernel gained from ``before`` to ``after`` (kernels that gained none
-    left out)."""
-    gained = {name: len(types - before.get(name, set())) for name, types in after.items()}
-    return {name: count for name, count in gained.items() if count}
+def readied_since(before: dict[int, tuple[str, set[tuple]]],
+                  after: dict[int, tuple[str, set[tuple]]]) -> dict[str, int]:
+    """How many specializations the kernels of each name gained from ``before`` to ``after`` (names that
+    gained none left out)."""
+    gained: dict[str, int] = {}
+    for key, (name, types) in after.items():
+        count = len(types - before.get(key, (name, set()))[1])
+        if count:
+            gained[name] = gained.get(name, 0) + count
+    return gained
 
 
 def _allocation_count(model: DecoderModel) -> int | None:
