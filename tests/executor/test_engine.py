@@ -180,3 +180,13 @@ def test_chunked_prefill_at_a_larger_batch_gives_each_request_its_solo_output(ma
         timings = report.step_timings
         assert max(t.decode_rows + t.prefill_tokens for t in timings) == max_step_tokens
         assert any(t.decode_rows and t.decode_rows + t.prefill_tokens == max_step_tokens for t in timings)
+
+
+def test_kernels_readied_count_each_build_of_a_kernel_apart():
+    """Two builds of one kernel function (one name, two kernels) each readying the same argument types
+    count twice; a kernel's types ready before the run count nothing."""
+    before = {1: ("mod.build.<locals>.k", {("a",)}), 2: ("mod.build.<locals>.k", set())}
+    after = {1: ("mod.build.<locals>.k", {("a",), ("b",)}), 2: ("mod.build.<locals>.k", {("a",), ("b",)}),
+             3: ("mod.other", {("a",)})}
+    assert executor.engine.readied_since(before, after) == {"mod.build.<locals>.k": 3, "mod.other": 1}
+    assert executor.engine.readied_since(after, after) == {}
