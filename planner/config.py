@@ -373,14 +373,9 @@ class ServingConfig(_Frozen):
             return parse_token_count(value)
         return value
 
-    @field_validator("max_prefill_tokens", mode="before")
+    @field_validator("max_prefill_tokens", "max_prefill_tokens_beside_decode", "max_step_tokens", mode="before")
     @classmethod
-    def _prefill_tokens(cls, value: Any) -> Any:
-        return parse_token_count(value) if isinstance(value, str) else value
-
-    @field_validator("max_prefill_tokens_beside_decode", "max_step_tokens", mode="before")
-    @classmethod
-    def _beside_decode_tokens(cls, value: Any) -> Any:
+    def _token_counts(cls, value: Any) -> Any:
         return parse_token_count(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
