@@ -269,6 +269,8 @@ def _serving_schema_extra(schema: dict[str, Any]) -> None:
                                                    if k not in ("default", "description", "title")}, count],
                                         **{k: v for k, v in properties["max_prefill_tokens"].items()
                                            if k in ("default", "description", "title")}}
+    for optional in ("max_prefill_tokens_beside_decode", "max_step_tokens"):  # anyOf [integer, null] already
+        properties[optional]["anyOf"].insert(1, count)
     for vllm_name, field in VLLM_SERVING_NAMES.items():
         alias = {k: v for k, v in properties[field].items() if k not in ("default", "title")}
         properties[vllm_name] = {**alias, "description": f"vLLM's name of {field}."}

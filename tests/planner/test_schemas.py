@@ -45,3 +45,12 @@ def test_plan_of_every_shipped_model_and_hardware_pair_validates():
             schema.validate(plan.model_dump(mode="json"))
             fitted += 1
     assert fitted >= 40
+
+
+def test_the_serving_schema_takes_token_counts_where_the_loader_does():
+    """``8k`` in every token-count field loads and validates against the committed schema alike."""
+    text = "max_prefill_tokens: 8k\nmax_prefill_tokens_beside_decode: 1k\nmax_step_tokens: 8.2k\nmax_batch: 256\n"
+    jsonschema.validate(yaml.safe_load(text), load_committed("serving"))
+    serving = load_serving("default", yaml.safe_load(text))
+    assert (serving.max_prefill_tokens, serving.max_prefill_tokens_beside_decode, serving.max_step_tokens) == (
+        8000, 1000, 8200)
