@@ -17,18 +17,15 @@ DEVICE = "cpu" if simulator_enabled() else "cuda"
 
 
 def test_matches_float64_in_the_simulator():
-    """Head dim 64, 32 keys a round: a 70-row prompt takes two query blocks (the last launched first)
-    and three key blocks (the online softmax rescales), the diagonal ones masked; GQA group 2."""
-    run_case(70, 70, q_heads=2, kv_heads=1, head_dim=64, device=DEVICE,
-             attention=WarpgroupFlashAttention(WarpgroupShape(keys=32)))
-
-
-def test_swizzled_tiles_match_float64_in_the_simulator():
+    """Head dim 64, 32 keys a round, swizzled tiles (as Qwen3's head_dim 128 runs): a 70-row prompt takes
+    two query blocks (the last launched first) and three key blocks (the online softmax rescales), the
+    diagonal ones masked; GQA group 2."""
     run_case(70, 70, q_heads=2, kv_heads=1, head_dim=64, device=DEVICE,
              attention=WarpgroupFlashAttention(WarpgroupShape(keys=32, swizzle=True)))
 
 
 def test_one_launch_serves_packed_chunks_and_skips_the_others():
+    """Unswizzled tiles (the other layout), four key blocks before the second chunk's diagonal."""
     check_packed_launch(WarpgroupFlashAttention(WarpgroupShape(keys=32)), head_dim=64)
 
 

@@ -574,13 +574,14 @@ def test_compiles_for_sm90():
         """
         from executor.kernels.rope.qk_norm_rope import build_qk_norm_rope_kernel, build_qk_norm_rope_vector_kernel
         f32, i32 = types.float32, types.int32
-        for name in DTYPES:
-            for round_before_weight in (True, False):
-                kernel = build_qk_norm_rope_kernel(build_codec(name), round_before_weight)
-                ptx(kernel, arr(name, 3), arr(name, 1), arr("int32", 1), f32, f32, i32, f32)
-                # Local memory: only libdevice's sin/cos slow path for large angles (the scalar kernel's too).
-                vector = build_qk_norm_rope_vector_kernel(build_codec(name), round_before_weight)
-                vector_ptx(vector, arr(name, 3), arr(name, 1), arr("int32", 1), f32, f32, i32, f32, i32, local_ok=True)
+        # Each codec with one rounding order (each order with one codec): the order moves where one
+        # product is rounded, not an access or a buffer.
+        for name, round_before_weight in zip(DTYPES, (False, True)):
+            kernel = build_qk_norm_rope_kernel(build_codec(name), round_before_weight)
+            ptx(kernel, arr(name, 3), arr(name, 1), arr("int32", 1), f32, f32, i32, f32)
+            # Local memory: only libdevice's sin/cos slow path for large angles (the scalar kernel's too).
+            vector = build_qk_norm_rope_vector_kernel(build_codec(name), round_before_weight)
+            vector_ptx(vector, arr(name, 3), arr(name, 1), arr("int32", 1), f32, f32, i32, f32, i32, local_ok=True)
         """,
         allow_f64=True,  # inv_freq's power is taken in float64 on purpose (rope.py's docstring)
     )
