@@ -104,6 +104,7 @@ def test_shape_errors():
         SiluMul(codec, 96)
 
 
+@pytest.mark.ptx
 def test_compiles_for_sm90():
     compile_for_sm90(
         """

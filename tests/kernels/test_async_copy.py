@@ -78,6 +78,7 @@ def test_rows_land_as_a_slice_and_zeros_past_the_limit(first, limit):
     np.testing.assert_array_equal(out, expected)
 
 
+@pytest.mark.ptx
 def test_row_copies_convert_the_cursor_once_on_sm90():
     compile_for_sm90(
         """
@@ -124,6 +125,7 @@ def test_chunks_of_a_strided_row_land_in_order(valid_chunks):
     np.testing.assert_array_equal(out, expected.reshape(ROWS, WORDS))
 
 
+@pytest.mark.ptx
 def test_chunk_copies_take_the_row_cursor_once_on_sm90():
     compile_for_sm90(
         """

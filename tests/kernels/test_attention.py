@@ -178,6 +178,7 @@ def test_merge_rejects_a_deeper_split_scratch_than_it_weighs():
                                np.zeros((1, 4, HEAD_DIM), np.float32))
 
 
+@pytest.mark.ptx
 def test_compiles_for_sm90():
     """PTX for sm_90, both codecs, real tile shapes (also checks real-GPU compilation on CPU machines)."""
     compile_for_sm90(

@@ -128,6 +128,7 @@ def test_causal_softmax_rejects_a_build_off_the_warp():
         CausalSoftmax(build_codec("float32"), register_builds=((6, 1),))
 
 
+@pytest.mark.ptx
 def test_compiles_for_sm90():
     """Every build, both codecs, with float32 math only; the vector builds with 16-byte global loads and
     stores and no local memory (their chunk buffers in registers)."""

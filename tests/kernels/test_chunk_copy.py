@@ -43,6 +43,7 @@ def test_views_not_made_of_aligned_chunks_are_copied_by_torch():
         ChunkCopy()(src, torch.zeros(3, 2, 4, 7))
 
 
+@pytest.mark.ptx
 def test_chunk_copy_compiles_for_sm90():
     compile_for_sm90(
         """

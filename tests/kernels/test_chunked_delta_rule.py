@@ -299,6 +299,7 @@ def test_missing_or_short_scratch_is_refused():
 # ---------------------------------------------------------------- real-GPU compilation (no GPU needed)
 
 
+@pytest.mark.ptx
 def test_compiles_for_sm90():
     """The tensor-core build compiles for sm_90 with mma.sync, ldmatrix and cp.async and keeps its
     fragments and state in registers (no local memory): the prepare pass (the same code at every dv

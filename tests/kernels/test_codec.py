@@ -67,6 +67,7 @@ def test_f32_codec_is_the_identity():
     np.testing.assert_array_equal(loaded.view(np.uint32), values.view(np.uint32))
 
 
+@pytest.mark.ptx
 def test_bf16_store_is_one_conversion_on_sm90():
     """The GPU store is the hardware conversion, not the simulator's integer rounding."""
     compile_for_sm90(

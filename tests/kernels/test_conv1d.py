@@ -291,6 +291,7 @@ def test_shape_errors():
 # ---------------------------------------------------------------- real-GPU compilation (no GPU needed)
 
 
+@pytest.mark.ptx
 def test_compiles_for_sm90():
     compile_for_sm90(
         """

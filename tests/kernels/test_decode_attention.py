@@ -81,6 +81,7 @@ def test_unaligned_cache_rows_run_the_general_kernel(dtype_name):
     run_decode(dtype_name, 2, 8, seed=3, misaligned=True)
 
 
+@pytest.mark.ptx
 def test_decode_attention_compiles_for_sm90():
     """PTX for sm_90 at Qwen3 (D 128, G 4) and Qwen3.5 (D 256, G 6) shapes, both codecs' kernels:
     16-byte K/V loads, registers only."""

@@ -67,6 +67,7 @@ def test_mma_shapes_and_shared_memory():
     assert mma_warps(128, MAX_GROUP + 1) is None and mma_warps(80, 4) is None and mma_warps(16, 1) is None
 
 
+@pytest.mark.ptx
 def test_mma_decode_attention_compiles_for_sm90():
     """PTX for sm_90 at Qwen3 (D 128, G 4) and Qwen3.5 (D 256, G 4): K/V staged by cp.async, read
     by ldmatrix (V transposed), bf16 MMAs, registers only."""

@@ -139,6 +139,7 @@ def test_partial_rotary_and_wide_heads_take_two_launches():
     assert fused_shapes(build(128, 4).attention, 128, 4, 128) != []
 
 
+@pytest.mark.ptx
 def test_fused_compiles_for_sm90():
     """PTX for sm_90 at Qwen3-8B's heads (D 128, G 4), both block shapes, built for pages of 16 tokens as
     the launcher builds them: no local memory but libdevice's sin/cos slow path (28 bytes, for angles past

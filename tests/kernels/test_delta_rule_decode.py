@@ -165,6 +165,7 @@ def test_errors_name_the_values():
 # ---------------------------------------------------------------- real-GPU compilation (no GPU needed)
 
 
+@pytest.mark.ptx
 def test_decode_delta_rule_compiles_for_sm90():
     """Qwen3.5's dk = dv = 128 in both codecs, the default block (16 row groups x 16 chunks) and two
     others: 16-byte state loads and stores, the state chunks in registers (no local memory)."""

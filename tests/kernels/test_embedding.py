@@ -118,6 +118,7 @@ def test_shape_errors():
         Embedding(build_codec("float32"), 20)
 
 
+@pytest.mark.ptx
 def test_compiles_for_sm90():
     compile_for_sm90(
         """

@@ -136,6 +136,7 @@ def test_matches_float64_at_model_sizes(rows, kv_len, q_heads, kv_heads, head_di
     run_case(rows, kv_len, q_heads, kv_heads, head_dim, "cuda", strided_q=strided)
 
 
+@pytest.mark.ptx
 def test_compiles_to_unrolled_mmas_in_registers_on_sm90():
     """Every fragment loop unrolled (one MMA per tile and k-step of both products) and no local memory:
     an O or S accumulator indexed at run time would spill to local memory."""

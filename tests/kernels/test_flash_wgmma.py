@@ -63,6 +63,7 @@ def test_packed_launch_on_the_gpu():
     check_packed_launch(WarpgroupFlashAttention(), head_dim=128)
 
 
+@pytest.mark.ptx
 def test_compiles_to_warpgroup_products_in_registers_on_sm90a():
     """Every product unrolled (D / 16 score products and keys / 16 value products a key block) and no
     local memory: an O or S accumulator indexed at run time would spill there."""

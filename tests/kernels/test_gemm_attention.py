@@ -162,6 +162,7 @@ def test_tiled_gemm_attention_matches_float64_on_gpu_at_qwen3_8b_tiles():
     assert_close_rel(got, reference, TOL["bfloat16"])
 
 
+@pytest.mark.ptx
 def test_compiles_for_sm90():
     """The gather kernels, with float32 math only; the vector and packed ones with 16-byte accesses."""
     compile_for_sm90(

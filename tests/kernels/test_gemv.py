@@ -109,6 +109,7 @@ def test_shape_mismatch_names_the_shapes():
         gemv("float32").norm_project(a["hidden"], a["norm_weight"], EPS, 0.0, a["weight"], out)
 
 
+@pytest.mark.ptx
 def test_sm90_ptx_keeps_buffers_in_registers():
     """Every kernel at batch 1 on Qwen3-8B's K: 16-byte weight loads, the staged x written and read 16
     bytes at a time in shared memory, no local memory (the chunk buffers stay in registers)."""

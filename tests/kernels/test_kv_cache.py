@@ -78,6 +78,7 @@ def test_write_kv_rejects_mismatched_shapes():
         WriteKv()(k, k, cache, cache, ids, ids, ids, ids)
 
 
+@pytest.mark.ptx
 def test_compiles_for_sm90():
     """PTX for sm_90 with both storage dtypes, both kernels."""
     compile_for_sm90(

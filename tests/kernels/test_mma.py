@@ -125,6 +125,7 @@ def test_pack_rounds_both_halves_like_torch():
     np.testing.assert_array_equal((bits >> 16).astype(np.uint16), torch.from_numpy(high).bfloat16().view(torch.int16).numpy().view(np.uint16))
 
 
+@pytest.mark.ptx
 def test_tensor_core_building_blocks_are_single_instructions_on_sm90():
     compile_for_sm90(
         """

@@ -235,6 +235,7 @@ def test_shape_errors():
 # ---------------------------------------------------------------- real-GPU compilation
 
 
+@pytest.mark.ptx
 def test_compiles_for_sm90():
     """Both kernels (scalar and vector), both codecs and both rounding modes compile to sm_90 PTX with
     float32 math only; the vector kernels with 16-byte accesses and no local memory."""

@@ -253,6 +253,7 @@ def test_shape_errors():
         SigmoidMulInplace(codec, SIM_THREADS)(np.zeros((2, 3, 4), np.float32), np.zeros((2, 3, 5), np.float32))
 
 
+@pytest.mark.ptx
 def test_compiles_for_sm90():
     """The scalar kernel, the vector kernel at each rows_unroll (buffers in registers), and the launcher's
     vector kernel with the launch bounds it carries (threads, blocks per SM) in its PTX."""

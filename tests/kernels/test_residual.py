@@ -86,6 +86,7 @@ def test_add_inplace_shape_errors():
         AddInplace(build_codec("float32"), 100)
 
 
+@pytest.mark.ptx
 def test_compiles_for_sm90():
     compile_for_sm90(
         """

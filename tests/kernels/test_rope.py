@@ -517,6 +517,7 @@ SPECIALIZED_VARIANTS = [
 ]
 
 
+@pytest.mark.ptx
 def test_specialized_compiles_for_sm90():
     """PTX for sm_90 at Qwen3-8B's and Qwen3.5's q shapes, with the launcher's configurations and the
     pipelined unit layout (SPECIALIZED_VARIANTS' first): 16-byte global loads and stores, pair
@@ -569,6 +570,7 @@ def test_specialized_compiles_for_sm90():
     )
 
 
+@pytest.mark.ptx
 def test_compiles_for_sm90():
     compile_for_sm90(
         """
@@ -892,6 +894,7 @@ def test_fused_shape_errors():
             call(**{name: wrong})
 
 
+@pytest.mark.ptx
 def test_fused_compiles_for_sm90():
     """PTX for sm_90, both codecs: 16-byte global loads and stores, and no local memory but libdevice's
     sin/cos slow path (its 28-byte argument-reduction buffer, which the unfused kernels have too): no

@@ -514,6 +514,7 @@ def test_launcher_shape_errors_and_empty_batch():
     Sample(SIM_THREADS)(np.zeros((0, 8), np.float32), *params(0, 1.0, 0, 0, 0), np.zeros(0, np.int32))
 
 
+@pytest.mark.ptx
 def test_sample_compiles_for_sm90_with_16_byte_loads():
     """PTX for sm_90: no float64 (checked by compile_for_sm90), the row passes' 16-byte loads
     (argmax, window count, radix, Gumbel: UNROLL each), and no local memory (the loaded chunks

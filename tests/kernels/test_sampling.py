@@ -62,6 +62,7 @@ def test_argmax_shape_errors():
         Argmax(48)
 
 
+@pytest.mark.ptx
 def test_compiles_for_sm90():
     compile_for_sm90(
         """

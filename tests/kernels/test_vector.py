@@ -101,6 +101,7 @@ def test_simulated_vector_access_rejects_misaligned_chunks():
         kernel[1, 2](src[:, 1:9], cuda.to_device(at_offset((1, 8), np.float32, 0)))
 
 
+@pytest.mark.ptx
 def test_intrinsics_compile_to_16_byte_accesses():
     """One 16-byte load and store per chunk, in registers (no local memory), for both codecs."""
     compile_for_sm90(

@@ -141,6 +141,7 @@ def test_core_tile_offsets_are_the_layout_s():
         build_wgmma(260, False, True)
 
 
+@pytest.mark.ptx
 def test_warpgroup_products_are_wgmma_instructions_on_sm90a():
     compile_for_sm90(
         """
