@@ -20,7 +20,7 @@ from pathlib import Path
 
 from planner import __version__
 from planner.checked import CheckedOverflowError
-from planner.config import parse_token_count
+from planner.config import VLLM_STEP_TOKENS, parse_token_count
 from planner.errors import ConfigError, PlanDoesNotFit, one_line
 
 EXIT_OK, EXIT_BAD_CONFIG, EXIT_DOES_NOT_FIT = 0, 2, 3
@@ -55,9 +55,10 @@ SERVING_FLAGS = {
     "max_context": ("--max-context", "--max-model-len", context_length),
     "page_size": ("--page-size", "--block-size", int),
     "gpu_memory_utilization": ("--gpu-memory-utilization", None, float),
-    "max_prefill_tokens": ("--max-prefill-tokens", "--max-num-batched-tokens", token_count),
+    "max_prefill_tokens": ("--max-prefill-tokens", None, token_count),
     "max_prefill_tokens_beside_decode": ("--max-prefill-tokens-beside-decode", None, token_count),
     "max_step_tokens": ("--max-step-tokens", None, token_count),
+    "max_num_batched_tokens": ("--max-num-batched-tokens", None, token_count),  # vLLM's: sets the two above
     "tensor_parallel_size": ("--tensor-parallel-size", "-tp", int),
     "kv_cache_dtype": ("--kv-cache-dtype", None, str),
     "dtype": ("--dtype", None, str),
@@ -79,7 +80,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, model_required: boo
         names = [flag] + ([alias] if alias else [])
         extra = (" (32k = 32,000, 32K = 32,768; auto: the largest that fits)" if field == "max_context"
                  else " (32k = 32,000, 32K = 32,768)" if kind is token_count else "")
-        parser.add_argument(*names, dest=field, type=kind, default=None, help=f"override serving.{field}{extra}")
+        what = (f"vLLM's tokens a step holds, decode rows included: set serving.max_prefill_tokens and "
+                f"serving.max_step_tokens" if field == VLLM_STEP_TOKENS else f"override serving.{field}")
+        parser.add_argument(*names, dest=field, type=kind, default=None, help=f"{what}{extra}")
 
 
 def serving_overrides(args: argparse.Namespace) -> dict[str, object]:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from planner.dtypes import ActivationDtype
-from planner.errors import ConfigError
+from planner.errors import ConfigError, FieldRule
 from planner.kernel_limits import FLASH_DTYPE, FLASH_HEAD_DIM_MULTIPLE
 
 LayerType = Literal["full_attention", "linear_attention"]
@@ -195,8 +195,11 @@ VLLM_SERVING_NAMES = {
     "max_num_seqs": "max_batch",
     "max_model_len": "max_context",
     "block_size": "page_size",
-    "max_num_batched_tokens": "max_prefill_tokens",
 }
+#: vLLM's max_num_batched_tokens bounds a step's tokens, decode rows included, and a step's prefill chunk takes
+#: what its decode rows leave of it: memplan's max_step_tokens and max_prefill_tokens, both at its value.
+VLLM_STEP_TOKENS = "max_num_batched_tokens"
+VLLM_STEP_TOKENS_FIELDS = ("max_prefill_tokens", "max_step_tokens")
 #: Default decode graph buckets stop at this batch (vLLM's default capture sizes stop at 512 too);
 #: larger decode steps run eagerly.
 MAX_DEFAULT_GRAPH_BATCH = 512
@@ -243,7 +246,8 @@ def graph_buckets_for_batch(buckets: tuple[int, ...], old_batch: int, new_batch:
 
 def vllm_name_clash(data: dict[str, Any]) -> tuple[str, str] | None:
     """(vLLM name, memplan name) of a field given under both names, or None."""
-    for vllm_name, field in VLLM_SERVING_NAMES.items():
+    named = [*VLLM_SERVING_NAMES.items(), *((VLLM_STEP_TOKENS, field) for field in VLLM_STEP_TOKENS_FIELDS)]
+    for vllm_name, field in named:
         if vllm_name in data and field in data:
             return vllm_name, field
     return None
@@ -251,7 +255,10 @@ def vllm_name_clash(data: dict[str, Any]) -> tuple[str, str] | None:
 
 def with_memplan_names(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` with vLLM's field names replaced by memplan's (callers refuse a vllm_name_clash first)."""
-    return {VLLM_SERVING_NAMES.get(key, key): value for key, value in data.items()}
+    renamed = {VLLM_SERVING_NAMES.get(key, key): value for key, value in data.items() if key != VLLM_STEP_TOKENS}
+    if VLLM_STEP_TOKENS in data:
+        renamed.update(dict.fromkeys(VLLM_STEP_TOKENS_FIELDS, data[VLLM_STEP_TOKENS]))
+    return renamed
 
 
 def _vllm_alias(field: str) -> AliasChoices:
@@ -274,8 +281,13 @@ def _serving_schema_extra(schema: dict[str, Any]) -> None:
     for vllm_name, field in VLLM_SERVING_NAMES.items():
         alias = {k: v for k, v in properties[field].items() if k not in ("default", "title")}
         properties[vllm_name] = {**alias, "description": f"vLLM's name of {field}."}
-    schema["dependentSchemas"] = {vllm_name: {"not": {"required": [field]}}
-                                  for vllm_name, field in VLLM_SERVING_NAMES.items()}
+    step_tokens = {k: v for k, v in properties["max_prefill_tokens"].items() if k not in ("default", "title")}
+    properties[VLLM_STEP_TOKENS] = {**step_tokens, "description": "vLLM's tokens a step holds, decode rows "
+                                    "included: sets max_prefill_tokens and max_step_tokens both."}
+    schema["dependentSchemas"] = {
+        **{vllm_name: {"not": {"required": [field]}} for vllm_name, field in VLLM_SERVING_NAMES.items()},
+        VLLM_STEP_TOKENS: {"not": {"anyOf": [{"required": [field]} for field in VLLM_STEP_TOKENS_FIELDS]}},
+    }
 
 
 class ServingConfig(_Frozen):
@@ -297,8 +309,8 @@ class ServingConfig(_Frozen):
     page_size: Annotated[int, Field(ge=1, le=1 << 12)] = Field(
         16, validation_alias=_vllm_alias("page_size"), description="Tokens per KV page (block_size).")
     max_prefill_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = Field(
-        2048, validation_alias=_vllm_alias("max_prefill_tokens"),
-        description="Prefill tokens per step, the chunk size (max_num_batched_tokens for prefill)."
+        2048, description="Prefill tokens per step, the chunk size. vLLM's max_num_batched_tokens sets it and "
+        "max_step_tokens both."
     )
     max_prefill_tokens_beside_decode: Annotated[int, Field(ge=1, le=1 << 20)] | None = Field(
         None, description="Prefill tokens a step takes while it also carries decode rows, at most "
@@ -306,7 +318,7 @@ class ServingConfig(_Frozen):
         "at the cost of prefill tokens a step. null: max_prefill_tokens."
     )
     max_step_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = Field(
-        None, description="Rows a step holds, decode rows included (vLLM's max_num_batched_tokens counts both): "
+        None, description="Rows a step holds, decode rows included, as vLLM's max_num_batched_tokens counts them: "
         "a step's prefill chunk takes what its decode rows leave, so a step that has prompt tokens to take holds "
         "this many rows whatever its decode rows. At least max_batch and max_prefill_tokens, at most "
         "max_prefill_tokens + max_batch - 1. null: max_prefill_tokens + max_batch - 1 (a whole chunk beside "
@@ -384,8 +396,9 @@ class ServingConfig(_Frozen):
     def _beside_decode(self) -> ServingConfig:
         beside = self.max_prefill_tokens_beside_decode
         if beside is not None and beside > self.max_prefill_tokens:
-            raise ValueError(f"max_prefill_tokens_beside_decode ({beside}) exceeds max_prefill_tokens "
-                             f"({self.max_prefill_tokens}): a step beside decode rows takes at most a step's chunk")
+            raise FieldRule("max_prefill_tokens_beside_decode", beside,
+                            f"max_prefill_tokens_beside_decode ({beside}) exceeds max_prefill_tokens "
+                            f"({self.max_prefill_tokens}): a step beside decode rows takes at most a step's chunk")
         return self
 
     @model_validator(mode="after")
@@ -394,12 +407,14 @@ class ServingConfig(_Frozen):
         if rows is None:
             return self
         if rows < max(batch, chunk):
-            raise ValueError(f"max_step_tokens ({rows}) is below max_batch ({batch}) or max_prefill_tokens ({chunk}): "
-                             f"a step holds a decode row of every request and a whole chunk; at least "
-                             f"{max(batch, chunk)}")
+            raise FieldRule("max_step_tokens", rows,
+                            f"max_step_tokens ({rows}) is below max_batch ({batch}) or max_prefill_tokens ({chunk}): "
+                            f"a step holds a decode row of every request and a whole chunk; at least "
+                            f"{max(batch, chunk)} (vLLM's max_num_batched_tokens sets it)")
         if rows > chunk + batch - 1:
-            raise ValueError(f"max_step_tokens ({rows}) exceeds max_prefill_tokens + max_batch - 1 "
-                             f"({chunk + batch - 1}), the most rows a step can fill; null plans that many")
+            raise FieldRule("max_step_tokens", rows,
+                            f"max_step_tokens ({rows}) exceeds max_prefill_tokens + max_batch - 1 "
+                            f"({chunk + batch - 1}), the most rows a step can fill; null plans that many")
         return self
 
     @model_validator(mode="after")

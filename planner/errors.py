@@ -18,6 +18,15 @@ class ConfigError(ValueError):
         super().__init__(f"{escaped(source)}: {escaped(field) or '<root>'} = {shown}: {rule}")
 
 
+class FieldRule(ValueError):
+    """A rule between fields, broken, raised by a config's model validator: it names the field it reports
+    and that field's value, so the loader's ConfigError names them instead of the whole mapping."""
+
+    def __init__(self, field: str, value: object, rule: str):
+        super().__init__(rule)
+        self.field, self.value = field, value
+
+
 def escaped(text: str) -> str:
     """``text`` with line breaks and other control characters written as escapes."""
     return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)

@@ -16,8 +16,9 @@ from pydantic import BaseModel, ValidationError
 from planner import inputs
 from planner.checked import CheckedOverflowError
 from planner.config import (
-    HardwareConfig, ModelConfig, ServingConfig, graph_buckets_for_batch, vllm_name_clash, with_memplan_names)
-from planner.errors import ConfigError
+    VLLM_STEP_TOKENS, HardwareConfig, ModelConfig, ServingConfig, graph_buckets_for_batch, vllm_name_clash,
+    with_memplan_names)
+from planner.errors import ConfigError, FieldRule
 from planner.hf_import import model_from_hf_config
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ def load_serving(spec: str | None, overrides: dict[str, Any] | None = None) -> S
     A bad field of the file is named with the file even when a flag replaces it; only the rules between
     fields are left to the merged config (a flag may be what satisfies them)."""
     data = {} if spec is None else _memplan_names(_read_yaml(_resolve(spec, "serving")), serving_source(spec))
+    _memplan_names(_given(overrides), serving_source(spec, overrides))  # a flag given by both names
     if _given(overrides):
         try:
             validate(ServingConfig, data, serving_source(spec))
@@ -97,8 +99,9 @@ def _memplan_names(data: Any, source: str) -> Any:
         return data  # validate names the rule
     clash = vllm_name_clash(data)
     if clash:
-        raise ConfigError(source, clash[0], data[clash[0]], f"vLLM's name of {clash[1]}, which is given too; "
-                                                            "give one of them")
+        vllm_name, field = clash
+        what = f"sets {field}" if vllm_name == VLLM_STEP_TOKENS else f"vLLM's name of {field}"
+        raise ConfigError(source, vllm_name, data[vllm_name], f"{what}, which is given too; give one of them")
     return with_memplan_names(data)
 
 
@@ -106,7 +109,7 @@ def _merged_serving(data: Any, overrides: dict[str, Any] | None) -> Any:
     """The serving file's fields with the flags given over them. Default graph buckets follow a new
     max_batch and given ones lose those above it; buckets that are not a list of ints stay as given,
     for the validation to name."""
-    given = _given(overrides)
+    given = with_memplan_names(_given(overrides))
     if not given or not isinstance(data, dict):
         return data
     data = dict(data)
@@ -159,6 +162,10 @@ def validate(model_type: type[T], data: Any, source: str) -> T:
     except ValidationError as error:
         first = error.errors()[0]
         field = ".".join(str(part) for part in first["loc"])
+        cause = first.get("ctx", {}).get("error")
+        if isinstance(cause, FieldRule):  # a rule between fields: name the field it reports, not the mapping
+            prefix = f"{field}." if field else ""
+            raise ConfigError(source, prefix + cause.field, cause.value, _rule(first)) from None
         raise ConfigError(source, field, first.get("input"), _rule(first)) from None
     except (TypeError, ValueError) as error:  # a value that skipped planner.inputs (a caller's own dict)
         raise ConfigError(source, "", "", f"not plain JSON values: {error}") from None

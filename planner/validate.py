@@ -110,7 +110,7 @@ def _against_schema(path: Path, kind: str, data: Any) -> list[str]:
 def _semantic(path: Path, kind: str, data: Any) -> list[str]:
     from planner.config import HardwareConfig, ModelConfig, ServingConfig
     from planner.hf_import import model_from_hf_config
-    from planner.loader import hf_model_name, validate
+    from planner.loader import _memplan_names, hf_model_name, validate
 
     try:
         if kind == "plan":
@@ -118,8 +118,10 @@ def _semantic(path: Path, kind: str, data: Any) -> list[str]:
             return []
         if kind == "model" and _is_hf_config(path, data):
             model_from_hf_config(data, name=hf_model_name(path))
+        elif kind == "serving":  # vLLM's key names as the loader reads them
+            validate(ServingConfig, _memplan_names(data, str(path)), str(path))
         else:
-            validate({"model": ModelConfig, "hardware": HardwareConfig, "serving": ServingConfig}[kind], data, str(path))
+            validate({"model": ModelConfig, "hardware": HardwareConfig}[kind], data, str(path))
     except ConfigError as error:
         return [str(ConfigError(str(path), error.field, error.value, error.rule))]
     return []

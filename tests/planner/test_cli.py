@@ -205,14 +205,34 @@ def test_vllm_names_work_as_serving_yaml_keys(capsys, tmp_path):
     path.write_text("max_num_seqs: 8\nmax_model_len: 16K\nblock_size: 32\nmax_num_batched_tokens: 1k\n")
     code, plan, _ = _plan_json(capsys, "--model", "qwen3-8b", "--serving", str(path))
     capacity = plan["capacity"]
+    # vLLM's batched tokens bound a step's rows, decode rows included: the chunk and the step both.
     assert code == 0 and (capacity["max_batch"], capacity["max_context"], capacity["page_size"],
-                          capacity["max_prefill_tokens"]) == (8, 16384, 32, 1000)
+                          capacity["max_prefill_tokens"], capacity["max_tokens_per_step"]) == (8, 16384, 32, 1000, 1000)
     assert plan["serving"]["decode_graph_batch_sizes"] == [1, 2, 4, 8]
     assert _run(capsys, "validate", str(path))[0] == 0
     path.write_text("max_num_seqs: 8\nmax_batch: 16\n")
     code, _, err = _run(capsys, "plan", "--model", "qwen3-8b", "--serving", str(path))
     assert code == 2 and "max_num_seqs = 8" in err and "max_batch" in err
     assert _run(capsys, "validate", str(path))[0] == 2
+    for field in ("max_prefill_tokens", "max_step_tokens"):  # either field clashes with the vLLM name
+        path.write_text(f"max_num_batched_tokens: 1k\n{field}: 1000\n")
+        code, _, err = _run(capsys, "plan", "--model", "qwen3-8b", "--serving", str(path))
+        assert code == 2 and "max_num_batched_tokens = '1k'" in err and f"sets {field}" in err
+        assert _run(capsys, "validate", str(path))[0] == 2
+
+
+def test_vllm_batched_tokens_flag_sets_the_chunk_and_the_step(capsys):
+    """--max-num-batched-tokens over the H200's file (whose chunk is 8,192): both fields take it; with
+    --max-prefill-tokens too it is refused; under --max-num-seqs it is refused with the bound."""
+    code, plan, _ = _plan_json(capsys, "--model", "qwen3-8b", "--max-num-batched-tokens", "4k")
+    assert code == 0 and (plan["capacity"]["max_prefill_tokens"], plan["capacity"]["max_tokens_per_step"],
+                          plan["serving"]["max_step_tokens"]) == (4000, 4000, 4000)
+    code, _, err = _run(capsys, "plan", "--model", "qwen3-8b", "--max-num-batched-tokens", "4k",
+                        "--max-prefill-tokens", "2k")
+    assert code == 2 and "max_num_batched_tokens = 4000" in err and "sets max_prefill_tokens" in err
+    code, _, err = _run(capsys, "plan", "--model", "qwen3-8b", "--max-num-batched-tokens", "128",
+                        "--max-num-seqs", "256")
+    assert code == 2 and "max_step_tokens = 128" in err and "below max_batch (256)" in err
 
 
 def test_graph_buckets_follow_max_batch(capsys, tmp_path):
