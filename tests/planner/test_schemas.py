@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from planner.loader import load_hardware, load_model, load_serving
-from planner.errors import PlanDoesNotFit
+from planner.errors import ConfigError, PlanDoesNotFit
 from planner.plan import build_plan
 from planner.schema import MODELS, load_committed, schema_for
 
@@ -54,3 +54,18 @@ def test_the_serving_schema_takes_token_counts_where_the_loader_does():
     serving = load_serving("default", yaml.safe_load(text))
     assert (serving.max_prefill_tokens, serving.max_prefill_tokens_beside_decode, serving.max_step_tokens) == (
         8000, 1000, 8200)
+
+
+def test_vllm_batched_tokens_are_the_chunk_and_the_step_by_key_schema_and_keyword():
+    """vLLM's max_num_batched_tokens, as a YAML key (schema and loader) and as a keyword override (what
+    ``LLM(..., max_num_batched_tokens=...)`` passes), sets both fields; with either field beside it the
+    schema and the loader refuse it."""
+    schema = load_committed("serving")
+    jsonschema.validate({"max_num_batched_tokens": "4k", "max_batch": 8}, schema)
+    for field in ("max_prefill_tokens", "max_step_tokens"):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"max_num_batched_tokens": 4000, field: 4000}, schema)
+    serving = load_serving(None, {"max_num_batched_tokens": 4000, "max_batch": 8})
+    assert (serving.max_prefill_tokens, serving.max_step_tokens) == (4000, 4000)
+    with pytest.raises(ConfigError, match="sets max_step_tokens"):
+        load_serving(None, {"max_num_batched_tokens": 4000, "max_step_tokens": 4000})
