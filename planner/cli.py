@@ -80,8 +80,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, model_required: boo
         names = [flag] + ([alias] if alias else [])
         extra = (" (32k = 32,000, 32K = 32,768; auto: the largest that fits)" if field == "max_context"
                  else " (32k = 32,000, 32K = 32,768)" if kind is token_count else "")
-        what = (f"vLLM's tokens a step holds, decode rows included: set serving.max_prefill_tokens and "
-                f"serving.max_step_tokens" if field == VLLM_STEP_TOKENS else f"override serving.{field}")
+        what = ("vLLM's tokens a step holds, decode rows included: set serving.max_prefill_tokens and "
+                "serving.max_step_tokens" if field == VLLM_STEP_TOKENS else f"override serving.{field}")
         parser.add_argument(*names, dest=field, type=kind, default=None, help=f"{what}{extra}")
 
 

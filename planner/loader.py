@@ -71,14 +71,14 @@ def load_serving(spec: str | None, overrides: dict[str, Any] | None = None) -> S
     A bad field of the file is named with the file even when a flag replaces it; only the rules between
     fields are left to the merged config (a flag may be what satisfies them)."""
     data = {} if spec is None else _memplan_names(_read_yaml(_resolve(spec, "serving")), serving_source(spec))
-    _memplan_names(_given(overrides), serving_source(spec, overrides))  # a flag given by both names
-    if _given(overrides):
+    given = _memplan_names(_given(overrides), serving_source(spec, overrides))  # refuses one given both ways
+    if given:
         try:
             validate(ServingConfig, data, serving_source(spec))
         except ConfigError as error:
             if error.field:  # a field of its own, not a rule between fields
                 raise
-    return validate(ServingConfig, _merged_serving(data, overrides), serving_source(spec, overrides))
+    return validate(ServingConfig, _merged_serving(data, given), serving_source(spec, overrides))
 
 
 def serving_source(spec: str | None, overrides: dict[str, Any] | None = None) -> str:
@@ -105,11 +105,10 @@ def _memplan_names(data: Any, source: str) -> Any:
     return with_memplan_names(data)
 
 
-def _merged_serving(data: Any, overrides: dict[str, Any] | None) -> Any:
-    """The serving file's fields with the flags given over them. Default graph buckets follow a new
-    max_batch and given ones lose those above it; buckets that are not a list of ints stay as given,
-    for the validation to name."""
-    given = with_memplan_names(_given(overrides))
+def _merged_serving(data: Any, given: dict[str, Any]) -> Any:
+    """The serving file's fields with the flags ``given`` (memplan's names) over them. Default graph buckets
+    follow a new max_batch and given ones lose those above it; buckets that are not a list of ints stay as
+    given, for the validation to name."""
     if not given or not isinstance(data, dict):
         return data
     data = dict(data)
