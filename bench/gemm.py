@@ -1,6 +1,7 @@
 """The projection GEMMs a step runs, through cuBLAS, at the row counts serving steps take.
 
-    python3 bench/gemm.py [--models qwen3-8b,qwen3.5-9b] [--rows 64,128,256,8192,8448] [--repeats 20] [--out FILE]
+    python3 bench/gemm.py [--models qwen3-8b,qwen3.5-9b] [--rows 64,128,256,8192,8448] [--split-k 1,2,4]
+                          [--repeats 20] [--out FILE]
 
 GPU only. For each model, the GEMMs of one layer of each kind (planner/geometry.py: the fused QKV and
 o_proj of a full-attention layer, the fused in_proj and out_proj of a linear-attention layer, the MLP's
@@ -15,6 +16,12 @@ same run.
 Decode steps of 64-256 rows sit near the ridge of both, where a GEMM of few output tiles leaves SMs
 idle; prefill steps of 8,192 rows and more are compute-bound, and the row count a step takes
 (``max_prefill_tokens`` plus its decode rows, or serving ``max_step_tokens``) picks cuBLAS's kernel.
+
+``--split-k S`` (S > 1) also times the GEMM split along K into S slices: one strided-batched
+``torch.bmm`` of the slices into float32 partials ``[S, rows, N]`` (S times the output tiles for the
+SMs to share), then ``torch.sum`` of the partials into the bf16 output. Its bytes add the partials'
+write and read; the row shows the whole (bmm and sum) and the bmm alone, to tell whether a reduction
+fused into the next kernel would pay.
 """
 
 from __future__ import annotations
@@ -63,10 +70,44 @@ def projections(model_name: str) -> list[Projection]:
                     Projection("mlp down_proj", g.intermediate_size, g.hidden_size)]
 
 
+def time_gemm(torch, x, weight, out, split: int, device, repeats: int) -> tuple[float, float | None]:
+    """Median ms of ``out = x @ weight^T``, whole and (split > 1) its batched GEMM alone.
+
+    split 1 is ``torch.matmul`` into ``out``. split S views x ``[rows, K]`` as ``[S, rows, K/S]`` and the
+    weight ``[N, K]`` as ``[S, K/S, N]`` (strided views, no copies), multiplies the slices into float32
+    partials in one batched GEMM and sums them into ``out``.
+    """
+    if split == 1:
+        return median(sample_ms(lambda: torch.matmul(x, weight.t(), out=out), device, warmup=3,
+                                repeats=repeats)), None
+    rows, k = x.shape
+    n = weight.shape[0]
+    xs = x.view(rows, split, k // split).transpose(0, 1)
+    ws = weight.view(n, split, k // split).permute(1, 2, 0)
+    partials = torch.empty(split, rows, n, device=device, dtype=torch.float32)
+
+    def batched() -> None:
+        torch.ops.aten.bmm.dtype_out(xs, ws, torch.float32, out=partials)
+
+    def whole() -> None:
+        batched()
+        torch.sum(partials, 0, out=out)
+
+    whole()
+    expected = torch.matmul(x.float(), weight.float().t())
+    assert torch.allclose(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item()), \
+        "split-K result differs from the float32 product"
+    whole_ms = median(sample_ms(whole, device, warmup=3, repeats=repeats))
+    bmm_ms = median(sample_ms(batched, device, warmup=3, repeats=repeats))
+    return whole_ms, bmm_ms
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", type=str_list, default=["qwen3-8b", "qwen3.5-9b"])
     parser.add_argument("--rows", type=int_list, default=[64, 128, 256, 8192, 8448])
+    parser.add_argument("--split-k", type=int_list, default=[1],
+                        help="K slices; 1 is torch.matmul, S > 1 a batched GEMM of S slices and a sum")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=None, help="also append the result to FILE")
     args = parser.parse_args()
@@ -87,18 +128,22 @@ def main() -> None:
             out_all = torch.empty(max(args.rows), projection.n, device=device, dtype=dtype)
             for rows in args.rows:
                 x, out = x_all[:rows], out_all[:rows]
-                ms = median(sample_ms(lambda: torch.matmul(x, weight.t(), out=out), device, warmup=3,
-                                      repeats=args.repeats))
                 flops = 2 * rows * projection.k * projection.n
-                moved = 2 * (rows * projection.k + projection.n * projection.k + rows * projection.n)
-                bound_s = max(flops / reference, moved / copy)
-                rate = flops / (ms * 1e-3)
-                rows_out.append([model_name, projection.name, f"{projection.k:,} -> {projection.n:,}", f"{rows:,}",
-                                 fmt(ms * 1e3, 1), fmt(rate / 1e12, 1), f"{rate / reference:.2f}",
-                                 f"{ms * 1e-3 / bound_s:.2f}"])
+                for split in args.split_k:
+                    if projection.k % split:
+                        continue
+                    ms, bmm_ms = time_gemm(torch, x, weight, out, split, device, args.repeats)
+                    moved = 2 * (rows * projection.k + projection.n * projection.k + rows * projection.n)
+                    bound_s = max(flops / reference, moved / copy)
+                    rate = flops / (ms * 1e-3)
+                    rows_out.append([model_name, projection.name, f"{projection.k:,} -> {projection.n:,}",
+                                     f"{rows:,}", str(split), fmt(ms * 1e3, 1),
+                                     "-" if bmm_ms is None else fmt(bmm_ms * 1e3, 1), fmt(rate / 1e12, 1),
+                                     f"{rate / reference:.2f}", f"{ms * 1e-3 / bound_s:.2f}"])
             del weight, x_all, out_all
-    table = markdown_table(["model", "GEMM", "K -> N", "rows", "us", "TFLOP/s", "of the reference", "time / bound"],
-                           rows_out, [False, False, False, True, True, True, True, True])
+    table = markdown_table(["model", "GEMM", "K -> N", "rows", "K slices", "us", "bmm alone us", "TFLOP/s",
+                            "of the reference", "time / bound"],
+                           rows_out, [False, False, False, True, True, True, True, True, True, True])
     body = (f"Reference: bf16 `torch.matmul` of two {REFERENCE_SIZE:,}^2 matrices, {reference / 1e12:,.1f} TFLOP/s; "
             f"copy {copy / 1e9:,.0f} GB/s (both measured in this run).\n\n{table}")
     emit("Projection GEMMs by step rows (bench/gemm.py)", run_info(device), body, args.out)
