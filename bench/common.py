@@ -232,6 +232,36 @@ def matmul_flops_per_s(device: torch.device, size: int, dtype_name: str, *, warm
     return 2 * size**3 / (ms * 1e-3)
 
 
+def sustained_matmul_flops_per_s(device: torch.device, size: int, dtype_name: str, seconds: float, *,
+                                 calls_per_sync: int = 10) -> float:
+    """The dense GEMM rate the device holds: ``torch.matmul`` of two size x size matrices back to back for
+    ``seconds``, 2 size^3 over the mean time of the calls in the second half.
+
+    A GPU at its power limit lowers its clocks within a fraction of a second of sustained GEMMs (an H100 SXM
+    at 700 W: 1,980 MHz falls to about 1,350), so the short median of ``matmul_flops_per_s`` measures a
+    burst rate that a workload of seconds of GEMMs does not get. Calls are queued ``calls_per_sync`` at a
+    time, so the device never idles between them.
+    """
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    out = torch.empty(size, size, dtype=dtype, device=device)
+    synchronize(device)
+    start = time.perf_counter()
+    batches: list[tuple[float, float]] = []  # (end, seconds) of each batch of calls
+    while not batches or batches[-1][0] - start < seconds:
+        begin = time.perf_counter()
+        for _ in range(calls_per_sync):
+            torch.matmul(a, b, out=out)
+        synchronize(device)
+        batches.append((time.perf_counter(), time.perf_counter() - begin))
+    del a, b, out
+    second_half = [elapsed for end, elapsed in batches if end - start >= seconds / 2] or [batches[-1][1]]
+    return 2 * size**3 * calls_per_sync * len(second_half) / sum(second_half)
+
+
 def free_device_memory(device: torch.device) -> None:
     """Return freed blocks to the device, so the next model starts from an empty allocator."""
     import gc

@@ -5,6 +5,7 @@ the host profile of the last workload and the host stack runs of the first; and 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -26,13 +27,19 @@ def test_serve_smoke_writes_the_figures_beside_the_ideal_time(tmp_path):
     text = out.read_text()
     assert "## Serving throughput against the ideal time (bench/serve.py)" in text
     assert "Numba CUDA simulator" in text and "torch " in text and "UTC" in text
-    rows = {line.split(" | ")[3]: line.strip("| ").split(" | ") for line in text.splitlines()
+    header = next(line for line in text.splitlines() if line.startswith("| engine |")).strip("| ").split(" | ")
+    rows = {line.split(" | ")[3]: dict(zip(header, line.strip("| ").split(" | "))) for line in text.splitlines()
             if line.startswith("| memplan |")}
     fixed, poisson = rows["fixed 2 x (3 -> 2)"], rows["poisson 2 x (3 -> 2), 50.00 req/s"]
-    # requests, then ... the ideal share: a percentage for the throughput workload, none under arrivals
-    assert fixed[2] == "batch 4, prefill 16"  # sim.yaml's
-    assert fixed[4] == "2" and fixed[-2].endswith("%") and float(fixed[-3]) > 0
-    assert poisson[4] == "2" and poisson[-2] == "-"
+    # the ideal's shares, at the burst and at the sustained matmul rate: percentages for the throughput
+    # workload, none under arrivals
+    assert fixed["serving"] == "batch 4, prefill 16"  # sim.yaml's
+    sustained = "at the sustained matmul rate"
+    assert fixed["requests"] == "2" and float(fixed["ideal s"]) > 0
+    assert fixed["ideal / wall"].endswith("%") and fixed[sustained].endswith("%")
+    assert poisson["requests"] == "2" and poisson["ideal / wall"] == poisson[sustained] == "-"
+    held = re.search(r"float32 matmul 64\^3 [0-9.,]+ TFLOP/s \(([0-9.,]+) held over 0.05 s\)", text)
+    assert held, text[:2000]
     # the ideal table: 2 x 3 prompt tokens computed; one decode row each (the first token is the prefill's), one step
     ideal = next(line for line in text.splitlines() if line.startswith("| tiny-qwen3 | batch 4, prefill 16 | fixed"))
     cells = ideal.strip("| ").split(" | ")
