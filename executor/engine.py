@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from executor import routing
 from executor.models.decoder import DecoderModel
 from executor.page_tables import PageTables
 from executor.scheduler import FINISH_STOP, Request, ScheduledStep, Scheduler, SchedulerStats, StepChunk
@@ -282,9 +283,9 @@ class Arrivals:
 
 
 def warm_up(model: DecoderModel) -> None:
-    """Run ``warm_up_steps`` (one prefill step and one decode step on scratch data) before serving, so
-    that first-call work (loading or compiling kernels, cuBLAS set-up) is not charged to the first
-    requests' latencies."""
+    """Run ``warm_up_steps`` (a prefill step and a decode step on scratch data, then a short prefill step
+    where it routes apart) before serving, so that first-call work (loading or compiling kernels, cuBLAS set-up) is
+    not charged to the first requests' latencies."""
     plan = model.arena.plan
     steps = warm_up_steps(plan)
     for chunk in steps[0] if steps else ():
@@ -307,7 +308,9 @@ def warm_up_steps(plan: MemoryPlan) -> list[list[RequestChunk]]:
     decode row: the decode kernels' path there) and a chunk of SHORT_CHUNK_ROWS rows (a chunk short of
     the long backend: the paged attention kernel's path), then a decode step that continues the long
     one; none when the KV pool has fewer than two usable pages. The decode row and the short chunk join
-    the step only where the batch, the step's tokens and the KV pages have room for them.
+    the step only where the batch, the step's tokens and the KV pages have room for them. Where the first
+    step is long enough to route apart from a short one (``_short_step_routes_apart``), a third step runs
+    a chunk of SHORT_CHUNK_ROWS rows alone, over the long chunk's first pages and slot.
 
     They write KV pages from 1 and recurrent slots from 0 and leave them: no request owns a page yet,
     the prefix cache is empty, and a slot is zeroed on admission.
@@ -322,17 +325,34 @@ def warm_up_steps(plan: MemoryPlan) -> list[list[RequestChunk]]:
     long_pages = list(range(1, 2 + long_len // page_size))  # room for the decode step's token too
     long_chunk = RequestChunk([0] * long_len, 0, long_pages, slot=0 if recurrent else -1)
     chunks = [long_chunk]
-    next_page, rows = long_pages[-1] + 1, long_len
+    next_page, rows, decode_rows = long_pages[-1] + 1, long_len, 0
     if cap.max_batch > len(chunks) and rows + 1 <= cap.max_tokens_per_step:  # first, as the scheduler puts decode rows
         chunks.insert(0, RequestChunk([0], 0, [next_page], slot=1 if recurrent else -1))
-        next_page, rows = next_page + 1, rows + 1
+        next_page, rows, decode_rows = next_page + 1, rows + 1, 1
     short_pages = -(-SHORT_CHUNK_ROWS // page_size)
     if (cap.max_batch > len(chunks) and rows + SHORT_CHUNK_ROWS <= cap.max_tokens_per_step
             and next_page + short_pages - 1 <= usable_pages and SHORT_CHUNK_ROWS < long_len):
         chunks.insert(len(chunks) - 1, RequestChunk([0] * SHORT_CHUNK_ROWS, 0,
                                                     list(range(next_page, next_page + short_pages)),
                                                     slot=len(chunks) if recurrent else -1))
-    return [chunks, [RequestChunk([0], long_len, long_pages, slot=long_chunk.slot)]]
+        rows += SHORT_CHUNK_ROWS
+    steps = [chunks, [RequestChunk([0], long_len, long_pages, slot=long_chunk.slot)]]
+    if _short_step_routes_apart(plan, rows, rows - decode_rows):
+        steps.append([RequestChunk([0] * SHORT_CHUNK_ROWS, 0, long_pages[:short_pages], slot=long_chunk.slot)])
+    return steps
+
+
+def _short_step_routes_apart(plan: MemoryPlan, rows: int, prefill_rows: int) -> bool:
+    """Whether a prefill step of SHORT_CHUNK_ROWS rows takes a kernel that a step of ``rows`` rows, of
+    which ``prefill_rows`` are chunks' rows, does not (executor/routing.py): the fused q/k norm + RoPE +
+    KV write (at most FUSED_ROPE_KV_MAX_ROWS rows) or the recurrent delta rule (Qwen3.5's linear layers,
+    prefill rows short of CHUNKED_DELTA_RULE_MIN_ROWS)."""
+    g = plan.geometry
+    fused_rope = g.num_full_layers > 0 and SHORT_CHUNK_ROWS <= routing.FUSED_ROPE_KV_MAX_ROWS < rows
+    chunked_min_rows = routing.CHUNKED_DELTA_RULE_MIN_ROWS
+    recurrent = (g.num_linear_layers > 0 and chunked_min_rows is not None
+                 and SHORT_CHUNK_ROWS < chunked_min_rows <= prefill_rows)
+    return fused_rope or recurrent
 
 
 class ReadBack:

@@ -192,7 +192,10 @@ def _coverage(model_name: str) -> dict:
     rng = random.Random(5)
     lengths = [rng.choice([rng.randint(1, 64), rng.randint(64, 3000)]) for _ in range(48)]
     requests = [Request(i, [rng.randrange(1000) for _ in range(n)], rng.randint(1, 24)) for i, n in enumerate(lengths)]
-    waves = {0: requests[:24], 6: requests[24:40], 30: requests[40:]}  # step -> arrivals
+    # step -> arrivals; the last, one short prompt while the rest decode: a step whose prefill rows are
+    # fewer than routing.CHUNKED_DELTA_RULE_MIN_ROWS (Qwen3.5's recurrent delta rule)
+    requests.append(Request(len(requests), [rng.randrange(1000) for _ in range(20)], 2))
+    waves = {0: requests[:24], 6: requests[24:40], 30: requests[40:48], 50: requests[48:]}
     with target_device(Arch.from_capability(plan.hardware.compute_capability), plan.hardware.num_sms):
         model = meta_model(plan)
         phases = list(startup_passes(plan, model))
@@ -211,7 +214,8 @@ def _coverage(model_name: str) -> dict:
                 model.step(plan_step(plan, [_request_chunk(c, by_id[c.request_id]) for c in step.chunks], tables))
                 tokens = step.num_prefill_tokens
                 rows.add(("decode rows + " if step.num_decode_rows else "")
-                         + ("no prefill" if tokens == 0 else "prefill <= 2048" if tokens <= 2048 else "prefill > 2048"))
+                         + ("no prefill" if tokens == 0 else "prefill < 64" if tokens < 64
+                            else "prefill <= 2048" if tokens <= 2048 else "prefill > 2048"))
                 scheduler.update(step, [0] * step.num_requests)
             steps += 1
     uncovered = sorted(f"{kernel_name(k)} {t}" for k in kernels for t in k.discovered if t not in started[id(k)])
