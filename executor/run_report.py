@@ -53,7 +53,7 @@ def summary(plan: MemoryPlan, arena: Arena, report: EngineReport, specs: list[Re
     lines.append(f"device allocator: {_allocator_line(plan, arena)}")
     lines.append(f"device memory in use: {_process_line(plan, arena)}")
     if warm_up_s is not None:
-        lines.append(f"warm-up: one prefill and one decode step before the clock started, {warm_up_s:.2f} s "
+        lines.append(f"warm-up: scratch prefill and decode steps before the clock started, {warm_up_s:.2f} s "
                      "(first-call kernel loading or compilation)")
     lines.append(f"decode graphs: {_graphs_line(plan, arena, graphs)}")
     lines.append(f"prefill graphs: {_prefill_graphs_line(plan, arena, graphs)}")

@@ -21,7 +21,7 @@ def test_memplan_run_with_graphs_allocates_nothing_after_warm_up(capsys):
     assert code == 0, err
     assert len([line for line in out.splitlines() if line.strip()]) == 64
     assert "allocations after warm-up: 0 " in err
-    assert "warm-up: one prefill and one decode step before the clock started" in err
+    assert "warm-up: scratch prefill and decode steps before the clock started" in err
     graphs = re.search(r"decode graphs: buckets \[1, 2, 4, 8, 16\] captured in [0-9.]+ s; their pool reserved "
                        r"([0-9,]+) bytes vs ([0-9,]+) planned", err)
     assert graphs, err

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from executor.engine import Engine
+from executor.engine import Engine, warm_up
 from executor.scheduler import Request
 from planner.loader import load_hardware
 from tests.executor.harness import load_with_hf
@@ -93,6 +93,7 @@ def test_soak_at_the_h200_default_serving(name):
     loaded = load_with_hf(name, "h200", serving, max_context=4096, gpu_memory_utilization=0.3)  # fits an H100 too
     capacity = loaded.plan.capacity
     assert capacity.max_batch >= 256 and loaded.plan.serving.max_prefill_tokens >= 8192
+    warm_up(loaded.model)  # as ServedModel.open does before capturing the graphs
     loaded.model.capture_decode_graphs()
     loaded.model.capture_prefill_graphs()
     rng = random.Random(1)
@@ -116,6 +117,7 @@ def test_soak_at_the_h200_default_serving(name):
     assert all(r.finish_reason in ("length", "stop") for r in report.results)  # none rejected or lost
     assert stats.peak_running > capacity.max_batch // 2 and eager_steps > 0  # the largest decode bucket ran
     assert report.allocations_after_warmup == 0
+    assert report.kernels_readied_after_warmup == {}  # warm-up and graph capture readied every kernel
     assert {key: view.data_ptr() for key, view in loaded.arena._views.items()} == pointers
     engine.scheduler.check()
     assert engine.scheduler.num_slots_used == 0 and not engine.scheduler.has_unfinished
