@@ -34,17 +34,20 @@ def test_serve_runs_every_workload_within_the_physical_limit(model, tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     text = out.read_text()
     header = next(line for line in text.splitlines() if line.startswith("| engine |")).strip("| ").split(" | ")
-    share = header.index("ideal / wall")
-    rows = [line.strip("| ").split(" | ") for line in text.splitlines() if line.startswith("| memplan |")]
-    assert [row[3].split()[0] for row in rows] == ["fixed", "random", "shared-prefix", "poisson"]
-    # the ideal table's rows, by workload: model, serving, workload, prefill tokens, TFLOP, prefill s, ...
-    prefill_s = {cells[2]: float(cells[5].replace(",", "")) for cells in
-                 (line.strip("| ").split(" | ") for line in text.splitlines() if line.startswith(f"| {model} |"))}
+    rows = [dict(zip(header, line.strip("| ").split(" | "))) for line in text.splitlines()
+            if line.startswith("| memplan |")]
+    assert [row["workload"].split()[0] for row in rows] == ["fixed", "random", "shared-prefix", "poisson"]
+    # the ideal table (between its caption and the step groups' caption), by workload
+    ideal_section = text.split("Ideal time of each workload")[1].split("memplan's steps against their own ideal")[0]
+    ideal_lines = [line.strip("| ").split(" | ") for line in ideal_section.splitlines() if line.startswith("| ")]
+    ideal_header, ideal_rows = ideal_lines[0], [dict(zip(ideal_lines[0], cells)) for cells in ideal_lines[2:]]
+    assert "prefill s" in ideal_header, ideal_header
+    prefill_s = {cells["workload"]: float(cells["prefill s"].replace(",", "")) for cells in ideal_rows}
     for row in rows:
-        assert row[4] == "128", row  # every request ran (bench/serve.py also checks every token)
-        wall_s = float(row[12].replace(",", ""))
-        assert wall_s * RATE_SPREAD >= prefill_s[row[3]] > 0, row
-        if row[share] != "-":  # the throughput workloads: a share of the ideal
-            assert float(row[share].rstrip("%")) > 0, row
+        assert row["requests"] == "128", row  # every request ran (bench/serve.py also checks every token)
+        wall_s = float(row["wall s"].replace(",", ""))
+        assert wall_s * RATE_SPREAD >= prefill_s[row["workload"]] > 0, row
+        if row["ideal / wall"] != "-":  # the throughput workloads: a share of the ideal
+            assert float(row["ideal / wall"].rstrip("%")) > 0, row
     allocations = re.findall(r"allocations after warm-up ([0-9,]+)", text)
     assert allocations == ["0"] * 4, allocations
