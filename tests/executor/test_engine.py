@@ -190,3 +190,27 @@ def test_kernels_readied_count_each_build_of_a_kernel_apart():
              3: ("mod.other", {("a",)})}
     assert executor.engine.readied_since(before, after) == {"mod.build.<locals>.k": 3, "mod.other": 1}
     assert executor.engine.readied_since(after, after) == {}
+
+
+#: Plans whose warm-up prefill step outgrows a short step's route (executor/routing.py), so warm-up runs a
+#: third step, a short chunk alone: Qwen3.5's 66 prefill rows take the chunked delta rule (a short chunk the
+#: recurrent one), Qwen3's 203 rows the separate q/k norm + RoPE (a short chunk the fused launch).
+SHORT_STEP_PLANS = {"tiny-qwen3.5": dict(max_batch=4, max_prefill_tokens=80, gemm_attention_min_tokens=64),
+                    "tiny-qwen3": dict(max_batch=4, max_prefill_tokens=256, gemm_attention_min_tokens=200,
+                                       max_context=256)}
+
+
+@pytest.mark.parametrize("name", sorted(SHORT_STEP_PLANS))
+def test_warm_up_s_short_prefill_step_runs_and_leaves_no_trace(name):
+    loaded = load_tiny(name, **SHORT_STEP_PLANS[name])
+    steps = executor.engine.warm_up_steps(loaded.plan)
+    assert [len(chunk.token_ids) for chunk in steps[-1]] == [executor.engine.SHORT_CHUNK_ROWS]
+    assert len(steps) == 3
+
+    def outputs() -> list[list[int]]:
+        requests = [Request(0, [5, 7, 9, 11, 13], 4), Request(1, list(range(1, 30)), 3, **SAMPLED[1])]
+        return _outputs(Engine(loaded.model, prefix_caching=False, overlap=False).run(requests))
+
+    cold = outputs()
+    warm_up(loaded.model)
+    assert outputs() == cold
