@@ -256,7 +256,8 @@ def sustained_matmul_flops_per_s(device: torch.device, size: int, dtype_name: st
         for _ in range(calls_per_sync):
             torch.matmul(a, b, out=out)
         synchronize(device)
-        batches.append((time.perf_counter(), time.perf_counter() - begin))
+        end = time.perf_counter()
+        batches.append((end, end - begin))
     del a, b, out
     second_half = [elapsed for end, elapsed in batches if end - start >= seconds / 2] or [batches[-1][1]]
     return 2 * size**3 * calls_per_sync * len(second_half) / sum(second_half)

@@ -284,8 +284,8 @@ class Arrivals:
 
 def warm_up(model: DecoderModel) -> None:
     """Run ``warm_up_steps`` (a prefill step and a decode step on scratch data, then a short prefill step
-    where it routes apart) before serving, so that first-call work (loading or compiling kernels, cuBLAS set-up) is
-    not charged to the first requests' latencies."""
+    where it routes apart) before serving, so that first-call work (loading or compiling kernels, cuBLAS
+    set-up) is not charged to the first requests' latencies."""
     plan = model.arena.plan
     steps = warm_up_steps(plan)
     for chunk in steps[0] if steps else ():
