@@ -70,13 +70,15 @@ def projections(model_name: str) -> list[Projection]:
                     Projection("mlp down_proj", g.intermediate_size, g.hidden_size)]
 
 
-def time_gemm(torch, x, weight, out, split: int, device, repeats: int) -> tuple[float, float | None]:
+def time_gemm(x, weight, out, split: int, device, repeats: int) -> tuple[float, float | None]:
     """Median ms of ``out = x @ weight^T``, whole and (split > 1) its batched GEMM alone.
 
     split 1 is ``torch.matmul`` into ``out``. split S views x ``[rows, K]`` as ``[S, rows, K/S]`` and the
     weight ``[N, K]`` as ``[S, K/S, N]`` (strided views, no copies), multiplies the slices into float32
     partials in one batched GEMM and sums them into ``out``.
     """
+    import torch
+
     if split == 1:
         return median(sample_ms(lambda: torch.matmul(x, weight.t(), out=out), device, warmup=3,
                                 repeats=repeats)), None
@@ -132,7 +134,7 @@ def main() -> None:
                 for split in args.split_k:
                     if projection.k % split:
                         continue
-                    ms, bmm_ms = time_gemm(torch, x, weight, out, split, device, args.repeats)
+                    ms, bmm_ms = time_gemm(x, weight, out, split, device, args.repeats)
                     moved = 2 * (rows * projection.k + projection.n * projection.k + rows * projection.n)
                     bound_s = max(flops / reference, moved / copy)
                     rate = flops / (ms * 1e-3)

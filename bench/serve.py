@@ -84,8 +84,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import (  # noqa: E402
     ROOT, add_plan_arguments, bench_parser, build_hf, copy_bandwidth_bytes_per_s, emit, fmt, free_device_memory,
     int_list, kernel_breakdown, log, markdown_table, matmul_flops_per_s, optional_int_list, resolve_plan_arguments,
-    sustained_matmul_flops_per_s,
-    run_info, sized_plan, str_list,
+    run_info, sized_plan, str_list, sustained_matmul_flops_per_s,
 )
 from bench.stack_sampler import StackSampler  # noqa: E402
 
@@ -340,19 +339,16 @@ def step_groups(timings: Sequence[StepTiming], plan: MemoryPlan, rates: Rates) -
     for timing in timings:
         by_group.setdefault((gap_group(timing.prefill_tokens), timing.decode_rows > 0), []).append(timing)
 
-    def ideal_s(timing: StepTiming) -> float:
-        return step_ideal_s(costs, timing.work, rates.matmul_flops_per_s, rates.copy_bytes_per_s)
-
-    def sustained_ideal_s(timing: StepTiming) -> float:
-        return step_ideal_s(costs, timing.work, rates.sustained_matmul_flops_per_s, rates.copy_bytes_per_s)
+    def ideal_s(steps: list[StepTiming], matmul_flops_per_s: float) -> float:
+        return sum(step_ideal_s(costs, t.work, matmul_flops_per_s, rates.copy_bytes_per_s) for t in steps)
 
     def label(group: int, decode: bool) -> str:
         if group == 0:
             return "decode only"
         return gap_group_label(group) + ("" if decode else ", no decode rows")
 
-    groups = [StepGroup(label(group, decode), len(steps), sum(t.gap_s for t in steps), sum(map(ideal_s, steps)),
-                        sum(map(sustained_ideal_s, steps)))
+    groups = [StepGroup(label(group, decode), len(steps), sum(t.gap_s for t in steps),
+                        ideal_s(steps, rates.matmul_flops_per_s), ideal_s(steps, rates.sustained_matmul_flops_per_s))
               for (group, decode), steps in sorted(by_group.items(), key=lambda item: (item[0][0], not item[0][1]))]
     return (*groups, StepGroup("all steps", len(timings), sum(g.measured_s for g in groups),
                                sum(g.ideal_s for g in groups), sum(g.sustained_ideal_s for g in groups)))

@@ -70,8 +70,10 @@ def load_serving(spec: str | None, overrides: dict[str, Any] | None = None) -> S
     """Serving from a YAML path or shipped name (defaults when None), with flag overrides applied.
     A bad field of the file is named with the file even when a flag replaces it; only the rules between
     fields are left to the merged config (a flag may be what satisfies them)."""
-    data = {} if spec is None else _memplan_names(_read_yaml(_resolve(spec, "serving")), serving_source(spec))
-    given = _memplan_names(_given(overrides), serving_source(spec, overrides))  # refuses one given both ways
+    data = ({} if spec is None
+            else serving_with_memplan_names(_read_yaml(_resolve(spec, "serving")), serving_source(spec)))
+    # refuses a field given both ways
+    given = serving_with_memplan_names(_given(overrides), serving_source(spec, overrides))
     if given:
         try:
             validate(ServingConfig, data, serving_source(spec))
@@ -93,7 +95,7 @@ def _given(overrides: dict[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (overrides or {}).items() if v is not None}
 
 
-def _memplan_names(data: Any, source: str) -> Any:
+def serving_with_memplan_names(data: Any, source: str) -> Any:
     """A serving mapping with vLLM's key names replaced by memplan's (a name given both ways is an error)."""
     if not isinstance(data, dict):
         return data  # validate names the rule

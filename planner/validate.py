@@ -110,7 +110,7 @@ def _against_schema(path: Path, kind: str, data: Any) -> list[str]:
 def _semantic(path: Path, kind: str, data: Any) -> list[str]:
     from planner.config import HardwareConfig, ModelConfig, ServingConfig
     from planner.hf_import import model_from_hf_config
-    from planner.loader import _memplan_names, hf_model_name, validate
+    from planner.loader import hf_model_name, serving_with_memplan_names, validate
 
     try:
         if kind == "plan":
@@ -119,7 +119,7 @@ def _semantic(path: Path, kind: str, data: Any) -> list[str]:
         if kind == "model" and _is_hf_config(path, data):
             model_from_hf_config(data, name=hf_model_name(path))
         elif kind == "serving":  # vLLM's key names as the loader reads them
-            validate(ServingConfig, _memplan_names(data, str(path)), str(path))
+            validate(ServingConfig, serving_with_memplan_names(data, str(path)), str(path))
         else:
             validate({"model": ModelConfig, "hardware": HardwareConfig}[kind], data, str(path))
     except ConfigError as error:
