@@ -515,7 +515,8 @@ def bench_model(model_name: str, args: argparse.Namespace, sizes: dict[str, int 
             log(f"{name}, {workload.label}: host stack runs\n{stack_runs}")
         else:
             figures, engine_counters, timings = run_memplan(served, workload, args)
-        log(f"{name}: {figures.lines()[0]}; ideal {ideal.total_s:.3f} s; {engine_counters}")
+        log(f"{name}: {figures.lines()[0]}; ideal {ideal.total_s:.3f} s, {sustained_ideal.total_s:.3f} s at the "
+            f"sustained matmul rate; {engine_counters}")
         rows.append(Row("memplan", name, serving, workload, figures, ideal, counters=engine_counters,
                         step_groups=step_groups(timings, plan, rates), sustained_ideal=sustained_ideal))
         costs.append((workload.label, cost))
@@ -586,7 +587,9 @@ def hf_rows(plan: MemoryPlan, workloads: Sequence[Workload], ideals: Sequence[Id
     for workload, ideal in zip(workloads, ideals):
         log(f"{engine} {model}: {workload.label}")
         try:
-            rows.append(Row(engine, model, "-", workload, run_hf(hf, workload), ideal))
+            figures = run_hf(hf, workload)
+            log(f"{engine} {model}: {figures.lines()[0]}")
+            rows.append(Row(engine, model, "-", workload, figures, ideal))
         except Exception as error:  # report it beside memplan's figures rather than lose them
             log(f"{engine} {model}: {type(error).__name__}: {error}")
             message = str(error).splitlines()[0][:NOTE_CHARS] if str(error) else ""
