@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from bench.stack_sampler import StackSampler
+from tests.subprocess_env import python_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +22,7 @@ def test_serve_smoke_writes_the_figures_beside_the_ideal_time(tmp_path):
     command = [sys.executable, str(ROOT / "bench" / "serve.py"), "--smoke", "--models", "qwen3-8b",
                "--workloads", "fixed,poisson", "--num-requests", "2", "--input-len", "3", "--output-len", "2",
                "--request-rate", "50", "--profile-host", "4", "--sample-stacks", "1", "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_ENABLE_CUDASIM": "1"}
+    env = {**os.environ, "PYTHONPATH": python_path(), "NUMBA_ENABLE_CUDASIM": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     text = out.read_text()

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.subprocess_env import python_path
+
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,8 +30,8 @@ WORKLOAD = ["--workloads", "fixed,random,shared-prefix,poisson", "--num-requests
 def test_serve_runs_every_workload_within_the_physical_limit(model, tmp_path):
     out = tmp_path / "serve.md"
     command = [sys.executable, str(ROOT / "bench" / "serve.py"), "--models", model, *WORKLOAD, "--out", str(out)]
-    done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True, timeout=900)
+    env = {**os.environ, "PYTHONPATH": python_path()}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     print(done.stdout)
     assert done.returncode == 0, done.stderr[-4000:]
     text = out.read_text()

@@ -24,6 +24,7 @@ from planner.loader import load_hardware, load_model, load_serving
 from planner.plan import build_plan
 from tests.executor.harness import Loaded
 from tests.executor.test_gpu_models import _gate, _logprob_deltas, _prompts
+from tests.subprocess_env import python_path
 from tests.hf_reference import hf_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
@@ -134,7 +135,7 @@ def test_a_rank_that_raises_in_a_step_ends_the_run_naming_it(tmp_path):
     script = tmp_path / "failing_run.py"
     script.write_text(FAILING_RUN)
     done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": python_path()})
     output = done.stdout + done.stderr
     assert done.returncode in (2, 3), output
     assert "rank 1 failed" in output and "injected fault" in output, output

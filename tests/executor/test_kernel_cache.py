@@ -22,6 +22,7 @@ import pytest
 
 from executor.kernel_cache import MAGIC, CachedKernel, KernelCache, cache_enabled, default_cache_dir, encode_entry
 from planner.cli import main
+from tests.subprocess_env import python_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KEY = hashlib.sha256(b"a kernel").hexdigest()
@@ -33,7 +34,7 @@ ENTRY = CachedKernel(entry_name="_Z6kernel", image=b"\x7fELF" + bytes(range(200)
 
 def _probe_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = python_path()
     env.update(extra)
     return env
 

@@ -29,6 +29,7 @@ from planner.loader import load_model
 from tests.executor import rank_faults
 from tests.hf_reference import hf_model
 from tests.shard_reference import reference_shard
+from tests.subprocess_env import python_path
 
 pytest.importorskip("transformers")
 
@@ -133,7 +134,7 @@ def test_torchrun_tp2_gives_hf_greedy_tokens(qwen3_saved, tmp_path):
                "planner.cli", "run", "--model", str(directory), "--hardware", "cpu-sim", "--device", "sim",
                "--ignore-eos", "--prompt-ids", str(requests), "--out", str(out), "--tensor-parallel-size", "2"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": python_path()})
     assert done.returncode == 0, done.stderr[-4000:]
     lines = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda line: line["request"])
     assert [line["output_ids"] for line in lines] == [_hf_greedy(hf, prompt) for prompt in PROMPTS]
