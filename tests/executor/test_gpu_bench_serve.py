@@ -1,5 +1,5 @@
 """``bench/serve.py`` on the GPU (H200), Qwen3-8B and Qwen3.5-9B with random weights: every workload kind runs
-to completion through the served engine, allocates nothing after warm-up, and takes no less than the prefill
+to completion through the served engine, allocates nothing and readies no kernel after warm-up, and takes no less than the prefill
 part of its ideal time (its prefill FLOPs at the measured matmul rate, which no schedule beats: an engine under
 it means the count of the work or the measured rate is wrong). Speed itself is bench/serve.py's table, not a
 test."""
@@ -51,5 +51,8 @@ def test_serve_runs_every_workload_within_the_physical_limit(model, tmp_path):
         assert wall_s * RATE_SPREAD >= prefill_s[row["workload"]] > 0, row
         if row["ideal / wall"] != "-":  # the throughput workloads: a share of the ideal
             assert float(row["ideal / wall"].rstrip("%")) > 0, row
-    allocations = re.findall(r"allocations after warm-up ([0-9,]+)", text)
+    count = r"(\d+(?:,\d{3})*)"  # a count as the counters print it: 1,234 (a comma after it ends the field)
+    allocations = re.findall(rf"allocations after warm-up {count}", text)
     assert allocations == ["0"] * 4, allocations
+    readied = re.findall(rf"kernels readied after warm-up {count}", text)
+    assert readied == ["0"] * 4, readied  # start-up readied every kernel the workloads launch
