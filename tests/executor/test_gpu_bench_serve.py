@@ -1,8 +1,8 @@
-"""``bench/serve.py`` on the GPU (H200), Qwen3-8B and Qwen3.5-9B with random weights: every workload kind runs
-to completion through the served engine, allocates nothing and readies no kernel after warm-up, and takes no less than the prefill
-part of its ideal time (its prefill FLOPs at the measured matmul rate, which no schedule beats: an engine under
-it means the count of the work or the measured rate is wrong). Speed itself is bench/serve.py's table, not a
-test."""
+"""``bench/serve.py`` on the GPU (H200 or H100), Qwen3-8B and Qwen3.5-9B with random weights: every workload kind
+runs to completion through the served engine, allocates nothing and readies no kernel after warm-up, and takes no
+less than the prefill part of its ideal time (its prefill FLOPs at the measured matmul rate, which no schedule
+beats: an engine under it means the count of the work or the measured rate is wrong). Speed itself is
+bench/serve.py's table, not a test."""
 
 from __future__ import annotations
 
