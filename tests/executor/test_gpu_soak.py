@@ -22,6 +22,7 @@ import torch
 
 from executor.engine import Engine, warm_up
 from executor.scheduler import Request
+from executor.serving import start_compile
 from planner.loader import load_hardware
 from tests.executor.harness import load_with_hf
 
@@ -93,6 +94,11 @@ def test_soak_at_the_h200_default_serving(name):
     loaded = load_with_hf(name, "h200", serving, max_context=4096, gpu_memory_utilization=0.3)  # fits an H100 too
     capacity = loaded.plan.capacity
     assert capacity.max_batch >= 256 and loaded.plan.serving.max_prefill_tokens >= 8192
+    # As ServedModel.open does: a cold kernel cache compiles in parallel processes, not kernel by kernel at
+    # their first launches in warm-up (which took over 170 s for qwen3.5-0.8b on a fresh H100).
+    compiling = start_compile(loaded.plan, None)
+    if compiling is not None:
+        compiling.wait()
     warm_up(loaded.model)  # as ServedModel.open does before capturing the graphs
     loaded.model.capture_decode_graphs()
     loaded.model.capture_prefill_graphs()
