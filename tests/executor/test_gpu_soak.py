@@ -95,7 +95,7 @@ def test_soak_at_the_h200_default_serving(name):
     capacity = loaded.plan.capacity
     assert capacity.max_batch >= 256 and loaded.plan.serving.max_prefill_tokens >= 8192
     # As ServedModel.open does: a cold kernel cache compiles in parallel processes, not kernel by kernel at
-    # their first launches in warm-up (which took over 170 s for qwen3.5-0.8b on a fresh H100).
+    # their first launches in warm-up (one by one, qwen3.5-0.8b's take more than 170 s on an H100).
     compiling = start_compile(loaded.plan, None)
     if compiling is not None:
         compiling.wait()
