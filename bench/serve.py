@@ -361,8 +361,9 @@ def counters(report: EngineReport) -> str:
 
     stats = report.stats
     allocations = "n/a" if report.allocations_after_warmup is None else f"{report.allocations_after_warmup:,}"
-    return (f"{report.steps:,} steps, peak batch {stats.peak_running:,}, {stats.preemptions:,} preemptions, prefix "
-            f"hits {stats.prefix_hit_rate:.1%}, peak KV pages {stats.peak_kv_pages_used:,} of "
+    prefix = f"prefix hits {stats.prefix_hit_rate:.1%}" if report.prefix_caching else "prefix caching off"
+    return (f"{report.steps:,} steps, peak batch {stats.peak_running:,}, {stats.preemptions:,} preemptions, {prefix}, "
+            f"peak KV pages {stats.peak_kv_pages_used:,} of "
             f"{stats.kv_pages_usable:,}, allocations after warm-up {allocations}, kernels readied after warm-up "
             f"{readied_line(report.kernels_readied_after_warmup)}")
 
