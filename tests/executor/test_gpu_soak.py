@@ -94,8 +94,8 @@ def test_soak_at_the_h200_default_serving(name):
     loaded = load_with_hf(name, "h200", serving, max_context=4096, gpu_memory_utilization=0.3)  # fits an H100 too
     capacity = loaded.plan.capacity
     assert capacity.max_batch >= 256 and loaded.plan.serving.max_prefill_tokens >= 8192
-    # As ServedModel.open does: a cold kernel cache compiles in parallel processes, not kernel by kernel at
-    # their first launches in warm-up (one by one, qwen3.5-0.8b's take more than 170 s on an H100).
+    # The start-up compile: a cold kernel cache fills in parallel processes, not kernel by kernel at their
+    # first launches in warm-up (one by one, qwen3.5-0.8b's take more than 170 s on an H100).
     compiling = start_compile(loaded.plan, None)
     if compiling is not None:
         compiling.wait()

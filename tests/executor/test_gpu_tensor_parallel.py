@@ -24,8 +24,8 @@ from planner.loader import load_hardware, load_model, load_serving
 from planner.plan import build_plan
 from tests.executor.harness import Loaded
 from tests.executor.test_gpu_models import _gate, _logprob_deltas, _prompts
-from tests.subprocess_env import python_path
 from tests.hf_reference import hf_model
+from tests.subprocess_env import python_path
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
 
