@@ -1,7 +1,7 @@
 """The projection GEMMs a step runs, through cuBLAS, at the row counts serving steps take.
 
     python3 bench/gemm.py [--models qwen3-8b,qwen3.5-9b] [--rows 64,128,256,8192,8448] [--split-k 1,2,4]
-                          [--repeats 20] [--out FILE]
+                          [--swapped] [--repeats 20] [--out FILE]
 
 GPU only. For each model, the GEMMs of one layer of each kind (planner/geometry.py: the fused QKV and
 o_proj of a full-attention layer, the fused in_proj and out_proj of a linear-attention layer, the MLP's
@@ -22,6 +22,11 @@ idle; prefill steps of 8,192 rows and more are compute-bound, and the row count 
 SMs to share), then ``torch.sum`` of the partials into the bf16 output. Its bytes add the partials'
 write and read; the row shows the whole (bmm and sum) and the bmm alone, to tell whether a reduction
 fused into the next kernel would pay.
+
+``--swapped`` also times the same product with the operands swapped, ``out^T[N, rows] = W[N, K] @
+x[rows, K]^T``: cuBLAS sees the problem's m and n exchanged and chooses its kernel for that shape. The
+row shows it alone and with the transpose back into ``out`` (one copy of the output), to tell whether
+a decode GEMM would gain from asking for the transposed product.
 """
 
 from __future__ import annotations
@@ -104,12 +109,35 @@ def time_gemm(x, weight, out, split: int, device, repeats: int) -> tuple[float, 
     return whole_ms, bmm_ms
 
 
+def time_swapped(x, weight, out, device, repeats: int) -> tuple[float, float]:
+    """Median ms of ``out^T = weight @ x^T`` into a ``[N, rows]`` buffer, with and without the copy back."""
+    import torch
+
+    out_t = torch.empty(weight.shape[0], x.shape[0], device=device, dtype=out.dtype)
+
+    def swapped() -> None:
+        torch.matmul(weight, x.t(), out=out_t)
+
+    def with_copy() -> None:
+        swapped()
+        out.copy_(out_t.t())
+
+    with_copy()
+    expected = torch.matmul(x.float(), weight.float().t())
+    assert torch.allclose(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item()), \
+        "swapped result differs from the float32 product"
+    return (median(sample_ms(with_copy, device, warmup=3, repeats=repeats)),
+            median(sample_ms(swapped, device, warmup=3, repeats=repeats)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", type=str_list, default=["qwen3-8b", "qwen3.5-9b"])
     parser.add_argument("--rows", type=int_list, default=[64, 128, 256, 8192, 8448])
     parser.add_argument("--split-k", type=int_list, default=[1],
                         help="K slices; 1 is torch.matmul, S > 1 a batched GEMM of S slices and a sum")
+    parser.add_argument("--swapped", action="store_true",
+                        help="also time out^T = W @ x^T, with and without the transpose back")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=None, help="also append the result to FILE")
     args = parser.parse_args()
@@ -131,19 +159,20 @@ def main() -> None:
             for rows in args.rows:
                 x, out = x_all[:rows], out_all[:rows]
                 flops = 2 * rows * projection.k * projection.n
-                for split in args.split_k:
-                    if projection.k % split:
-                        continue
-                    ms, bmm_ms = time_gemm(x, weight, out, split, device, args.repeats)
-                    moved = 2 * (rows * projection.k + projection.n * projection.k + rows * projection.n)
-                    bound_s = max(flops / reference, moved / copy)
+                moved = 2 * (rows * projection.k + projection.n * projection.k + rows * projection.n)
+                bound_s = max(flops / reference, moved / copy)
+                timings = [(str(split), *time_gemm(x, weight, out, split, device, args.repeats))
+                           for split in args.split_k if projection.k % split == 0]
+                if args.swapped:
+                    timings.append(("swapped", *time_swapped(x, weight, out, device, args.repeats)))
+                for variant, ms, part_ms in timings:
                     rate = flops / (ms * 1e-3)
                     rows_out.append([model_name, projection.name, f"{projection.k:,} -> {projection.n:,}",
-                                     f"{rows:,}", str(split), fmt(ms * 1e3, 1),
-                                     "-" if bmm_ms is None else fmt(bmm_ms * 1e3, 1), fmt(rate / 1e12, 1),
+                                     f"{rows:,}", variant, fmt(ms * 1e3, 1),
+                                     "-" if part_ms is None else fmt(part_ms * 1e3, 1), fmt(rate / 1e12, 1),
                                      f"{rate / reference:.2f}", f"{ms * 1e-3 / bound_s:.2f}"])
             del weight, x_all, out_all
-    table = markdown_table(["model", "GEMM", "K -> N", "rows", "K slices", "us", "bmm alone us", "TFLOP/s",
+    table = markdown_table(["model", "GEMM", "K -> N", "rows", "variant", "us", "GEMM alone us", "TFLOP/s",
                             "of the reference", "time / bound"],
                            rows_out, [False, False, False, True, True, True, True, True, True, True])
     body = (f"Reference: bf16 `torch.matmul` of two {REFERENCE_SIZE:,}^2 matrices, {reference / 1e12:,.1f} TFLOP/s; "
