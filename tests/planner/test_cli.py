@@ -290,15 +290,17 @@ FULL_SIZE_MODELS = sorted(p.stem for p in (ROOT / "configs/models").glob("qwen*.
 @pytest.mark.parametrize("model", FULL_SIZE_MODELS)
 def test_the_h200_serves_vllm_s_sizes_by_default_and_every_shipped_model_fits(capsys, model):
     """Without --serving, the H200 plans 256 sequences and 8,192 batched tokens (vLLM's sizes there) at the
-    model's own max_context, and every shipped model fits; another card keeps default.yaml's 64 / 2,048."""
+    model's own max_context, and every shipped model fits; the H100 SXM takes the same sizes where the model
+    fits, and another card keeps default.yaml's 64 / 2,048."""
     code, plan, err = _plan_json(capsys, "--model", model)
     assert code == 0, err
     assert (plan["capacity"]["max_batch"], plan["serving"]["max_prefill_tokens"]) == (256, 8192)
     assert plan["capacity"]["max_context"] == plan["model"]["max_position_embeddings"]
-    code, plan, err = _plan_json(capsys, "--model", model, "--hardware", "h100-sxm")
-    assert code in (0, 3), err
-    if code == 0:
-        assert (plan["capacity"]["max_batch"], plan["serving"]["max_prefill_tokens"]) == (64, 2048)
+    for hardware, sizes in (("h100-sxm", (256, 8192)), ("a100-80gb", (64, 2048))):
+        code, plan, err = _plan_json(capsys, "--model", model, "--hardware", hardware)
+        assert code in (0, 3), err
+        if code == 0:
+            assert (plan["capacity"]["max_batch"], plan["serving"]["max_prefill_tokens"]) == sizes
 
 
 def test_does_not_fit_with_json_output_prints_the_verdict_and_its_advice(capsys):
