@@ -75,8 +75,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, model_required: boo
                              "(run: its safetensors are the weights)")
     parser.add_argument("--hardware", default="h200", help="YAML file or shipped name (default: h200)")
     parser.add_argument("--serving", default=None, help="YAML file or shipped name (default: the hardware's "
-                        "default_serving: configs/serving/h200.yaml on h200 and h100-sxm, sim.yaml on cpu-sim, default.yaml "
-                        "elsewhere)")
+                        "default_serving: configs/serving/h200.yaml on h200 and h100-sxm, sim.yaml on cpu-sim, "
+                        "default.yaml elsewhere)")
     for field, (flag, alias, kind) in SERVING_FLAGS.items():
         names = [flag] + ([alias] if alias else [])
         extra = (" (32k = 32,000, 32K = 32,768; auto: the largest that fits)" if field == "max_context"
@@ -230,8 +230,8 @@ request (not JSON, an unknown key, a wrong type) is exit 2 before any work.
 --checkpoint DIR without --model plans the model of DIR/config.json.
 --serving defaults to the hardware's default_serving, as for memplan plan:
 configs/serving/h200.yaml (256 sequences, 8,192 batched tokens) on h200 and
-h100-sxm, the
-tiny configs/serving/sim.yaml on cpu-sim, configs/serving/default.yaml elsewhere.
+h100-sxm, the tiny configs/serving/sim.yaml on cpu-sim, configs/serving/default.yaml
+elsewhere.
 Exit codes: 0 ok (rejected requests included); 2 a bad config, plan file,
 checkpoint or request file; 3 the plan does not fit."""
 
