@@ -482,16 +482,10 @@ def bench_model(model_name: str, args: argparse.Namespace, sizes: dict[str, int 
 
     plan = serving_plan(model_name, args, sizes)
     name, serving = plan.model.name, serving_label(plan)
-    if args.decode_rows_stream is not None:
-        serving += f", decode rows on the {args.decode_rows_stream} stream"
     log(f"{name}: {serving}, max_context {plan.capacity.max_context}, gpu_memory_utilization "
         f"{plan.serving.gpu_memory_utilization}")
     served = ServedModel.open(plan, "sim" if args.smoke else "cuda", weights=RANDOM_WEIGHTS, seed=args.seed,
                               eager=args.eager, log=sys.stderr)
-    if args.decode_rows_stream is not None and not args.smoke:
-        from executor.models.decode_rows_stream import decode_rows_stream
-
-        served.model.decode_rows_stream = decode_rows_stream(served.model.device, args.decode_rows_stream == "side")
     if served.graphs is not None:
         g = served.graphs
         log(f"{name}: decode graphs {list(g.buckets)} in {g.seconds:.2f} s ({g.reserved_bytes:,} B reserved); "
@@ -713,10 +707,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (decode graphs or prefill pieces)")
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--decode-rows-stream", choices=("step", "side"), default=None,
-                        help="where a prefill step's decode rows launch: the step's own stream, or a second one "
-                             "beside its chunks (executor/models/decode_rows_stream.py; default "
-                             "routing.DECODE_ROWS_SIDE_STREAM's)")
     parser.add_argument("--profile-kernels", type=int, default=0,
                         help="run the first workload once more under torch.profiler and list its N longest-running "
                              "kernels (default 0: no profiled run)")

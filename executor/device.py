@@ -67,11 +67,7 @@ class Device:
         simulator and on the meta device)."""
         if self.kind != "cuda":
             return 0
-        return self.numba_stream(torch.cuda.current_stream(self.torch_device))
-
-    def numba_stream(self, torch_stream: torch.cuda.Stream) -> Any:
-        """The Numba handle of a torch CUDA stream (made once a stream)."""
-        handle = torch_stream.cuda_stream
+        handle = torch.cuda.current_stream(self.torch_device).cuda_stream
         stream = self._numba_streams.get(handle)
         if stream is None:
             stream = self._numba_streams[handle] = load_cuda().external_stream(handle)

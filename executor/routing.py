@@ -85,13 +85,6 @@ CONV1D_PREFILL_ROWS_PER_TILE = 16
 #: 115.1 for this fallback in the same run).
 CONV1D_DECODE_ROWS_PER_TILE = 1
 
-#: A prefill step's decode rows (decode attention in full-attention layers; conv1d and the decode delta
-#: rule in linear ones) launch on a second, higher-priority CUDA stream beside its chunks' attention and
-#: delta rule (executor/models/decode_rows_stream.py): the decode rows are HBM-bound and the chunks'
-#: kernels tensor-core or latency-bound, so the GPU can run both at once. bench/mixed_step.py times a
-#: serving-shaped step on both routes; until it shows a gain the decode rows stay on the step's stream.
-DECODE_ROWS_SIDE_STREAM = False
-
 #: FlashAttention prefill runs on warpgroup tensor-core products (attention/flash_wgmma.py: the
 #: tensor cores read each staged key and value once for four warps) on GPUs of this compute capability
 #: major (wgmma is sm_90a's), for these head sizes (the P V product's N is the head size); other GPUs
@@ -160,10 +153,6 @@ ROUTES: tuple[Route, ...] = (
           "block shape for max_batch rows",
           "248 decode rows at 1,100 tokens beside 8 x 1,024 prefill, Qwen3-8B on the H200: 7.5 ms a layer "
           "in the paged kernel (a 4-row tile a row), 0.33 ms in the decode kernel"),
-    Route("prefill", "where the decode rows launch", "decode rows beside prefill chunks, CUDA, "
-          "DECODE_ROWS_SIDE_STREAM", "models/decode_rows_stream.py SideStream: their attention, or conv1d and "
-          "decode delta rule, on a second stream, joined before the mixer's finish",
-          "HBM-bound decode rows beside tensor-core or latency-bound chunks"),
     Route("prefill", "attention", "chunk >= gemm_attention_min_tokens, plan prefill_attention flash (bf16, "
           "head_dim % 32 == 0)", "attention/gather.py PackedGatherKv + attention/flash.py FlashAttention "
           f"(attention/flash_wgmma.py's warpgroup kernel on compute capability {WARPGROUP_FLASH_MAJOR}.x, head_dim "
@@ -210,8 +199,7 @@ def render_markdown() -> str:
     """``docs/kernels.md``: the thresholds and the table, for readers."""
     names = ("PREFILL_ROWS_PER_TILE", "FUSED_ROPE_KV_MAX_ROWS", "SPECIALIZED_ROPE_MIN_ROWS",
              "TENSOR_CORE_DECODE_MAX_HEAD_DIM", "FEW_BLOCKS_PER_SM", "MERGE_SPECULATE_MAX_ROWS",
-             "CHUNKED_DELTA_RULE_MIN_ROWS", "CONV1D_PREFILL_ROWS_PER_TILE", "CONV1D_DECODE_ROWS_PER_TILE",
-             "DECODE_ROWS_SIDE_STREAM")
+             "CHUNKED_DELTA_RULE_MIN_ROWS", "CONV1D_PREFILL_ROWS_PER_TILE", "CONV1D_DECODE_ROWS_PER_TILE")
     module = sys.modules[__name__]
     lines = ["# Kernels: which one serves which step", "",
              "Rendered from `executor/routing.py` (`python3 -m executor.routing > docs/kernels.md`); "

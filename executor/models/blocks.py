@@ -104,17 +104,13 @@ class FullAttention:
                                      step.meta("batch_indices"), step.meta("page_indices"), step.meta("page_indptr"),
                                      stream=step.stream)
         paged, decode_rows = step.split_tile_meta
-        lanes = step.decode_rows_stream
-        if step.num_decode_row_tiles:  # decode rows beside prefill chunks: the decode kernel, unsplit
-            k_.decode_rope_attention.attention(q, self.k_cache, self.v_cache, *decode_rows, attn_out, self.scale,
-                                               shape_rows=self.mixed_decode_shape_rows,
-                                               stream=lanes.fork(step.stream))
         if step.num_tiles > step.num_decode_row_tiles:  # chunks of several rows short of the long backend
             k_.attention(q, self.k_cache, self.v_cache, *paged, attn_out, self.scale, stream=step.stream)
+        if step.num_decode_row_tiles:  # decode rows beside prefill chunks: the decode kernel, unsplit
+            k_.decode_rope_attention.attention(q, self.k_cache, self.v_cache, *decode_rows, attn_out, self.scale,
+                                               shape_rows=self.mixed_decode_shape_rows, stream=step.stream)
         if step.long_prefill_requests:  # the long prefill chunks, which got no paged-attention tile
             self.long_prefill_attention(step, q, attn_out)
-        if step.num_decode_row_tiles:
-            lanes.join()
 
     def finish(self, step: StepViews) -> None:
         """The output gate (Qwen3.5) and o_proj into the residual stream (row-wise)."""
@@ -214,20 +210,18 @@ class LinearAttention:
             k_.delta_rule_decode(conv_out, g, beta, self.ssm_state, q_indptr, slot_ids, delta_out, stream=stream)
             return
         d = step.leading_decode_rows  # executor/routing.py: the leading decode rows, then the chunks
-        if d:  # their own rows and recurrent slots: beside the chunks' launches (decode_rows_stream.py)
-            side = step.decode_rows_stream.fork(stream)
+        if d:
             k_.conv1d.decode(mixed[:d], self.conv_weight, self.conv_state, q_indptr[: d + 1], slot_ids[:d],
-                             conv_out[:d], stream=side)
-            k_.delta_rule_decode(conv_out, g, beta, self.ssm_state, q_indptr[: d + 1], slot_ids[:d], delta_out,
-                                 stream=side)
+                             conv_out[:d], stream=stream)
         k_.conv1d(mixed, self.conv_weight, self.conv_state, q_indptr[d:], slot_ids[d:], conv_out, stream=stream)
+        if d:
+            k_.delta_rule_decode(conv_out, g, beta, self.ssm_state, q_indptr[: d + 1], slot_ids[:d], delta_out,
+                                 stream=stream)
         if k_.delta_rule_chunked is not None and n - d >= k_.chunked_delta_rule_min_rows:  # CHUNKED_DELTA_RULE_MIN_ROWS
             k_.delta_rule_chunked(conv_out, g, beta, self.ssm_state, q_indptr[d:], slot_ids[d:], delta_out,
                                   self.chunk_scratch(step), stream=stream)
         else:
             k_.delta_rule(conv_out, g, beta, self.ssm_state, q_indptr[d:], slot_ids[d:], delta_out, stream=stream)
-        if d:
-            step.decode_rows_stream.join()
 
     def finish(self, step: StepViews) -> None:
         """The gated RMSNorm (gate z) and out_proj into the residual stream (row-wise)."""

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from executor.arena import Arena
-from executor.models.decode_rows_stream import DecodeRowsStream, StepStream
 from executor.step import LongPrefillGroup, LongPrefillRequest, StepMetadata
 
 
@@ -40,8 +39,6 @@ class StepViews:
     # Rows the step's row-wise pieces run at: its prefill graph bucket when it replays one (graphs.py), else
     # num_rows. A block that splits work between a piece and its eager part decides by this, so both agree.
     piece_rows: int = 0
-    # Where a prefill step's decode rows launch beside its chunks (decode_rows_stream.py).
-    decode_rows_stream: DecodeRowsStream = StepStream()
 
     def __post_init__(self) -> None:
         if not self.piece_rows:
@@ -105,9 +102,8 @@ class StepViews:
         return self.arena.tensor("recurrent_state", "slot_ids")[: self.num_requests]
 
 
-def step_views(arena: Arena, meta: StepMetadata, decode_rows_stream: DecodeRowsStream = StepStream()) -> StepViews:
-    """The views of ``meta``'s active sizes, on the current stream, a prefill step's decode rows on
-    ``decode_rows_stream``."""
+def step_views(arena: Arena, meta: StepMetadata) -> StepViews:
+    """The views of ``meta``'s active sizes, on the current stream."""
     return StepViews(
         num_rows=meta.num_rows,
         num_requests=meta.num_requests,
@@ -120,7 +116,6 @@ def step_views(arena: Arena, meta: StepMetadata, decode_rows_stream: DecodeRowsS
         long_prefill_groups=meta.long_prefill_groups,
         num_decode_row_tiles=meta.num_decode_row_tiles,
         leading_decode_rows=meta.leading_decode_rows,
-        decode_rows_stream=decode_rows_stream,
     )
 
 

@@ -21,11 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from executor import routing
 from executor.arena import Arena
 from executor.models.blocks import Mixer, Mlp
 from executor.models.context import StepViews, bucket_views, step_views
-from executor.models.decode_rows_stream import decode_rows_stream
 from executor.models.graphs import DecodeGraphs, PrefillGraphs
 from executor.models.launchers import Kernels, NormStyle
 from executor.models.projections import GemmProjections, GemvProjections, Projections
@@ -79,8 +77,6 @@ class DecoderModel:
         self.previous_ids = arena.tensor("sampling", "sampled_ids")
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        # Where a prefill step's decode rows launch beside its chunks (routing.DECODE_ROWS_SIDE_STREAM).
-        self.decode_rows_stream = decode_rows_stream(self.device, routing.DECODE_ROWS_SIDE_STREAM)
 
     def _layer(self, index: int, build_mixer: MixerBuilder, gemm: GemmProjections | None) -> Layer:
         """Layer ``index`` on the shared GEMM projections, or (``gemm`` None) on GEMV projections that
@@ -135,7 +131,7 @@ class DecoderModel:
             self._forward(bucket_views(self.arena, pad_to, decode_grid_tiles(self.arena.plan, pad_to)))
         else:
             self.writer.write(meta)
-            self._forward(step_views(self.arena, meta, self.decode_rows_stream))
+            self._forward(step_views(self.arena, meta))
         return self.arena.tensor("sampling", "sampled_ids")[: meta.num_requests]
 
     def reset_slot(self, slot: int) -> None:

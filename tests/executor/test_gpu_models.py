@@ -119,36 +119,3 @@ def test_batch_1_decode_hf_golden_bf16(name):
     sequences, lengths = _prompts(loaded.plan.model.vocab_size, 3, 128, 24, seed=3)
     deltas = np.concatenate([_logprob_deltas(loaded, [seq], [n]) for seq, n in zip(sequences, lengths)])
     _gate(deltas, 0.06, 0.2, f"{name} batch-1 decode (GEMV projections) bf16")
-
-
-@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3.5-0.8b"])
-def test_decode_rows_on_a_side_stream_change_no_bit(name):
-    """A prefill step's decode rows launched beside its chunks on a second stream (decode_rows_stream.py)
-    give the same logits and states, bit for bit, as in the step's own stream order, and every row's
-    logits are finite (none read another's rows before they were written)."""
-    from executor.models.decode_rows_stream import SideStream, StepStream
-    from tests.executor.harness import decode_state, prefilled_requests, random_sequences, restore_decode_state
-
-    loaded = load_with_hf(name, "h200", "default", max_batch=16, max_context=2048, max_prefill_tokens=2048,
-                          gpu_memory_utilization=0.05, **FLASH)  # the KV cache is copied three times
-    plan, model = loaded.plan, loaded.model
-    decode = prefilled_requests(loaded, [300 + 37 * r for r in range(12)], seed=1)
-    pages_each = plan.capacity.pages_per_request
-    prompts = random_sequences(plan.model.vocab_size, [700, 40, 900], seed=2)  # a long, a short, a long chunk
-    chunks = [RequestChunk(p, 0, list(range(1 + r * pages_each, 1 + (r + 1) * pages_each)), slot=r)
-              for r, p in enumerate(prompts, start=len(decode))]
-    meta = plan_step(plan, decode + chunks)
-    assert meta.pool == "prefill" and meta.leading_decode_rows == len(decode)
-    saved = decode_state(loaded)
-    results = {}
-    for label, stream in (("step", StepStream()), ("side", SideStream(model.device))):
-        restore_decode_state(loaded, saved)
-        for chunk in chunks:
-            model.reset_slot(chunk.slot)
-        model.decode_rows_stream = stream
-        sampled = model.step(meta).tolist()
-        results[label] = (model.logits(len(decode + chunks)).clone(), sampled, decode_state(loaded))
-    (step_logits, step_ids, step_state), (side_logits, side_ids, side_state) = results["step"], results["side"]
-    assert torch.isfinite(step_logits).all()
-    assert torch.equal(step_logits, side_logits) and step_ids == side_ids
-    assert all(torch.equal(step_state[k], side_state[k]) for k in step_state)
