@@ -34,8 +34,8 @@ Ideal time (planner/ideal_time.py): the workload's prefill FLOPs at the measured
 of two ``--matmul-size``^2 matrices in the weights' dtype) plus, per decode step of at most max_batch rows in
 admission order, the larger of its bytes (every weight but the embedding, the rows' KV, Qwen3.5's recurrent
 state read and written) at the measured copy bandwidth (``dst.copy_(src)`` of ``--copy-bytes``) and its FLOPs.
-A shared prefix counts once for either model (memplan's Qwen3.5 computes it per request: its recurrent state
-is not paged). "ideal / wall" is the share of the ideal the engine reaches; an arrival workload's wall is set
+A shared prefix counts once for either model (memplan's Qwen3.5 resumes from it once a snapshot holds its
+recurrent state there: from the third request that shares it, executor/state_snapshots.py). "ideal / wall" is the share of the ideal the engine reaches; an arrival workload's wall is set
 by its arrivals, so its row shows none.
 
 The matmul rate is the median of a few calls, a burst: a GPU at its power limit lowers its clocks within a
@@ -362,6 +362,9 @@ def counters(report: EngineReport) -> str:
     stats = report.stats
     allocations = "n/a" if report.allocations_after_warmup is None else f"{report.allocations_after_warmup:,}"
     prefix = f"prefix hits {stats.prefix_hit_rate:.1%}" if report.prefix_caching else "prefix caching off"
+    if report.prefix_caching and stats.recurrent_slots:
+        prefix += (f" (recurrent-state snapshots {stats.state_snapshots_taken:,} taken, "
+                   f"{stats.state_snapshot_restores:,} resumed from)")
     return (f"{report.steps:,} steps, peak batch {stats.peak_running:,}, {stats.preemptions:,} preemptions, {prefix}, "
             f"peak KV pages {stats.peak_kv_pages_used:,} of "
             f"{stats.kv_pages_usable:,}, allocations after warm-up {allocations}, kernels readied after warm-up "

@@ -125,8 +125,8 @@ class Engine:
     def __init__(self, model: DecoderModel, *, prefix_caching: bool = True, overlap: bool = True):
         plan = model.arena.plan
         recurrent = plan.geometry.num_linear_layers > 0
-        # Qwen3.5's recurrent state is not paged, so a cached KV prefix cannot resume it.
-        self.prefix_caching = prefix_caching and not recurrent
+        # Qwen3.5's recurrent state is not paged: a cached KV prefix resumes it only from a planned snapshot.
+        self.prefix_caching = prefix_caching and (not recurrent or plan.capacity.prefix_state_slots > 0)
         self.model, self.plan = model, plan
         self.scheduler = Scheduler(plan.capacity, prefix_caching=self.prefix_caching, has_recurrent_state=recurrent)
         self.page_tables = PageTables()  # the running requests' page lists as arrays, extended step by step
@@ -178,9 +178,13 @@ class Engine:
             if step is not None:
                 for slot in step.fresh_slots:
                     self.model.reset_slot(slot)
+                for source, target in step.restored:
+                    self.model.copy_slot(source, target)
                 chunks = [_request_chunk(chunk, by_id[chunk.request_id]) for chunk in step.chunks]
                 launch_s = time.perf_counter() - start
                 sampled = self.model.step(plan_step(self.plan, chunks, self.page_tables))
+                for source, target in step.snapshots:  # queued after the step's kernels
+                    self.model.copy_slot(source, target)
                 launched = (step, self.read_back.start(sampled, steps), launch_s,
                             time.perf_counter() - start - launch_s)
                 steps += 1

@@ -34,8 +34,9 @@ hash table and the LRU of unreferenced cached pages:
 Hit accounting in tokens: every ``match`` adds ``len(ids)`` to ``queries`` and
 the matched tokens to ``hits``; ``hit_rate = hits / queries``.
 
-Recurrent-state models (Qwen3.5) cannot resume from a KV prefix alone, so the
-scheduler runs them without a cache.
+Recurrent-state models (Qwen3.5) cannot resume from a KV prefix alone: the
+scheduler resumes them only where a recurrent-state snapshot holds the state at
+the prefix's end (executor/state_snapshots.py).
 """
 
 from __future__ import annotations
@@ -115,6 +116,11 @@ class PrefixCache:
 
     def is_cached(self, page: int) -> bool:
         return page in self._by_page
+
+    def entry_uid(self, page: int) -> int:
+        """The uid of the entry that registered ``page``: it names the page's whole chain of token ids
+        (executor/state_snapshots.py keys the recurrent-state snapshots by it)."""
+        return self._by_page[page].uid
 
     def evictable_pages(self) -> list[int]:
         """Unreferenced cached pages in eviction order (least recently released first)."""

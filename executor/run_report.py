@@ -87,10 +87,14 @@ def _prefix_line(report: EngineReport, no_prefix_caching: bool) -> str:
     if no_prefix_caching:
         return "off (--no-prefix-caching)"
     if not report.prefix_caching:
-        return "off: Qwen3.5 recurrent state is not paged"
+        return "off: the plan keeps no recurrent-state snapshot (serving prefix_state_slots 0)"
     stats = report.stats
-    return (f"hit rate {stats.prefix_hit_rate:.1%} ({stats.prefix_hit_tokens} of {stats.prefix_query_tokens} "
+    line = (f"hit rate {stats.prefix_hit_rate:.1%} ({stats.prefix_hit_tokens} of {stats.prefix_query_tokens} "
             f"looked-up tokens), {stats.prefix_evictions} evictions")
+    if stats.recurrent_slots:
+        line += (f"; recurrent-state snapshots: {stats.state_snapshots_taken} taken, "
+                 f"{stats.state_snapshot_restores} resumed from")
+    return line
 
 
 def _allocator_line(plan: MemoryPlan, arena: Arena) -> str:

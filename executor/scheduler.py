@@ -12,9 +12,10 @@ Engine loop::
 
     scheduler.add(Request(rid, prompt_ids, max_new_tokens, stop_ids))  # False: rejected
     while (step := scheduler.schedule()) is not None:
-        zero the recurrent slots in step.fresh_slots (Qwen3.5)
+        zero the recurrent slots in step.fresh_slots, copy step.restored's snapshots into their slots (Qwen3.5)
         meta = plan_step(plan, step.request_chunks())      # or step.chunks (same fields)
         ... run the model, sample one id per chunk (logits_indices: each request's last row) ...
+        copy step.snapshots' slots into their snapshots (after the step's kernels, before the next step's)
         for request in scheduler.update(step, sampled_ids): report(request)
 
 Tokens. A request feeds ``all_ids = prompt_ids + output_ids``; ``num_cached``
@@ -84,11 +85,15 @@ Finishing: a sampled id in ``stop_ids`` ("stop"; the id is kept in
 and the slot returns to the pool (the engine zeroes a slot when a fresh request
 gets it: ``ScheduledStep.fresh_slots``).
 
-Prefix caching (Qwen3 only: recurrent state cannot resume from a KV prefix, so
-``prefix_caching`` with ``has_recurrent_state`` is a ``ValueError``): at
-admission the longest cached full-page prefix of ``all_ids[:-1]`` is matched
-(at least one token is always computed, for its logits); after every step the
-request's newly full pages (prompt and generated) are inserted.
+Prefix caching: at admission the longest cached full-page prefix of
+``all_ids[:-1]`` is matched (at least one token is always computed, for its
+logits); after every step the request's newly full pages (prompt and generated)
+are inserted. With recurrent state (Qwen3.5; the plan's ``prefix_state_slots``
+>= 1, else ``prefix_caching`` is a ``ValueError``) a request keeps only the
+matched pages up to the longest recurrent-state snapshot among them
+(executor/state_snapshots.py), whose state ``step.restored`` copies into its
+slot; where it matched pages past that, its chunks stop at the last matched
+page and ``step.snapshots`` copies its state there into a snapshot.
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ from enum import Enum
 
 from executor.page_allocator import PageAllocator
 from executor.prefix_cache import CacheChain, PrefixCache
+from executor.state_snapshots import StateSnapshots
 from executor.step import RequestChunk
 from planner.capacity import Capacity
 from planner.ideal_time import StepWork, causal_pairs
@@ -146,6 +152,11 @@ class Request:
     # (step index, chunk row) of a sample scheduled but not yet given to update(): its id is not in
     # all_ids yet, and a decode row fed with it names it as -(row + 1).
     in_flight: tuple[int, int] | None = field(default=None, init=False)
+    # Recurrent state (with prefix caching): the snapshot slot its first chunk starts from (-1: none),
+    # and the token count whose state its chunks stop at for a snapshot under that prefix's entry uid.
+    restore_from: int = field(default=-1, init=False)
+    snapshot_at: int = field(default=0, init=False)
+    snapshot_uid: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.prompt_ids = tuple(int(t) for t in self.prompt_ids)
@@ -194,6 +205,8 @@ class ScheduledStep:
     num_decode_rows: int
     num_prefill_tokens: int
     preempted: tuple[Hashable, ...] = ()  # requests preempted while building this step
+    restored: tuple[tuple[int, int], ...] = ()  # (snapshot slot, request slot): copied before the step
+    snapshots: tuple[tuple[int, int], ...] = ()  # (request slot, snapshot slot): copied after the step
 
     @property
     def num_rows(self) -> int:
@@ -250,6 +263,8 @@ class SchedulerStats:
     prefix_hit_tokens: int
     prefix_query_tokens: int
     prefix_evictions: int
+    state_snapshots_taken: int = 0  # recurrent-state snapshots written (Qwen3.5 prefix caching)
+    state_snapshot_restores: int = 0  # requests resumed from one
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -260,8 +275,9 @@ class Scheduler:
     """FCFS continuous batching with chunked prefill, on-demand pages, preemption and prefix caching."""
 
     def __init__(self, capacity: Capacity, *, prefix_caching: bool, has_recurrent_state: bool):
-        if prefix_caching and has_recurrent_state:
-            raise ValueError("prefix caching needs a pure KV model: recurrent state (Qwen3.5) is not paged")
+        if prefix_caching and has_recurrent_state and capacity.prefix_state_slots < 1:
+            raise ValueError("prefix caching with recurrent state (Qwen3.5) needs the plan's prefix_state_slots >= 1: "
+                             "a KV prefix resumes a request only with a snapshot of its recurrent state")
         for name in ("max_batch", "page_size", "max_prefill_tokens", "max_tokens_per_step"):
             if getattr(capacity, name) < 1:
                 raise ValueError(f"capacity.{name} must be >= 1, got {getattr(capacity, name)}")
@@ -271,6 +287,8 @@ class Scheduler:
         self.prefix_cache = PrefixCache(self.allocator, capacity.page_size) if prefix_caching else None
         self._num_slots = capacity.recurrent_slots if has_recurrent_state else 0
         self._free_slots = list(range(self._num_slots))  # a heap: lowest slot first
+        self.snapshots = (StateSnapshots(self._num_slots, capacity.prefix_state_slots)
+                          if prefix_caching and has_recurrent_state else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order (oldest first)
         self._requests: dict[Hashable, Request] = {}  # unfinished
@@ -323,6 +341,8 @@ class Scheduler:
             prefix_hit_tokens=cache.hits if cache else 0,
             prefix_query_tokens=cache.queries if cache else 0,
             prefix_evictions=cache.evictions if cache else 0,
+            state_snapshots_taken=self.snapshots.taken if self.snapshots else 0,
+            state_snapshot_restores=self.snapshots.restores if self.snapshots else 0,
         )
 
     # ------------------------------------------------------------------ requests
@@ -405,9 +425,20 @@ class Scheduler:
         size = self.capacity.page_size
         index = self._steps
         chunks = []
+        restored: list[tuple[int, int]] = []
+        snapshots: list[tuple[int, int]] = []
         for row, (request, count) in enumerate(decode + prefill):
             start = request.num_cached
             end = start + count
+            if request.restore_from >= 0:
+                restored.append((request.restore_from, request.slot))
+                request.restore_from = -1
+            if request.snapshot_at and end >= request.snapshot_at:
+                assert end == request.snapshot_at and self.snapshots is not None
+                slot = self.snapshots.take(request.snapshot_uid)
+                if slot is not None:  # else another request's step already took it
+                    snapshots.append((request.slot, slot))
+                request.snapshot_at = 0
             assert len(request.page_ids) == -(-end // size)
             known = len(request._all)
             if request.in_flight is not None:  # its last id is the step in flight's sample
@@ -434,6 +465,8 @@ class Scheduler:
             num_decode_rows=len(decode),
             num_prefill_tokens=sum(count for _, count in prefill),
             preempted=tuple(r.request_id for r in preempted),
+            restored=tuple(restored),
+            snapshots=tuple(snapshots),
         )
         self._steps += 1
         self._in_flight.append(step)
@@ -478,6 +511,8 @@ class Scheduler:
                 continue
             room = (len(request.page_ids) + allocator.num_available) * size - request.num_cached
             count = min(request.prefill_target - request.num_cached, budget, room)
+            if request.snapshot_at:  # its chunk stops where its state is snapshotted
+                count = min(count, request.snapshot_at - request.num_cached)
             if count < 1:
                 continue
             request.page_ids += allocator.allocate(-(-(request.num_cached + count) // size) - len(request.page_ids))
@@ -494,18 +529,30 @@ class Scheduler:
             ids = request._all
             target = len(ids)
             matched = self.prefix_cache.lookup(ids, target - 1) if self.prefix_cache else []
+            snapshot_at, snapshot_uid, restore = 0, 0, (0, -1)
+            if self.snapshots is not None and matched:
+                uids = [self.prefix_cache.entry_uid(page) for page in matched]
+                restore = self.snapshots.longest(uids)
+                if restore[0] < len(matched):  # the prompt leaves the cached prefix past the snapshot
+                    snapshot_at, snapshot_uid = len(matched) * size, uids[-1]
+                matched = matched[:restore[0]]
             reclaimed = sum(1 for page in matched if allocator.refcount(page) == 0)
             available = allocator.num_available - reclaimed
             cached = len(matched) * size
             count = min(target - cached, budget, (len(matched) + available) * size - cached)
+            if snapshot_at:
+                count = min(count, snapshot_at - cached)
             if count < 1:
                 break
             self.waiting.popleft()
             if self.prefix_cache is not None:
-                pages = self.prefix_cache.match(ids, target - 1)
+                pages = self.prefix_cache.match(ids, cached if self.snapshots is not None else target - 1)
                 assert pages == matched
             else:
                 pages = []
+            if restore[0]:
+                request.restore_from = self.snapshots.use(self.prefix_cache.entry_uid(matched[-1]))
+            request.snapshot_at, request.snapshot_uid = snapshot_at, snapshot_uid
             request.page_ids = pages + allocator.allocate(-(-(cached + count) // size) - len(pages))
             request.num_cached = cached
             request.num_prefix_hit_tokens += cached
@@ -587,6 +634,7 @@ class Scheduler:
         self.running.remove(request)
         request.num_cached = 0
         request.in_flight = None  # a sample in flight is dropped: readmitted, it is computed again
+        request.restore_from, request.snapshot_at = -1, 0  # readmitted, it looks them up again
         request.state = RequestState.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)  # the youngest is preempted first: admission order is kept
@@ -607,6 +655,8 @@ class Scheduler:
         self.allocator.check()
         if self.prefix_cache is not None:
             self.prefix_cache.check()
+        if self.snapshots is not None:
+            self.snapshots.check()
         size = self.capacity.page_size
         references = [0] * max(self.allocator.num_pages, 1)
         for request in self.running:

@@ -45,7 +45,7 @@ FAILURE_REPORT_S = 10.0
 #: Seconds ``Ranks.stop`` waits for each worker to exit after the stop message.
 STOP_WAIT_S = 30.0
 #: The messages rank 0 announces (executor/models/decoder.py) and ``follow`` runs.
-STEP, RESET_SLOT, CAPTURE, STOP = "step", "reset_slot", "capture_decode_graphs", "stop"
+STEP, RESET_SLOT, COPY_SLOT, CAPTURE, STOP = "step", "reset_slot", "copy_slot", "capture_decode_graphs", "stop"
 #: Rank 0's request for every rank's RankMemory (``Ranks.measure``).
 MEASURE = "measure"
 #: The store key a spawned worker sets once it reaches rank 0's store (its rank appended).
@@ -145,6 +145,8 @@ def follow(model: DecoderModel, parallel: TensorParallel) -> None:
             model.step(message[1], pad_to=message[2])
         elif kind == RESET_SLOT:
             model.reset_slot(message[1])
+        elif kind == COPY_SLOT:
+            model.copy_slot(message[1], message[2])
         elif kind == CAPTURE:
             model.capture_decode_graphs()
         elif kind == MEASURE:

@@ -57,6 +57,9 @@ class Capacity(BaseModel):
     prefill_graph_rows: tuple[int, ...] = Field((), description="row buckets of the prefill graphs: serving "
                                                 "prefill_graph_token_sizes up to T; empty with tensor parallelism")
     recurrent_slots: int = Field(0, description="recurrent-state slots: B x states_per_slot (Qwen3.5)")
+    prefix_state_slots: int = Field(0, description="recurrent-state snapshots of the prefix cache, after the "
+                                    "recurrent slots in the recurrent_state pool: serving prefix_state_slots with "
+                                    "linear-attention layers, else 0")
     kv_pages: int = Field(0, description="KV pages allocated, page 0 (padding) included")
     kv_tokens: int = Field(0, description="tokens the usable KV pages hold: (kv_pages - 1) x S")
     kv_bytes_per_token: int = Field(0, description="KV bytes one token takes over this rank's full-attention "
@@ -79,7 +82,7 @@ class Capacity(BaseModel):
 
 def build_capacity(
     *, max_batch: int, max_context: int, page_size: int, max_prefill_tokens: int, gqa_group: int,
-    recurrent_slots_per_request: int, num_q_heads: int = 0, gemm_attention_min_tokens: int = 1,
+    recurrent_slots_per_request: int, prefix_state_slots: int = 0, num_q_heads: int = 0, gemm_attention_min_tokens: int = 1,
     prefill_attention: PrefillAttention = "gemm", decode_gemv_batch: int = 0, delta_rule_scratch: bool = False,
     prefill_tokens_beside_decode: int | None = None, prefill_graph_token_sizes: tuple[int, ...] = (),
     max_step_tokens: int | None = None,
@@ -128,6 +131,7 @@ def build_capacity(
         prefill_graph_rows=tuple(rows for rows in prefill_graph_token_sizes if rows <= tokens),
         delta_rule_chunk=DELTA_RULE_CHUNK if delta_rule_scratch else 0,
         recurrent_slots=checked.mul("recurrent_slots", max_batch, recurrent_slots_per_request, width=I32),
+        prefix_state_slots=prefix_state_slots if recurrent_slots_per_request else 0,
     )
 
 

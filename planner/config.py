@@ -343,6 +343,13 @@ class ServingConfig(_Frozen):
     states_per_slot: Annotated[int, Field(ge=1, le=4)] = Field(
         1, description="Recurrent states kept per decode slot (Qwen3.5); 2 lets a prefill run beside a graph slot."
     )
+    prefix_state_slots: Annotated[int, Field(ge=0, le=4096)] = Field(
+        16, description="Recurrent-state snapshots the prefix cache keeps (Qwen3.5; ignored without linear-attention "
+        "layers): a cached KV prefix resumes a request only where a snapshot holds the recurrent state at its end. "
+        "A snapshot is taken where a request's prompt leaves the cached prefix, so the third request sharing a "
+        "prefix resumes from it; least recently used first out. Each costs one request's recurrent state; 0 turns "
+        "prefix caching off for such models."
+    )
     gemm_attention_min_tokens: Annotated[int, Field(ge=1, le=1 << 20)] = Field(
         256, description="A prefill chunk of at least this many tokens computes attention over its keys and values "
         "gathered from the KV pages, with the prefill_attention backend; shorter chunks and decode rows use the "

@@ -110,6 +110,7 @@ class Drafter:
             gemm_attention_min_tokens=serving.gemm_attention_min_tokens,
             prefill_attention=resolve_prefill_attention(model, serving),
             recurrent_slots_per_request=serving.states_per_slot if geometry.num_linear_layers else 0,
+            prefix_state_slots=serving.prefix_state_slots,
             decode_gemv_batch=gemv_batch_limit(serving.decode_gemv_max_batch, serving.max_batch,
                                                geometry.hidden_size, gemv_inputs, dtype_bytes(dtypes.activations)),
             delta_rule_scratch=bool(geometry.num_linear_layers) and dtypes.activations == DELTA_RULE_SCRATCH_DTYPE,
@@ -120,7 +121,9 @@ class Drafter:
         act = dtypes.activations
         pools = [self._weights_pool(geometry, serving.tensor_parallel_size, dtypes.weights)]
         if geometry.num_linear_layers:
-            pools.append(build_recurrent_state(geometry, capacity.recurrent_slots, act, capacity.max_batch))
+            slots = checked.add("recurrent states", capacity.recurrent_slots, capacity.prefix_state_slots,
+                                width=checked.I32)
+            pools.append(build_recurrent_state(geometry, slots, act, capacity.max_batch))
         pools += [
             build_attention_plan(capacity),
             build_step_pool("decode", geometry, capacity.max_batch, act, capacity.decode_kv_splits),

@@ -27,6 +27,7 @@ def build_kv_cache(geometry: Geometry, page_size: int, kv_dtype: str, kv_pages: 
 
 def build_recurrent_state(geometry: Geometry, num_slots: int, conv_dtype: str, max_batch: int) -> Pool:
     """Per-slot Gated DeltaNet state of every linear layer, layer-major so a layer's view is contiguous.
+    ``num_slots`` counts the requests' slots, then the prefix cache's snapshots (capacity.prefix_state_slots).
 
     ssm_state  [linear layers, slots, Hv, dk, dv] float32
     conv_state [linear layers, slots, conv_dim, K - 1] in the activation dtype

@@ -89,7 +89,7 @@ def _kv_lines(plan: MemoryPlan) -> list[str]:
         f"max concurrency at max_context {context}: {floor_hundredths(capacity.max_concurrency):,.2f} requests ({limit})",
     ]
     if capacity.kv_pages_beyond_batch:
-        use = ("only the prefix cache can use them" if not capacity.recurrent_slots
+        use = ("only the prefix cache can use them" if not capacity.recurrent_slots or capacity.prefix_state_slots
                else "nothing uses them: raise max_batch or lower gpu_memory_utilization")
         lines.append(f"KV memory the batch leaves unused: {capacity.kv_pages_beyond_batch:,} pages "
                      f"({format_bytes(capacity.kv_pages_beyond_batch * plan.pool('kv_cache').bytes // capacity.kv_pages)}); "
@@ -99,5 +99,7 @@ def _kv_lines(plan: MemoryPlan) -> list[str]:
                  f"largest context at batch {capacity.max_batch}: "
                  + (f"{capacity.max_context_at_batch:,} tokens" if capacity.max_context_at_batch else "none fits"))
     if capacity.recurrent_slots:
-        lines.append(f"recurrent-state slots: {capacity.recurrent_slots}")
+        snapshots = capacity.prefix_state_slots
+        lines.append(f"recurrent-state slots: {capacity.recurrent_slots}, and {snapshots} prefix-cache snapshot"
+                     f"{'s' * (snapshots != 1)} of them")
     return lines

@@ -142,6 +142,15 @@ class DecoderModel:
             self.arena.tensor("recurrent_state", "ssm_state")[:, slot].zero_()
             self.arena.tensor("recurrent_state", "conv_state")[:, slot].zero_()
 
+    def copy_slot(self, source: int, target: int) -> None:
+        """Copy recurrent-state slot ``source`` into ``target`` (a prefix-cache snapshot taken or restored),
+        on the step stream: in order with the steps before and after it."""
+        if self.announce is not None:
+            self.announce(("copy_slot", source, target))
+        for name in ("ssm_state", "conv_state"):
+            state = self.arena.tensor("recurrent_state", name)
+            state[:, target].copy_(state[:, source])
+
     def logits(self, num_requests: int) -> torch.Tensor:
         """The last step's float32 logits [B, V] over the whole vocabulary (a view of the planned buffer)."""
         return self.arena.tensor("sampling", "logits")[:num_requests, : self.vocab]

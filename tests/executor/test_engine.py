@@ -78,10 +78,30 @@ def test_continuous_batching_equals_each_request_alone(batched):
     assert all(r.finish_reason == "length" for r in results)
     stats = report.stats
     assert stats.peak_running > 1  # requests really shared steps
+    assert report.prefix_caching
     if name == "tiny-qwen3":
-        assert report.prefix_caching and stats.prefix_hit_tokens > 0
-    else:
-        assert not report.prefix_caching  # recurrent state is not paged
+        assert stats.prefix_hit_tokens > 0
+    else:  # request 2 snapshots the state where it leaves request 0's cached page; no later request resumes there
+        assert stats.prefix_hit_tokens == 0 and stats.state_snapshots_taken == 1
+
+
+def test_qwen3_5_resumes_a_shared_prefix_from_a_recurrent_state_snapshot():
+    """Four prompts sharing two pages: the second (arriving once the first's pages are cached) computes
+    from token 0 and snapshots the recurrent state at the end of the shared pages; the third and fourth
+    resume there (KV pages shared, the snapshot copied into their slots). Each gets its output alone."""
+    loaded = shared_tiny("tiny-qwen3.5")
+    generator = torch.Generator().manual_seed(5)
+    vocab, page = loaded.plan.model.vocab_size, loaded.plan.capacity.page_size
+    shared = torch.randint(0, vocab, (2 * page,), generator=generator).tolist()
+    prompts = [shared + torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (2, 3, 1, 3)]
+    new_tokens = [3, 2, 3, 2]
+    report = Engine(loaded.model, prefix_caching=True).run(_requests(prompts, new_tokens), [0, 2, 4, 4])
+    alone = [_outputs(Engine(loaded.model, prefix_caching=False, overlap=False).run(
+        _requests([p], [n], first_id=i)))[0] for i, (p, n) in enumerate(zip(prompts, new_tokens))]
+    assert _outputs(report) == alone
+    stats = report.stats
+    assert (stats.state_snapshots_taken, stats.state_snapshot_restores) == (1, 2)
+    assert stats.prefix_hit_tokens == 2 * 2 * page  # the third's and the fourth's shared pages
 
 
 def test_a_request_the_plan_cannot_hold_is_rejected_and_the_rest_runs(batched):

@@ -56,3 +56,5 @@ def test_serve_runs_every_workload_within_the_physical_limit(model, tmp_path):
     assert allocations == ["0"] * 4, allocations
     readied = re.findall(rf"kernels readied after warm-up {count}", text)
     assert readied == ["0"] * 4, readied  # start-up readied every kernel the workloads launch
+    hits = [float(rate) for rate in re.findall(r"prefix hits (\d+\.\d)%", text)]
+    assert len(hits) == 4 and hits[2] > 0, hits  # the shared prefix is reused (Qwen3.5: from state snapshots)

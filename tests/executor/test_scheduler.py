@@ -17,10 +17,11 @@ VOCAB = 64
 
 
 def make_capacity(*, max_batch=4, max_context=64, page_size=4, max_prefill_tokens=16, kv_pages=65,
-                  slots_per_request=0, recurrent_slots=None, max_step_tokens=None) -> Capacity:
+                  slots_per_request=0, recurrent_slots=None, max_step_tokens=None, snapshots=0) -> Capacity:
     capacity = with_kv_pages(build_capacity(
         max_batch=max_batch, max_context=max_context, page_size=page_size, max_prefill_tokens=max_prefill_tokens,
         gqa_group=2, recurrent_slots_per_request=slots_per_request, max_step_tokens=max_step_tokens,
+        prefix_state_slots=snapshots,
     ), kv_pages)
     if recurrent_slots is not None:
         capacity = capacity.model_copy(update={"recurrent_slots": recurrent_slots})
@@ -92,7 +93,7 @@ class FakeEngine:
         cap = scheduler.capacity
         self.size = cap.page_size
         self.kv: list[list[int | None]] = [[None] * cap.page_size for _ in range(cap.kv_pages)]
-        self.slots: list[list[int] | None] = [None] * cap.recurrent_slots
+        self.slots: list[list[int] | None] = [None] * (cap.recurrent_slots + cap.prefix_state_slots)
         self.steps: list[ScheduledStep] = []
         self.finished: list[Request] = []
 
@@ -101,6 +102,9 @@ class FakeEngine:
         recurrent = self.scheduler.has_recurrent_state
         for slot in step.fresh_slots:
             self.slots[slot] = []
+        for snapshot, slot in step.restored:
+            assert slot < self.scheduler.capacity.recurrent_slots <= snapshot
+            self.slots[slot] = list(self.slots[snapshot])
         sampled = []
         for chunk in step.chunks:
             for offset, token in enumerate(chunk.token_ids):
@@ -117,6 +121,8 @@ class FakeEngine:
                 assert state == seen[:chunk.num_cached], "recurrent slot holds another request's state"
                 self.slots[chunk.slot] = seen
             sampled.append(next_token(seen))
+        for slot, snapshot in step.snapshots:  # after the step's work, as the engine queues it
+            self.slots[snapshot] = list(self.slots[slot])
         self.last_sampled = sampled
         return sampled
 
@@ -393,8 +399,8 @@ def test_a_duplicate_id_is_a_caller_error():
         scheduler.add(Request("r", prompt(4), 2))
 
 
-def test_prefix_caching_with_recurrent_state_is_refused():
-    with pytest.raises(ValueError):
+def test_prefix_caching_with_recurrent_state_and_no_snapshot_slot_is_refused():
+    with pytest.raises(ValueError, match="prefix_state_slots"):
         scheduler_for(make_capacity(slots_per_request=1), prefix=True, recurrent=True)
 
 
@@ -617,6 +623,68 @@ def test_preempted_request_with_prefix_caching_hits_its_own_pages():
     assert_all_released(scheduler)
 
 
+def test_recurrent_state_resumes_from_a_snapshot_taken_where_two_prompts_part():
+    capacity = make_capacity(slots_per_request=1, snapshots=2)
+    scheduler = scheduler_for(capacity, prefix=True, recurrent=True)
+    engine = FakeEngine(scheduler)
+    system = prompt(12, 3)  # three full pages
+    first = Request("first", system + [1, 2], 2)
+    scheduler.add(first)
+    engine.run()
+    # The second matches first's 3 pages but no snapshot holds the state there: it computes from token 0,
+    # in a chunk that stops at token 12, whose state is copied into a snapshot after that step.
+    second = Request("second", system + [5, 6, 7], 2)
+    scheduler.add(second)
+    step = engine.step()
+    (chunk,) = step.chunks
+    assert chunk.num_cached == 0 and len(chunk.token_ids) == 12 and chunk.slot in step.fresh_slots
+    assert step.snapshots == ((chunk.slot, capacity.recurrent_slots),) and step.restored == ()
+    engine.run()
+    assert second.num_prefix_hit_tokens == 0
+    # The third resumes there: the first 3 pages shared, the snapshot copied into its slot before its step.
+    third = Request("third", system + [9], 2)
+    scheduler.add(third)
+    step = engine.step()
+    (chunk,) = step.chunks
+    assert chunk.num_cached == 12 and chunk.token_ids == (9,) and step.fresh_slots == []
+    assert step.restored == ((capacity.recurrent_slots, chunk.slot),) and step.snapshots == ()
+    assert list(chunk.page_ids[:3]) == scheduler.prefix_cache.lookup(system)
+    engine.run()
+    for request in (first, second, third):
+        assert request.output_ids == reference_output(request.prompt_ids, 2)
+    stats = scheduler.stats()
+    assert third.num_prefix_hit_tokens == 12 == stats.prefix_hit_tokens
+    assert stats.state_snapshots_taken == 1 and stats.state_snapshot_restores == 1
+    assert_all_released(scheduler)
+
+
+def test_a_request_resumes_from_the_longest_snapshot_and_snapshots_where_it_leaves_the_cache():
+    capacity = make_capacity(slots_per_request=1, snapshots=1)  # one snapshot: the newer one evicts the older
+    scheduler = scheduler_for(capacity, prefix=True, recurrent=True)
+    engine = FakeEngine(scheduler)
+    short, long = prompt(4, 1), prompt(12, 1)  # 1 and 3 full pages of one chain
+    for name in ("a", "b"):  # a caches the page, b snapshots the state after it
+        scheduler.add(Request(name, short + [60 + len(name)], 1))
+        engine.run()
+    scheduler.add(Request("c", long + [1], 1))  # caches 3 pages; resumes from b's snapshot at 4
+    engine.run()
+    d = Request("d", long + [2], 2)  # resumes at 4 again, snapshots at 12 (evicting the one at 4)
+    scheduler.add(d)
+    step = engine.step()
+    (chunk,) = step.chunks
+    assert chunk.num_cached == 4 and len(chunk.token_ids) == 8
+    assert step.restored == ((capacity.recurrent_slots, chunk.slot),)
+    assert step.snapshots == ((chunk.slot, capacity.recurrent_slots),)
+    engine.run()
+    e = Request("e", long + [3], 2)  # resumes at 12
+    scheduler.add(e)
+    assert engine.step().chunks[0].num_cached == 12
+    engine.run()
+    assert d.output_ids == reference_output(d.prompt_ids, 2) and e.output_ids == reference_output(e.prompt_ids, 2)
+    assert [scheduler.stats().state_snapshots_taken, scheduler.stats().state_snapshot_restores] == [2, 3]
+    assert_all_released(scheduler)
+
+
 # ---------------------------------------------------------------------------- against plan_step
 def test_every_step_passes_executor_plan_step():
     pytest.importorskip("torch")
@@ -645,12 +713,15 @@ def test_every_step_passes_executor_plan_step():
     (2, True, False, 14),  # tight pool: preemption and eviction
     (3, False, True, 20),
     (4, True, False, 200),  # roomy pool: many hits
+    (5, True, True, 14),  # recurrent state with snapshots: preemption, eviction of pages and snapshots
+    (6, True, True, 200),
 ])
 def test_randomized_simulation(seed, prefix, recurrent, kv_pages):
     rng = random.Random(seed)
     capacity = make_capacity(max_batch=6, max_context=48, page_size=4, max_prefill_tokens=12, kv_pages=kv_pages,
                              slots_per_request=1 if recurrent else 0,
-                             recurrent_slots=rng.choice([4, 6]) if recurrent else None)
+                             recurrent_slots=rng.choice([4, 6]) if recurrent else None,
+                             snapshots=2 if recurrent and prefix else 0)
     scheduler = scheduler_for(capacity, prefix=prefix, recurrent=recurrent)
     engine = FakeEngine(scheduler)
     systems = [[rng.randrange(VOCAB) for _ in range(rng.randint(4, 20))] for _ in range(3)]
@@ -684,7 +755,9 @@ def test_randomized_simulation(seed, prefix, recurrent, kv_pages):
     if recurrent:
         assert 0 < stats.peak_slots_used <= capacity.recurrent_slots
     if prefix and kv_pages == 200:
-        assert stats.prefix_hit_rate > 0.2
+        assert stats.prefix_hit_rate > (0.1 if recurrent else 0.2)
+    if prefix and recurrent:
+        assert stats.state_snapshot_restores > 0 and stats.state_snapshots_taken > 0
     if kv_pages == 14:
         assert stats.preemptions > 0
     assert_all_released(scheduler)

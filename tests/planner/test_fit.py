@@ -134,7 +134,8 @@ def test_max_concurrency_of_qwen3_5_0_8b_is_capped_by_the_recurrent_slots(plan_f
     plan = plan_for("qwen3.5-0.8b", max_context=8192)
     held, usable = _requests_held(plan, model)
     assert held > 1000  # the KV pool alone would hold over a thousand requests of 8,192 tokens ...
-    assert plan.pool("recurrent_state").buffer("ssm_state").shape[1] == 64  # ... the state has 64 slots
+    # ... the state has 64 requests' slots (and the prefix cache's snapshots after them)
+    assert plan.pool("recurrent_state").buffer("ssm_state").shape[1] == 64 + plan.capacity.prefix_state_slots
     assert plan.capacity.max_concurrency == 64 and plan.capacity.concurrency_limit == "recurrent_slots"
     assert plan.capacity.kv_pages_beyond_batch == usable - 64 * 8192 // 16
     batch = plan.capacity.max_batch_at_context  # each slot more costs state bytes (19.5 MiB): fewer KV pages

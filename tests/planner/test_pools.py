@@ -36,11 +36,22 @@ def test_kv_pool_is_page_first_with_the_padding_page(plan_for):
     assert plan.capacity.kv_tokens == (plan.capacity.kv_pages - 1) * 16
 
 
-def test_recurrent_pool_has_a_slot_per_request_and_state(plan_for):
-    plan = plan_for("qwen3.5-4b", states_per_slot=2)
+def test_recurrent_pool_has_a_slot_per_request_and_state_then_the_snapshots(plan_for):
+    plan = plan_for("qwen3.5-4b", states_per_slot=2, prefix_state_slots=5)
     pool = plan.pool("recurrent_state")
-    assert pool.buffer("ssm_state").shape[1] == 2 * plan.capacity.max_batch
-    assert pool.buffer("conv_state").shape[1] == 2 * plan.capacity.max_batch
+    assert plan.capacity.prefix_state_slots == 5
+    assert pool.buffer("ssm_state").shape[1] == 2 * plan.capacity.max_batch + 5
+    assert pool.buffer("conv_state").shape[1] == 2 * plan.capacity.max_batch + 5
+    no_snapshots = plan_for("qwen3.5-4b", states_per_slot=2, prefix_state_slots=0)
+    assert no_snapshots.pool("recurrent_state").buffer("ssm_state").shape[1] == 2 * plan.capacity.max_batch
+    one_state = pool.buffer("ssm_state").bytes // pool.buffer("ssm_state").shape[1]
+    assert no_snapshots.pool("recurrent_state").bytes < pool.bytes - 4 * one_state  # the snapshots are planned bytes
+
+
+def test_a_model_without_linear_attention_plans_no_snapshot(plan_for):
+    plan = plan_for("qwen3-0.6b", prefix_state_slots=32)
+    assert plan.capacity.prefix_state_slots == 0 and plan.capacity.recurrent_slots == 0
+    assert all(p.name != "recurrent_state" for p in plan.pools)
 
 
 def _capacity(**overrides):
