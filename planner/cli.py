@@ -65,6 +65,7 @@ SERVING_FLAGS = {
     "gemm_attention_min_tokens": ("--gemm-attention-min-tokens", None, int),
     "prefill_attention": ("--prefill-attention", None, str),
     "decode_gemv_max_batch": ("--decode-gemv-max-batch", None, int),
+    "prefix_state_slots": ("--prefix-state-slots", None, int),
 }
 
 

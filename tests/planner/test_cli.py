@@ -41,6 +41,11 @@ def test_plan_table_names_kv_capacity_and_largest_buffers(capsys):
     assert "largest transient buffers: prefill/" in out
     assert ("prefill attention of chunks >= 256 tokens: flash (serving auto), no score scratch, gather scratch "
             "32,768 keys") in out
+    # 24 linear layers x (32 value heads x 128 x 128 float32 + conv_dim 8,192 x 3 bf16) = 51,511,296 B a state
+    assert "recurrent-state slots: 32 for requests + 16 prefix-cache snapshots, 49.125 MiB each" in out
+    code, out, _ = _run(capsys, "plan", "--model", "qwen3.5-9b", "--hardware", "h200", "--max-batch", "32",
+                        "--max-context", "32768", "--prefix-state-slots", "0", "--format", "json")
+    assert code == 0 and json.loads(out)["capacity"]["prefix_state_slots"] == 0
 
 
 def test_plan_table_names_the_gemm_score_tile(capsys):
