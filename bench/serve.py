@@ -35,8 +35,9 @@ of two ``--matmul-size``^2 matrices in the weights' dtype) plus, per decode step
 admission order, the larger of its bytes (every weight but the embedding, the rows' KV, Qwen3.5's recurrent
 state read and written) at the measured copy bandwidth (``dst.copy_(src)`` of ``--copy-bytes``) and its FLOPs.
 A shared prefix counts once for either model (memplan's Qwen3.5 resumes from it once a snapshot holds its
-recurrent state there: from the third request that shares it, executor/state_snapshots.py). "ideal / wall" is the share of the ideal the engine reaches; an arrival workload's wall is set
-by its arrivals, so its row shows none.
+recurrent state there: from the third request that shares it, executor/state_snapshots.py). "ideal / wall" is
+the share of the ideal the engine reaches; an arrival workload's wall is set by its arrivals, so its row shows
+none.
 
 The matmul rate is the median of a few calls, a burst: a GPU at its power limit lowers its clocks within a
 fraction of a second of back-to-back GEMMs (an H100 SXM at 700 W falls from 1,980 MHz to about 1,350), and a

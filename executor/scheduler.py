@@ -529,13 +529,13 @@ class Scheduler:
             ids = request._all
             target = len(ids)
             matched = self.prefix_cache.lookup(ids, target - 1) if self.prefix_cache else []
-            snapshot_at, snapshot_uid, restore = 0, 0, (0, -1)
-            if self.snapshots is not None and matched:
+            resume, snapshot_at, snapshot_uid = 0, 0, 0
+            if self.snapshots is not None and matched:  # keep the pages up to the longest snapshot
                 uids = [self.prefix_cache.entry_uid(page) for page in matched]
-                restore = self.snapshots.longest(uids)
-                if restore[0] < len(matched):  # the prompt leaves the cached prefix past the snapshot
+                resume = self.snapshots.longest(uids)
+                if resume < len(matched):  # the prompt leaves the cached prefix past the snapshot
                     snapshot_at, snapshot_uid = len(matched) * size, uids[-1]
-                matched = matched[:restore[0]]
+                matched = matched[:resume]
             reclaimed = sum(1 for page in matched if allocator.refcount(page) == 0)
             available = allocator.num_available - reclaimed
             cached = len(matched) * size
@@ -550,8 +550,8 @@ class Scheduler:
                 assert pages == matched
             else:
                 pages = []
-            if restore[0]:
-                request.restore_from = self.snapshots.use(self.prefix_cache.entry_uid(matched[-1]))
+            if resume:
+                request.restore_from = self.snapshots.use(uids[resume - 1])
             request.snapshot_at, request.snapshot_uid = snapshot_at, snapshot_uid
             request.page_ids = pages + allocator.allocate(-(-(cached + count) // size) - len(pages))
             request.num_cached = cached

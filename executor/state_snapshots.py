@@ -40,14 +40,10 @@ class StateSnapshots:
     def __len__(self) -> int:
         return len(self._slots)
 
-    def longest(self, uids: Sequence[int]) -> tuple[int, int]:
-        """``(k, slot)`` for the longest prefix ``uids[:k]`` whose last entry has a snapshot, else ``(0, -1)``.
-        Pure: the recency order is left alone."""
-        for k in range(len(uids), 0, -1):
-            slot = self._slots.get(uids[k - 1])
-            if slot is not None:
-                return k, slot
-        return 0, -1
+    def longest(self, uids: Sequence[int]) -> int:
+        """The largest k whose prefix ``uids[:k]`` ends in an entry with a snapshot, 0 for none. Pure: the
+        recency order is left alone."""
+        return next((k for k in range(len(uids), 0, -1) if uids[k - 1] in self._slots), 0)
 
     def use(self, uid: int) -> int:
         """The slot of ``uid``'s snapshot, now the most recently used (a request restores from it)."""

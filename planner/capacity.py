@@ -82,8 +82,9 @@ class Capacity(BaseModel):
 
 def build_capacity(
     *, max_batch: int, max_context: int, page_size: int, max_prefill_tokens: int, gqa_group: int,
-    recurrent_slots_per_request: int, prefix_state_slots: int = 0, num_q_heads: int = 0, gemm_attention_min_tokens: int = 1,
-    prefill_attention: PrefillAttention = "gemm", decode_gemv_batch: int = 0, delta_rule_scratch: bool = False,
+    recurrent_slots_per_request: int, prefix_state_slots: int = 0, num_q_heads: int = 0,
+    gemm_attention_min_tokens: int = 1, prefill_attention: PrefillAttention = "gemm", decode_gemv_batch: int = 0,
+    delta_rule_scratch: bool = False,
     prefill_tokens_beside_decode: int | None = None, prefill_graph_token_sizes: tuple[int, ...] = (),
     max_step_tokens: int | None = None,
 ) -> Capacity:
@@ -95,7 +96,8 @@ def build_capacity(
     (bf16 activations), whose per-row scratch the prefill pool holds. ``prefill_graph_token_sizes``: the
     prefill graphs' row buckets asked for (those above the step's rows are dropped). ``max_step_tokens``:
     serving's cap on a step's rows, decode rows included (None: a whole chunk beside max_batch - 1 decode
-    rows, or max_batch decode rows)."""
+    rows, or max_batch decode rows). ``prefix_state_slots``: the prefix cache's recurrent-state snapshots,
+    planned only where ``recurrent_slots_per_request`` is (a model with linear-attention layers)."""
     tokens = max(checked.add("max_tokens_per_step", max_prefill_tokens, max_batch - 1, width=I32), max_batch)
     if max_step_tokens is not None:
         tokens = min(tokens, max_step_tokens)

@@ -192,3 +192,32 @@ def test_memplan_run_exits_2_naming_the_failed_rank(qwen3_checkpoint, monkeypatc
     err = capsys.readouterr().err
     assert code == 2
     assert "memplan: tensor-parallel error: rank 1 failed: ValueError: injected fault in a step on rank 1" in err, err
+
+
+def test_a_worker_runs_the_slot_messages_rank_0_announces_in_order():
+    """What rank 0's model announces for a fresh slot, a snapshot restored and one taken is what a worker's
+    loop runs, in order, on its own model (the prefix cache's copies reach every rank)."""
+    from executor.workers import follow
+    from tests.executor.harness import shared_tiny
+
+    model = shared_tiny("tiny-qwen3.5").model
+    announced: list[tuple] = []
+    model.announce = announced.append
+    try:
+        model.reset_slot(1)
+        model.copy_slot(4, 1)
+        model.copy_slot(1, 5)
+    finally:
+        model.announce = None
+    ran: list[tuple] = []
+
+    class Worker:  # records what follow() calls on a worker's model
+        def reset_slot(self, slot):
+            ran.append(("reset_slot", slot))
+
+        def copy_slot(self, source, target):
+            ran.append(("copy_slot", source, target))
+
+    messages = iter([*announced, ("stop",)])
+    follow(Worker(), type("Parallel", (), {"rank": 1, "receive": staticmethod(lambda: next(messages))})())
+    assert ran == [("reset_slot", 1), ("copy_slot", 4, 1), ("copy_slot", 1, 5)]
