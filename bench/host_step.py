@@ -41,7 +41,8 @@ def time_cell(model_name: str, batch: int, context: int, repeats: int) -> dict[s
     plan = sized_plan(model_name, "h200", "default", {"max_batch": batch, "max_context": context + repeats + 64},
                       num_requests=batch)
     recurrent = plan.geometry.num_linear_layers > 0
-    scheduler = Scheduler(plan.capacity, prefix_caching=not recurrent, has_recurrent_state=recurrent)
+    scheduler = Scheduler(plan.capacity, prefix_caching=not recurrent or plan.capacity.prefix_state_slots > 0,
+                          has_recurrent_state=recurrent)
     new_tokens = repeats + 16  # no request finishes during the timed steps
     requests = {i: Request(i, [1 + (i * 7919 + t) % 1000 for t in range(context)], new_tokens) for i in range(batch)}
     for request in requests.values():

@@ -42,6 +42,9 @@ def _release_the_model():
 def test_soak_2000_steps(name):
     loaded = load_with_hf(name, "h200", "default", max_batch=16, max_context=512, max_prefill_tokens=256,
                           gpu_memory_utilization=0.15, dtype="float32")
+    compiling = start_compile(loaded.plan, None)  # as ServedModel.open does: a cold cache fills in parallel
+    if compiling is not None:
+        compiling.wait()
     loaded.model.capture_decode_graphs()
     loaded.model.capture_prefill_graphs()
     assert loaded.model.prefill_graphs.buckets[-1] == 256
@@ -61,9 +64,12 @@ def test_soak_2000_steps(name):
     report = engine.run(requests, arrivals)
     print(f"{name}: {report.steps} steps in {report.wall_s:.1f} s, {report.generated_tokens} tokens, allocations after warm-up "
           f"{report.allocations_after_warmup}, preemptions {report.stats.preemptions}, prefix hit rate "
-          f"{report.stats.prefix_hit_rate:.3f}, peak KV pages {report.stats.peak_kv_pages_used}, kernels readied after "
-          f"warm-up {report.kernels_readied_after_warmup}")
+          f"{report.stats.prefix_hit_rate:.3f}, recurrent-state snapshots {report.stats.state_snapshots_taken} taken, "
+          f"{report.stats.state_snapshot_restores} resumed from, peak KV pages {report.stats.peak_kv_pages_used}, "
+          f"kernels readied after warm-up {report.kernels_readied_after_warmup}")
     assert report.steps >= 2000
+    assert report.stats.prefix_hit_rate > 0  # Qwen3.5: resumed from recurrent-state snapshots
+    assert (report.stats.state_snapshot_restores > 0) == (loaded.plan.geometry.num_linear_layers > 0)
     assert report.allocations_after_warmup == 0
     assert {key: view.data_ptr() for key, view in loaded.arena._views.items()} == pointers
     engine.scheduler.check()
