@@ -43,7 +43,7 @@ def configs(draw):
         max_batch=max_batch, max_context=draw(st.integers(1, model["max_position_embeddings"])),
         page_size=draw(st.sampled_from([1, 4, 16, 64])), max_prefill_tokens=draw(st.integers(1, 16384)),
         gpu_memory_utilization=draw(st.floats(0.5, 1.0)), min_kv_pages=1, decode_graph_batch_sizes=(1,),
-        states_per_slot=draw(st.integers(1, 2)),
+        states_per_slot=draw(st.integers(1, 2)), prefix_state_slots=draw(st.sampled_from([0, 1, 16, 4096])),
         gemm_attention_min_tokens=draw(st.sampled_from([1, 256, 1 << 20])),
     )
     if head_dim % FLASH_HEAD_DIM_MULTIPLE == 0 and model["dtype"] == "bfloat16":  # what the flash kernel runs
@@ -87,6 +87,13 @@ def test_layout_invariants(case):
         elif pool.materialized:
             spans = sorted((b.offset, b.offset + b.bytes) for b in pool.buffers)
             assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    capacity = plan.capacity
+    if plan.geometry.num_linear_layers:  # the requests' states, then the prefix cache's snapshots
+        assert capacity.prefix_state_slots == serving.prefix_state_slots
+        slots = capacity.recurrent_slots + capacity.prefix_state_slots
+        assert plan.pool("recurrent_state").buffer("ssm_state").shape[1] == slots
+    else:
+        assert capacity.prefix_state_slots == 0
     budget = plan.budget
     assert budget.non_kv_bytes + budget.kv_bytes == sum(p.bytes for p in plan.pools)
     assert budget.non_kv_bytes + budget.kv_bytes + budget.free_bytes == budget.usable_bytes
