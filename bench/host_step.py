@@ -35,13 +35,13 @@ def time_cell(model_name: str, batch: int, context: int, repeats: int) -> dict[s
     """Median microseconds of each part of a decode step at ``batch`` x ``context``."""
     from executor.engine import _request_chunk
     from executor.page_tables import PageTables
-    from executor.scheduler import Request, Scheduler
+    from executor.scheduler import Request, Scheduler, can_cache_prefixes
     from executor.step import pad_decode, plan_step
 
     plan = sized_plan(model_name, "h200", "default", {"max_batch": batch, "max_context": context + repeats + 64},
                       num_requests=batch)
     recurrent = plan.geometry.num_linear_layers > 0
-    scheduler = Scheduler(plan.capacity, prefix_caching=not recurrent or plan.capacity.prefix_state_slots > 0,
+    scheduler = Scheduler(plan.capacity, prefix_caching=can_cache_prefixes(plan.capacity, recurrent),
                           has_recurrent_state=recurrent)
     new_tokens = repeats + 16  # no request finishes during the timed steps
     requests = {i: Request(i, [1 + (i * 7919 + t) % 1000 for t in range(context)], new_tokens) for i in range(batch)}

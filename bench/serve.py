@@ -358,14 +358,13 @@ def step_groups(timings: Sequence[StepTiming], plan: MemoryPlan, rates: Rates) -
 def counters(report: EngineReport) -> str:
     """Where a serving run's time can go: steps, the largest batch, preemptions, prefix-cache hits, KV pages at
     peak, allocations after warm-up (CUDA) and kernel specializations readied after warm-up."""
-    from executor.run_report import readied_line
+    from executor.run_report import readied_line, snapshot_counts
 
     stats = report.stats
     allocations = "n/a" if report.allocations_after_warmup is None else f"{report.allocations_after_warmup:,}"
     prefix = f"prefix hits {stats.prefix_hit_rate:.1%}" if report.prefix_caching else "prefix caching off"
     if report.prefix_caching and stats.recurrent_slots:
-        prefix += (f" (recurrent-state snapshots {stats.state_snapshots_taken:,} taken, "
-                   f"{stats.state_snapshot_restores:,} resumed from)")
+        prefix += f" ({snapshot_counts(stats)})"
     return (f"{report.steps:,} steps, peak batch {stats.peak_running:,}, {stats.preemptions:,} preemptions, {prefix}, "
             f"peak KV pages {stats.peak_kv_pages_used:,} of "
             f"{stats.kv_pages_usable:,}, allocations after warm-up {allocations}, kernels readied after warm-up "

@@ -40,7 +40,8 @@ import torch
 from executor import routing
 from executor.models.decoder import DecoderModel
 from executor.page_tables import PageTables
-from executor.scheduler import FINISH_STOP, Request, ScheduledStep, Scheduler, SchedulerStats, StepChunk
+from executor.scheduler import (FINISH_STOP, Request, ScheduledStep, Scheduler, SchedulerStats, StepChunk,
+                                can_cache_prefixes)
 from executor.serving_figures import percentile_ms, request_tpot_s, token_gaps_s
 from executor.step import RequestChunk, plan_step
 from planner.ideal_time import StepWork
@@ -126,7 +127,7 @@ class Engine:
         plan = model.arena.plan
         recurrent = plan.geometry.num_linear_layers > 0
         # Qwen3.5's recurrent state is not paged: a cached KV prefix resumes it only from a planned snapshot.
-        self.prefix_caching = prefix_caching and (not recurrent or plan.capacity.prefix_state_slots > 0)
+        self.prefix_caching = prefix_caching and can_cache_prefixes(plan.capacity, recurrent)
         self.model, self.plan = model, plan
         self.scheduler = Scheduler(plan.capacity, prefix_caching=self.prefix_caching, has_recurrent_state=recurrent)
         self.page_tables = PageTables()  # the running requests' page lists as arrays, extended step by step

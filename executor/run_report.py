@@ -12,6 +12,7 @@ from executor.serving_figures import ServingFigures
 if TYPE_CHECKING:
     from executor.arena import Arena
     from executor.engine import EngineReport
+    from executor.scheduler import SchedulerStats
     from executor.workload import RequestSpec
     from planner.plan import MemoryPlan
 
@@ -83,6 +84,12 @@ def readied_line(readied: dict[str, int]) -> str:
     return f"{sum(readied.values())} ({names})"
 
 
+def snapshot_counts(stats: SchedulerStats) -> str:
+    """The prefix cache's recurrent-state snapshots of a run (Qwen3.5): taken, and requests resumed from one."""
+    return (f"recurrent-state snapshots {stats.state_snapshots_taken:,} taken, "
+            f"{stats.state_snapshot_restores:,} resumed from")
+
+
 def _prefix_line(report: EngineReport, no_prefix_caching: bool) -> str:
     if no_prefix_caching:
         return "off (--no-prefix-caching)"
@@ -92,8 +99,7 @@ def _prefix_line(report: EngineReport, no_prefix_caching: bool) -> str:
     line = (f"hit rate {stats.prefix_hit_rate:.1%} ({stats.prefix_hit_tokens} of {stats.prefix_query_tokens} "
             f"looked-up tokens), {stats.prefix_evictions} evictions")
     if stats.recurrent_slots:
-        line += (f"; recurrent-state snapshots: {stats.state_snapshots_taken} taken, "
-                 f"{stats.state_snapshot_restores} resumed from")
+        line += f"; {snapshot_counts(stats)}"
     return line
 
 

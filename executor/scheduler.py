@@ -271,11 +271,17 @@ class SchedulerStats:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
+def can_cache_prefixes(capacity: Capacity, has_recurrent_state: bool) -> bool:
+    """Whether a plan's prefix cache can resume requests: always without recurrent state, with it only where
+    the plan keeps a recurrent-state snapshot (``capacity.prefix_state_slots``)."""
+    return not has_recurrent_state or capacity.prefix_state_slots > 0
+
+
 class Scheduler:
     """FCFS continuous batching with chunked prefill, on-demand pages, preemption and prefix caching."""
 
     def __init__(self, capacity: Capacity, *, prefix_caching: bool, has_recurrent_state: bool):
-        if prefix_caching and has_recurrent_state and capacity.prefix_state_slots < 1:
+        if prefix_caching and not can_cache_prefixes(capacity, has_recurrent_state):
             raise ValueError("prefix caching with recurrent state (Qwen3.5) needs the plan's prefix_state_slots >= 1: "
                              "a KV prefix resumes a request only with a snapshot of its recurrent state")
         for name in ("max_batch", "page_size", "max_prefill_tokens", "max_tokens_per_step"):
@@ -546,7 +552,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if self.prefix_cache is not None:
-                pages = self.prefix_cache.match(ids, cached if self.snapshots is not None else target - 1)
+                pages = self.prefix_cache.match(ids, cached)
                 assert pages == matched
             else:
                 pages = []

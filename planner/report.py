@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from planner.kv_cache import recurrent_bytes_per_slot
+
 if TYPE_CHECKING:
     from planner.plan import MemoryPlan
 
@@ -99,9 +101,7 @@ def _kv_lines(plan: MemoryPlan) -> list[str]:
                  f"largest context at batch {capacity.max_batch}: "
                  + (f"{capacity.max_context_at_batch:,} tokens" if capacity.max_context_at_batch else "none fits"))
     if capacity.recurrent_slots:
-        pool = plan.pool("recurrent_state")
-        states = pool.buffer("ssm_state").bytes + pool.buffer("conv_state").bytes
-        one = states // (capacity.recurrent_slots + capacity.prefix_state_slots)
+        one = recurrent_bytes_per_slot(plan.geometry, plan.dtypes.activations)
         snapshots = capacity.prefix_state_slots
         lines.append(f"recurrent-state slots: {capacity.recurrent_slots} for requests + {snapshots} prefix-cache "
                      f"snapshot{'s' * (snapshots != 1)}, {format_bytes(one)} each")
