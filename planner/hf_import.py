@@ -6,8 +6,9 @@ names the vision tower it leaves out, with its bytes). A field that changes the
 memory or the maths is modelled or refused with an error naming it, so a
 checkpoint never plans or loads into the wrong math: quantized weights, RoPE
 scaling (YaRN, linear, dynamic, ...), sliding-window attention, attention bias,
-another activation, an audio tower, a boolean written as a string. Fields that
-change neither (token ids, initializer ranges) are ignored.
+another activation, an audio tower, a boolean written as a string, a recurrent
+state (``mamba_ssm_dtype``) in another dtype than float32. Fields that change
+neither (token ids, initializer ranges) are ignored.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
 PLAIN_ROPE_TYPES = ("default", "mrope")
 #: HF boolean fields memplan reads; each must be a JSON boolean ("false" is a non-empty, truthy string).
 BOOLEAN_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "attn_output_gate")
+#: The dtype memplan keeps the linear-attention state in (Qwen3.5's ``mamba_ssm_dtype``, float32 in its
+#: checkpoints): the delta rule accumulates into it, and the planner sizes it at 4 bytes an element.
+RECURRENT_STATE_DTYPE = "float32"
 #: transformers' Qwen3_5VisionConfig defaults, for fields a vision_config leaves out.
 VISION_DEFAULTS = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "in_channels": 3, "patch_size": 16,
                    "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 3584,
@@ -68,6 +72,7 @@ def _wrapper_fields(config: dict[str, Any], source: str, name: str) -> dict[str,
         _boolean(config, field, False, source)
     if config.get("quantization_config") is not None:
         _refuse_quantization(config["quantization_config"], "quantization_config", source)
+    _recurrent_state_dtype(config, source)
     if config.get("audio_config") is not None:
         raise ConfigError(source, "audio_config", "{...}", "an audio tower memplan cannot size; the text stack of a "
                           "config without it can be planned")
@@ -190,6 +195,7 @@ def _refuse_unmodelled(config: dict[str, Any], source: str) -> None:
                               "original_max_position_embeddings")
     if config.get("use_sliding_window", False):
         raise ConfigError(source, "use_sliding_window", True, "sliding-window attention is not modelled")
+    _recurrent_state_dtype(config, source)
     if config.get("attention_bias", False):
         raise ConfigError(source, "attention_bias", True, "attention bias is not supported")
     if config.get("mlp_bias", False):
@@ -197,6 +203,14 @@ def _refuse_unmodelled(config: dict[str, Any], source: str) -> None:
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(source, "hidden_act", act, "only silu (SwiGLU) is supported")
+
+
+def _recurrent_state_dtype(config: dict[str, Any], source: str) -> None:
+    """``mamba_ssm_dtype``: absent or float32, the dtype memplan plans and runs the recurrent state in."""
+    value = config.get("mamba_ssm_dtype")
+    if value is not None and value != RECURRENT_STATE_DTYPE:
+        raise ConfigError(source, "mamba_ssm_dtype", value, f"the recurrent state is planned and run in "
+                          f"{RECURRENT_STATE_DTYPE} only (4 bytes an element); another dtype is not modelled")
 
 
 def _refuse_quantization(quantization: Any, field: str, source: str) -> None:

@@ -41,6 +41,7 @@ def hf_config_dict(model: ModelConfig) -> dict[str, Any]:
         "linear_key_head_dim": lin.key_head_dim,
         "linear_value_head_dim": lin.value_head_dim,
         "linear_conv_kernel_dim": lin.conv_kernel_size,
+        "mamba_ssm_dtype": "float32",
         "rope_parameters": {
             "rope_type": "default", "rope_theta": model.rope_theta,
             "partial_rotary_factor": model.partial_rotary_factor,

@@ -71,6 +71,7 @@ REFUSED = {
     "sliding layer types": ({"layer_types": ["sliding_attention"] * 36}, "layer_types"),
     "string boolean": ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
     "string bias": ({"attention_bias": "false"}, "attention_bias"),
+    "bfloat16 recurrent state": ({"mamba_ssm_dtype": "bfloat16"}, "mamba_ssm_dtype"),
 }
 
 
@@ -93,7 +94,11 @@ def test_a_multimodal_wrappers_refusals_name_the_nested_field(tmp_path):
                            ({"text_config": hf_config_dict(load_model("qwen3.5-9b")), "audio_config": {}},
                             "audio_config"),
                            ({"text_config": hf_config_dict(load_model("qwen3.5-9b")),
-                             "quantization_config": {"quant_method": "fp8"}}, "quantization_config")):
+                             "quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+                           ({"text_config": {**hf_config_dict(load_model("qwen3.5-9b")), "mamba_ssm_dtype": "float16"}},
+                            "text_config.mamba_ssm_dtype"),
+                           ({"text_config": hf_config_dict(load_model("qwen3.5-9b")), "mamba_ssm_dtype": "bfloat16"},
+                            "mamba_ssm_dtype")):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", **wrapper}))
         with pytest.raises(ConfigError) as error:
             load_model(str(tmp_path))
