@@ -2,9 +2,12 @@
 
 A plan fits when its KV pool holds one request of max_context (``Draft.holds``). When it does not, the
 error names the largest max_context that fits at these settings and the smallest gpu_memory_utilization
-(in steps of 0.01) that fits this max_context, then any other single knob (a smaller batch or prefill
-chunk, more tensor parallelism) that fits. Every value comes from re-planning through drafts of the same
-layout as the failure, never from an approximate formula, so applying it gives a plan that fits.
+(in steps of 0.01) that fits this max_context, then any other single knob (a smaller batch, prefill chunk
+or count of recurrent-state snapshots, more tensor parallelism) that fits. Where no max_context fits at
+these settings (the pools beside the KV cache fill the device: Qwen3.5's recurrent state grows with the
+batch) and no smaller batch fits this one, it names the largest max_context at smaller batches. Every value comes from re-planning
+through drafts of the same layout as the failure, never from an approximate formula, so applying it gives
+a plan that fits.
 """
 
 from __future__ import annotations
@@ -14,16 +17,20 @@ from fractions import Fraction
 
 from pydantic import ValidationError
 
+from planner.checked import CheckedOverflowError
 from planner.concurrency import largest_context_holding
 from planner.config import ServingConfig, serving_with
 from planner.draft import Draft, Drafter, kv_pool_bytes
-from planner.errors import PlanDoesNotFit
+from planner.errors import ConfigError, PlanDoesNotFit
 from planner.report import format_bytes
 from planner.search import largest
 
 #: gpu_memory_utilization advice is in hundredths (vLLM users write 0.92, not 0.9137).
 HUNDREDTHS = 100
 TENSOR_PARALLEL_SIZES = (2, 4, 8, 16, 32, 64)
+#: Where no max_context fits at these settings, the batches tried for one that does: max_batch halved, down
+#: to 1, and the first two that fit a context are named (a trade-off of batch against context, not a sweep).
+SMALLER_BATCHES_NAMED = 2
 
 
 def explain_does_not_fit(drafter: Drafter, draft: Draft) -> PlanDoesNotFit:
@@ -48,12 +55,18 @@ def explain_does_not_fit(drafter: Drafter, draft: Draft) -> PlanDoesNotFit:
         f"{format_bytes(required)} in all; {left}",
         "Biggest: " + ", ".join(f"{p.name} {format_bytes(p.bytes)}" for p in biggest),
     ]
+    knobs = _other_knobs(drafter, serving, cap.max_context)
     context = _largest_context(drafter, draft) if serving.max_context != "auto" else None
     if context is not None:
         advice["max_context"] = context
         parts.append(f"Largest max_context that fits at these settings: --max-model-len {context}")
     else:
         parts.append("No max_context fits at these settings")
+        smaller = [] if "max_batch" in knobs else _contexts_at_smaller_batches(drafter, serving, cap.max_context)
+        if smaller:
+            advice["at_smaller_batch"] = smaller
+            parts.append("At a smaller batch: " + "; or ".join(
+                f"--max-batch {pair['max_batch']} --max-model-len {pair['max_context']}" for pair in smaller))
     utilization = _smallest_utilization(drafter, draft, required)
     if utilization is not None:
         advice["gpu_memory_utilization"] = utilization
@@ -61,9 +74,9 @@ def explain_does_not_fit(drafter: Drafter, draft: Draft) -> PlanDoesNotFit:
                      f"--gpu-memory-utilization {utilization:g} (now {serving.gpu_memory_utilization:g})")
     else:
         parts.append(f"No gpu_memory_utilization up to 1 fits max_context {cap.max_context:,}")
-    advice.update(_other_knobs(drafter, serving, cap.max_context))
+    advice.update(knobs)
     others = [f"--{knob.replace('_', '-')} {value} (now {getattr(serving, knob)})" for knob, value in advice.items()
-              if knob not in ("max_context", "gpu_memory_utilization")]
+              if knob not in ("max_context", "gpu_memory_utilization", "at_smaller_batch")]
     if others:
         parts.append("Also fits: " + "; or ".join(others))
     return PlanDoesNotFit(". ".join(parts) + ".", required_bytes=required, usable_bytes=draft.usable_bytes,
@@ -91,18 +104,42 @@ def _smallest_utilization(drafter: Drafter, draft: Draft, required_bytes: int) -
     return None if below is None else (HUNDREDTHS - below) / HUNDREDTHS
 
 
+def _contexts_at_smaller_batches(drafter: Drafter, serving: ServingConfig, high: int) -> list[dict[str, int]]:
+    """The largest max_context (up to ``high``) at max_batch halved, then halved again, ...: the first
+    ``SMALLER_BATCHES_NAMED`` batches at which one fits."""
+    found: list[dict[str, int]] = []
+    batch = serving.max_batch // 2
+    while batch >= 1 and len(found) < SMALLER_BATCHES_NAMED:
+        changed = _changed(serving, max_batch=batch)
+        if changed is not None:
+            try:
+                draft = drafter.draft(changed, high)
+            except (ConfigError, CheckedOverflowError, ValidationError):
+                draft = None
+            context = None if draft is None else largest_context_holding(drafter, draft, 1, high)
+            if context is not None:
+                found.append({"max_batch": batch, "max_context": context})
+                if context == high:
+                    break
+        batch //= 2
+    return found
+
+
 def _other_knobs(drafter: Drafter, serving: ServingConfig, context: int) -> dict[str, object]:
-    """Other single knobs that fit: the largest smaller max_batch and max_prefill_tokens, the smallest
-    larger tensor_parallel_size."""
+    """Other single knobs that fit: the largest smaller max_batch, max_prefill_tokens and (with recurrent
+    layers) prefix_state_slots, the smallest larger tensor_parallel_size."""
     found: dict[str, object] = {}
-    for knob in ("max_batch", "max_prefill_tokens"):
+    knobs = [("max_batch", 1), ("max_prefill_tokens", 1)]
+    if drafter.model.linear_attention is not None and serving.prefix_state_slots:
+        knobs.append(("prefix_state_slots", 0))
+    for knob, lowest in knobs:
         current = getattr(serving, knob)
 
         def fits(value: int, knob: str = knob) -> bool:
             changed = _changed(serving, **{knob: value})
             return changed is not None and drafter.holds(changed, 1, context)
 
-        best = largest(fits, 1, current - 1)
+        best = largest(fits, lowest, current - 1)
         if best is not None:
             found[knob] = best
     for tp in TENSOR_PARALLEL_SIZES:

@@ -85,6 +85,37 @@ def test_the_32b_on_an_h100_at_its_full_context_names_the_largest_context_and_th
     assert _plan(capsys, *args, "--gpu-memory-utilization", f"{float(utilization) - 0.01:.2f}")[0] == 3  # the smallest
 
 
+def test_a_hybrid_model_whose_states_fill_the_device_names_the_context_at_smaller_batches(capsys):
+    """Qwen3.5-27B on an H100: 272 recurrent states of 147 MiB beside 50 GiB of weights leave no room for any
+    context at batch 256, nor does any batch hold its full 262,144 tokens. The advice names the largest
+    context at batch 128, 64, ... : the first halvings that fit one, each the largest there."""
+    args = ["--model", "qwen3.5-27b", "--hardware", "h100-sxm"]
+    for extra in ([], ["--max-model-len", "auto"]):
+        code, _, err = _plan(capsys, *args, *extra)
+        assert code == 3 and "No max_context fits at these settings. At a smaller batch: --max-batch " in err
+    assert main(["plan", *args, "--format", "json"]) == 3
+    pairs = json.loads(capsys.readouterr().out)["advice"]["at_smaller_batch"]
+    assert len(pairs) == 2 and pairs[0]["max_batch"] == 2 * pairs[1]["max_batch"]
+    assert pairs[0]["max_context"] < pairs[1]["max_context"] < 262144  # a smaller batch leaves more for KV
+    code, _, _ = _plan(capsys, *args, "--max-batch", str(2 * pairs[0]["max_batch"]), "--max-model-len", "auto")
+    assert code == 3  # the halving before the first named holds no context
+    for pair in pairs:
+        at = ["--max-batch", str(pair["max_batch"]), "--max-model-len"]
+        code, plan, _ = _plan(capsys, *args, *at, str(pair["max_context"]))
+        assert code == 0 and plan["capacity"]["max_concurrency"] >= 1
+        assert _plan(capsys, *args, *at, str(pair["max_context"] + 1))[0] == 3  # the largest at that batch
+
+
+def test_too_many_recurrent_state_snapshots_name_the_count_that_fits(capsys):
+    args = ["--model", "qwen3.5-9b", "--hardware", "h200", "--max-model-len", "32K", "--prefix-state-slots"]
+    code, _, err = _plan(capsys, *args, "4096")
+    slots = int(err.split("--prefix-state-slots ")[1].split()[0])
+    assert code == 3 and 0 < slots < 4096
+    code, plan, _ = _plan(capsys, *args, str(slots))
+    assert code == 0 and plan["capacity"]["prefix_state_slots"] == slots
+    assert _plan(capsys, *args, str(slots + 1))[0] == 3  # the largest
+
+
 def test_max_model_len_auto_is_the_largest_context_that_fits(capsys):
     args = ["--model", "qwen3-32b", "--hardware", "h100-sxm"]
     code, plan, _ = _plan(capsys, *args, "--max-model-len", "auto")
@@ -206,6 +237,11 @@ def test_every_advised_value_fits_when_applied(case):
         advice = error.advice
     except ValueError:  # configs that do not go together (tp against the heads)
         return
+    for pair in advice.pop("at_smaller_batch", []):  # the largest context at a smaller batch
+        plan = build_plan(model, hardware, serving_with(serving, **pair))
+        assert plan.capacity.max_concurrency >= 1
+        with pytest.raises(PlanDoesNotFit):
+            build_plan(model, hardware, serving_with(serving, **{**pair, "max_context": pair["max_context"] + 1}))
     for knob, value in advice.items():
         plan = build_plan(model, hardware, serving_with(serving, **{knob: value}))  # raises if it does not fit
         assert plan.capacity.max_concurrency >= 1, knob
