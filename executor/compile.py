@@ -604,6 +604,7 @@ def compile_command(args: argparse.Namespace, overrides: dict[str, object], out:
         minimum = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
         raise CompileError(f"hardware {plan.hardware.name} has compute capability {plan.hardware.compute_capability}; "
                            f"the kernels compile for {minimum} or later")
+    _check_linker()
     target = Target(arch, plan.hardware.num_sms)
     cache = KernelCache(default_cache_dir())
     select = (lambda kernel: args.kernels in kernel.name) if args.kernels else None
@@ -624,6 +625,22 @@ def compile_command(args: argparse.Namespace, overrides: dict[str, object], out:
     info = cache.info()
     print(f"kernel cache: {info.root} ({info.entries} entries, {info.bytes:,} bytes)", file=out)
     return EXIT_COMPILE_FAILED if report.failed else EXIT_OK
+
+
+def _check_linker() -> None:
+    """A CompileError where nothing here can link a cubin: no nvJitLink (numba-cuda's CUDA 13 extra) and no
+    CUDA driver, as on a machine without a GPU that installed only the executor's extra."""
+    from executor.kernel_key import linker
+    from executor.numba_cuda import load_cuda
+
+    load_cuda()
+    from numba.cuda.cudadrv.error import CudaSupportError
+
+    try:
+        linker()
+    except CudaSupportError:
+        raise CompileError("no linker for cubins here: without a GPU, memplan compile links with nvJitLink; "
+                           "pip install 'numba-cuda[cu13]' (the CUDA 13 bindings and nvJitLink)") from None
 
 
 def cache_command(args: argparse.Namespace, out: TextIO | None = None) -> int:

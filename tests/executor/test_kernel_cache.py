@@ -271,6 +271,31 @@ def test_memplan_compile_for_sm90_without_a_gpu_fills_the_cache_and_a_second_cal
     assert "2 needed, 2 in the cache in" in second.stdout and "compiled" not in second.stdout.splitlines()[0]
 
 
+def test_memplan_compile_without_nvjitlink_or_a_driver_names_the_package_in_one_line(tmp_path):
+    """A machine without a GPU that installed the executor's extra but not numba-cuda's CUDA 13 one: numba
+    finds no nvJitLink and no driver to link with."""
+    script = ("import sys\n"
+              "from executor.numba_cuda import load_cuda\n"
+              "load_cuda()\n"
+              "from numba.cuda.cudadrv import driver\n"
+              "try:\n"
+              "    driver.driver.get_version()\n"
+              "    sys.exit(99)  # a driver answers: this machine can link without nvJitLink\n"
+              "except Exception:\n"
+              "    pass\n"
+              "driver._have_nvjitlink = lambda: False\n"
+              "from planner.cli import main\n"
+              "sys.exit(main(['compile', '--model', 'tiny-qwen3', '--hardware', 'h200', '--serving', 'sim']))\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=300, env=_probe_env(MEMPLAN_CACHE_DIR=str(tmp_path)))
+    if result.returncode == 99:
+        pytest.skip("a CUDA driver is present")
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(err) == 1, result.stderr[-2000:]
+    assert err[0].startswith("memplan: compile error: no linker for cubins here") and "numba-cuda[cu13]" in err[0]
+    assert list(KernelCache(tmp_path).entry_paths()) == []
+
+
 @pytest.mark.parametrize("flags, env, message", [
     (["--jobs", "0"], {}, "--jobs must be at least 1, got 0"),
     ([], {}, "unset NUMBA_ENABLE_CUDASIM"),  # this process runs the simulator
