@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from executor.generation import SamplingParams, read_generation_defaults
 from executor.serving import RANDOM_WEIGHTS, RunReport, ServedModel
-from executor.workload import RequestSpec, RunError, mark_out_of_vocabulary
+from executor.workload import RequestSpec, RunError, mark_out_of_vocabulary, request_seed
 
 if TYPE_CHECKING:
     from executor.engine import RequestResult
@@ -86,6 +86,7 @@ class LLM:
                                         generation=read_generation_defaults(directory, plan.model.vocab_size),
                                         eager=eager)
         self._seed, self._prefix_caching = seed, prefix_caching
+        self._requests_made = 0  # requests of earlier calls: an unseeded request's stream is its place in them
         self._report: RunReport | None = None
 
     @property
@@ -138,7 +139,8 @@ class LLM:
     def _run(self, encoded: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
         params = _per_request(sampling_params, len(encoded))
-        specs = [self._spec(ids, p) for (_, ids), p in zip(encoded, params)]
+        first, self._requests_made = self._requests_made, self._requests_made + len(encoded)
+        specs = [self._spec(first + index, ids, p) for index, ((_, ids), p) in enumerate(zip(encoded, params))]
         mark_out_of_vocabulary(specs, self.plan.model.vocab_size)
         outputs: dict[int, RequestOutput] = {}
 
@@ -148,7 +150,9 @@ class LLM:
         self._report = self._served.run(specs, on_output=on_output, prefix_caching=self._prefix_caching)
         return [outputs[index] for index in range(len(specs))]
 
-    def _spec(self, ids: list[int], params: SamplingParams) -> RequestSpec:
+    def _spec(self, number: int, ids: list[int], params: SamplingParams) -> RequestSpec:
+        """The request ``number`` of this LLM's life (0, 1, ... across calls) as a spec; unseeded, it gets a
+        stream of its own (``request_seed``), so equal prompts sample apart, here and across calls."""
         defaults = self._served.generation.sampling
         if params.stop and self.tokenizer is None:
             raise RunError("stop strings need a tokenizer, and the checkpoint has none (no tokenizer.json)")
@@ -156,7 +160,7 @@ class LLM:
         return RequestSpec(ids, params.max_new_tokens, list(params.stop_ids),
                            temperature=float(pick(params.temperature, defaults.temperature)),
                            top_k=int(pick(params.top_k, defaults.top_k)),
-                           seed=int(pick(params.seed, self._seed)),
+                           seed=int(pick(params.seed, request_seed(self._seed, number))),
                            top_p=float(pick(params.top_p, defaults.top_p)),
                            stop=list(params.stop), ignore_eos=params.ignore_eos)
 

@@ -151,7 +151,9 @@ class SamplingParams(BaseModel):
     temperature: float | None = Field(None, ge=0, allow_inf_nan=False, description="0: greedy")
     top_p: float | None = Field(None, gt=0, le=1, description="nucleus mass; 1: no nucleus")
     top_k: int | None = Field(None, ge=0, description="0: no restriction")
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="the request's RNG key (default 0)")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX,
+                             description="the request's RNG key (default: one of its own, from the LLM's seed and "
+                                         "the request's place among its requests: unseeded requests sample apart)")
     stop: tuple[str, ...] = Field((), description="stop strings: the text ends before the first one")
     stop_ids: tuple[int, ...] = Field((), description="ids that stop the request (kept in output_ids)")
     ignore_eos: bool = Field(False, description="generate past the checkpoint's EOS ids")

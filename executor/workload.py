@@ -5,7 +5,9 @@ Requests come from ``--prompt`` (text, repeatable), ``--requests`` (JSONL object
 (``--num-requests``) or ``--batch`` random prompts. Text (``--prompt``, a line's ``"prompt"`` or chat
 ``"messages"``) is tokenized with the checkpoint's tokenizer (executor.tokenizer); without one it is an
 error. Each request becomes a ``RequestSpec``, takes the run's sampling defaults for the keys it does not
-set (``apply_sampling``), and is then checked against ``RequestLimits`` (the plan's vocabulary and context,
+set (``apply_sampling``) and, without a seed of its own, a seed of its own drawn from ``--seed`` and its
+place in the run (``request_seed``: unseeded requests sample independently, as in vLLM, and a run repeats
+with the same ``--seed``), and is then checked against ``RequestLimits`` (the plan's vocabulary and context,
 the kernels' integer widths) before anything is allocated:
 
 - a file line that is not a request (not JSON, not an object, an unknown key, a value of the wrong type,
@@ -92,9 +94,18 @@ class RequestSpec:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)  # stop strings (need a tokenizer)
     ignore_eos: bool = False  # the request's own ignore_eos (the run's --ignore-eos applies to all)
-    given: frozenset[str] = frozenset()  # the SAMPLING_KEYS the request set itself
+    given: frozenset[str] = frozenset()  # the SAMPLING_KEYS (and "seed") the request set itself
     prompt_key: str = "prompt_ids"  # where the prompt came from ("prompt", "messages", "--prompt"): errors name it
     arrival_s: float | None = None  # seconds after the engine starts at which it arrives (None: by arrival_step)
+    prompt_len: int = 0  # a "prompt_len" line's length: its output line names it where no ids were drawn
+
+
+def request_seed(run_seed: int, index: int) -> int:
+    """The seed of the ``index``-th request of a run seeded ``run_seed`` that sets none: a u64 of its own, so
+    unseeded requests draw independent samples (two equal prompts differ, as in vLLM) and the run repeats."""
+    import numpy as np
+
+    return int(np.random.SeedSequence((run_seed, index)).generate_state(1, np.uint64)[0])
 
 
 def engine_seed(seed: int) -> int:
@@ -131,12 +142,15 @@ def read_requests(args: argparse.Namespace, limits: RequestLimits, tokenizer: To
         _check_flag("--batch", batch, 1, MAX_REQUESTS)
         _check_flag("--prompt-len", args.prompt_len, 1, limits.max_context, "the plan's max_context")
         _check_flag("--max-new-tokens", args.max_new_tokens, 1, limits.max_context, "the plan's max_context")
+        _check_total("--prompt-len", args.prompt_len, "--max-new-tokens", args.max_new_tokens, limits)
         rng = np.random.default_rng(args.seed)
         specs += [RequestSpec(rng.integers(0, limits.vocab_size, args.prompt_len).tolist(), args.max_new_tokens,
                               seed=args.seed) for _ in range(batch)]
     if len(specs) > MAX_REQUESTS:
         raise RunError(f"{len(specs):,} requests: at most {MAX_REQUESTS:,} in one run")
-    for spec in specs:
+    for index, spec in enumerate(specs):
+        if "seed" not in spec.given:
+            spec.seed = request_seed(args.seed, index)
         settle(spec, limits, sampling)
     return specs
 
@@ -191,6 +205,13 @@ def _check_flag(flag: str, value: int, low: int, high: int | None, what: str = "
         raise RunError(f"{flag} {value}: must be {bound}")
 
 
+def _check_total(prompt_flag: str, prompt: int, output_flag: str, output: int, limits: RequestLimits) -> None:
+    """Synthetic requests are all alike: one over max_context would reject them all, so it is a flag error."""
+    if prompt + output > limits.max_context:
+        raise RunError(f"{prompt_flag} {prompt} + {output_flag} {output} = {prompt + output:,}: a request must fit "
+                       f"the plan's max_context {limits.max_context:,}")
+
+
 def _rejection(spec: RequestSpec, limits: RequestLimits) -> str | None:
     """Why the plan or the kernels cannot serve ``spec`` (None: they can), naming the field. The scheduler adds
     the rules that involve the plan's pools (prompt + max_new_tokens over max_context, KV pages)."""
@@ -238,6 +259,8 @@ def synthetic_requests(args: argparse.Namespace, limits: RequestLimits) -> list[
                 "the plan's max_context")
     _check_flag("--output-len" if args.output_len is not None else "--max-new-tokens", new_tokens, 1,
                 limits.max_context, "the plan's max_context")
+    _check_total("--input-len" if args.input_len is not None else "--prompt-len", length,
+                 "--output-len" if args.output_len is not None else "--max-new-tokens", new_tokens, limits)
     if not 0 <= prefix <= length:
         raise RunError(f"--shared-prefix must be in [0, --input-len {length}], got {prefix}")
     rng = np.random.default_rng(args.seed)
@@ -333,13 +356,14 @@ def read_request_file(path: Path, max_new_tokens: int, limits: RequestLimits, se
                            float(record.get("temperature", 0.0)), record.get("top_k", 0), request_seed,
                            top_p=float(record.get("top_p", 1.0)), stop=stop,
                            ignore_eos=record.get("ignore_eos", False),
-                           given=frozenset(key for key in SAMPLING_KEYS if key in record),
+                           given=frozenset(key for key in (*SAMPLING_KEYS, "seed") if key in record),
                            prompt_key="prompt_ids" if prompt_key == "prompt_len" else prompt_key)
         if prompt_key == "prompt_ids":
             spec.prompt_ids = list(record["prompt_ids"])
         elif prompt_key in ("prompt", "messages"):
             spec.prompt_ids = _text_prompt(record, tokenizer, bad)
         elif not 1 <= record["prompt_len"] <= limits.max_context:
+            spec.prompt_len = record["prompt_len"]
             spec.error = (f"prompt_len = {record['prompt_len']}: must be in [1, {limits.max_context}] (the plan's "
                           "max_context)")
         elif not 0 <= request_seed < SEED_LIMIT:
@@ -376,7 +400,8 @@ def output_record(index: int, spec: RequestSpec, result: Any | None, text: str |
         at = [key for key, _ in items].index("output_ids") + 1
         return dict(items[:at] + [("text", text)] + items[at:])
     if result is None:
-        return {"request": index, "prompt_len": len(spec.prompt_ids), "output_ids": [], "finish_reason": "rejected",
+        return {"request": index, "prompt_len": len(spec.prompt_ids) or spec.prompt_len, "output_ids": [],
+                "finish_reason": "rejected",
                 "ttft_ms": None, "token_latencies_ms": [], "error": spec.error}
     record = {"request": index, "prompt_len": result.prompt_len, "output_ids": list(result.output_ids),
               "finish_reason": result.finish_reason,

@@ -177,3 +177,22 @@ def test_plan_file_that_differs_from_the_planner_is_refused(tmp_path, capsys):
     code = main(["run", "--plan", str(tmp_path / "edited.json"), "--device", "sim", "--random-weights"])
     err = capsys.readouterr().err
     assert code == 2 and "capacity.kv_pages" in err and "re-plan" in err
+
+
+@pytest.mark.parametrize("flags", [["--num-requests", "2", "--input-len", "60", "--output-len", "5"],
+                                   ["--batch", "2", "--prompt-len", "64", "--max-new-tokens", "1"]])
+def test_synthetic_requests_over_max_context_are_a_flag_error_before_any_work(capsys, flags):
+    """Synthetic requests are all alike: one that cannot fit rejects them all, so the flags are refused."""
+    code = main(["run", "--model", "tiny-qwen3", *SIM, "--random-weights", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "the plan's max_context 64" in err[0], err
+
+
+def test_a_rejected_prompt_len_line_names_the_length_it_asked_for(tmp_path, capsys):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text('{"prompt_len": 100}\n')
+    code = main(["run", "--model", "tiny-qwen3", *SIM, "--random-weights", "--requests", str(requests)])
+    out, err = capsys.readouterr()
+    (line,) = _outputs(out)
+    assert code == 0 and line["finish_reason"] == "rejected" and line["prompt_len"] == 100, err
+    assert line["error"].startswith("prompt_len = 100: must be in [1, 64]")
