@@ -97,7 +97,14 @@ def _kv_lines(plan: MemoryPlan) -> list[str]:
                      f"({format_bytes(capacity.kv_pages_beyond_batch * plan.pool('kv_cache').bytes // capacity.kv_pages)}); "
                      f"{use}")
     batch = capacity.max_batch_at_context
-    lines.append(f"largest batch at max_context {capacity.max_context:,}: {batch:,} request{'s' * (batch != 1)}; "
+    held = f"{batch:,} request{'s' * (batch != 1)}"
+    if batch > math.floor(capacity.max_concurrency):  # a plan at that batch, whose other pools differ
+        reason = ""
+        if batch < capacity.max_batch:
+            freed = "fewer recurrent-state slots" if capacity.recurrent_slots else "smaller step buffers"
+            reason = f"; {freed} leave more KV pages"
+        held += f" at --max-batch {batch} (now {capacity.max_batch}{reason})"
+    lines.append(f"largest batch at max_context {capacity.max_context:,}: {held}; "
                  f"largest context at batch {capacity.max_batch}: "
                  + (f"{capacity.max_context_at_batch:,} tokens" if capacity.max_context_at_batch else "none fits"))
     if capacity.recurrent_slots:

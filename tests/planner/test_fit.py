@@ -175,6 +175,19 @@ def test_max_concurrency_of_qwen3_5_0_8b_is_capped_by_the_recurrent_slots(plan_f
     assert plan_for("qwen3.5-0.8b", max_context=8192, max_batch=batch + 1).capacity.concurrency_limit == "kv_cache"
 
 
+def test_the_table_names_the_batch_that_holds_its_requests_where_it_is_not_the_concurrency(capsys):
+    """Qwen3.5-9B on an H100 at 32K and batch 64: the KV pool holds 48.3 requests, but at batch 49 the 15
+    recurrent-state slots fewer leave room for 49; the table says which --max-batch that is and why."""
+    args = ["--model", "qwen3.5-9b", "--hardware", "h100-sxm", "--max-model-len", "32K"]
+    assert main(["plan", *args, "--max-batch", "64", "--format", "table"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("largest batch at"))
+    batch = int(line.split("--max-batch ")[1].split()[0])
+    assert f": {batch} requests at --max-batch {batch} (now 64; fewer recurrent-state slots leave more KV pages)" \
+        in line
+    code, plan, _ = _plan(capsys, *args, "--max-batch", str(batch))
+    assert code == 0 and plan["capacity"]["max_concurrency"] >= batch
+
+
 def test_max_concurrency_of_a_tp_4_plan_counts_one_rank(plan_for, capsys):
     model = load_model("qwen3-32b")
     plan = plan_for("qwen3-32b", "h100-sxm", tensor_parallel_size=4)
