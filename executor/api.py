@@ -155,7 +155,8 @@ class LLM:
         stream of its own (``request_seed``), so equal prompts sample apart, here and across calls."""
         defaults = self._served.generation.sampling
         if params.stop and self.tokenizer is None:
-            raise RunError("stop strings need a tokenizer, and the checkpoint has none (no tokenizer.json)")
+            raise RunError("stop strings need a tokenizer, and this run has none (no checkpoint's tokenizer.json, "
+                           "no tokenizer=DIR)")
         pick = lambda value, default: default if value is None else value  # noqa: E731
         return RequestSpec(ids, params.max_new_tokens, list(params.stop_ids),
                            temperature=float(pick(params.temperature, defaults.temperature)),
@@ -166,8 +167,8 @@ class LLM:
 
     def _require_tokenizer(self, what: str) -> Tokenizer:
         if self.tokenizer is None:
-            raise RunError(f"{what} needs a tokenizer, and the checkpoint has none (no tokenizer.json): give "
-                           "tokenizer=DIR, or prompts as id lists")
+            raise RunError(f"{what} needs a tokenizer, and this run has none (no checkpoint's tokenizer.json, no "
+                           "tokenizer=DIR): give tokenizer=DIR, or prompts as id lists")
         return self.tokenizer
 
 

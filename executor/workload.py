@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     from executor.tokenizer import Tokenizer
 
 #: Keys a --requests (or --prompt-ids) line may hold.
-REQUEST_KEYS = ("prompt_ids", "prompt_len", "max_new_tokens", "stop_ids", "temperature", "top_k", "seed",
-                "prompt", "messages", "top_p", "stop", "ignore_eos")
+REQUEST_KEYS = ("prompt_ids", "prompt_len", "prompt", "messages", "max_new_tokens", "stop_ids", "stop",
+                "ignore_eos", "temperature", "top_p", "top_k", "seed")
 #: A --requests line gives its prompt as exactly one of these.
 PROMPT_KEYS = ("prompt_ids", "prompt_len", "prompt", "messages")
 #: Sampling keys of a line; those it leaves out take the run's defaults (executor.generation).
@@ -180,8 +180,8 @@ def add_eos(specs: list[RequestSpec], eos_ids: tuple[int, ...], ignore_eos: bool
 def encode_prompt(tokenizer: Tokenizer | None, text: str, where: str) -> list[int]:
     """A text prompt's ids; without a tokenizer a RunError saying where the text came from."""
     if tokenizer is None:
-        raise RunError(f"{where}: text needs a tokenizer, and the checkpoint has none (no tokenizer.json): "
-                       "give --tokenizer DIR, or ids (--prompt-ids, \"prompt_ids\")")
+        raise RunError(f"{where}: text needs a tokenizer, and this run has none (no checkpoint's tokenizer.json, "
+                       "no --tokenizer): give --tokenizer DIR, or ids (--prompt-ids, \"prompt_ids\")")
     return tokenizer.encode(text)
 
 
@@ -336,15 +336,16 @@ def read_request_file(path: Path, max_new_tokens: int, limits: RequestLimits, se
         if unknown:
             raise bad(f"unknown field {unknown[0]!r} (expected {', '.join(REQUEST_KEYS)})")
         if prompt_ids_only and "prompt_ids" not in record:
-            raise bad("expected {\"prompt_ids\": [int, ...]} (and optionally " + ", ".join(REQUEST_KEYS[2:]) + ")")
+            raise bad("expected {\"prompt_ids\": [int, ...]} (and optionally "
+                      + ", ".join(key for key in REQUEST_KEYS if key not in PROMPT_KEYS) + ")")
         if sum(key in record for key in PROMPT_KEYS) != 1:
             raise bad("give exactly one of \"prompt_ids\": [int, ...], \"prompt_len\": int, \"prompt\": text and "
                       "\"messages\": [{\"role\": ..., \"content\": ...}, ...]")
         text_key = next((key for key in ("prompt", "messages", "stop") if key in record), None)
         if text_key is not None and tokenizer is None:
             needs = "stop strings need" if text_key == "stop" else "text needs"
-            raise bad(f"{text_key}: {needs} a tokenizer, and the checkpoint has none (no tokenizer.json): give "
-                      "--tokenizer DIR, or \"prompt_ids\"")
+            raise bad(f"{text_key}: {needs} a tokenizer, and this run has none (no checkpoint's tokenizer.json, "
+                      "no --tokenizer): give --tokenizer DIR, or \"prompt_ids\"")
         for key, value in record.items():
             is_type, kind = _KEY_TYPES[key]
             if not is_type(value):

@@ -29,7 +29,8 @@ EXIT_OK, EXIT_BAD_CONFIG, EXIT_DOES_NOT_FIT = 0, 2, 3
 #: is an install step, not a bug.
 EXECUTOR_MODULES = ("torch", "numpy", "numba", "numba_cuda", "llvmlite", "safetensors", "cuda")
 EXECUTOR_INSTALL = ("install torch first (pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu, "
-                    "or the CUDA build for a GPU), then pip install 'memplan[executor]'")
+                    "or the CUDA build for a GPU), then, in the memplan checkout, pip install '.[executor]' (on a GPU "
+                    "add 'numba-cuda[cu13]'); README: the executor's install")
 
 
 def context_length(text: str) -> int | str:

@@ -5,9 +5,9 @@ error names the largest max_context that fits at these settings and the smallest
 (in steps of 0.01) that fits this max_context, then any other single knob (a smaller batch, prefill chunk
 or count of recurrent-state snapshots, more tensor parallelism) that fits. Where no max_context fits at
 these settings (the pools beside the KV cache fill the device: Qwen3.5's recurrent state grows with the
-batch) and no smaller batch fits this one, it names the largest max_context at smaller batches. Every value comes from re-planning
-through drafts of the same layout as the failure, never from an approximate formula, so applying it gives
-a plan that fits.
+batch) and no smaller batch fits this one, it names the largest max_context at smaller batches. Every
+value comes from re-planning through drafts of the same layout as the failure, never from an approximate
+formula, so applying it gives a plan that fits.
 """
 
 from __future__ import annotations

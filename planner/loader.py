@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -162,7 +163,7 @@ def validate(model_type: type[T], data: Any, source: str) -> T:
         return model_type.model_validate_json(json.dumps(data))
     except ValidationError as error:
         first = error.errors()[0]
-        field = ".".join(str(part) for part in first["loc"])
+        field = _field_path(first)
         cause = first.get("ctx", {}).get("error")
         if isinstance(cause, FieldRule):  # a rule between fields: name the field it reports, not the mapping
             prefix = f"{field}." if field else ""
@@ -170,6 +171,20 @@ def validate(model_type: type[T], data: Any, source: str) -> T:
         raise ConfigError(source, field, first.get("input"), _rule(first)) from None
     except (TypeError, ValueError) as error:  # a value that skipped planner.inputs (a caller's own dict)
         raise ConfigError(source, "", "", f"not plain JSON values: {error}") from None
+
+
+#: What pydantic adds to an error's location for the branch of a union it tried ("constrained-int",
+#: "literal['auto']", "function-after[...]", "int"): not a field, so not in the path an error names.
+_UNION_BRANCH = re.compile(r"^(constrained-\w+|[a-z-]+\[.*\]|int|float|str|bool|none)$")
+
+
+def _field_path(error: dict[str, Any]) -> str:
+    """The dotted field path of a pydantic error, without union branch tags (an unknown key stays as given)."""
+    loc = list(error["loc"])
+    keep = [part for index, part in enumerate(loc)
+            if not (isinstance(part, str) and _UNION_BRANCH.match(part)
+                    and not (error["type"] == "extra_forbidden" and index == len(loc) - 1))]
+    return ".".join(str(part) for part in keep)
 
 
 def _rule(error: dict[str, Any]) -> str:

@@ -87,6 +87,7 @@ BAD_SERVING = {
     "unknown field": ("max_batch: 8\nmax_batchh: 9\n", "max_batchh", "Extra inputs are not permitted"),
     "wrong type": ("max_batch: eight\n", "max_batch", "valid integer"),
     "zero": ("page_size: 0\n", "page_size", "greater than or equal to 1"),
+    "zero context (an int or auto)": ("max_context: 0\n", "max_context = 0", "greater than or equal to 1"),
     "negative": ("max_prefill_tokens: -4\n", "max_prefill_tokens", "greater than or equal to 1"),
     "float for int": ("max_batch: 8.5\n", "max_batch", "valid integer"),
     "malformed": ("max_batch: [8\n", "line", "malformed YAML"),
@@ -194,7 +195,7 @@ def test_run_without_the_executors_packages_is_one_line_saying_what_to_install()
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2
     line = result.stderr.strip()
-    assert "\n" not in line and "is missing" in line and "pip install torch" in line and "memplan[executor]" in line
+    assert "\n" not in line and "is missing" in line and "pip install torch" in line and "'.[executor]'" in line
 
 
 # -- vLLM's names and defaults -------------------------------------------------------------------------------------
