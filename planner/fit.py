@@ -59,7 +59,9 @@ def explain_does_not_fit(drafter: Drafter, draft: Draft) -> PlanDoesNotFit:
     context = _largest_context(drafter, draft) if serving.max_context != "auto" else None
     if context is not None:
         advice["max_context"] = context
-        parts.append(f"Largest max_context that fits at these settings: --max-model-len {context}")
+        beyond = (" (past the tokens left above: the pools sized by max_context shrink with it)"
+                  if context > draft.usable_kv_pages * cap.page_size else "")
+        parts.append(f"Largest max_context that fits at these settings: --max-model-len {context}{beyond}")
     else:
         parts.append("No max_context fits at these settings")
         smaller = [] if "max_batch" in knobs else _contexts_at_smaller_batches(drafter, serving, cap.max_context)
