@@ -20,6 +20,8 @@ from planner.errors import ConfigError, FieldRule
 from planner.kernel_limits import FLASH_DTYPE, FLASH_HEAD_DIM_MULTIPLE
 
 LayerType = Literal["full_attention", "linear_attention"]
+#: The most decoder layers a model may have.
+MAX_LAYERS = 1024
 #: Backends of long prefill chunks' attention (the plan's, after serving prefill_attention "auto").
 PrefillAttention = Literal["gemm", "flash"]
 
@@ -68,7 +70,7 @@ class ModelConfig(_Frozen):
     name: str = Field(min_length=1, max_length=128, description="Short name, e.g. qwen3-8b.")
     architecture: Literal["qwen3", "qwen3_5"] = Field(description="Model family.")
     hidden_size: _DIM = Field(description="H: width of the residual stream.")
-    num_layers: Annotated[int, Field(ge=1, le=1024)] = Field(description="L: decoder layers.")
+    num_layers: Annotated[int, Field(ge=1, le=MAX_LAYERS)] = Field(description="L: decoder layers.")
     intermediate_size: _DIM = Field(description="I: SwiGLU MLP width.")
     num_attention_heads: _DIM = Field(description="Hq: query heads of full attention.")
     num_key_value_heads: _DIM = Field(description="Hkv: key/value heads (GQA).")
@@ -214,6 +216,10 @@ _TOKEN_COUNT = re.compile(r"^(\d+(?:\.\d+)?)([kmgKMG]?)$")
 _TOKEN_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
+#: The largest count a token-count string is read as: far past every bound, but a number Python prints.
+MAX_TOKEN_COUNT = 10**18
+
+
 def parse_token_count(text: str) -> int:
     """A token count written like vLLM's: ``40960``, ``32k`` (32,000), ``32K`` (32,768), ``1.5m``; lower-case
     units are decimal, upper-case binary. Raises ValueError naming the accepted forms."""
@@ -224,8 +230,10 @@ def parse_token_count(text: str) -> int:
             value = Decimal(match.group(1)) * _TOKEN_UNITS[match.group(2)]
         except InvalidOperation:
             value = None
-    if value is None or value != value.to_integral_value():
-        raise ValueError(f"{text!r} is not a token count: use an integer, 32k (32,000) or 32K (32,768)")
+    if value is None or value != value.to_integral_value() or abs(value) > MAX_TOKEN_COUNT:
+        shown = repr(text) if len(text) <= 40 else repr(text[:37] + "...")
+        raise ValueError(f"{shown} is not a token count: use an integer (at most 10**18), 32k (32,000) or "
+                         "32K (32,768)")
     return int(value)
 
 

@@ -12,7 +12,7 @@ class ConfigError(ValueError):
         self.field = field
         self.value = value
         self.rule = rule
-        shown = repr(value)
+        shown = shown_value(value)
         if len(shown) > 80:
             shown = shown[:77] + "..."
         super().__init__(f"{escaped(source)}: {escaped(field) or '<root>'} = {shown}: {rule}")
@@ -25,6 +25,15 @@ class FieldRule(ValueError):
     def __init__(self, field: str, value: object, rule: str):
         super().__init__(rule)
         self.field, self.value = field, value
+
+
+def shown_value(value: object) -> str:
+    """``repr(value)``, or for an int too long for Python to print (over 4,300 digits) its digit count."""
+    try:
+        return repr(value)
+    except ValueError:  # int's string conversion limit
+        return f"<an int of about {int(value.bit_length() * 0.30103) + 1:,} digits>" if isinstance(value, int) \
+            else f"<a {type(value).__name__} too long to print>"
 
 
 def escaped(text: str) -> str:

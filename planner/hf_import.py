@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from planner import checked
-from planner.config import ModelConfig
+from planner.config import MAX_LAYERS, ModelConfig
 from planner.dtypes import dtype_bytes
 from planner.errors import ConfigError
 
@@ -29,6 +29,10 @@ BOOLEAN_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_slid
 #: The dtype memplan keeps the linear-attention state in (Qwen3.5's ``mamba_ssm_dtype``, float32 in its
 #: checkpoints): the delta rule accumulates into it, and the planner sizes it at 4 bytes an element.
 RECURRENT_STATE_DTYPE = "float32"
+#: Bounds of a vision tower left out of the plan: each size field, and the parameters the plan names
+#: (OmittedTower.parameters).
+MAX_VISION_FIELD = 1 << 20
+MAX_TOWER_PARAMETERS = 1 << 40
 #: transformers' Qwen3_5VisionConfig defaults, for fields a vision_config leaves out.
 VISION_DEFAULTS = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "in_channels": 3, "patch_size": 16,
                    "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 3584,
@@ -57,7 +61,10 @@ def _model_fields(config: dict[str, Any], source: str, name: str) -> dict[str, A
         fields.update(_qwen3_5_fields(config, source))
     else:
         layer_types = config.get("layer_types")
-        if isinstance(layer_types, list) and any(kind != "full_attention" for kind in layer_types):
+        if layer_types is not None and not (isinstance(layer_types, list)
+                                            and all(isinstance(kind, str) for kind in layer_types)):
+            raise ConfigError(source, "layer_types", layer_types, "expected a list of layer kinds (strings)")
+        if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
             raise ConfigError(source, "layer_types", sorted(set(layer_types)),
                               "qwen3 layers other than full_attention (sliding windows) are not modelled")
         fields["architecture"] = "qwen3"
@@ -89,6 +96,9 @@ def _wrapper_fields(config: dict[str, Any], source: str, name: str) -> dict[str,
         if not isinstance(vision, dict):
             raise ConfigError(source, "vision_config", vision, "must be a mapping")
         parameters = vision_tower_parameters(vision, source)
+        if parameters > MAX_TOWER_PARAMETERS:
+            raise ConfigError(source, "vision_config", f"{parameters:,} parameters",
+                              f"a vision tower of at most {MAX_TOWER_PARAMETERS:,} parameters is sized")
         fields["omitted_towers"] = [{
             "config_field": "vision_config", "parameters": parameters,
             "bytes": checked.mul("vision tower bytes", parameters, dtype_bytes(fields["dtype"]), width=checked.U64),
@@ -109,6 +119,8 @@ def vision_tower_parameters(vision: dict[str, Any], source: str = "config.json")
         value = vision.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(source, f"vision_config.{key}", value, "must be a positive integer")
+        if value > MAX_VISION_FIELD:
+            raise ConfigError(source, f"vision_config.{key}", value, f"must be at most {MAX_VISION_FIELD:,}")
         size[key] = value
     h, inner, out = size["hidden_size"], size["intermediate_size"], size["out_hidden_size"]
     kernel = size["in_channels"] * size["temporal_patch_size"] * size["patch_size"] ** 2
@@ -145,7 +157,7 @@ def _common_fields(config: dict[str, Any], source: str, name: str) -> dict[str, 
         "rope_theta": rope.get("rope_theta", config.get("rope_theta", 1_000_000.0)),
         "partial_rotary_factor": rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)),
         "tie_word_embeddings": _boolean(config, "tie_word_embeddings", False, source),
-        "dtype": config.get("dtype") or config.get("torch_dtype") or "bfloat16",
+        "dtype": next((config[key] for key in ("dtype", "torch_dtype") if config.get(key) is not None), "bfloat16"),
     }
     return fields
 
@@ -153,7 +165,7 @@ def _common_fields(config: dict[str, Any], source: str, name: str) -> dict[str, 
 def _qwen3_5_fields(config: dict[str, Any], source: str) -> dict[str, Any]:
     num_layers = config.get("num_hidden_layers")
     layer_types = config.get("layer_types")
-    if layer_types is None and isinstance(num_layers, int):
+    if layer_types is None and isinstance(num_layers, int) and 1 <= num_layers <= MAX_LAYERS:
         interval = config.get("full_attention_interval", 4)
         if not (isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1):
             raise ConfigError(source, "full_attention_interval", interval,

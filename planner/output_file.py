@@ -68,7 +68,10 @@ def config_inputs(model: str | None, hardware: str | None, serving: str | None) 
 
 def write_atomically(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in its folder and a rename."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as error:
+        raise ConfigError(COMMAND_LINE, OUT_FLAG, str(path), f"cannot write: {reason(error)}") from None
     try:
         os.fchmod(handle, file_mode(path))
         with os.fdopen(handle, "w", encoding="utf-8") as stream:

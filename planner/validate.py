@@ -38,7 +38,11 @@ def validate_paths(paths: list[Path]) -> tuple[list[str], int]:
                 problems.append(f"{path}: a directory without {', '.join(CONFIG_SUFFIXES)} files to validate")
         else:
             files.append(path)
-    problems += [problem for file in files for problem in validate_file(file)]
+    for file in files:
+        try:
+            problems += validate_file(file)
+        except CheckedOverflowError as error:  # a count no width holds, wherever it was computed: this file's
+            problems.append(f"{file}: {error}")
     return problems, len(files)
 
 

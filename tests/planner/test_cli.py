@@ -88,6 +88,8 @@ BAD_SERVING = {
     "wrong type": ("max_batch: eight\n", "max_batch", "valid integer"),
     "zero": ("page_size: 0\n", "page_size", "greater than or equal to 1"),
     "zero context (an int or auto)": ("max_context: 0\n", "max_context = 0", "greater than or equal to 1"),
+    "a count too long to print": ("max_prefill_tokens: 1" + "0" * 5000 + "\n",
+                                  "max_prefill_tokens = <an int of about 5,001 digits>", "less than or equal to"),
     "negative": ("max_prefill_tokens: -4\n", "max_prefill_tokens", "greater than or equal to 1"),
     "float for int": ("max_batch: 8.5\n", "max_batch", "valid integer"),
     "malformed": ("max_batch: [8\n", "line", "malformed YAML"),

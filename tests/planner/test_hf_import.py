@@ -72,6 +72,11 @@ REFUSED = {
     "string boolean": ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
     "string bias": ({"attention_bias": "false"}, "attention_bias"),
     "bfloat16 recurrent state": ({"mamba_ssm_dtype": "bfloat16"}, "mamba_ssm_dtype"),
+    "layer kinds that are not strings": ({"layer_types": [None, 1]}, "layer_types"),
+    "layer kinds that are lists": ({"layer_types": [[1]]}, "layer_types"),
+    "layer kinds that are not a list": ({"layer_types": "full_attention"}, "layer_types"),
+    "a falsy dtype": ({"dtype": 0}, "dtype"),
+    "an empty torch_dtype": ({"torch_dtype": ""}, "dtype"),
 }
 
 
@@ -98,11 +103,26 @@ def test_a_multimodal_wrappers_refusals_name_the_nested_field(tmp_path):
                            ({"text_config": {**hf_config_dict(load_model("qwen3.5-9b")), "mamba_ssm_dtype": "float16"}},
                             "text_config.mamba_ssm_dtype"),
                            ({"text_config": hf_config_dict(load_model("qwen3.5-9b")), "mamba_ssm_dtype": "bfloat16"},
-                            "mamba_ssm_dtype")):
+                            "mamba_ssm_dtype"),
+                           ({"text_config": hf_config_dict(load_model("qwen3.5-9b")), "vision_config": {"depth": 2**70}},
+                            "vision_config.depth"),
+                           ({"text_config": hf_config_dict(load_model("qwen3.5-9b")),
+                             "vision_config": {"depth": 1 << 20, "hidden_size": 1 << 20, "intermediate_size": 1 << 20}},
+                            "vision_config")):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", **wrapper}))
         with pytest.raises(ConfigError) as error:
             load_model(str(tmp_path))
         assert error.value.field == field
+
+
+def test_a_layer_count_past_the_bound_is_named_without_listing_its_layers(tmp_path):
+    """A qwen3_5_text config without layer_types lists its kinds from num_hidden_layers: 2**70 layers are
+    refused by the bound, not listed."""
+    data = {key: value for key, value in hf_config_dict(load_model("qwen3.5-9b")).items() if key != "layer_types"}
+    (tmp_path / "config.json").write_text(json.dumps({**data, "num_hidden_layers": 2**70}))
+    with pytest.raises(ConfigError) as error:
+        load_model(str(tmp_path))
+    assert error.value.field == "num_layers" and "1024" in error.value.rule
 
 
 def test_plain_rope_and_mrope_parameters_are_accepted(tmp_path):

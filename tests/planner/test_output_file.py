@@ -52,3 +52,17 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypat
     write_atomically(target, "new\n")
     assert target.read_text() == "new\n" and (target.stat().st_mode & 0o777) == 0o640
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"]
+
+
+def test_a_folder_that_takes_no_temporary_file_is_one_error_naming_out(tmp_path, monkeypatch):
+    """/proc and /sys pass the folder checks but refuse a new file there: the temporary file's creation."""
+    import tempfile
+
+    def refuse(**kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    with pytest.raises(ConfigError, match="cannot write: Permission denied") as error:
+        write_atomically(tmp_path / "plan.json", "{}\n")
+    assert (error.value.source, error.value.field) == ("command line", "--out")
+    assert list(tmp_path.iterdir()) == []
