@@ -89,6 +89,7 @@ def load_json(path: Path) -> dict[str, Any]:
 def parse_yaml(text: str, source: str) -> Any:
     """One YAML document as plain JSON values (checked as the module docstring says)."""
     _check_flow_depth(text, source)
+    node = None
     try:
         _check_yaml_depth(text, source)
         loader = _Loader(text)
@@ -107,8 +108,25 @@ def parse_yaml(text: str, source: str) -> Any:
     except ConfigError:
         raise
     except ValueError as error:  # int() of a number with more digits than Python converts
-        raise ConfigError(source, "", "", f"malformed YAML: {error}") from None
+        scalar = _longest_scalar(node)
+        where = "" if scalar is None else f"line {scalar.start_mark.line + 1}, column {scalar.start_mark.column + 1}"
+        raise ConfigError(source, where, "", f"malformed YAML: {error}") from None
     return check_values(data, source, max_values=MAX_YAML_VALUES)
+
+
+def _longest_scalar(node: yaml.Node | None) -> yaml.ScalarNode | None:
+    """The scalar of ``node``'s tree with the longest text (the number too long to convert), None for none."""
+    longest, stack = None, [] if node is None else [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, yaml.ScalarNode):
+            if longest is None or len(item.value) > len(longest.value):
+                longest = item
+        elif isinstance(item, yaml.MappingNode):
+            stack += [part for pair in item.value for part in pair]
+        elif isinstance(item, yaml.SequenceNode):
+            stack += item.value
+    return longest
 
 
 def parse_json(text: str, source: str, field: str = "") -> Any:

@@ -88,8 +88,10 @@ BAD_SERVING = {
     "wrong type": ("max_batch: eight\n", "max_batch", "valid integer"),
     "zero": ("page_size: 0\n", "page_size", "greater than or equal to 1"),
     "zero context (an int or auto)": ("max_context: 0\n", "max_context = 0", "greater than or equal to 1"),
-    "a count too long to print": ("max_prefill_tokens: 1" + "0" * 5000 + "\n",
-                                  "max_prefill_tokens = <an int of about 5,001 digits>", "less than or equal to"),
+    "a number too long to read": ("max_batch: 8\nmax_prefill_tokens: 1" + "0" * 5000 + "\n",
+                                  "line 2, column 21", "Exceeds the limit (4300 digits)"),
+    "a count too long to print": ("max_prefill_tokens: '1" + "0" * 5000 + "'\n", "max_prefill_tokens = '1000",
+                                  "is not a token count"),
     "negative": ("max_prefill_tokens: -4\n", "max_prefill_tokens", "greater than or equal to 1"),
     "float for int": ("max_batch: 8.5\n", "max_batch", "valid integer"),
     "malformed": ("max_batch: [8\n", "line", "malformed YAML"),
@@ -317,3 +319,10 @@ def test_does_not_fit_with_json_output_prints_the_verdict_and_its_advice(capsys)
     verdict = json.loads(out)
     assert code == 3 and verdict["fits"] is False and verdict["reason"] in err
     assert verdict["advice"]["max_context"] < 40960 and verdict["advice"]["gpu_memory_utilization"] > 0.9
+
+
+def test_an_error_line_names_an_int_too_long_to_print_by_its_digits():
+    from planner.errors import ConfigError
+
+    line = str(ConfigError("serving.yaml", "max_batch", 10**5000, "must be at most 4,096"))
+    assert line == "serving.yaml: max_batch = <an int of about 5,001 digits>: must be at most 4,096"
