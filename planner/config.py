@@ -103,30 +103,27 @@ class ModelConfig(_Frozen):
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+            raise FieldRule("num_attention_heads", self.num_attention_heads,
+                            f"must be a multiple of num_key_value_heads ({self.num_key_value_heads})")
         if self.rotary_dim % 2 or self.rotary_dim == 0:
-            raise ValueError(
-                f"head_dim x partial_rotary_factor = {self.head_dim} x {self.partial_rotary_factor} "
-                f"must give an even, non-zero rotary dimension"
-            )
+            raise FieldRule("partial_rotary_factor", self.partial_rotary_factor,
+                            f"head_dim x partial_rotary_factor = {self.head_dim} x {self.partial_rotary_factor} "
+                            "must give an even, non-zero rotary dimension")
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries, num_layers is {self.num_layers}"
-            )
+            raise FieldRule("layer_types", f"{len(self.layer_types)} entries",
+                            f"needs one entry a layer: num_layers is {self.num_layers}")
         has_linear = "linear_attention" in self.kinds
         if has_linear and self.linear_attention is None:
-            raise ValueError("layer_types lists linear_attention layers but linear_attention is not given")
+            raise FieldRule("linear_attention", None, "layer_types lists linear_attention layers, which need it")
         if not has_linear and self.linear_attention is not None:
-            raise ValueError("linear_attention is given but no layer is linear_attention")
+            raise FieldRule("linear_attention", "{...}", "is given but no layer is linear_attention")
         if self.architecture == "qwen3" and has_linear:
-            raise ValueError("architecture qwen3 has only full_attention layers")
+            raise FieldRule("architecture", self.architecture, "qwen3 has only full_attention layers")
         if self.architecture == "qwen3_5" and self.layer_types is None:
-            raise ValueError("architecture qwen3_5 needs layer_types")
+            raise FieldRule("layer_types", None, "architecture qwen3_5 needs layer_types")
         if "full_attention" not in self.kinds:
-            raise ValueError("layer_types needs at least one full_attention layer (the KV pool is sized by them)")
+            raise FieldRule("layer_types", "no full_attention", "needs at least one full_attention layer (the KV "
+                            "pool is sized by them)")
         return self
 
     @property

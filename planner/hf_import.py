@@ -26,6 +26,14 @@ SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
 PLAIN_ROPE_TYPES = ("default", "mrope")
 #: HF boolean fields memplan reads; each must be a JSON boolean ("false" is a non-empty, truthy string).
 BOOLEAN_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "attn_output_gate")
+#: ModelConfig's names of the fields an HF config names otherwise: errors name the file's field.
+HF_NAMES = {"num_layers": "num_hidden_layers", "rope_theta": "rope_parameters.rope_theta",
+            "partial_rotary_factor": "rope_parameters.partial_rotary_factor",
+            "linear_attention.num_key_heads": "linear_num_key_heads",
+            "linear_attention.num_value_heads": "linear_num_value_heads",
+            "linear_attention.key_head_dim": "linear_key_head_dim",
+            "linear_attention.value_head_dim": "linear_value_head_dim",
+            "linear_attention.conv_kernel_size": "linear_conv_kernel_dim"}
 #: The dtype memplan keeps the linear-attention state in (Qwen3.5's ``mamba_ssm_dtype``, float32 in its
 #: checkpoints): the delta rule accumulates into it, and the planner sizes it at 4 bytes an element.
 RECURRENT_STATE_DTYPE = "float32"
@@ -46,7 +54,13 @@ def model_from_hf_config(config: dict[str, Any], name: str) -> ModelConfig:
     source = "config.json"
     if not isinstance(config, dict):
         raise ConfigError(source, "", config, "expected a JSON object of fields at the top level")
-    return validate(ModelConfig, _model_fields(config, source, name), source)
+    fields = _model_fields(config, source, name)
+    try:
+        return validate(ModelConfig, fields, source)
+    except ConfigError as error:  # name the field as the file names it
+        prefix = "text_config." if config.get("model_type") == "qwen3_5" else ""
+        raise ConfigError(error.source, prefix + HF_NAMES.get(error.field, error.field), error.value,
+                          error.rule) from None
 
 
 def _model_fields(config: dict[str, Any], source: str, name: str) -> dict[str, Any]:

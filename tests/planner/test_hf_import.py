@@ -125,6 +125,18 @@ def test_a_layer_count_past_the_bound_is_named_without_listing_its_layers(tmp_pa
     assert error.value.field == "num_layers" and "1024" in error.value.rule
 
 
+@pytest.mark.parametrize("change, field", [({"num_hidden_layers": 5000}, "num_hidden_layers"),
+                                           ({"linear_num_key_heads": 0}, "linear_num_key_heads"),
+                                           ({"num_hidden_layers": 3}, "layer_types")])
+def test_an_hf_config_error_names_the_field_as_the_file_does(tmp_path, change, field):
+    data = {**hf_config_dict(load_model("qwen3.5-9b")), **change}
+    for config, prefix in ((data, ""), ({"model_type": "qwen3_5", "text_config": data}, "text_config.")):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ConfigError) as error:
+            load_model(str(tmp_path))
+        assert error.value.field == prefix + field
+
+
 def test_plain_rope_and_mrope_parameters_are_accepted(tmp_path):
     data = hf_config_dict(load_model("qwen3-8b"))
     data.update(rope_scaling=None, use_sliding_window=False, sliding_window=None,
