@@ -122,7 +122,7 @@ def test_a_layer_count_past_the_bound_is_named_without_listing_its_layers(tmp_pa
     (tmp_path / "config.json").write_text(json.dumps({**data, "num_hidden_layers": 2**70}))
     with pytest.raises(ConfigError) as error:
         load_model(str(tmp_path))
-    assert error.value.field == "num_layers" and "1024" in error.value.rule
+    assert error.value.field == "num_hidden_layers" and "1024" in error.value.rule
 
 
 @pytest.mark.parametrize("change, field", [({"num_hidden_layers": 5000}, "num_hidden_layers"),
