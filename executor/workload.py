@@ -324,8 +324,9 @@ def read_request_file(path: Path, max_new_tokens: int, limits: RequestLimits, se
         where = f"{path} line {number}"
         try:
             record = parse_json(line, where)
-        except ConfigError as error:
-            raise RequestFileError(str(error)) from None
+        except ConfigError as error:  # the file's line is known: name the column within it, and the key
+            field = error.field.removeprefix("line 1, ")
+            raise RequestFileError(f"{where}: " + (f"{field}: " if field else "") + error.rule) from None
 
         def bad(message: str) -> RequestFileError:
             return RequestFileError(f"{where}: {message}")
@@ -341,15 +342,15 @@ def read_request_file(path: Path, max_new_tokens: int, limits: RequestLimits, se
         if sum(key in record for key in PROMPT_KEYS) != 1:
             raise bad("give exactly one of \"prompt_ids\": [int, ...], \"prompt_len\": int, \"prompt\": text and "
                       "\"messages\": [{\"role\": ..., \"content\": ...}, ...]")
+        for key, value in record.items():
+            is_type, kind = _KEY_TYPES[key]
+            if not is_type(value):
+                raise bad(f"{key}: expected {kind}, got {json.dumps(value)[:40]}")
         text_key = next((key for key in ("prompt", "messages", "stop") if key in record), None)
         if text_key is not None and tokenizer is None:
             needs = "stop strings need" if text_key == "stop" else "text needs"
             raise bad(f"{text_key}: {needs} a tokenizer, and this run has none (no checkpoint's tokenizer.json, "
                       "no --tokenizer): give --tokenizer DIR, or \"prompt_ids\"")
-        for key, value in record.items():
-            is_type, kind = _KEY_TYPES[key]
-            if not is_type(value):
-                raise bad(f"{key}: expected {kind}, got {json.dumps(value)[:40]}")
         stop = [record["stop"]] if isinstance(record.get("stop"), str) else list(record.get("stop", []))
         request_seed = record.get("seed", seed)
         prompt_key = next(key for key in PROMPT_KEYS if key in record)

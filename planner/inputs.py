@@ -161,7 +161,7 @@ def check_values(data: Any, source: str, field: str = "", max_values: int | None
             for key, item in value.items():
                 if not isinstance(key, str):
                     raise ConfigError(source, _join(where, str(key)), key,
-                                      f"keys must be strings, got a {_kind(key)}")
+                                      f"keys must be strings, got {_a(_kind(key))}")
                 stack.append((item, _join(where, key), depth + 1))
         elif isinstance(value, list):
             stack.extend((item, f"{where}[{index}]", depth + 1) for index, item in enumerate(value))
@@ -183,9 +183,9 @@ def check_values(data: Any, source: str, field: str = "", max_values: int | None
 
 def _mapping(data: Any, source: str) -> dict[str, Any]:
     if data is None:
-        raise ConfigError(source, "", None, "the file is empty; expected a mapping of fields")
+        raise ConfigError(source, "", None, "the file is empty or null; expected a mapping of fields")
     if not isinstance(data, dict):
-        raise ConfigError(source, "", data, f"expected a mapping of fields at the top level, got a {_kind(data)}")
+        raise ConfigError(source, "", data, f"expected a mapping of fields at the top level, got {_a(_kind(data))}")
     return data
 
 
@@ -307,6 +307,11 @@ def _check_yaml_keys(root: yaml.Node, source: str) -> None:
 
 def _join(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
+
+
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article."""
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 def _kind(value: Any) -> str:

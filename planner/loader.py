@@ -49,8 +49,10 @@ def model_path(spec: str) -> Path:
     path = _resolve(spec, "models")
     if _is_dir(path):
         if not _is_file(path / "config.json"):
-            raise ConfigError(str(path), "", "", "is a directory without a config.json (an HF checkpoint directory "
-                                                 "holds config.json and *.safetensors)")
+            what = ("is a directory, not a config file" if path.name.endswith((".json", ".yaml", ".yml"))
+                    else "is a directory without a config.json")
+            raise ConfigError(str(path), "", "", f"{what} (an HF checkpoint directory holds config.json and "
+                                                 "*.safetensors)")
         return path / "config.json"
     return path
 

@@ -104,11 +104,11 @@ def _against_schema(path: Path, kind: str, data: Any) -> list[str]:
     from planner.schema import load_committed
 
     validator = jsonschema.Draft202012Validator(load_committed(kind))
-    errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
-    return [
-        f"{path}: {'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message} (schema {kind})"
-        for e in errors[:5]
-    ]
+    errors = sorted(validator.iter_errors(data), key=lambda e: [str(part) for part in e.absolute_path])
+    first: dict[str, Any] = {}  # one error a field: a bad enum value breaks its "enum" and its "type" at once
+    for error in errors:
+        first.setdefault(".".join(str(p) for p in error.absolute_path) or "<root>", error)
+    return [f"{path}: {where}: {error.message} (schema {kind})" for where, error in list(first.items())[:5]]
 
 
 def _semantic(path: Path, kind: str, data: Any) -> list[str]:

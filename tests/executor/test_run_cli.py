@@ -127,14 +127,20 @@ def test_requests_the_plan_cannot_hold_are_rejected_in_their_line_and_the_rest_r
     assert "requests: 3 (1 run, 2 rejected); 2 tokens generated" in err
 
 
-def test_malformed_request_line_is_one_line_naming_the_file_and_line(tmp_path, capsys):
+@pytest.mark.parametrize("line, says", [
+    ('{"prompt_ids": [1, "x"]}', "line 3: prompt_ids: expected"),
+    ('{"prompt_ids": [1, 2]', "line 3: column 22: malformed JSON"),  # the file's line, the column within it
+    ('{"prompt_ids": [1], "prompt_ids": [2]}', "line 3: prompt_ids: duplicate key"),
+    ('{"prompt": 5}', "line 3: prompt: expected a string, got 5"),  # the type, before the missing tokenizer
+])
+def test_malformed_request_line_is_one_line_naming_the_file_and_line(tmp_path, capsys, line, says):
     requests = tmp_path / "requests.jsonl"
-    requests.write_text('{"prompt_len": 4}\n\n{"prompt_ids": [1, "x"]}\n')
+    requests.write_text('{"prompt_len": 4}\n\n' + line + "\n")
     code = main(["run", "--model", "tiny-qwen3", *SIM, "--random-weights", "--requests", str(requests)])
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1, err
-    assert f"{requests} line 3" in err and "prompt_ids" in err
+    assert f"{requests} {says}" in err, err
 
 
 def test_synthetic_shared_prefix_workload_hits_the_prefix_cache(capsys):

@@ -326,3 +326,19 @@ def test_an_error_line_names_an_int_too_long_to_print_by_its_digits():
 
     line = str(ConfigError("serving.yaml", "max_batch", 10**5000, "must be at most 4,096"))
     assert line == "serving.yaml: max_batch = <an int of about 5,001 digits>: must be at most 4,096"
+
+
+def test_validate_names_a_bad_enum_value_once(capsys, tmp_path):
+    """A dtype of 1.5 breaks the schema's enum and its type: one line for the field, not two."""
+    path = tmp_path / "serving.yaml"
+    path.write_text("dtype: 1.5\n")
+    code, out, err = _run(capsys, "validate", str(path))
+    lines = [line for line in (out + err).splitlines() if str(path) in line]
+    assert code != 0 and len(lines) == 1 and ": dtype: " in lines[0], out + err
+
+
+def test_a_null_config_file_says_so(capsys, tmp_path):
+    path = tmp_path / "serving.yaml"
+    path.write_text("null\n")
+    code, _, err = _run(capsys, "plan", "--model", "qwen3-8b", "--serving", str(path))
+    assert code == 2 and "the file is empty or null" in err
