@@ -99,7 +99,12 @@ def _wrapper_fields(config: dict[str, Any], source: str, name: str) -> dict[str,
                           "config without it can be planned")
     text = {**config["text_config"]}
     text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
-    text.setdefault("dtype", config.get("dtype", config.get("torch_dtype")))
+    outer = next((config[key] for key in ("dtype", "torch_dtype") if config.get(key) is not None), None)
+    inner = next((text[key] for key in ("dtype", "torch_dtype") if text.get(key) is not None), None)
+    if outer is not None and inner is not None and outer != inner:
+        raise ConfigError(source, "dtype", outer, f"differs from text_config's dtype {inner!r}: which one the "
+                          "text stack loads in is ambiguous")
+    text.setdefault("dtype", outer)
     try:
         fields = _model_fields({**text, "model_type": "qwen3_5_text"}, source, name)
     except ConfigError as error:

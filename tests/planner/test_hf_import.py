@@ -104,6 +104,8 @@ def test_a_multimodal_wrappers_refusals_name_the_nested_field(tmp_path):
                             "text_config.mamba_ssm_dtype"),
                            ({"text_config": hf_config_dict(load_model("qwen3.5-9b")), "mamba_ssm_dtype": "bfloat16"},
                             "mamba_ssm_dtype"),
+                           ({"text_config": {**hf_config_dict(load_model("qwen3.5-9b")), "dtype": "bfloat16"},
+                             "dtype": "int8"}, "dtype"),
                            ({"text_config": hf_config_dict(load_model("qwen3.5-9b")), "vision_config": {"depth": 2**70}},
                             "vision_config.depth"),
                            ({"text_config": hf_config_dict(load_model("qwen3.5-9b")),
