@@ -342,3 +342,12 @@ def test_a_null_config_file_says_so(capsys, tmp_path):
     path.write_text("null\n")
     code, _, err = _run(capsys, "plan", "--model", "qwen3-8b", "--serving", str(path))
     assert code == 2 and "the file is empty or null" in err
+
+
+def test_validate_checks_that_a_hardware_file_s_default_serving_exists(capsys, tmp_path):
+    path = tmp_path / "card.yaml"
+    text = (ROOT / "configs" / "hardware" / "h100-sxm.yaml").read_text()
+    path.write_text("\n".join(line if not line.startswith("default_serving:") else "default_serving: nowhere"
+                              for line in text.splitlines()) + "\n")
+    code, out, err = _run(capsys, "validate", str(path))
+    assert code != 0 and f"{path}: default_serving = 'nowhere': names no serving file" in out + err
