@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from planner import inputs
 from planner.checked import CheckedOverflowError
 from planner.config import (
-    VLLM_STEP_TOKENS, HardwareConfig, ModelConfig, ServingConfig, graph_buckets_for_batch, vllm_name_clash,
+    VLLM_SERVING_NAMES, VLLM_STEP_TOKENS, HardwareConfig, ModelConfig, ServingConfig, graph_buckets_for_batch, vllm_name_clash,
     with_memplan_names)
 from planner.errors import ConfigError, FieldRule
 from planner.hf_import import model_from_hf_config
@@ -73,17 +73,31 @@ def load_serving(spec: str | None, overrides: dict[str, Any] | None = None) -> S
     """Serving from a YAML path or shipped name (defaults when None), with flag overrides applied.
     A bad field of the file is named with the file even when a flag replaces it; only the rules between
     fields are left to the merged config (a flag may be what satisfies them)."""
-    data = ({} if spec is None
-            else serving_with_memplan_names(_read_yaml(_resolve(spec, "serving")), serving_source(spec)))
+    raw = {} if spec is None else _read_yaml(_resolve(spec, "serving"))
+    file_names = _file_names(raw)
+    data = {} if spec is None else serving_with_memplan_names(raw, serving_source(spec))
     # refuses a field given both ways
     given = serving_with_memplan_names(_given(overrides), serving_source(spec, overrides))
-    if given:
-        try:
-            validate(ServingConfig, data, serving_source(spec))
-        except ConfigError as error:
-            if error.field:  # a field of its own, not a rule between fields
-                raise
-    return validate(ServingConfig, _merged_serving(data, given), serving_source(spec, overrides))
+    try:
+        if given:
+            try:
+                validate(ServingConfig, data, serving_source(spec))
+            except ConfigError as error:
+                if error.field:  # a field of its own, not a rule between fields
+                    raise
+        return validate(ServingConfig, _merged_serving(data, given), serving_source(spec, overrides))
+    except ConfigError as error:  # the file's field by the name it is written under (vLLM's or memplan's)
+        from_flag = error.field in given and error.source == serving_source(spec, overrides)
+        if error.field not in file_names or from_flag:
+            raise
+        raise ConfigError(error.source, file_names[error.field], error.value, error.rule) from None
+
+
+def _file_names(data: Any) -> dict[str, str]:
+    """memplan's name -> the vLLM name a serving file writes it under, for the fields it writes so."""
+    if not isinstance(data, dict):
+        return {}
+    return {VLLM_SERVING_NAMES[key]: key for key in data if key in VLLM_SERVING_NAMES}
 
 
 def serving_source(spec: str | None, overrides: dict[str, Any] | None = None) -> str:
@@ -138,7 +152,12 @@ def plan_from_configs(model: str, hardware: str, serving: str | None,
     from planner.plan import build_plan
 
     hardware_config = load_hardware(hardware)
-    serving = hardware_config.default_serving if serving is None else serving
+    if serving is None:
+        serving = hardware_config.default_serving
+        if resolve_config(serving, "serving") is None:
+            raise ConfigError(str(_resolve(hardware, "hardware")), "default_serving", serving,
+                              "names no serving file and no shipped serving config (configs/serving/*.yaml); "
+                              "give --serving")
     configs = load_model(model), hardware_config, load_serving(serving, overrides)
     source = serving_source(serving, overrides)
     try:

@@ -88,6 +88,7 @@ BAD_SERVING = {
     "wrong type": ("max_batch: eight\n", "max_batch", "valid integer"),
     "zero": ("page_size: 0\n", "page_size", "greater than or equal to 1"),
     "zero context (an int or auto)": ("max_context: 0\n", "max_context = 0", "greater than or equal to 1"),
+    "vLLM's name of the context": ("max_model_len: 0\n", "max_model_len = 0", "greater than or equal to 1"),
     "a number too long to read": ("max_batch: 8\nmax_prefill_tokens: 1" + "0" * 5000 + "\n",
                                   "line 2, column 21", "Exceeds the limit (4300 digits)"),
     "a count too long to print": ("max_prefill_tokens: '1" + "0" * 5000 + "'\n", "max_prefill_tokens = '1000",
@@ -344,10 +345,12 @@ def test_a_null_config_file_says_so(capsys, tmp_path):
     assert code == 2 and "the file is empty or null" in err
 
 
-def test_validate_checks_that_a_hardware_file_s_default_serving_exists(capsys, tmp_path):
+def test_a_hardware_file_s_default_serving_must_exist(capsys, tmp_path):
     path = tmp_path / "card.yaml"
     text = (ROOT / "configs" / "hardware" / "h100-sxm.yaml").read_text()
     path.write_text("\n".join(line if not line.startswith("default_serving:") else "default_serving: nowhere"
                               for line in text.splitlines()) + "\n")
     code, out, err = _run(capsys, "validate", str(path))
     assert code != 0 and f"{path}: default_serving = 'nowhere': names no serving file" in out + err
+    code, out, err = _run(capsys, "plan", "--model", "qwen3-8b", "--hardware", str(path))  # plan names it alike
+    assert code == 2 and f"{path}: default_serving = 'nowhere': names no serving file" in err
