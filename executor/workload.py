@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from planner.errors import ConfigError
+from planner.errors import ConfigError, escaped
 from planner.inputs import MAX_REQUEST_FILE_BYTES, parse_json, read_text
 
 if TYPE_CHECKING:
@@ -325,8 +325,8 @@ def read_request_file(path: Path, max_new_tokens: int, limits: RequestLimits, se
         try:
             record = parse_json(line, where)
         except ConfigError as error:  # the file's line is known: name the column within it, and the key
-            field = error.field.removeprefix("line 1, ")
-            raise RequestFileError(f"{where}: " + (f"{field}: " if field else "") + error.rule) from None
+            field = escaped(error.field.removeprefix("line 1, "))
+            raise RequestFileError(f"{where}: " + (f"{field}: " if field else "") + escaped(error.rule)) from None
 
         def bad(message: str) -> RequestFileError:
             return RequestFileError(f"{where}: {message}")
