@@ -108,7 +108,27 @@ def _against_schema(path: Path, kind: str, data: Any) -> list[str]:
     first: dict[str, Any] = {}  # one error a field: a bad enum value breaks its "enum" and its "type" at once
     for error in errors:
         first.setdefault(".".join(str(p) for p in error.absolute_path) or "<root>", error)
-    return [f"{path}: {where}: {error.message} (schema {kind})" for where, error in list(first.items())[:5]]
+    return [f"{path}: {where}: {_schema_message(error)} (schema {kind})" for where, error in list(first.items())[:5]]
+
+
+def _schema_message(error: jsonschema.ValidationError) -> str:
+    """jsonschema's message, or for two names of one field given together (``dependentSchemas``: vLLM's
+    name beside memplan's) the names, not the whole mapping and the schema."""
+    schema_path = list(error.schema_path)
+    if error.validator == "not" and schema_path[:1] == ["dependentSchemas"] and isinstance(error.instance, dict):
+        given = schema_path[1]
+        others = [name for name in _required_names(error.validator_value) if name in error.instance]
+        return f"{given} and {', '.join(others)} are given together; give one of them"
+    return error.message
+
+
+def _required_names(schema: Any) -> list[str]:
+    """The field names ``required`` lists anywhere in ``schema``."""
+    if isinstance(schema, dict):
+        return [*schema.get("required", []), *(name for value in schema.values() for name in _required_names(value))]
+    if isinstance(schema, list):
+        return [name for item in schema for name in _required_names(item)]
+    return []
 
 
 def _semantic(path: Path, kind: str, data: Any) -> list[str]:

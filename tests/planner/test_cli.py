@@ -354,3 +354,11 @@ def test_a_hardware_file_s_default_serving_must_exist(capsys, tmp_path):
     assert code != 0 and f"{path}: default_serving = 'nowhere': names no serving file" in out + err
     code, out, err = _run(capsys, "plan", "--model", "qwen3-8b", "--hardware", str(path))  # plan names it alike
     assert code == 2 and f"{path}: default_serving = 'nowhere': names no serving file" in err
+
+
+def test_validate_names_two_names_of_one_field_given_together(capsys, tmp_path):
+    path = tmp_path / "serving.yaml"
+    path.write_text("max_model_len: 100\nmax_context: 100\n")
+    code, out, err = _run(capsys, "validate", str(path))
+    assert code != 0 and f"{path}: <root>: max_model_len and max_context are given together; give one of them" \
+        in out + err
