@@ -105,9 +105,11 @@ def _against_schema(path: Path, kind: str, data: Any) -> list[str]:
 
     validator = jsonschema.Draft202012Validator(load_committed(kind))
     errors = sorted(validator.iter_errors(data), key=lambda e: [str(part) for part in e.absolute_path])
-    first: dict[str, Any] = {}  # one error a field: a bad enum value breaks its "enum" and its "type" at once
-    for error in errors:
-        first.setdefault(".".join(str(p) for p in error.absolute_path) or "<root>", error)
+    first: dict[str, Any] = {}  # one error a field: a bad enum value breaks its "enum" and its "type" at once,
+    for error in errors:        # and a field's error covers those of the values inside it
+        where = ".".join(str(p) for p in error.absolute_path) or "<root>"
+        if not any(where.startswith(f"{kept}.") for kept in first if kept != "<root>"):
+            first.setdefault(where, error)
     return [f"{path}: {where}: {_schema_message(error)} (schema {kind})" for where, error in list(first.items())[:5]]
 
 
