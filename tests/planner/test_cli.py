@@ -362,3 +362,14 @@ def test_validate_names_two_names_of_one_field_given_together(capsys, tmp_path):
     code, out, err = _run(capsys, "validate", str(path))
     assert code != 0 and f"{path}: <root>: max_model_len and max_context are given together; give one of them" \
         in out + err
+
+
+def test_validate_reports_a_malformed_list_once_not_once_a_level(capsys, tmp_path):
+    assert main(["plan", "--model", "tiny-qwen3.5", "--hardware", "cpu-sim", "--format", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    plan["geometry"]["vocab_slices"] = [[[]]]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    code, out, err = _run(capsys, "validate", str(path))
+    lines = [line for line in (out + err).splitlines() if line.startswith(str(path))]
+    assert code != 0 and len(lines) == 1 and ": geometry.vocab_slices.0: " in lines[0], out + err
