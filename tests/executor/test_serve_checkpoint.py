@@ -161,7 +161,7 @@ def test_checkpoint_without_tokenizer_serves_ids_and_refuses_text(tmp_path, caps
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert "--prompt" in err and "tokenizer" in err
     requests = tmp_path / "requests.jsonl"
-    requests.write_text(json.dumps({"prompt_ids": [3, 4]}) + "\n" + json.dumps({"messages": []}) + "\n")
+    requests.write_text(json.dumps({"prompt_ids": [3, 4]}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     code = main(["run", "--model", str(directory), *SIM, "--requests", str(requests)])
     err = capsys.readouterr().err
     assert code == 2 and f"{requests} line 2" in err and "tokenizer" in err
