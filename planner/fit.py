@@ -18,7 +18,7 @@ from fractions import Fraction
 from pydantic import ValidationError
 
 from planner.checked import CheckedOverflowError
-from planner.concurrency import largest_context_holding
+from planner.concurrency import largest_batch_at_context, largest_context_holding
 from planner.config import ServingConfig, serving_with
 from planner.draft import Draft, Drafter, kv_pool_bytes
 from planner.errors import ConfigError, PlanDoesNotFit
@@ -77,7 +77,8 @@ def explain_does_not_fit(drafter: Drafter, draft: Draft) -> PlanDoesNotFit:
     else:
         parts.append(f"No gpu_memory_utilization up to 1 fits max_context {cap.max_context:,}")
     advice.update(knobs)
-    others = [f"--{knob.replace('_', '-')} {value} (now {getattr(serving, knob)})" for knob, value in advice.items()
+    others = [f"--{knob.replace('_', '-')} {value} (now {getattr(serving, knob)}"
+              f"{_held_at_once(drafter, serving, knob, value)})" for knob, value in advice.items()
               if knob not in ("max_context", "gpu_memory_utilization", "at_smaller_batch")]
     if others:
         parts.append("Also fits: " + "; or ".join(others))
@@ -104,6 +105,21 @@ def _smallest_utilization(drafter: Drafter, draft: Draft, required_bytes: int) -
     estimate = -(-required_bytes * HUNDREDTHS // drafter.hardware.device_memory_bytes)
     below = largest(fits, 0, HUNDREDTHS - lowest, guess=HUNDREDTHS - estimate)
     return None if below is None else (HUNDREDTHS - below) / HUNDREDTHS
+
+
+def _held_at_once(drafter: Drafter, serving: ServingConfig, knob: str, value: object) -> str:
+    """For an advised max_batch whose KV pool holds fewer of its requests of max_context at once than it
+    admits (a recurrent state a request, as Qwen3.5 keeps, takes memory from the KV pool): how many it holds,
+    and the largest batch that holds all of its own; empty otherwise."""
+    if knob != "max_batch" or (changed := _changed(serving, max_batch=value)) is None:
+        return ""
+    draft = drafter.draft(changed)
+    held = draft.usable_kv_pages // draft.capacity.pages_per_request
+    if held >= value:
+        return ""
+    every = largest_batch_at_context(drafter, draft)
+    return (f"; it holds {held:,} request{'s' * (held != 1)} of max_context at once, --max-batch {every} "
+            f"holds {every}")
 
 
 def _contexts_at_smaller_batches(drafter: Drafter, serving: ServingConfig, high: int) -> list[dict[str, int]]:

@@ -106,6 +106,21 @@ def test_a_hybrid_model_whose_states_fill_the_device_names_the_context_at_smalle
         assert _plan(capsys, *args, *at, str(pair["max_context"] + 1))[0] == 3  # the largest at that batch
 
 
+def test_an_advised_batch_that_holds_fewer_requests_than_it_admits_says_how_many_and_which_holds_all(capsys):
+    """Qwen3.5-27B on an H100 at 32K: batch 95 fits one request of 32K; its KV pool holds one at once. The line
+    says so, and names the largest batch that holds all of its own."""
+    args = ["--model", "qwen3.5-27b", "--hardware", "h100-sxm", "--max-model-len", "32K"]
+    code, _, err = _plan(capsys, *args)
+    batch = int(err.split("Also fits: --max-batch ")[1].split()[0])
+    every = int(err.split(f"--max-batch {batch} (now 256; it holds 1 request of max_context at once, --max-batch ")[1]
+                .split()[0])
+    assert code == 3 and 1 < every < batch
+    code, plan, _ = _plan(capsys, *args, "--max-batch", str(every))
+    assert code == 0 and plan["capacity"]["max_concurrency"] >= every
+    code, plan, _ = _plan(capsys, *args, "--max-batch", str(every + 1))
+    assert code == 0 and plan["capacity"]["max_concurrency"] < every + 1
+
+
 def test_too_many_recurrent_state_snapshots_name_the_count_that_fits(capsys):
     args = ["--model", "qwen3.5-9b", "--hardware", "h200", "--max-model-len", "32K", "--prefix-state-slots"]
     code, _, err = _plan(capsys, *args, "4096")
