@@ -58,8 +58,14 @@ def model_from_hf_config(config: dict[str, Any], name: str) -> ModelConfig:
     try:
         return validate(ModelConfig, fields, source)
     except ConfigError as error:  # name the field as the file names it
-        prefix = "text_config." if config.get("model_type") == "qwen3_5" else ""
-        raise ConfigError(error.source, prefix + HF_NAMES.get(error.field, error.field), error.value,
+        wrapped = config.get("model_type") == "qwen3_5"
+        text = config["text_config"] if wrapped else config
+        field = HF_NAMES.get(error.field, error.field)
+        if field == "dtype" and text.get("dtype") is None:  # read from torch_dtype, or from the wrapper's
+            field = "torch_dtype" if text.get("torch_dtype") is not None else field
+            if wrapped and text.get("torch_dtype") is None:
+                raise ConfigError(error.source, _dtype_key(config), error.value, error.rule) from None
+        raise ConfigError(error.source, ("text_config." if wrapped else "") + field, error.value,
                           error.rule) from None
 
 
@@ -83,6 +89,11 @@ def _model_fields(config: dict[str, Any], source: str, name: str) -> dict[str, A
                               "qwen3 layers other than full_attention (sliding windows) are not modelled")
         fields["architecture"] = "qwen3"
     return fields
+
+
+def _dtype_key(config: dict[str, Any]) -> str:
+    """The key ``config`` gives its dtype under: dtype, else torch_dtype."""
+    return "dtype" if config.get("dtype") is not None else "torch_dtype"
 
 
 def _wrapper_fields(config: dict[str, Any], source: str, name: str) -> dict[str, Any]:

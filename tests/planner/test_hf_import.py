@@ -129,7 +129,8 @@ def test_a_layer_count_past_the_bound_is_named_without_listing_its_layers(tmp_pa
 
 @pytest.mark.parametrize("change, field", [({"num_hidden_layers": 5000}, "num_hidden_layers"),
                                            ({"linear_num_key_heads": 0}, "linear_num_key_heads"),
-                                           ({"num_hidden_layers": 3}, "layer_types")])
+                                           ({"num_hidden_layers": 3}, "layer_types"),
+                                           ({"torch_dtype": 5}, "torch_dtype"), ({"dtype": "float64"}, "dtype")])
 def test_an_hf_config_error_names_the_field_as_the_file_does(tmp_path, change, field):
     data = {**hf_config_dict(load_model("qwen3.5-9b")), **change}
     for config, prefix in ((data, ""), ({"model_type": "qwen3_5", "text_config": data}, "text_config.")):
