@@ -76,7 +76,7 @@ REFUSED = {
     "layer kinds that are lists": ({"layer_types": [[1]]}, "layer_types"),
     "layer kinds that are not a list": ({"layer_types": "full_attention"}, "layer_types"),
     "a falsy dtype": ({"dtype": 0}, "dtype"),
-    "an empty torch_dtype": ({"torch_dtype": ""}, "dtype"),
+    "an empty torch_dtype": ({"torch_dtype": ""}, "torch_dtype"),
 }
 
 
