@@ -62,8 +62,10 @@ def summary(plan: MemoryPlan, arena: Arena, report: EngineReport, specs: list[Re
                  f"{report.generated_tokens} tokens generated")
     lines += extra_lines or []
     lines += (figures if figures is not None else ServingFigures.of(report)).lines()
-    lines.append("scheduling: " + ("overlapped (the next step launched before the last one's ids are read)"
-                                   if report.overlap else "step by step (--no-overlap)"))
+    overlapped = "overlapped (the next step launched before the last one's ids are read)"
+    if device.is_sim:  # a simulated launch runs to completion: the next step's ids are read after it
+        overlapped += "; in the simulator a launch runs to completion, so token times are not a GPU's"
+    lines.append("scheduling: " + (overlapped if report.overlap else "step by step (--no-overlap)"))
     lines.append(f"prefix cache: {_prefix_line(report, no_prefix_caching)}")
     lines.append(f"KV pages: peak {stats.peak_kv_pages_used} used of {cap.kv_pages - 1} usable "
                  f"(kv_pages {cap.kv_pages} - 1 padding page)")
