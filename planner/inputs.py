@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -213,7 +214,44 @@ def _parse_int(text: str) -> int | _TooManyDigits:
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader; duplicate keys are found on the composed nodes before construction."""
+    """PyYAML's safe loader with YAML 1.2's core schema for booleans and numbers, not YAML 1.1's: ``010`` is
+    ten (not eight), ``1e-6`` a number (not a string), and ``1:30``, ``0b11``, ``1_000``, ``yes`` and ``on``
+    are strings (not 90, 3, 1000 and true). Duplicate keys are found on the composed nodes before
+    construction."""
+
+
+_BOOL, _INT, _FLOAT = (f"tag:yaml.org,2002:{kind}" for kind in ("bool", "int", "float"))
+_Loader.yaml_implicit_resolvers = {  # YAML 1.1's bool, int and float forms dropped, the others kept
+    first: [(tag, pattern) for tag, pattern in resolvers if tag not in (_BOOL, _INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_Loader.add_implicit_resolver(_INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+                              list("-+0123456789"))
+_Loader.add_implicit_resolver(
+    _FLOAT, re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    for prefix, base in (("0o", 8), ("0x", 16)):
+        if text.startswith(prefix):
+            return int(text[2:], base)
+    return int(text)  # decimal, leading zeros and all: YAML 1.2 has no implicit octal
+
+
+def _construct_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
+    text = loader.construct_scalar(node).lower()
+    return float(text.replace(".inf", "inf").replace(".nan", "nan"))  # check_values refuses inf and nan
+
+
+def _construct_bool(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> bool:
+    return loader.construct_scalar(node).lower() == "true"
+
+
+_Loader.add_constructor(_INT, _construct_int)
+_Loader.add_constructor(_FLOAT, _construct_float)
+_Loader.add_constructor(_BOOL, _construct_bool)
 
 
 def _check_flow_depth(text: str, source: str) -> None:

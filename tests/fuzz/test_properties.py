@@ -163,6 +163,21 @@ def test_the_readers_return_plain_json_values_or_a_config_error(raw):
         assert _plain(value), value
 
 
+@pytest.mark.parametrize("text, value", [
+    ("010", 10), ("0o17", 15), ("0x10", 16), ("-7", -7), ("1e-6", 1e-6), ("1.0e-06", 1e-6), (".5", 0.5),
+    ("1:30", "1:30"), ("0b11", "0b11"), ("1_000", "1_000"), ("yes", "yes"), ("on", "on"), ("True", True),
+])
+def test_yaml_reads_booleans_and_numbers_by_yaml_1_2(text, value):
+    """YAML 1.1's forms would read 010 as eight, 1:30 as ninety and yes as true, and 1e-6 as a string."""
+    read = parse_yaml(f"a: {text}\n", "doc")["a"]
+    assert read == value and type(read) is type(value)
+
+
+def test_yaml_refuses_infinity_as_a_number():
+    with pytest.raises(ConfigError, match="doc"):
+        parse_yaml("a: .inf\n", "doc")
+
+
 _SAFETENSORS: list[bytes] = []
 
 
