@@ -3,7 +3,8 @@
 Every reader goes through here. A file is read only when it is a regular file under its size limit, decoded
 as strict UTF-8 (a leading BOM is dropped), and parsed into plain JSON values: mappings with string keys,
 lists, strings, booleans, null, integers of at most ``MAX_INT_BITS`` bits and finite floats, nested at most
-``MAX_DEPTH`` levels. Duplicate keys (YAML and JSON) are errors, never "the last one wins"; YAML values with
+``MAX_DEPTH`` levels; YAML booleans and numbers follow YAML 1.2's core schema (``010`` is ten, ``yes`` a
+string). Duplicate keys (YAML and JSON) are errors, never "the last one wins"; YAML values with
 no JSON meaning (dates, sets, binary) are errors naming their field, as is a YAML alias graph that expands
 to more than ``MAX_YAML_VALUES`` values. Every failure is a ``ConfigError`` naming the file, the field path
 (``a.b[2]``), the value and the rule, so nothing below this module sees unvalidated data.
