@@ -126,7 +126,7 @@ def read_requests(args: argparse.Namespace, limits: RequestLimits, tokenizer: To
     _check_flag("--max-new-tokens", args.max_new_tokens, 1, None)
     specs: list[RequestSpec] = []
     for text in args.prompt or []:
-        specs.append(RequestSpec(encode_prompt(tokenizer, text, "--prompt"), args.max_new_tokens, seed=args.seed,
+        specs.append(RequestSpec(encode_prompt(tokenizer, text, "--prompt"), args.max_new_tokens,
                                  prompt_key="--prompt"))
     if args.requests:
         specs += read_request_file(Path(args.requests), args.max_new_tokens, limits, args.seed, tokenizer, sampling)
@@ -144,8 +144,8 @@ def read_requests(args: argparse.Namespace, limits: RequestLimits, tokenizer: To
         _check_flag("--max-new-tokens", args.max_new_tokens, 1, limits.max_context, "the plan's max_context")
         _check_total("--prompt-len", args.prompt_len, "--max-new-tokens", args.max_new_tokens, limits)
         rng = np.random.default_rng(args.seed)
-        specs += [RequestSpec(rng.integers(0, limits.vocab_size, args.prompt_len).tolist(), args.max_new_tokens,
-                              seed=args.seed) for _ in range(batch)]
+        specs += [RequestSpec(rng.integers(0, limits.vocab_size, args.prompt_len).tolist(), args.max_new_tokens)
+                  for _ in range(batch)]
     if len(specs) > MAX_REQUESTS:
         raise RunError(f"{len(specs):,} requests: at most {MAX_REQUESTS:,} in one run")
     for index, spec in enumerate(specs):
@@ -255,18 +255,17 @@ def synthetic_requests(args: argparse.Namespace, limits: RequestLimits) -> list[
     new_tokens = args.max_new_tokens if args.output_len is None else args.output_len
     prefix = args.shared_prefix
     _check_flag("--num-requests", count, 1, MAX_REQUESTS)
-    _check_flag("--input-len" if args.input_len is not None else "--prompt-len", length, 1, limits.max_context,
-                "the plan's max_context")
-    _check_flag("--output-len" if args.output_len is not None else "--max-new-tokens", new_tokens, 1,
-                limits.max_context, "the plan's max_context")
-    _check_total("--input-len" if args.input_len is not None else "--prompt-len", length,
-                 "--output-len" if args.output_len is not None else "--max-new-tokens", new_tokens, limits)
+    length_flag = "--input-len" if args.input_len is not None else "--prompt-len"
+    tokens_flag = "--output-len" if args.output_len is not None else "--max-new-tokens"
+    _check_flag(length_flag, length, 1, limits.max_context, "the plan's max_context")
+    _check_flag(tokens_flag, new_tokens, 1, limits.max_context, "the plan's max_context")
+    _check_total(length_flag, length, tokens_flag, new_tokens, limits)
     if not 0 <= prefix <= length:
         raise RunError(f"--shared-prefix must be in [0, --input-len {length}], got {prefix}")
     rng = np.random.default_rng(args.seed)
     shared = rng.integers(0, limits.vocab_size, prefix).tolist()
     return [RequestSpec(shared + rng.integers(0, limits.vocab_size, length - prefix).tolist(), new_tokens,
-                        seed=args.seed, arrival_step=SHARED_PREFIX_ARRIVAL_STEP if prefix and index else 0)
+                        arrival_step=SHARED_PREFIX_ARRIVAL_STEP if prefix and index else 0)
             for index in range(count)]
 
 
@@ -352,10 +351,10 @@ def read_request_file(path: Path, max_new_tokens: int, limits: RequestLimits, se
             raise bad(f"{text_key}: {needs} a tokenizer, and this run has none (no checkpoint's tokenizer.json, "
                       "no --tokenizer): give --tokenizer DIR, or \"prompt_ids\"")
         stop = [record["stop"]] if isinstance(record.get("stop"), str) else list(record.get("stop", []))
-        request_seed = record.get("seed", seed)
+        line_seed = record.get("seed", seed)
         prompt_key = next(key for key in PROMPT_KEYS if key in record)
         spec = RequestSpec([], record.get("max_new_tokens", max_new_tokens), list(record.get("stop_ids", [])),
-                           float(record.get("temperature", 0.0)), record.get("top_k", 0), request_seed,
+                           float(record.get("temperature", 0.0)), record.get("top_k", 0), line_seed,
                            top_p=float(record.get("top_p", 1.0)), stop=stop,
                            ignore_eos=record.get("ignore_eos", False),
                            given=frozenset(key for key in (*SAMPLING_KEYS, "seed") if key in record),
@@ -368,10 +367,10 @@ def read_request_file(path: Path, max_new_tokens: int, limits: RequestLimits, se
             spec.prompt_len = record["prompt_len"]
             spec.error = (f"prompt_len = {record['prompt_len']}: must be in [1, {limits.max_context}] (the plan's "
                           "max_context)")
-        elif not 0 <= request_seed < SEED_LIMIT:
-            spec.error = f"seed = {request_seed}: must be in [0, 2**64) (an unsigned 64-bit RNG key)"
+        elif not 0 <= line_seed < SEED_LIMIT:
+            spec.error = f"seed = {line_seed}: must be in [0, 2**64) (an unsigned 64-bit RNG key)"
         else:
-            spec.prompt_ids = np.random.default_rng((request_seed, number)).integers(
+            spec.prompt_ids = np.random.default_rng((line_seed, number)).integers(
                 0, limits.vocab_size, record["prompt_len"]).tolist()
         settle(spec, limits, sampling)
         specs.append(spec)

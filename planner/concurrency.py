@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from planner.checked import CheckedOverflowError
 from planner.config import ServingConfig, serving_with
 from planner.draft import Draft, Drafter
 from planner.kv_cache import kv_bytes_per_token
@@ -55,7 +54,7 @@ def largest_batch_at_context(drafter: Drafter, draft: Draft) -> int:
     changed = at(other)
     guess = draft.usable_kv_pages // cap.pages_per_request
     if changed is not None:
-        guess = _crossing(serving.max_batch, _pages(draft), other, _pages(_draft_or_none(drafter, changed)),
+        guess = _crossing(serving.max_batch, _pages(draft), other, _pages(drafter.draft_or_none(changed)),
                           cap.pages_per_request, guess)
     return largest(holds, 1, MAX_BATCH, guess=guess) or 0
 
@@ -75,7 +74,7 @@ def largest_context_holding(drafter: Drafter, draft: Draft, requests: int, high:
     guess = draft.usable_kv_pages // requests * cap.page_size
     if other <= drafter.model.max_position_embeddings:
         guess = _crossing(cap.max_context, _pages(draft), other,
-                          _pages(_draft_or_none(drafter, serving, other)), requests / cap.page_size, guess)
+                          _pages(drafter.draft_or_none(serving, other)), requests / cap.page_size, guess)
 
     def fits(context: int) -> bool:
         return drafter.holds(serving, requests, context)
@@ -104,13 +103,6 @@ def _crossing(x1: int, y1: float | None, x2: int, y2: float | None, need_per_uni
     if need_per_unit + slope <= 0:
         return fallback
     return max(1, int((y1 + slope * x1) / (need_per_unit + slope)))
-
-
-def _draft_or_none(drafter: Drafter, serving: ServingConfig, max_context: int | None = None) -> Draft | None:
-    try:
-        return drafter.draft(serving, max_context)
-    except (ValueError, CheckedOverflowError):
-        return None
 
 
 def _with_batch(serving: ServingConfig, batch: int) -> ServingConfig | None:

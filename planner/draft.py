@@ -141,6 +141,13 @@ class Drafter:
                      available_bytes=checked.sub("bytes left for KV", usable, non_kv, width=checked.I64),
                      page_bytes=kv_page_bytes(geometry, serving.page_size, dtypes.kv_cache))
 
+    def draft_or_none(self, serving: ServingConfig, max_context: int | None = None) -> Draft | None:
+        """``draft``, or None for settings that do not go together or overflow a width (for searches)."""
+        try:
+            return self.draft(serving, max_context)
+        except (ValueError, CheckedOverflowError):
+            return None
+
     def holds(self, serving: ServingConfig, requests: int = 1, max_context: int | None = None) -> bool:
         """Whether the draft at these settings holds ``requests`` requests of its max_context; settings that
         do not go together (or overflow a width) hold nothing. For searches over a knob."""

@@ -17,11 +17,10 @@ from fractions import Fraction
 
 from pydantic import ValidationError
 
-from planner.checked import CheckedOverflowError
 from planner.concurrency import largest_batch_at_context, largest_context_holding
 from planner.config import ServingConfig, serving_with
 from planner.draft import Draft, Drafter, kv_pool_bytes
-from planner.errors import ConfigError, PlanDoesNotFit
+from planner.errors import PlanDoesNotFit
 from planner.report import format_bytes
 from planner.search import largest
 
@@ -129,16 +128,12 @@ def _contexts_at_smaller_batches(drafter: Drafter, serving: ServingConfig, high:
     batch = serving.max_batch // 2
     while batch >= 1 and len(found) < SMALLER_BATCHES_NAMED:
         changed = _changed(serving, max_batch=batch)
-        if changed is not None:
-            try:
-                draft = drafter.draft(changed, high)
-            except (ConfigError, CheckedOverflowError, ValidationError):
-                draft = None
-            context = None if draft is None else largest_context_holding(drafter, draft, 1, high)
-            if context is not None:
-                found.append({"max_batch": batch, "max_context": context})
-                if context == high:
-                    break
+        draft = None if changed is None else drafter.draft_or_none(changed, high)
+        context = None if draft is None else largest_context_holding(drafter, draft, 1, high)
+        if context is not None:
+            found.append({"max_batch": batch, "max_context": context})
+            if context == high:
+                break
         batch //= 2
     return found
 

@@ -59,14 +59,11 @@ def model_from_hf_config(config: dict[str, Any], name: str) -> ModelConfig:
         return validate(ModelConfig, fields, source)
     except ConfigError as error:  # name the field as the file names it
         wrapped = config.get("model_type") == "qwen3_5"
-        text = config["text_config"] if wrapped else config
+        prefix, text = ("text_config.", config["text_config"]) if wrapped else ("", config)
         field = HF_NAMES.get(error.field, error.field)
-        if field == "dtype" and text.get("dtype") is None:  # read from torch_dtype, or from the wrapper's
-            field = "torch_dtype" if text.get("torch_dtype") is not None else field
-            if wrapped and text.get("torch_dtype") is None:
-                raise ConfigError(error.source, _dtype_key(config), error.value, error.rule) from None
-        raise ConfigError(error.source, ("text_config." if wrapped else "") + field, error.value,
-                          error.rule) from None
+        if field == "dtype":  # the key the file wrote it under: the text stack's, else the wrapper's
+            prefix, field = (prefix, _dtype_key(text)) if _dtype_key(text) else ("", _dtype_key(config) or field)
+        raise ConfigError(error.source, prefix + field, error.value, error.rule) from None
 
 
 def _model_fields(config: dict[str, Any], source: str, name: str) -> dict[str, Any]:
@@ -91,9 +88,9 @@ def _model_fields(config: dict[str, Any], source: str, name: str) -> dict[str, A
     return fields
 
 
-def _dtype_key(config: dict[str, Any]) -> str:
-    """The key ``config`` gives its dtype under: dtype, else torch_dtype."""
-    return "dtype" if config.get("dtype") is not None else "torch_dtype"
+def _dtype_key(config: dict[str, Any]) -> str | None:
+    """The key ``config`` gives its dtype under (dtype before torch_dtype), None for neither."""
+    return next((key for key in ("dtype", "torch_dtype") if config.get(key) is not None), None)
 
 
 def _wrapper_fields(config: dict[str, Any], source: str, name: str) -> dict[str, Any]:
@@ -110,8 +107,8 @@ def _wrapper_fields(config: dict[str, Any], source: str, name: str) -> dict[str,
                           "config without it can be planned")
     text = {**config["text_config"]}
     text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
-    outer = next((config[key] for key in ("dtype", "torch_dtype") if config.get(key) is not None), None)
-    inner = next((text[key] for key in ("dtype", "torch_dtype") if text.get(key) is not None), None)
+    outer = config[_dtype_key(config)] if _dtype_key(config) else None
+    inner = text[_dtype_key(text)] if _dtype_key(text) else None
     if outer is not None and inner is not None and outer != inner:
         raise ConfigError(source, "dtype", outer, f"differs from text_config's dtype {inner!r}: which one the "
                           "text stack loads in is ambiguous")
@@ -187,7 +184,7 @@ def _common_fields(config: dict[str, Any], source: str, name: str) -> dict[str, 
         "rope_theta": rope.get("rope_theta", config.get("rope_theta", 1_000_000.0)),
         "partial_rotary_factor": rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)),
         "tie_word_embeddings": _boolean(config, "tie_word_embeddings", False, source),
-        "dtype": next((config[key] for key in ("dtype", "torch_dtype") if config.get(key) is not None), "bfloat16"),
+        "dtype": config[_dtype_key(config)] if _dtype_key(config) else "bfloat16",
     }
     return fields
 

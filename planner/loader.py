@@ -17,8 +17,8 @@ from pydantic import BaseModel, ValidationError
 from planner import inputs
 from planner.checked import CheckedOverflowError
 from planner.config import (
-    VLLM_SERVING_NAMES, VLLM_STEP_TOKENS, HardwareConfig, ModelConfig, ServingConfig, graph_buckets_for_batch, vllm_name_clash,
-    with_memplan_names)
+    VLLM_SERVING_NAMES, VLLM_STEP_TOKENS, HardwareConfig, ModelConfig, ServingConfig, graph_buckets_for_batch,
+    vllm_name_clash, with_memplan_names)
 from planner.errors import ConfigError, FieldRule
 from planner.hf_import import model_from_hf_config
 
@@ -75,7 +75,7 @@ def load_serving(spec: str | None, overrides: dict[str, Any] | None = None) -> S
     fields are left to the merged config (a flag may be what satisfies them)."""
     raw = {} if spec is None else _read_yaml(_resolve(spec, "serving"))
     file_names = _file_names(raw)
-    data = {} if spec is None else serving_with_memplan_names(raw, serving_source(spec))
+    data = serving_with_memplan_names(raw, serving_source(spec))
     # refuses a field given both ways
     given = serving_with_memplan_names(_given(overrides), serving_source(spec, overrides))
     try:
@@ -153,11 +153,7 @@ def plan_from_configs(model: str, hardware: str, serving: str | None,
 
     hardware_config = load_hardware(hardware)
     if serving is None:
-        serving = hardware_config.default_serving
-        if resolve_config(serving, "serving") is None:
-            raise ConfigError(str(_resolve(hardware, "hardware")), "default_serving", serving,
-                              "names no serving file and no shipped serving config (configs/serving/*.yaml); "
-                              "give --serving")
+        serving = check_default_serving(hardware_config, str(_resolve(hardware, "hardware")))
     configs = load_model(model), hardware_config, load_serving(serving, overrides)
     source = serving_source(serving, overrides)
     try:
@@ -165,6 +161,16 @@ def plan_from_configs(model: str, hardware: str, serving: str | None,
     except CheckedOverflowError as error:
         names = f"{model_path(model)} + {_resolve(hardware, 'hardware')} + {source}"
         raise overflow_error(names, error) from None
+
+
+def check_default_serving(hardware: HardwareConfig, source: str) -> str:
+    """The hardware's default_serving; a ConfigError naming ``source`` (its file) where it names no serving
+    file and no shipped serving config."""
+    if resolve_config(hardware.default_serving, "serving") is None:
+        raise ConfigError(source, "default_serving", hardware.default_serving,
+                          "names no serving file and no shipped serving config (configs/serving/*.yaml); give "
+                          "--serving")
+    return hardware.default_serving
 
 
 def overflow_error(source: str, error: CheckedOverflowError) -> ConfigError:

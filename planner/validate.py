@@ -136,7 +136,7 @@ def _required_names(schema: Any) -> list[str]:
 def _semantic(path: Path, kind: str, data: Any) -> list[str]:
     from planner.config import HardwareConfig, ModelConfig, ServingConfig
     from planner.hf_import import model_from_hf_config
-    from planner.loader import hf_model_name, resolve_config, serving_with_memplan_names, validate
+    from planner.loader import check_default_serving, hf_model_name, serving_with_memplan_names, validate
 
     try:
         if kind == "plan":
@@ -148,9 +148,8 @@ def _semantic(path: Path, kind: str, data: Any) -> list[str]:
             validate(ServingConfig, serving_with_memplan_names(data, str(path)), str(path))
         else:
             config = validate({"model": ModelConfig, "hardware": HardwareConfig}[kind], data, str(path))
-            if kind == "hardware" and resolve_config(config.default_serving, "serving") is None:
-                raise ConfigError(str(path), "default_serving", config.default_serving,
-                                  "names no serving file and no shipped serving config (configs/serving/*.yaml)")
+            if kind == "hardware":
+                check_default_serving(config, str(path))
     except ConfigError as error:
         return [str(ConfigError(str(path), error.field, error.value, error.rule))]
     return []
